@@ -1,0 +1,1 @@
+"""Attention kernels for jaxserve: one package per kernel, each with its pure-JAX reference."""

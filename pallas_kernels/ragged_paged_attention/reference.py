@@ -1,0 +1,105 @@
+"""Pure-JAX ragged paged attention: the specification every kernel is tested against, and the CPU path.
+
+Each query row attends, causally, to the first ``position + 1`` tokens of its own sequence, read through that
+sequence's page table. Written per row (gather the row's pages, mask, softmax) so that it is obviously right;
+rows are processed in chunks to bound the gathered KV in memory.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.ragged_paged_attention.metadata import check_shapes, token_layout
+
+_GATHER_BUDGET_BYTES = 256 * 1024 * 1024
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, P]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """Attention of a ragged batch over a paged KV cache.
+
+    Args:
+      q: queries of every row (padding rows are ignored and come back as zeros).
+      k_pages, v_pages: the page pool of one layer; must already hold this step's K/V.
+      kv_lens, page_indices, cu_q_lens, num_seqs: the ragged-batch metadata (see ``metadata``).
+      sm_scale: multiplier of q·k before the softmax.
+      sliding_window: if set, a row at position p sees only keys at positions > p - sliding_window.
+      soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap) before masking.
+
+    Returns:
+      [T, num_q_heads, head_dim] in q's dtype.
+    """
+    check_shapes(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    pages_per_seq = page_indices.shape[1]
+    span = pages_per_seq * page_size
+    group = num_q_heads // num_kv_heads
+    seq_ids, positions, valid = token_layout(cu_q_lens, kv_lens, num_seqs, num_tokens)
+    key_pos = jnp.arange(span, dtype=jnp.int32)
+
+    def one_row(args):
+        q_row, seq, pos, ok = args  # q_row: [num_q_heads, head_dim]
+        pages = page_indices[seq]
+        k = k_pages[:, pages].reshape(num_kv_heads, span, head_dim)
+        v = v_pages[:, pages].reshape(num_kv_heads, span, head_dim)
+        visible = ok & (key_pos <= pos) & (key_pos < kv_lens[seq])
+        if sliding_window is not None:
+            visible &= key_pos > pos - sliding_window
+        qg = q_row.reshape(num_kv_heads, group, head_dim)
+        scores = jnp.einsum("kgd,kld->kgl", qg, k, preferred_element_type=jnp.float32) * sm_scale
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        scores = jnp.where(visible, scores, -jnp.inf)
+        peak = jnp.max(scores, axis=-1, keepdims=True)
+        weights = jnp.where(visible, jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0)), 0.0)
+        weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-30)
+        # Masked keys may hold anything (another request's data, NaN): zero them, not just their weights.
+        v = jnp.where(visible[None, :, None], v, jnp.zeros((), v.dtype))
+        out = jnp.einsum("kgl,kld->kgd", weights, v.astype(jnp.float32))
+        return out.reshape(num_q_heads, head_dim).astype(q.dtype)
+
+    row_bytes = 2 * num_kv_heads * span * head_dim * 4
+    chunk = max(1, min(num_tokens, _GATHER_BUDGET_BYTES // row_bytes))
+    return jax.lax.map(one_row, (q, seq_ids, positions, valid), batch_size=chunk)
+
+
+def write_kv(
+    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    new_k: jax.Array,  # [T, num_kv_heads, head_dim]
+    new_v: jax.Array,  # [T, num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, P]
+    cu_q_lens: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[1]
+) -> tuple[jax.Array, jax.Array]:
+    """Write each real row's K/V into its page slot; padding rows write nothing.
+
+    Returns:
+      The updated (k_pages, v_pages); donate the inputs so XLA updates them in place.
+    """
+    num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
+    seq_ids, positions, valid = token_layout(cu_q_lens, kv_lens, num_seqs, new_k.shape[0])
+    page = page_indices[seq_ids, positions // page_size]
+    # Padding rows point one past the pool, and mode="drop" discards them.
+    slot = jnp.where(valid, page * page_size + positions % page_size, num_pages * page_size)
+
+    def put(pages, new):
+        flat = pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
+        flat = flat.at[:, slot].set(new.swapaxes(0, 1).astype(pages.dtype), mode="drop")
+        return flat.reshape(pages.shape)
+
+    return put(k_pages, new_k), put(v_pages, new_v)

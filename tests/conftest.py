@@ -1,0 +1,9 @@
+import os
+
+# Before jax is imported anywhere: 8 emulated CPU devices for mesh tests, CPU only, fp32 matmuls exact.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")

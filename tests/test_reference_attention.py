@@ -1,0 +1,114 @@
+"""The reference ragged paged attention against dense attention written in NumPy."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.ragged_paged_attention import check_values, ragged_paged_attention, write_kv
+
+
+def dense_attention(q, k, v, scale, window=None, soft_cap=None):
+    """q: [Lq, H, D] at the last Lq positions of k, v: [Lk, KVH, D]."""
+    lq, h, _ = q.shape
+    lk, kvh, _ = k.shape
+    k = np.repeat(k, h // kvh, axis=1)
+    v = np.repeat(v, h // kvh, axis=1)
+    s = np.einsum("qhd,khd->hqk", q, k).astype(np.float64) * scale
+    if soft_cap is not None:
+        s = soft_cap * np.tanh(s / soft_cap)
+    qpos = np.arange(lk - lq, lk)[:, None]
+    kpos = np.arange(lk)[None, :]
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= kpos > qpos - window
+    s = np.where(mask[None], s, -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    return np.einsum("hqk,khd->qhd", w, v)
+
+
+def make_case(rng, q_lens, kv_lens, *, kvh=2, group=2, d=16, page_size=4, num_pages=64, pad_tokens=3, pad_seqs=2):
+    """Random cache with each sequence on shuffled pages; unused pages poisoned with NaN."""
+    num_seqs = len(q_lens)
+    slots = num_seqs + pad_seqs
+    pages_per_seq = max(-(-k // page_size) for k in kv_lens) + 1
+    k_pages = np.full((kvh, num_pages, page_size, d), np.nan, np.float32)
+    v_pages = np.full_like(k_pages, np.nan)
+    free = list(rng.permutation(num_pages))
+    page_indices = np.zeros((slots, pages_per_seq), np.int32)
+    keys, values = [], []
+    for s, kv in enumerate(kv_lens):
+        n = -(-kv // page_size)
+        pages = [free.pop() for _ in range(n)]
+        page_indices[s, :n] = pages
+        k = rng.standard_normal((kv, kvh, d)).astype(np.float32)
+        v = rng.standard_normal((kv, kvh, d)).astype(np.float32)
+        for t in range(kv):
+            k_pages[:, pages[t // page_size], t % page_size] = k[t]
+            v_pages[:, pages[t // page_size], t % page_size] = v[t]
+        keys.append(k)
+        values.append(v)
+    cu = np.zeros(slots + 1, np.int32)
+    cu[1 : num_seqs + 1] = np.cumsum(q_lens)
+    cu[num_seqs + 1 :] = cu[num_seqs]
+    total = int(cu[num_seqs]) + pad_tokens
+    q = rng.standard_normal((total, kvh * group, d)).astype(np.float32)
+    kvl = np.zeros(slots, np.int32)
+    kvl[:num_seqs] = kv_lens
+    return dict(q=q, k_pages=k_pages, v_pages=v_pages, kv_lens=kvl, page_indices=page_indices, cu_q_lens=cu,
+                num_seqs=np.array([num_seqs], np.int32)), keys, values
+
+
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (5, None), (None, 3.0), (7, 2.0)])
+def test_reference_matches_dense(window, soft_cap):
+    rng = np.random.default_rng(0)
+    q_lens = [1, 5, 1, 4, 8, 1, 3]
+    kv_lens = [1, 5, 9, 8, 17, 4, 12]  # page edges: 4, 8 and 17 = 4*4+1
+    case, keys, values = make_case(rng, q_lens, kv_lens)
+    scale = 0.3
+    out = np.asarray(ragged_paged_attention(**{k: jnp.asarray(v) for k, v in case.items()}, sm_scale=scale,
+                                            sliding_window=window, soft_cap=soft_cap))
+    assert np.all(np.isfinite(out))
+    cu = case["cu_q_lens"]
+    for s in range(len(q_lens)):
+        want = dense_attention(case["q"][cu[s] : cu[s + 1]], keys[s], values[s], scale, window, soft_cap)
+        np.testing.assert_allclose(out[cu[s] : cu[s + 1]], want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(out[cu[len(q_lens)] :], 0.0)
+
+
+def test_write_kv_touches_only_its_slots():
+    rng = np.random.default_rng(1)
+    q_lens, kv_lens = [3, 1, 6], [3, 9, 10]
+    case, _, _ = make_case(rng, q_lens, kv_lens, page_size=4)
+    k_before = np.nan_to_num(case["k_pages"], nan=7.0)
+    total = case["q"].shape[0]
+    new_k = rng.standard_normal((total, 2, 16)).astype(np.float32)
+    new_v = rng.standard_normal((total, 2, 16)).astype(np.float32)
+    k_after, v_after = write_kv(jnp.asarray(k_before), jnp.asarray(k_before), jnp.asarray(new_k), jnp.asarray(new_v),
+                                *(jnp.asarray(case[n]) for n in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")))
+    k_after, v_after = np.asarray(k_after), np.asarray(v_after)
+    expected_k, expected_v = k_before.copy(), k_before.copy()
+    cu = case["cu_q_lens"]
+    for s, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+        for i in range(ql):
+            pos = kl - ql + i
+            page = case["page_indices"][s, pos // 4]
+            expected_k[:, page, pos % 4] = new_k[cu[s] + i]
+            expected_v[:, page, pos % 4] = new_v[cu[s] + i]
+    np.testing.assert_array_equal(k_after, expected_k)
+    np.testing.assert_array_equal(v_after, expected_v)
+
+
+def test_check_values_rejects_foreign_pages_and_overlong_kv():
+    rng = np.random.default_rng(2)
+    case, _, _ = make_case(rng, [2, 1], [6, 3])
+    args = lambda c: (c["q"].shape[0], 64, 4, c["kv_lens"], c["page_indices"], c["cu_q_lens"], c["num_seqs"])
+    check_values(*args(case))
+    bad = dict(case, page_indices=case["page_indices"].copy())
+    bad["page_indices"][0, 1] = 64
+    with pytest.raises(ValueError, match="page index 64"):
+        check_values(*args(bad))
+    bad = dict(case, kv_lens=case["kv_lens"].copy())
+    bad["kv_lens"][1] = 100
+    with pytest.raises(ValueError, match="kv_len=100"):
+        check_values(*args(bad))
