@@ -7,3 +7,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import torch  # noqa: E402
+
+# Two threads contend with XLA's own pool on a 2-core machine and run tiny models ~20x slower.
+torch.set_num_threads(1)

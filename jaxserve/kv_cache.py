@@ -1,0 +1,50 @@
+"""The paged KV cache on device: one (k_pages, v_pages) pair per layer.
+
+Layout of each array: ``[num_kv_heads, num_pages, page_size, head_dim]``. The leading KV-head axis is what
+tensor parallelism shards (logical axis ``cache_kv_heads``), so a shard holds whole pages of its heads and
+attention never gathers the cache across devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxserve.config import ModelConfig
+from sharding import logical_sharding
+
+CACHE_AXES = ("cache_kv_heads", "cache_pages", "page_size", "head_dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Page size and count of the pool; the dtype follows the model's."""
+
+    page_size: int = 16
+    num_pages: int = 512
+
+    def __post_init__(self):
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size={self.page_size} must be a power of two")
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages={self.num_pages} must be >= 2")
+
+
+def bytes_per_token(cfg: ModelConfig, dtype) -> int:
+    """KV bytes one token occupies across all layers (K and V)."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def cache_sharding(cfg: ModelConfig, cache: CacheConfig, mesh: Mesh):
+    shape = (cfg.num_kv_heads, cache.num_pages, cache.page_size, cfg.head_dim)
+    return shape, logical_sharding(CACHE_AXES, shape, mesh)
+
+
+def init_kv_cache(cfg: ModelConfig, cache: CacheConfig, dtype, mesh: Mesh) -> list[tuple[jax.Array, jax.Array]]:
+    """Zeroed pages, created directly in their sharding (never materialised on one device first)."""
+    shape, sharding = cache_sharding(cfg, cache, mesh)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return [(zeros(), zeros()) for _ in range(cfg.num_layers)]

@@ -1,0 +1,148 @@
+"""Build a model from a checkpoint: map tensor names and layouts, cast, and place each tensor on its sharding.
+
+Two sources: a Hugging Face folder (safetensors) and an orbax checkpoint written by
+``scripts/convert_checkpoint.py`` (restored straight into the target shardings).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxserve.checkpoint import read_checkpoint, resolve_model_path
+from jaxserve.config import ModelConfig
+from jaxserve.models import DecoderLM
+from sharding import logical_sharding, make_mesh
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ORBAX_DIR = "params"
+# Buffers some checkpoints carry that are derived, not learned.
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def resolve_dtype(dtype: str, cfg: ModelConfig):
+    """``"auto"`` means the checkpoint's own dtype."""
+    name = cfg.torch_dtype.replace("torch.", "") if dtype == "auto" else dtype
+    if name not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of 'auto', {', '.join(map(repr, DTYPES))}")
+    return DTYPES[name]
+
+
+def hf_name(path: tuple) -> str:
+    """Our parameter path -> the Hugging Face tensor name."""
+    parts = [str(p) for p in path]
+    if parts == ["embed_tokens", "embedding"]:
+        return "model.embed_tokens.weight"
+    if parts[0] == "lm_head":
+        return "lm_head.weight"
+    return "model." + ".".join(parts)
+
+
+def abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    return nnx.split(nnx.eval_shape(lambda: DecoderLM(cfg, dtype)))
+
+
+def param_shardings(state: nnx.State, mesh: Mesh) -> dict:
+    """Flat {path: NamedSharding} from each parameter's logical axes."""
+    return {
+        path: logical_sharding(var.logical_axes, var.get_value().shape, mesh)
+        for path, var in nnx.to_flat_state(state)
+    }
+
+
+def load_model(
+    model: str | Path, dtype: str = "auto", mesh: Mesh | None = None
+) -> tuple[DecoderLM, ModelConfig, Path]:
+    """Load a model folder (HF safetensors or our orbax layout) or a hub id onto ``mesh``.
+
+    Raises:
+      ValueError: for an unsupported architecture, a pickled checkpoint, or missing / unexpected /
+      mis-shaped tensors (the message names the tensor and both shapes).
+    """
+    folder = resolve_model_path(model)
+    cfg = ModelConfig.from_pretrained(folder)
+    jdtype = resolve_dtype(dtype, cfg)
+    mesh = mesh if mesh is not None else make_mesh()
+    graphdef, abstract = abstract_model(cfg, jdtype)
+    shardings = param_shardings(abstract, mesh)
+    if (folder / ORBAX_DIR).is_dir():
+        state = _restore_orbax(folder / ORBAX_DIR, abstract, shardings)
+    else:
+        state = _load_safetensors(folder, cfg, abstract, shardings)
+    return nnx.merge(graphdef, state), cfg, folder
+
+
+def _load_safetensors(folder: Path, cfg: ModelConfig, abstract: nnx.State, shardings: dict) -> nnx.State:
+    flat = dict(nnx.to_flat_state(abstract))
+    wanted = {hf_name(path): path for path in flat}
+    placed: dict = {}
+    unexpected = []
+    for name, array in read_checkpoint(folder):
+        if name not in wanted:
+            if not (_IGNORED.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings)):
+                unexpected.append(name)
+            continue
+        path = wanted[name]
+        target = flat[path].get_value()
+        # HF stores linear weights [out, in]; ours are [in, out].
+        if array.ndim == 2 and path[-1] == "weight":
+            array = array.T
+        if tuple(array.shape) != tuple(target.shape):
+            raise ValueError(
+                f"tensor {name}: checkpoint shape {tuple(array.shape)} (after layout conversion) does not match "
+                f"the model's {tuple(target.shape)}"
+            )
+        host = np.ascontiguousarray(array.astype(target.dtype, copy=False))
+        placed[path] = jax.device_put(host, shardings[path])
+    missing = sorted(hf_name(p) for p in flat if p not in placed)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint in {folder} does not match {cfg.architecture}: "
+            f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+            f"unexpected tensors {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+        )
+    for path, var in flat.items():
+        var.set_value(placed[path])
+    return nnx.from_flat_state(flat)
+
+
+def _restore_orbax(path: Path, abstract: nnx.State, shardings: dict) -> nnx.State:
+    import orbax.checkpoint as ocp
+
+    flat = dict(nnx.to_flat_state(abstract))
+    target = {
+        "/".join(map(str, p)): jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype, sharding=shardings[p])
+        for p, v in flat.items()
+    }
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(path.absolute(), target)
+    for p, var in flat.items():
+        key = "/".join(map(str, p))
+        if restored[key].shape != var.get_value().shape:
+            raise ValueError(f"orbax tensor {key}: shape {restored[key].shape} != model's {var.get_value().shape}")
+        var.set_value(restored[key])
+    return nnx.from_flat_state(flat)
+
+
+def save_orbax(model: DecoderLM, dst: Path) -> None:
+    """Write the parameters as an orbax checkpoint under ``dst/params`` (flat "a/b/c" keys)."""
+    import orbax.checkpoint as ocp
+
+    _, state = nnx.split(model)
+    flat = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(state)}
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save((dst / ORBAX_DIR).absolute(), flat)
+
+
+def write_config(cfg_src: Path, dst: Path) -> None:
+    with open(cfg_src / "config.json") as f:
+        hf = json.load(f)
+    with open(dst / "config.json", "w") as f:
+        json.dump(hf, f, indent=2)

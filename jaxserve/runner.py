@@ -1,0 +1,116 @@
+"""The two compiled model calls, ``prefill_step`` and ``decode_step``, over padded bucket shapes.
+
+Each step takes a ``StepBatch`` of NumPy arrays, runs the decoder over it (writing the new tokens' K/V into the
+donated cache) and returns the logits of every sequence's last new token. Shapes are padded to powers of two
+(tokens, sequences, pages per sequence) so a handful of compilations serve every batch.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxserve.attention import AttentionBackend, AttentionMetadata
+from jaxserve.batch import StepBatch
+from jaxserve.config import ModelConfig
+from jaxserve.kv_cache import CacheConfig, init_kv_cache
+from jaxserve.models import DecoderLM, forward
+from pallas_kernels.ragged_paged_attention import check_values
+
+logger = logging.getLogger(__name__)
+
+
+def bucket(n: int, minimum: int, maximum: int, growth: int = 2) -> int:
+    """The smallest ``minimum * growth**k`` >= n, capped at ``maximum``."""
+    size = minimum
+    while size < n:
+        size *= growth
+    return min(size, maximum)
+
+
+class ModelRunner:
+    """Owns the parameters and the KV cache on device, and the compiled steps."""
+
+    def __init__(
+        self,
+        model: DecoderLM,
+        cfg: ModelConfig,
+        cache: CacheConfig,
+        mesh: Mesh,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        backend: AttentionBackend = AttentionBackend(),
+        debug_checks: bool = False,
+    ):
+        self.cfg, self.cache_cfg, self.mesh, self.backend = cfg, cache, mesh, backend
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_pages_per_seq = -(-max_model_len // cache.page_size)
+        self.debug_checks = debug_checks
+        self.graphdef, self.params = nnx.split(model)
+        dtype = model.embed_tokens.embedding.get_value().dtype
+        self.kv_cache = init_kv_cache(cfg, cache, dtype, mesh)
+        graphdef = self.graphdef
+
+        def step(params, token_ids, md, kv_cache, logits_indices):
+            return forward(nnx.merge(graphdef, params), token_ids, md, kv_cache, logits_indices, backend)
+
+        # Two jit objects so prefill and decode shapes are compiled and cached separately.
+        self._prefill = jax.jit(step, donate_argnums=(3,))
+        self._decode = jax.jit(step, donate_argnums=(3,))
+
+    # Shapes -------------------------------------------------------------------------------------------------
+    def token_bucket(self, n: int) -> int:
+        return bucket(n, 16, max(16, self.max_num_batched_tokens))
+
+    def seq_bucket(self, n: int, *, decode: bool) -> int:
+        # Decode cost follows the sequence count, so its buckets are fine; a prefill's follows its tokens, so
+        # coarse sequence buckets there save compilations for little padding.
+        return bucket(n, 1, self.max_num_seqs, growth=2 if decode else 4)
+
+    def page_bucket(self, n: int) -> int:
+        return bucket(n, 16, max(16, self.max_pages_per_seq))
+
+    def make_batch(self, chunks: list[list[int]], kv_lens: list[int], page_tables: list[list[int]],
+                   *, decode: bool) -> StepBatch:
+        """Pad one step's sequences to bucket shapes (decode: one row per sequence slot)."""
+        num_seqs = self.seq_bucket(len(chunks), decode=decode)
+        num_tokens = num_seqs if decode else self.token_bucket(sum(map(len, chunks)))
+        pages = self.page_bucket(max(map(len, page_tables), default=1))
+        return StepBatch.build(chunks, kv_lens, page_tables, num_tokens=num_tokens, max_seqs=num_seqs,
+                               pages_per_seq=pages)
+
+    # Steps --------------------------------------------------------------------------------------------------
+    def prefill_step(self, batch: StepBatch) -> jax.Array:
+        """Prompt chunks of a ragged batch; returns logits f32[S, vocab] of each sequence's last row."""
+        return self._run(self._prefill, batch)
+
+    def decode_step(self, batch: StepBatch) -> jax.Array:
+        """One new token per running sequence; returns logits f32[S, vocab]."""
+        if batch.num_tokens != batch.max_seqs:
+            raise ValueError(f"decode batch must have one row per slot, got {batch.num_tokens} rows / "
+                             f"{batch.max_seqs} slots")
+        return self._run(self._decode, batch)
+
+    def _run(self, fn, batch: StepBatch) -> jax.Array:
+        if self.debug_checks:
+            check_values(batch.num_tokens, self.cache_cfg.num_pages, self.cache_cfg.page_size, batch.kv_lens,
+                         batch.page_indices, batch.cu_q_lens, batch.num_seqs)
+        md = AttentionMetadata(
+            jnp.asarray(batch.cu_q_lens), jnp.asarray(batch.kv_lens), jnp.asarray(batch.page_indices),
+            jnp.asarray(batch.num_seqs),
+        )
+        logits, self.kv_cache = fn(self.params, jnp.asarray(batch.token_ids), md, self.kv_cache,
+                                   jnp.asarray(batch.logits_indices))
+        return logits
+
+    def num_compiles(self) -> int:
+        """Distinct compiled shapes so far (both steps)."""
+        return self._prefill._cache_size() + self._decode._cache_size()

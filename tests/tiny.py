@@ -1,0 +1,105 @@
+"""Tiny random-weight Hugging Face checkpoints with a locally trained tokenizer, for tests and benchmarks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention keeps the KV cache in fixed-size pages, like virtual memory.",
+    "Continuous batching admits new requests between decode steps.",
+    "Ünïcödé tëxt, 日本語のテキスト, emoji 🚀🔥 and numbers 12345 67890.",
+    "def forward(params, tokens):\n    return model.apply(params, tokens)\n",
+] * 20
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def train_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on a small corpus; ids 0..2 are <s>, </s>, <unk>."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    from tokenizers.processors import TemplateProcessing
+
+    tok.post_processor = TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   chat_template=CHAT_TEMPLATE)
+
+
+FAMILIES = {
+    # name: (config class, model class, config overrides)
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=2,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "llama_tied_headdim": (LlamaConfig, LlamaForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=1, head_dim=24, tie_word_embeddings=True)),
+    "llama_mha_bias": (LlamaConfig, LlamaForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=4, attention_bias=True)),
+    "mistral": (MistralConfig, MistralForCausalLM, dict(
+        num_attention_heads=8, num_key_value_heads=2, sliding_window=11)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(
+        num_attention_heads=8, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)),
+}
+
+
+def build_tiny_model(family: str, path: Path, *, tokenizer: PreTrainedTokenizerFast | None = None, seed: int = 0,
+                     init_std: float = 0.25, **overrides) -> Path:
+    """Save a random-weight fp32 checkpoint of ``family`` (see FAMILIES) with a tokenizer into ``path``."""
+    tokenizer = tokenizer or train_tokenizer()
+    config_cls, model_cls, family_overrides = FAMILIES[family]
+    kwargs = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=init_std, bos_token_id=0,
+        eos_token_id=1, pad_token_id=None,
+    )
+    kwargs.update(family_overrides)
+    kwargs.update(overrides)
+    config = config_cls(**kwargs)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # norms start at 1 and biases at 0; randomise them so a mix-up would show
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return Path(path)
+
+
+def hf_model(path: Path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens from transformers, recomputing the whole sequence each step (no cache to get wrong)."""
+    ids = list(prompt_ids)
+    for _ in range(max_tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1]
+        ids.append(int(torch.argmax(logits)))
+    return ids[len(prompt_ids):]
+
+
+@torch.no_grad()
+def hf_last_logits(model, prompt_ids: list[int]):
+    return model(torch.tensor([prompt_ids])).logits[0, -1].float().numpy()
