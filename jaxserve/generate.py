@@ -1,0 +1,49 @@
+"""Offline generation from the command line: ``python -m jaxserve.generate --prompt "Hello"``.
+
+With no ``--model`` it runs the built-in demo model (random weights: the text is meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from jaxserve.llm import LLM
+from jaxserve.sampling_params import SamplingParams
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", help="Hugging Face folder, orbax folder or hub id (default: the demo model)")
+    parser.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--mesh", default=None, help='e.g. "tensor=2" (default: one device)')
+    args = parser.parse_args(argv)
+
+    model = args.model
+    if model is None:
+        from jaxserve.demo import demo_model_path
+
+        model = str(demo_model_path())
+    start = time.perf_counter()
+    llm = LLM(model, dtype=args.dtype, page_size=args.page_size, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, mesh=args.mesh)
+    loaded = time.perf_counter()
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    outputs = llm.generate(args.prompt or ["Hello, my name is"], params)
+    done = time.perf_counter()
+    for out in outputs:
+        c = out.outputs[0]
+        print(f"--- prompt: {out.prompt!r}\n{c.text!r}\n(finish: {c.finish_reason}, {len(c.token_ids)} tokens)")
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"load {loaded - start:.1f}s, generate {done - loaded:.1f}s ({tokens} tokens, first call compiles)")
+
+
+if __name__ == "__main__":
+    main()
