@@ -1,0 +1,307 @@
+"""Continuous batching: which sequences run each step, with how many tokens, in which pages."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Sequence as Seq
+
+from jaxserve.batch import StepBatch
+from jaxserve.block_manager import BlockManager
+from jaxserve.scheduler_config import SchedulerConfig
+from jaxserve.sequence import Sequence, SequenceStatus
+
+__all__ = ["ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "UpdateResult"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSequence:
+    """One sequence's share of a step: KV for ``token_ids`` is written at ``kv_len - len(token_ids) ..``."""
+
+    seq: Sequence
+    token_ids: list[int]  # a prompt (or recompute) chunk, or the one token to decode
+    kv_len: int  # tokens in the cache after this step
+    page_table: list[int]  # snapshot of seq.page_table, covering kv_len tokens
+    needs_sample: bool  # the step reaches the end of the sequence's tokens, so its last row's logits are sampled
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_computed_before(self) -> int:
+        return self.kv_len - len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan: ``scheduled`` runs in this order; ``preempted`` lost their pages this step."""
+
+    scheduled: tuple[ScheduledSequence, ...]
+    preempted: tuple[Sequence, ...]
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    def to_step_batch(self, *, num_tokens: int, max_seqs: int, pages_per_seq: int) -> StepBatch:
+        """Pack the plan into the padded arrays the device step consumes."""
+        return StepBatch.build(
+            [s.token_ids for s in self.scheduled],
+            [s.kv_len for s in self.scheduled],
+            [s.page_table for s in self.scheduled],
+            num_tokens=num_tokens,
+            max_seqs=max_seqs,
+            pages_per_seq=pages_per_seq,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateResult:
+    """``updated``: sequences that got a token this step (finished ones included); ``finished``: every
+    sequence that finished since the previous update, except through ``abort``/``finish`` calls."""
+
+    updated: list[Sequence]
+    finished: list[Sequence]
+
+
+class Scheduler:
+    """FIFO continuous batching with chunked prefill, prefix caching and preemption by recomputation.
+
+    Each ``schedule`` serves running sequences first, in admission order (a decode token each, or the next
+    chunk of an unfinished prefill), then admits waiting sequences while sequence slots, the step's token
+    budget and free pages allow. When a running sequence needs a page and none is free, the most recently
+    admitted running sequence is preempted: its pages are released and it returns to the front of the
+    waiting queue, to be recomputed from prompt + tokens generated so far.
+
+    A request with ``n > 1`` becomes n sequences (``Sequence.make_sibling``). Output 0 prefills the prompt;
+    the others wait until it has, then share its full prompt pages by reference and each recompute the
+    prompt's last, partial page into a page of their own, so no page is ever written by two sequences.
+    """
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.block_manager = BlockManager(
+            config.num_pages, config.page_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: preemption takes from the end
+        self._requests: dict[str, list[Sequence]] = {}  # live request id -> its sequences
+        self._finished_in_schedule: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- queries ------------------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_request(self, request_id: str) -> list[Sequence]:
+        """The live sequences of a request (empty once all finished)."""
+        return list(self._requests.get(request_id, ()))
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "num_preemptions": self.num_preemptions,
+            **self.block_manager.stats(),
+        }
+
+    # ---- requests in and out ------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> list[Sequence]:
+        """Queue a new request; returns its sequences (``sampling_params.n`` of them, ``seq`` first).
+
+        Raises:
+          ValueError: naming the field, if the request could never run within ``max_model_len``.
+        """
+        if seq.status is not SequenceStatus.WAITING or seq.num_output_tokens or seq.page_table:
+            raise ValueError(f"{seq} is not a fresh waiting sequence")
+        if seq.request_id in self._requests:
+            raise ValueError(f"request_id={seq.request_id!r} is already in use")
+        limit, prompt_len = self.config.max_model_len, seq.num_prompt_tokens
+        if prompt_len >= limit:
+            raise ValueError(
+                f"prompt_token_ids has {prompt_len} tokens; max_model_len={limit} leaves no room for output"
+            )
+        max_tokens = seq.sampling_params.max_tokens
+        if max_tokens is not None and prompt_len + max_tokens > limit:
+            raise ValueError(
+                f"SamplingParams.max_tokens={max_tokens} with a {prompt_len}-token prompt exceeds "
+                f"max_model_len={limit}"
+            )
+        seqs = [seq] + [seq.make_sibling(i) for i in range(1, seq.sampling_params.n)]
+        self._requests[seq.request_id] = seqs
+        self.waiting.extend(seqs)
+        return list(seqs)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every live sequence of a request with reason ``abort``, in any state; returns them."""
+        seqs = self.get_request(request_id)
+        for seq in seqs:
+            self.finish(seq, "abort")
+        return seqs
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Finish a sequence for a reason found elsewhere (e.g. a stop string) and release its pages.
+
+        A token scheduled for it but not yet passed to ``update`` is discarded.
+        """
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.set_finished(reason, stop_reason)
+        siblings = self._requests.get(seq.request_id, [])
+        if seq in siblings:
+            siblings.remove(seq)
+            if not siblings:
+                del self._requests[seq.request_id]
+
+    # ---- one step -----------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step (see ``SchedulerOutput``); running sequences first, then admissions."""
+        cfg, bm = self.config, self.block_manager
+        budget = cfg.max_num_batched_tokens
+        plan: list[ScheduledSequence] = []
+        preempted: list[Sequence] = []
+        # Prefill chunks leave one token of budget for each decode queued behind them, so decodes keep going.
+        decodes_left = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if seq.num_uncomputed_tokens == 1:
+                decodes_left -= 1
+                n = 1
+            else:
+                n = self._chunk(seq.num_uncomputed_tokens, budget - decodes_left)
+                if n == 0:
+                    i += 1
+                    continue
+            kv_len = seq.num_computed_tokens + n
+            while not bm.can_grow(seq, kv_len):
+                victim = self.running[-1]
+                if victim is seq and i == 0:
+                    # Alone and still short of pages: cannot happen within a valid config; fail loudly, not forever.
+                    self.finish(seq, "error")
+                    self._finished_in_schedule.append(seq)
+                    break
+                self.running.pop()
+                if victim is not seq and victim.num_uncomputed_tokens == 1:
+                    decodes_left -= 1  # its reserved token is no longer needed
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # seq was the last running sequence
+            bm.grow(seq, kv_len)
+            plan.append(self._entry(seq, n, kv_len))
+            budget -= n
+            i += 1
+
+        # Admitting right after a preemption would only take back the pages just freed.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            leader = self._running_leader(seq)
+            if leader is not None and self._waits_for_leader(seq, leader):
+                break  # keeps FIFO order; the leader is running its prefill, so this resolves
+            prefix = bm.match_prefix(seq, share_with=leader)
+            computed = len(prefix) * cfg.page_size
+            n = self._chunk(seq.num_tokens - computed, budget)
+            if n == 0 or not bm.can_allocate(bm.pages_for(computed + n) - len(prefix), prefix):
+                break
+            self.waiting.popleft()
+            bm.admit(seq, prefix, computed + n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            plan.append(self._entry(seq, n, computed + n))
+            budget -= n
+
+        return SchedulerOutput(tuple(plan), tuple(preempted), cfg.max_num_batched_tokens - budget)
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: Seq[int]) -> UpdateResult:
+        """Record a finished step: one sampled token per entry of ``output.scheduled`` (ignored where
+        ``needs_sample`` is false, or where the sequence was aborted/finished since ``schedule``)."""
+        if len(sampled_token_ids) != len(output.scheduled):
+            raise ValueError(
+                f"got {len(sampled_token_ids)} sampled tokens for {len(output.scheduled)} scheduled sequences"
+            )
+        bm = self.block_manager
+        updated: list[Sequence] = []
+        finished, self._finished_in_schedule = self._finished_in_schedule, []
+        for entry, token in zip(output.scheduled, sampled_token_ids):
+            seq = entry.seq
+            if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != entry.num_computed_before:
+                continue
+            seq.num_computed_tokens = entry.kv_len
+            bm.register(seq)
+            if not entry.needs_sample:
+                continue
+            seq.append_token(int(token))
+            updated.append(seq)
+            stop = self._check_stop(seq)
+            if stop is not None:
+                self.finish(seq, *stop)
+                finished.append(seq)
+        return UpdateResult(updated, finished)
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens of a prefill of ``remaining`` tokens to run now, given ``budget``; 0 means wait."""
+        if budget <= 0:
+            return 0
+        if not self.config.enable_chunked_prefill:
+            return remaining if remaining <= budget else 0
+        if self.config.long_prefill_token_threshold:
+            budget = min(budget, self.config.long_prefill_token_threshold)
+        return min(remaining, budget)
+
+    def _entry(self, seq: Sequence, n: int, kv_len: int) -> ScheduledSequence:
+        tokens = seq.token_ids(kv_len - n, kv_len)
+        return ScheduledSequence(seq, tokens, kv_len, list(seq.page_table), kv_len == seq.num_tokens)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        # Victims are taken newest first, so pushing each to the front keeps admission order.
+        self.waiting.appendleft(seq)
+
+    @staticmethod
+    def _running_leader(seq: Sequence) -> Sequence | None:
+        lead = seq.leader
+        return lead if lead is not None and lead.status is SequenceStatus.RUNNING else None
+
+    def _waits_for_leader(self, seq: Sequence, leader: Sequence) -> bool:
+        """A fresh sibling holds back until its leader has computed the full pages it can share."""
+        if seq.num_output_tokens:
+            return False
+        shareable = (seq.num_prompt_tokens - 1) // self.config.page_size * self.config.page_size
+        return leader.num_computed_tokens < shareable
+
+    def _check_stop(self, seq: Sequence) -> tuple[str, int | None] | None:
+        sp, token = seq.sampling_params, seq.last_token
+        # Stop tokens count only after min_tokens others, matching a sampler that masks them until then.
+        if seq.num_output_tokens > sp.min_tokens:
+            if token in sp.stop_token_ids:
+                return "stop", token
+            if not sp.ignore_eos and token in seq.eos_token_ids:
+                return "stop", None
+        if sp.max_tokens is not None and seq.num_output_tokens >= sp.max_tokens:
+            return "length", None
+        if seq.num_tokens >= self.config.max_model_len:
+            return "length", None
+        return None

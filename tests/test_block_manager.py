@@ -1,0 +1,248 @@
+"""BlockManager: page accounting, prefix-cache hits, divergence inside a page, LRU eviction, refcounts."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxserve.block_manager import BlockManager, hash_page
+from jaxserve.page_pool import OutOfPages
+from jaxserve.sequence import Sequence, SequenceStatus
+
+PS = 4
+
+
+def seq_of(tokens, rid="r"):
+    return Sequence(rid, tokens)
+
+
+def run_prefill(bm, seq):
+    """Admit with whatever prefix is cached, compute the rest in one go, register the full pages."""
+    prefix = bm.match_prefix(seq)
+    bm.admit(seq, prefix, seq.num_tokens)
+    seq.status = SequenceStatus.RUNNING
+    seq.num_computed_tokens = seq.num_tokens
+    bm.register(seq)
+    bm.check_invariants()
+    return prefix
+
+
+def test_plain_allocation_returns_every_page():
+    bm = BlockManager(8, PS, enable_prefix_caching=False)
+    a, b = seq_of(range(10), "a"), seq_of(range(100, 105), "b")
+    run_prefill(bm, a)
+    run_prefill(bm, b)
+    assert len(a.page_table) == 3 and len(b.page_table) == 2
+    assert bm.num_used_pages == 5 and bm.num_free_pages == 3
+    bm.grow(b, 9)  # decoding past a page boundary adds a page
+    assert len(b.page_table) == 3
+    with pytest.raises(OutOfPages):
+        bm.grow(a, 10 + 3 * PS)
+    assert len(a.page_table) == 3  # a failed grow takes nothing
+    bm.free(a)
+    bm.free(b)
+    bm.check_invariants()
+    assert bm.num_free_pages == 8 and bm.pool.num_free == 8 and bm.num_cached_pages == 0
+
+
+def test_repeated_system_prompt_hits_its_full_pages():
+    bm = BlockManager(16, PS)
+    system = list(range(50, 61))  # 11 tokens: 2 full pages + 3 tokens
+    a = seq_of(system + [1, 2, 3], "a")
+    assert run_prefill(bm, a) == []
+    assert bm.num_cached_pages == 3  # 14 tokens: pages 0..2 full and computed
+    b = seq_of(system + [7, 8, 9, 10, 11], "b")
+    prefix = run_prefill(bm, b)
+    assert prefix == a.page_table[:2]
+    assert b.num_cached_tokens == 2 * PS
+    assert bm.refcount(prefix[0]) == 2 and bm.refcount(a.page_table[2]) == 1
+    assert bm.prefix_cache_queries == a.num_tokens + b.num_tokens
+    assert bm.prefix_cache_hits == 2 * PS
+    # The third page holds system[8:11] + a's suffix, so b recomputes it into its own page.
+    assert b.page_table[2] != a.page_table[2]
+
+
+def test_identical_prompt_never_fully_cached():
+    bm = BlockManager(16, PS)
+    tokens = list(range(3 * PS))  # exactly 3 full pages
+    run_prefill(bm, seq_of(tokens, "a"))
+    b = seq_of(tokens, "b")
+    assert len(bm.match_prefix(b)) == 2  # the last page holds the last token, which must be recomputed
+    c = seq_of(tokens + [99], "c")
+    assert len(bm.match_prefix(c)) == 3
+
+
+def test_divergence_in_the_middle_of_a_page_is_not_shared():
+    bm = BlockManager(16, PS)
+    a = seq_of([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], "a")
+    run_prefill(bm, a)
+    # Same first 6 tokens, then different: page 1 ([5, 6, 7, 8] vs [5, 6, 70, 80]) must not be shared.
+    b = seq_of([1, 2, 3, 4, 5, 6, 70, 80, 90, 100], "b")
+    prefix = run_prefill(bm, b)
+    assert prefix == [a.page_table[0]]
+    assert b.num_computed_tokens == b.num_tokens and b.num_cached_tokens == PS
+    assert b.page_table[1] != a.page_table[1]
+    # Same page content at the same position but a different earlier page: the chained hash must miss.
+    c = seq_of([0, 2, 3, 4, 5, 6, 7, 8, 9], "c")
+    assert bm.match_prefix(c) == []
+    e = seq_of([0, 2, 3, 4, 50, 60, 70, 80, 9], "e")
+    run_prefill(bm, e)
+    # a's first page followed by e's second: e's second page was computed after a different first page.
+    d = seq_of([1, 2, 3, 4, 50, 60, 70, 80, 9], "d")
+    assert d.token_ids(4, 8) == e.token_ids(4, 8)
+    assert bm.match_prefix(d) == [a.page_table[0]]
+
+
+def test_unreferenced_pages_stay_cached_and_evict_least_recently_released_first():
+    bm = BlockManager(6, PS)
+    a = seq_of(list(range(0, 8)) + [0], "a")  # 2 full pages + 1
+    b = seq_of(list(range(100, 108)) + [0], "b")
+    run_prefill(bm, a)
+    run_prefill(bm, b)
+    a_pages, b_pages = a.page_table[:2], b.page_table[:2]
+    bm.free(a)
+    bm.free(b)
+    bm.check_invariants()
+    assert bm.num_cached_pages == 4 and bm.num_free_pages == 6 and bm.pool.num_free == 2
+    # 2 free pages are used first; the next takes a's tail page, then a's head, then b's tail.
+    c = seq_of(list(range(200, 220)), "c")
+    bm.admit(c, [], 2 * PS)
+    assert bm.num_evictions == 0 and bm.num_cached_pages == 4
+    bm.grow(c, 3 * PS)
+    assert bm.num_evictions == 1 and c.page_table[-1] == a_pages[1]
+    bm.grow(c, 4 * PS)
+    assert c.page_table[-1] == a_pages[0]
+    bm.grow(c, 5 * PS)
+    assert c.page_table[-1] == b_pages[1] and bm.num_evictions == 3
+    bm.check_invariants()
+    assert len(bm.match_prefix(seq_of(list(range(0, 8)) + [0]))) == 0
+    assert bm.match_prefix(seq_of(list(range(100, 108)) + [0])) == [b_pages[0]]
+
+
+def test_a_cache_hit_refreshes_recency():
+    bm = BlockManager(4, PS)
+    a = seq_of(list(range(0, 4)) + [0], "a")
+    b = seq_of(list(range(10, 14)) + [0], "b")
+    for s in (a, b):
+        run_prefill(bm, s)
+        bm.free(s)
+    a2 = seq_of(list(range(0, 4)) + [5], "a2")  # hit on a's page, released after b's
+    hit = run_prefill(bm, a2)
+    bm.free(a2)
+    d = seq_of(list(range(300, 316)), "d")
+    bm.admit(d, [], 3 * PS)  # 2 free pages + 1 eviction: b's page is now the oldest
+    assert bm.match_prefix(seq_of(list(range(0, 4)) + [0])) == hit
+    assert bm.match_prefix(seq_of(list(range(10, 14)) + [0])) == []
+
+
+def test_refcounts_follow_page_tables():
+    bm = BlockManager(12, PS)
+    base = list(range(2 * PS))
+    a = seq_of(base + [1], "a")
+    run_prefill(bm, a)
+    b, c = seq_of(base + [2], "b"), seq_of(base + [3], "c")
+    run_prefill(bm, b)
+    run_prefill(bm, c)
+    shared = a.page_table[:2]
+    assert b.page_table[:2] == shared == c.page_table[:2]
+    assert [bm.refcount(p) for p in shared] == [3, 3]
+    bm.free(b)
+    assert [bm.refcount(p) for p in shared] == [2, 2]
+    bm.free(a)
+    bm.free(c)
+    bm.check_invariants()
+    assert [bm.refcount(p) for p in shared] == [0, 0] and all(bm.is_cached(p) for p in shared)
+    assert bm.num_used_pages == 0
+
+
+def test_admission_counts_cached_idle_pages_it_takes():
+    bm = BlockManager(3, PS)
+    a = seq_of(list(range(2 * PS)) + [0], "a")
+    run_prefill(bm, a)
+    bm.free(a)  # 2 cached idle pages + 1 free
+    b = seq_of(list(range(2 * PS)) + [1, 2, 3], "b")
+    prefix = bm.match_prefix(b)
+    assert len(prefix) == 2
+    assert bm.num_free_pages == 3
+    assert bm.can_allocate(1, prefix) and not bm.can_allocate(2, prefix)
+    with pytest.raises(OutOfPages):
+        bm.admit(b, prefix, 4 * PS)
+    bm.check_invariants()
+    bm.admit(b, prefix, b.num_tokens)
+    bm.check_invariants()
+    assert bm.num_free_pages == 0
+
+
+def test_duplicate_content_computed_twice_keeps_one_cached_copy():
+    bm = BlockManager(8, PS)
+    a, b = seq_of(list(range(PS)) + [1], "a"), seq_of(list(range(PS)) + [2], "b")
+    for s in (a, b):  # both admitted before either computed: no hit
+        bm.admit(s, bm.match_prefix(s), s.num_tokens)
+    for s in (a, b):
+        s.num_computed_tokens = s.num_tokens
+        bm.register(s)
+    assert bm.num_cached_pages == 1 and bm.is_cached(a.page_table[0]) and not bm.is_cached(b.page_table[0])
+    b_copy = b.page_table[0]
+    bm.free(b)
+    bm.check_invariants()
+    assert bm.pool.is_free(b_copy) and bm.num_cached_pages == 1
+
+
+def test_pages_are_registered_only_once_computed():
+    bm = BlockManager(8, PS)
+    a = seq_of(list(range(3 * PS)), "a")
+    bm.admit(a, [], 2 * PS)
+    a.num_computed_tokens = PS + 2  # one full computed page, one half-computed
+    bm.register(a)
+    assert bm.num_cached_pages == 1
+    a.num_computed_tokens = 2 * PS
+    bm.register(a)
+    assert bm.num_cached_pages == 2
+    bm.check_invariants()
+
+
+def test_caching_off_never_hits_and_frees_to_pool():
+    bm = BlockManager(8, PS, enable_prefix_caching=False)
+    a = seq_of(list(range(3 * PS)), "a")
+    run_prefill(bm, a)
+    bm.free(a)
+    assert bm.num_cached_pages == 0 and bm.pool.num_free == 8
+    assert bm.match_prefix(seq_of(list(range(3 * PS)), "b")) == []
+    assert bm.prefix_cache_queries == 0
+
+
+def test_reset_prefix_cache_returns_idle_pages_to_pool():
+    bm = BlockManager(8, PS)
+    a, b = seq_of(list(range(2 * PS)) + [1], "a"), seq_of(list(range(50, 50 + 2 * PS)) + [1], "b")
+    run_prefill(bm, a)
+    run_prefill(bm, b)
+    bm.free(a)
+    bm.reset_prefix_cache()
+    bm.check_invariants()
+    assert bm.num_cached_pages == 2  # b still holds its cached pages
+    assert bm.pool.num_free == 8 - len(b.page_table)
+
+
+def test_check_invariants_catches_corruption():
+    bm = BlockManager(8, PS)
+    a = seq_of(list(range(2 * PS)) + [1], "a")
+    run_prefill(bm, a)
+    bm._refcount[a.page_table[0]] += 1
+    with pytest.raises(AssertionError, match="refcount"):
+        bm.check_invariants()
+    bm._refcount[a.page_table[0]] -= 1
+    bm.check_invariants()
+    a.page_table.append(a.page_table[0])
+    with pytest.raises(AssertionError, match="twice"):
+        bm.check_invariants()
+
+
+def test_hash_is_stable_across_processes():
+    here = hash_page(hash_page(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex()
+    code = "from jaxserve.block_manager import hash_page as h; print(h(h(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex())"
+    env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=os.getcwd())
+    there = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert there.stdout.strip() == here
+    assert hash_page(None, [1, 2, 3, 4]) != hash_page(None, [1, 2, 3, 5])
+    assert hash_page(b"x" * 16, [1, 2, 3, 4]) != hash_page(b"y" * 16, [1, 2, 3, 4])
