@@ -1,7 +1,20 @@
-"""jaxserve: an LLM inference engine in JAX."""
+"""jaxserve: an LLM inference engine in JAX.
 
-from jaxserve.llm import LLM
-from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling_params import SamplingParams
+Exports resolve lazily so host-only modules (scheduler, block manager) import without jax.
+"""
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+import importlib
+
+_EXPORTS = {
+    "LLM": "jaxserve.llm",
+    "SamplingParams": "jaxserve.sampling_params",
+    "RequestOutput": "jaxserve.outputs",
+    "CompletionOutput": "jaxserve.outputs",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")
