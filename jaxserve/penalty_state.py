@@ -90,8 +90,11 @@ class PenaltyState:
         add = (commit & (rows != 0)).astype(jnp.int32)
         return dataclasses.replace(self, output_counts=self.output_counts.at[rows, token_ids].add(add))
 
-    def gather(self, rows: jax.Array) -> tuple[jax.Array, jax.Array]:  # rows: i32[S]
-        """Per-slot views: (output counts i32[S, V], prompt mask bool[S, V])."""
+    def gather(
+        self,
+        rows: jax.Array,  # i32[S]
+    ) -> tuple[jax.Array, jax.Array]:  # i32[S, V] output counts, bool[S, V] prompt mask
+        """Each slot's statistics (row 0: all zero)."""
         return self.output_counts[rows], self.in_prompt[rows]
 
 

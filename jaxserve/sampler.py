@@ -185,17 +185,21 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _order_key(x: jax.Array) -> jax.Array:
+def _order_key(x: jax.Array) -> jax.Array:  # f32[...] -> u32[...]
     """Map f32 to u32 so that unsigned integer order equals float order (-inf lowest, +inf highest)."""
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
-def _largest_passing(keys: jax.Array, pred, active: jax.Array) -> jax.Array:
-    """Per row, the largest threshold t (in key space) with ``pred(t)`` true; ``pred`` must be monotone.
+def _largest_passing(
+    keys: jax.Array,  # u32[S, V]
+    pred,  # u32[S] -> bool[S], true for small thresholds, false from some point on
+    active: jax.Array,  # bool[S]
+) -> jax.Array:  # u32[S]
+    """Per row, the largest threshold t (in key space) with ``pred(t)`` true.
 
-    keys: u32[S, V]; pred: u32[S] -> bool[S]; active: bool[S]. Inactive rows (and batches with no active
-    row, which skip the loop entirely) get threshold 0, which keeps everything.
+    Inactive rows (and batches with no active row, which skip the loop entirely) get threshold 0, which keeps
+    everything. 32 halvings cover the whole u32 range, so the answer is exact.
     """
     lo = jnp.min(keys, axis=-1)  # pred(lo) holds: nothing is cut
     hi = jnp.max(keys, axis=-1) + 1  # pred(hi) fails: everything is cut; NaN-free keys stay below 2**32 - 1
@@ -213,11 +217,13 @@ def _largest_passing(keys: jax.Array, pred, active: jax.Array) -> jax.Array:
     return jnp.where(active, found, jnp.uint32(0))
 
 
-def _truncate(scaled: jax.Array, rel: jax.Array, t: SamplingTensors, sampled: jax.Array) -> jax.Array:
-    """Keep mask bool[S, V] after min-p, top-k and top-p (on what min-p and top-k kept).
-
-    scaled: f32[S, V] temperature-scaled logits; rel: f32[S, V] their exp relative to the row max; sampled: bool[S].
-    """
+def _truncate(
+    scaled: jax.Array,  # f32[S, V]  temperature-scaled logits
+    rel: jax.Array,  # f32[S, V]  exp(scaled - row max)
+    t: SamplingTensors,
+    sampled: jax.Array,  # bool[S]  rows that draw (greedy rows skip truncation)
+) -> jax.Array:  # bool[S, V]
+    """Keep mask after min-p, top-k and top-p (top-p measured on what min-p and top-k kept)."""
     vocab = scaled.shape[-1]
     keep = rel >= t.min_p[:, None]  # p >= min_p * p_max
     keys = _order_key(scaled)
@@ -234,7 +240,7 @@ def _truncate(scaled: jax.Array, rel: jax.Array, t: SamplingTensors, sampled: ja
     return keep & (keys >= p_cut[:, None])
 
 
-def _penalise(x: jax.Array, t: SamplingTensors, state: PenaltyState) -> jax.Array:
+def _penalise(x: jax.Array, t: SamplingTensors, state: PenaltyState) -> jax.Array:  # x: f32[S, V]
     """Repetition (prompt or output tokens, HF semantics) then frequency and presence (output tokens)."""
     counts, in_prompt = state.gather(t.penalty_rows)  # i32[S, V], bool[S, V]
     seen = in_prompt | (counts > 0)
