@@ -114,6 +114,12 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
         self.finished = False
 
+    @classmethod
+    def for_request(cls, tokenizer, prompt_token_ids: Sequence[int], params, **kw) -> "IncrementalDetokenizer":
+        """Configured from a request's ``SamplingParams`` (stop, skip_special_tokens, include_stop_str_in_output)."""
+        return cls(tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                   include_stop_str_in_output=params.include_stop_str_in_output, **kw)
+
     @property
     def output_text(self) -> str:
         """All text returned so far."""

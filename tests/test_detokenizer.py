@@ -6,6 +6,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 from transformers import PreTrainedTokenizerFast
 
 from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.sampling_params import SamplingParams
 
 SAMPLES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -246,3 +247,16 @@ def test_stop_found_in_text_released_by_finish(tok):
 def test_invalid_stop_strings_raise(tok):
     with pytest.raises(ValueError, match="stop"):
         IncrementalDetokenizer(tok, stop=[""])
+
+
+def test_configured_from_sampling_params(tok):
+    ids = ids_for(tok, "Héllo wörld, café") + [tok.eos_token_id]
+    params = SamplingParams(stop=("café",), include_stop_str_in_output=True, skip_special_tokens=False)
+    deltas, det = stream(tok, ids, prompt=ids[:2])  # plain defaults
+    assert "".join(deltas) == decode(tok, ids)
+    det = IncrementalDetokenizer.for_request(tok, ids[:2], params)
+    assert det.add(ids).endswith("café") and det.stop_reason == "café"
+    with pytest.raises(ValueError, match="include_stop_str_in_output"):
+        SamplingParams(include_stop_str_in_output="yes")
+    with pytest.raises(ValueError, match="skip_special_tokens"):
+        SamplingParams(skip_special_tokens=None)
