@@ -190,7 +190,7 @@ def test_stop_string_across_tokens_is_cut_and_never_partially_emitted(tok):
     shown = ""
     for t in ids:
         shown += det.add([t])
-        # No prefix of the stop string longer than what the text itself could justify ever leaks out.
+        # Not even the start of the stop string is shown before it is known whether it completes.
         assert "symb" not in shown
         if det.finished:
             break
