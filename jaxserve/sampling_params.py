@@ -28,6 +28,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -51,6 +53,8 @@ class SamplingParams:
             ("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0, "must be an integer >= 0"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be non-negative token ids"),
+            ("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool), "must be a bool"),
+            ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "must be a bool"),
         ]
         for field, ok, why in checks:
             if not ok:
