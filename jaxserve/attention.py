@@ -37,6 +37,13 @@ class AttentionBackend:
         if self.name not in BACKENDS:
             raise ValueError(f"attention_backend={self.name!r} is not one of {BACKENDS}")
 
+    @classmethod
+    def resolve(cls, name: str) -> "AttentionBackend":
+        """``"auto"`` picks the best implementation for the default device."""
+        if name == "auto":
+            name = "reference"
+        return cls(name)
+
     def __call__(
         self,
         q: jax.Array,  # [T, num_q_heads, head_dim]

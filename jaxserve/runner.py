@@ -7,6 +7,7 @@ donated cache) and returns the logits of every sequence's last new token. Shapes
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import jax
@@ -31,6 +32,14 @@ def bucket(n: int, minimum: int, maximum: int, growth: int = 2) -> int:
     while size < n:
         size *= growth
     return min(size, maximum)
+
+
+def _ladder(bucket_of, start: int) -> list[int]:
+    """All values a bucket function takes, from ``start`` up to its cap."""
+    sizes = [bucket_of(start)]
+    while bucket_of(sizes[-1] + 1) != sizes[-1]:
+        sizes.append(bucket_of(sizes[-1] + 1))
+    return sizes
 
 
 class ModelRunner:
@@ -70,10 +79,22 @@ class ModelRunner:
     def token_bucket(self, n: int) -> int:
         return bucket(n, 16, max(16, self.max_num_batched_tokens))
 
-    def seq_bucket(self, n: int, *, decode: bool) -> int:
-        # Decode cost follows the sequence count, so its buckets are fine; a prefill's follows its tokens, so
-        # coarse sequence buckets there save compilations for little padding.
-        return bucket(n, 1, self.max_num_seqs, growth=2 if decode else 4)
+    def seq_bucket(self, n: int) -> int:
+        return bucket(n, 1, self.max_num_seqs)
+
+    def prefill_seqs(self, num_tokens: int) -> int:
+        # A prefill's cost follows its tokens, so its slot count is a function of the token bucket: padding
+        # slots cost a few metadata entries and LM-head rows, and the shape count stays one per token bucket.
+        return min(self.max_num_seqs, num_tokens)
+
+    def token_buckets(self) -> list[int]:
+        return _ladder(lambda n: self.token_bucket(n), 16)
+
+    def page_buckets(self) -> list[int]:
+        return _ladder(lambda n: self.page_bucket(n), 16)
+
+    def decode_buckets(self) -> list[int]:
+        return _ladder(lambda n: self.seq_bucket(n), 1)
 
     def page_bucket(self, n: int) -> int:
         return bucket(n, 16, max(16, self.max_pages_per_seq))
@@ -81,8 +102,11 @@ class ModelRunner:
     def make_batch(self, chunks: list[list[int]], kv_lens: list[int], page_tables: list[list[int]],
                    *, decode: bool) -> StepBatch:
         """Pad one step's sequences to bucket shapes (decode: one row per sequence slot)."""
-        num_seqs = self.seq_bucket(len(chunks), decode=decode)
-        num_tokens = num_seqs if decode else self.token_bucket(sum(map(len, chunks)))
+        if decode:
+            num_seqs = num_tokens = self.seq_bucket(len(chunks))
+        else:
+            num_tokens = self.token_bucket(sum(map(len, chunks)))
+            num_seqs = self.prefill_seqs(num_tokens)
         pages = self.page_bucket(max(map(len, page_tables), default=1))
         return StepBatch.build(chunks, kv_lens, page_tables, num_tokens=num_tokens, max_seqs=num_seqs,
                                pages_per_seq=pages)
@@ -110,6 +134,20 @@ class ModelRunner:
         logits, self.kv_cache = fn(self.params, jnp.asarray(batch.token_ids), md, self.kv_cache,
                                    jnp.asarray(batch.logits_indices))
         return logits
+
+    def warmup(self) -> list[tuple[int, int]]:
+        """Compile every bucket shape of both steps with all-padding batches (they write nothing).
+
+        Returns:
+          The (num_tokens, num_seqs) shapes compiled, for warming the sampler on the same slot counts.
+        """
+        prefill = [(t, self.prefill_seqs(t)) for t in self.token_buckets()]
+        decode = [(n, n) for n in self.decode_buckets()]
+        for step, shapes in ((self.prefill_step, prefill), (self.decode_step, decode)):
+            for (num_tokens, num_seqs), pages in itertools.product(shapes, self.page_buckets()):
+                batch = StepBatch.build([], [], [], num_tokens=num_tokens, max_seqs=num_seqs, pages_per_seq=pages)
+                jax.block_until_ready(step(batch))
+        return prefill + decode
 
     def num_compiles(self) -> int:
         """Distinct compiled shapes so far (both steps)."""

@@ -23,7 +23,7 @@ def tokenizer():
 def family(request, tmp_path_factory, tokenizer):
     path = build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), tokenizer=tokenizer)
     llm = LLM(str(path), dtype="float32", page_size=PAGE, max_num_seqs=8, max_num_batched_tokens=32,
-              debug_checks=True)
+              debug_checks=True, warmup=False)
     return request.param, path, llm, hf_model(path)
 
 
@@ -33,12 +33,15 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 def jax_last_logits(llm: LLM, prompt: list[int]) -> np.ndarray:
-    pages = llm.pool.allocate(-(-len(prompt) // PAGE))
+    """Prefill logits straight from the runner, on pages borrowed from the idle engine's pool."""
+    pool = llm.engine.scheduler.block_manager.pool
+    llm.engine.scheduler.block_manager.reset_prefix_cache()
+    pages = pool.allocate(-(-len(prompt) // PAGE))
     try:
-        batch = llm.runner.make_batch([prompt], [len(prompt)], [pages], decode=False)
-        return np.asarray(llm.runner.prefill_step(batch))[0]
+        batch = llm.engine.runner.make_batch([prompt], [len(prompt)], [pages], decode=False)
+        return np.asarray(llm.engine.runner.prefill_step(batch))[0]
     finally:
-        llm.pool.free(pages)
+        pool.free(pages)
 
 
 def test_prefill_logits_match(family):
@@ -60,7 +63,9 @@ def test_greedy_tokens_identical_in_a_batch_and_alone(family):
         assert completion.token_ids == hf_greedy(hf, prompt, 32)
     for prompt, out in zip(ps[::2], batched[::2]):
         assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == out.outputs[0].token_ids
-    assert llm.pool.num_free == llm.cache_config.num_pages
+    bm = llm.engine.scheduler.block_manager
+    bm.check_invariants()
+    assert bm.num_free_pages == bm.num_pages
 
 
 def test_long_prompt_chunked_prefill_matches(family):
@@ -74,8 +79,9 @@ def test_long_prompt_chunked_prefill_matches(family):
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_bfloat16_logits_close(name, tmp_path, tokenizer):
     path = build_tiny_model(name, tmp_path / name, tokenizer=tokenizer)
-    llm = LLM(str(path), dtype="bfloat16", page_size=PAGE, max_num_seqs=2, max_num_batched_tokens=32)
-    assert llm.runner.params["embed_tokens"]["embedding"].get_value().dtype == np.dtype("bfloat16")
+    llm = LLM(str(path), dtype="bfloat16", page_size=PAGE, max_num_seqs=2, max_num_batched_tokens=32,
+              warmup=False)
+    assert llm.engine.runner.params["embed_tokens"]["embedding"].get_value().dtype == np.dtype("bfloat16")
     hf = hf_model(path, torch.float32)
     for prompt in prompts(llm.model_config.vocab_size)[1:3]:
         want = hf_last_logits(hf, prompt)
