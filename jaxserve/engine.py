@@ -17,7 +17,9 @@ from collections.abc import Sequence as Seq
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxserve import compile_counter
 from jaxserve.attention import AttentionBackend
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.engine_config import EngineConfig
@@ -53,6 +55,9 @@ class Engine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        compile_counter.install()
+        # JAX's compilation cache is process-wide: each engine sets it to its own option, on or off.
+        jax.config.update("jax_enable_compilation_cache", bool(config.compilation_cache_dir))
         if config.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -83,7 +88,9 @@ class Engine:
         ))
         self._sample = jax.jit(sample)
         self._reset_rows = jax.jit(PenaltyState.reset_rows)
-        self._penalties = PenaltyState.create(config.max_num_seqs + 1, cfg.vocab_size)
+        # Placed on the mesh up front: the sampler's outputs are, and a differently placed input recompiles.
+        self._penalties = jax.device_put(PenaltyState.create(config.max_num_seqs + 1, cfg.vocab_size),
+                                         NamedSharding(self.mesh, PartitionSpec(None, None)))
         self._free_rows = list(range(config.max_num_seqs, 0, -1))
         self._rows: dict[int, int] = {}  # seq_id -> penalty row
         self._seeds: dict[int, int] = {}  # seq_id -> sequence seed
@@ -173,15 +180,34 @@ class Engine:
         decode = all(len(e.token_ids) == 1 for e in entries)
         batch = self.runner.make_batch([e.token_ids for e in entries], [e.kv_len for e in entries],
                                        [e.page_table for e in entries], decode=decode)
-        logits = self.runner.decode_step(batch) if decode else self.runner.prefill_step(batch)
+        step_out = self.runner.decode_step(batch) if decode else self.runner.prefill_step(batch)
         now = time.monotonic()
         for e in entries:
             req = self._requests.get(e.seq.request_id)
             if req is not None and req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
         rows = [self._penalty_row(e.seq) for e in entries]
+        if not any(rows) and all(_plain_greedy(e.seq) for e in entries):
+            # Greedy batches take the argmax the step already computed: no sampler call at all.
+            tokens = jax.device_get(step_out.greedy_ids)[: len(entries)].tolist()
+            host = None
+        else:
+            tokens, host = self._sample_batch(entries, rows, step_out.logits)
+        result = self.scheduler.update(plan, tokens)
+        self.stats_counters["steps"] += 1
+        logprobs = {}
+        if host is not None and len(host) > 1:
+            for slot, e in enumerate(entries):
+                n = e.seq.sampling_params.logprobs
+                if n is not None and e.needs_sample:
+                    top = {int(i): float(v) for i, v in zip(host[2][slot][:n], host[3][slot][:n])}
+                    logprobs[e.seq.seq_id] = {tokens[slot]: float(host[1][slot]), **top}
+        return self._collect(result.finished, result.updated, logprobs)
+
+    def _sample_batch(self, entries, rows: list[int], logits: jax.Array) -> tuple[list[int], tuple]:
+        """Run the sampler over the step's logits; the one device-to-host copy of the step."""
         tensors = SamplingTensors.build(
-            [e.seq.sampling_params for e in entries], num_slots=batch.max_seqs,
+            [e.seq.sampling_params for e in entries], num_slots=self.config.max_num_seqs,
             seeds=[self._seeds[e.seq.seq_id] for e in entries],
             num_generated=[e.seq.num_output_tokens for e in entries], eos_token_ids=self.eos_token_ids,
             penalty_rows=rows, commit=[e.needs_sample for e in entries], logprobs_mode=self.config.logprobs_mode,
@@ -190,22 +216,11 @@ class Engine:
         out = self._sample(logits, tensors, self._penalties if use_penalties else None)
         if use_penalties:
             self._penalties = out.penalty_state
-        wants_logprobs = tensors.num_top_logprobs > 0 or any(e.seq.sampling_params.logprobs is not None
-                                                              for e in entries)
-        # The one device-to-host copy of the step.
-        host = jax.device_get((out.token_ids, out.logprobs, out.top_ids, out.top_logprobs) if wants_logprobs
-                              else (out.token_ids,))
-        tokens = host[0][: len(entries)].tolist()
-        result = self.scheduler.update(plan, tokens)
-        self.stats_counters["steps"] += 1
-        logprobs = {}
-        if wants_logprobs:
-            for slot, e in enumerate(entries):
-                n = e.seq.sampling_params.logprobs
-                if n is not None and e.needs_sample:
-                    top = {int(i): float(v) for i, v in zip(host[2][slot][:n], host[3][slot][:n])}
-                    logprobs[e.seq.seq_id] = {tokens[slot]: float(host[1][slot]), **top}
-        return self._collect(result.finished, result.updated, logprobs)
+        fetch = (out.token_ids,)
+        if tensors.num_top_logprobs or any(e.seq.sampling_params.logprobs is not None for e in entries):
+            fetch = (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
+        host = jax.device_get(fetch)
+        return host[0][: len(entries)].tolist(), host
 
     def _penalty_row(self, seq: Sequence) -> int:
         p = seq.sampling_params
@@ -219,7 +234,7 @@ class Engine:
             prompt[0, : seq.num_prompt_tokens] = seq.prompt_token_ids
             output = np.full((1, width), -1, np.int32)
             output[0, : seq.num_output_tokens] = seq.output_token_ids
-            self._penalties = self._reset_rows(self._penalties, jnp.array([row], jnp.int32), prompt, output)
+            self._penalties = self._reset_rows(self._penalties, np.array([row], np.int32), prompt, output)
         return row
 
     def _release_row(self, seq: Sequence) -> None:
@@ -291,27 +306,33 @@ class Engine:
     def warmup(self) -> None:
         """Compile every bucket shape of both steps and of the sampler now, so serving never compiles."""
         start = time.perf_counter()
-        shapes = self.runner.warmup()
-        sizes = sorted({s for _, s in shapes})
-        vocab = self.model_config.vocab_size
-        for s in sizes:
-            for k in (0, 1):
-                params = [SamplingParams(temperature=0.0, logprobs=k or None)]
-                for penalties in (None, self._penalties):
-                    t = SamplingTensors.build(params, num_slots=s, seeds=[0], num_generated=[0],
-                                              penalty_rows=[0], logprobs_mode=self.config.logprobs_mode)
-                    jax.block_until_ready(self._sample(jnp.zeros((s, vocab), jnp.float32), t, penalties))
-        width = self.max_model_len
-        pad = np.full((1, width), -1, np.int32)
-        self._penalties = self._reset_rows(self._penalties, jnp.zeros(1, jnp.int32), pad, pad)
-        logger.info("compiled %d step shapes and the sampler in %.1fs", len(shapes), time.perf_counter() - start)
+        logits = self.runner.warmup()
+        # Serving passes the sampler a penalty state produced by jitted code; warm it on one as well.
+        pad = np.full((1, self.max_model_len), -1, np.int32)
+        self._penalties = self._reset_rows(self._penalties, np.zeros(1, np.int32), pad, pad)
+        # The sampler is warmed on the runner's own logits: same shape *and* sharding as when serving.
+        for logprobs in (None, 1):
+            params = [SamplingParams(temperature=1.0, logprobs=logprobs)]
+            tensors = SamplingTensors.build(params, num_slots=self.config.max_num_seqs, seeds=[0], num_generated=[0],
+                                            penalty_rows=[0], logprobs_mode=self.config.logprobs_mode)
+            for penalties in (None, self._penalties):
+                jax.block_until_ready(self._sample(logits, tensors, penalties))
+        logger.info("warm-up compiled the steps and the sampler in %.1fs (%d compilations)",
+                    time.perf_counter() - start, compile_counter.count())
 
-    def num_compiles(self) -> int:
-        """Compiled shapes of the steps and the sampler so far (stays constant after warm-up)."""
-        return self.runner.num_compiles() + self._sample._cache_size() + self._reset_rows._cache_size()
+    @staticmethod
+    def num_compiles() -> int:
+        """XLA compilations in this process so far (constant while serving after warm-up)."""
+        return compile_counter.count()
 
     def stats(self) -> dict[str, float]:
         s = dict(self.scheduler.stats())
         s.update(self.stats_counters)
         s["num_pages"] = self.cache_config.num_pages
         return s
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """True when the argmax of the raw logits is exactly what the sampler would pick and report."""
+    p = seq.sampling_params
+    return p.greedy and p.logprobs is None and seq.num_output_tokens >= p.min_tokens

@@ -7,6 +7,7 @@ donated cache) and returns the logits of every sequence's last new token. Shapes
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 
@@ -32,6 +33,15 @@ def bucket(n: int, minimum: int, maximum: int, growth: int = 2) -> int:
     while size < n:
         size *= growth
     return min(size, maximum)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """What a step returns on device."""
+
+    logits: jax.Array  # f32[max_num_seqs, vocab]  rows past the batch's slots are zero
+    greedy_ids: jax.Array  # i32[S]  argmax of each slot's logits: the whole sampler for greedy batches
 
 
 def _ladder(bucket_of, start: int) -> list[int]:
@@ -68,8 +78,14 @@ class ModelRunner:
         self.kv_cache = init_kv_cache(cfg, cache, dtype, mesh)
         graphdef = self.graphdef
 
+        max_num_seqs = max_num_seqs
+
         def step(params, token_ids, md, kv_cache, logits_indices):
-            return forward(nnx.merge(graphdef, params), token_ids, md, kv_cache, logits_indices, backend)
+            logits, kv_cache = forward(nnx.merge(graphdef, params), token_ids, md, kv_cache, logits_indices, backend)
+            greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            # Padded to max_num_seqs rows so the sampler has one shape whatever the step's bucket.
+            padded = jnp.pad(logits, ((0, max_num_seqs - logits.shape[0]), (0, 0)))
+            return StepOutput(padded, greedy), kv_cache
 
         # Two jit objects so prefill and decode shapes are compiled and cached separately.
         self._prefill = jax.jit(step, donate_argnums=(3,))
@@ -112,18 +128,18 @@ class ModelRunner:
                                pages_per_seq=pages)
 
     # Steps --------------------------------------------------------------------------------------------------
-    def prefill_step(self, batch: StepBatch) -> jax.Array:
-        """Prompt chunks of a ragged batch; returns logits f32[S, vocab] of each sequence's last row."""
+    def prefill_step(self, batch: StepBatch) -> StepOutput:
+        """Prompt chunks of a ragged batch; returns the logits of each sequence's last row and their argmax."""
         return self._run(self._prefill, batch)
 
-    def decode_step(self, batch: StepBatch) -> jax.Array:
-        """One new token per running sequence; returns logits f32[S, vocab]."""
+    def decode_step(self, batch: StepBatch) -> StepOutput:
+        """One new token per running sequence; returns the logits and their argmax."""
         if batch.num_tokens != batch.max_seqs:
             raise ValueError(f"decode batch must have one row per slot, got {batch.num_tokens} rows / "
                              f"{batch.max_seqs} slots")
         return self._run(self._decode, batch)
 
-    def _run(self, fn, batch: StepBatch) -> jax.Array:
+    def _run(self, fn, batch: StepBatch) -> StepOutput:
         if self.debug_checks:
             check_values(batch.num_tokens, self.cache_cfg.num_pages, self.cache_cfg.page_size, batch.kv_lens,
                          batch.page_indices, batch.cu_q_lens, batch.num_seqs)
@@ -131,24 +147,22 @@ class ModelRunner:
             jnp.asarray(batch.cu_q_lens), jnp.asarray(batch.kv_lens), jnp.asarray(batch.page_indices),
             jnp.asarray(batch.num_seqs),
         )
-        logits, self.kv_cache = fn(self.params, jnp.asarray(batch.token_ids), md, self.kv_cache,
+        out, self.kv_cache = fn(self.params, jnp.asarray(batch.token_ids), md, self.kv_cache,
                                    jnp.asarray(batch.logits_indices))
-        return logits
+        return out
 
-    def warmup(self) -> list[tuple[int, int]]:
+    def warmup(self) -> jax.Array:
         """Compile every bucket shape of both steps with all-padding batches (they write nothing).
 
         Returns:
-          The (num_tokens, num_seqs) shapes compiled, for warming the sampler on the same slot counts.
+          Logits as the steps produce them, for warming the sampler on the same shape and sharding.
         """
         prefill = [(t, self.prefill_seqs(t)) for t in self.token_buckets()]
         decode = [(n, n) for n in self.decode_buckets()]
+        logits = None
         for step, shapes in ((self.prefill_step, prefill), (self.decode_step, decode)):
             for (num_tokens, num_seqs), pages in itertools.product(shapes, self.page_buckets()):
                 batch = StepBatch.build([], [], [], num_tokens=num_tokens, max_seqs=num_seqs, pages_per_seq=pages)
-                jax.block_until_ready(step(batch))
-        return prefill + decode
+                logits = jax.block_until_ready(step(batch)).logits
+        return logits
 
-    def num_compiles(self) -> int:
-        """Distinct compiled shapes so far (both steps)."""
-        return self._prefill._cache_size() + self._decode._cache_size()

@@ -65,8 +65,8 @@ def test_sharded_checkpoint_loads_identically(llama, tmp_path):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (sharded / f).write_bytes((llama / f).read_bytes())
     assert (sharded / "model.safetensors.index.json").exists() and len(list(sharded.glob("*.safetensors"))) > 2
-    a = LLM(str(llama), page_size=4, max_num_seqs=1, warmup=False).generate(PROMPT, GREEDY)[0].outputs[0].token_ids
-    b = LLM(str(sharded), page_size=4, max_num_seqs=1, warmup=False).generate(PROMPT, GREEDY)[0].outputs[0].token_ids
+    a = LLM(str(llama), page_size=4, max_num_seqs=1, warmup=False, compilation_cache_dir=None).generate(PROMPT, GREEDY)[0].outputs[0].token_ids
+    b = LLM(str(sharded), page_size=4, max_num_seqs=1, warmup=False, compilation_cache_dir=None).generate(PROMPT, GREEDY)[0].outputs[0].token_ids
     assert a == b == hf_greedy(hf_model(llama), PROMPT, 12)
 
 
@@ -120,10 +120,10 @@ def test_convert_to_orbax_and_load(llama, tmp_path):
     subprocess.run([sys.executable, "scripts/convert_checkpoint.py", str(llama), str(dst)], check=True,
                    cwd=Path(__file__).parents[1])
     assert (dst / "params").is_dir() and not list(dst.glob("*.safetensors"))
-    a = LLM(str(llama), page_size=4, max_num_seqs=1, warmup=False).generate(PROMPT, GREEDY)[0].outputs[0].token_ids
-    llm = LLM(str(dst), page_size=4, max_num_seqs=1, dtype="bfloat16", warmup=False)
+    a = LLM(str(llama), page_size=4, max_num_seqs=1, warmup=False, compilation_cache_dir=None).generate(PROMPT, GREEDY)[0].outputs[0].token_ids
+    llm = LLM(str(dst), page_size=4, max_num_seqs=1, dtype="bfloat16", warmup=False, compilation_cache_dir=None)
     assert llm.engine.runner.params["norm"]["weight"].get_value().dtype == np.dtype("bfloat16")
-    b = LLM(str(dst), page_size=4, max_num_seqs=1, warmup=False).generate(PROMPT, GREEDY)[0].outputs[0].token_ids
+    b = LLM(str(dst), page_size=4, max_num_seqs=1, warmup=False, compilation_cache_dir=None).generate(PROMPT, GREEDY)[0].outputs[0].token_ids
     assert a == b
 
 

@@ -23,7 +23,7 @@ def tokenizer():
 def family(request, tmp_path_factory, tokenizer):
     path = build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), tokenizer=tokenizer)
     llm = LLM(str(path), dtype="float32", page_size=PAGE, max_num_seqs=8, max_num_batched_tokens=32,
-              debug_checks=True, warmup=False)
+              debug_checks=True, warmup=False, compilation_cache_dir=None)
     return request.param, path, llm, hf_model(path)
 
 
@@ -39,7 +39,7 @@ def jax_last_logits(llm: LLM, prompt: list[int]) -> np.ndarray:
     pages = pool.allocate(-(-len(prompt) // PAGE))
     try:
         batch = llm.engine.runner.make_batch([prompt], [len(prompt)], [pages], decode=False)
-        return np.asarray(llm.engine.runner.prefill_step(batch))[0]
+        return np.asarray(llm.engine.runner.prefill_step(batch).logits)[0]
     finally:
         pool.free(pages)
 
@@ -80,7 +80,7 @@ def test_long_prompt_chunked_prefill_matches(family):
 def test_bfloat16_logits_close(name, tmp_path, tokenizer):
     path = build_tiny_model(name, tmp_path / name, tokenizer=tokenizer)
     llm = LLM(str(path), dtype="bfloat16", page_size=PAGE, max_num_seqs=2, max_num_batched_tokens=32,
-              warmup=False)
+              warmup=False, compilation_cache_dir=None)
     assert llm.engine.runner.params["embed_tokens"]["embedding"].get_value().dtype == np.dtype("bfloat16")
     hf = hf_model(path, torch.float32)
     for prompt in prompts(llm.model_config.vocab_size)[1:3]:

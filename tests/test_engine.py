@@ -1,0 +1,180 @@
+"""The continuous-batching engine end to end on a tiny model, against transformers as the oracle."""
+
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine import Engine
+from jaxserve.engine_config import EngineConfig
+from tiny import build_tiny_model, hf_greedy, hf_model, train_tokenizer
+
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model("llama", tmp_path_factory.mktemp("llama"), tokenizer=train_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    return hf_model(model_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tmp_path_factory):
+    """A warmed-up engine with a pool small enough that the random workload must preempt."""
+    return Engine(EngineConfig(model=str(model_dir), page_size=PAGE, num_pages=24, max_model_len=64,
+                               max_num_seqs=8, max_num_batched_tokens=64, debug_checks=True, seed=0,
+                               compilation_cache_dir=None))
+
+
+def run(engine: Engine, arrivals: list[list[tuple[str, list[int], SamplingParams]]]) -> dict:
+    """Feed requests in waves (one wave before each step) and step until everything finishes."""
+    results, step = {}, 0
+    while step < len(arrivals) or engine.has_unfinished():
+        if step < len(arrivals):
+            for rid, prompt, params in arrivals[step]:
+                engine.add_request(rid, prompt, params)
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out
+        engine.scheduler.block_manager.check_invariants()
+        step += 1
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_pages == bm.num_pages, "pages leaked"
+    return results
+
+
+def random_workload(rng, vocab, n=14, shared_prefix_len=9):
+    system = rng.integers(3, vocab, shared_prefix_len).tolist()
+    arrivals = [[] for _ in range(12)]
+    for i in range(n):
+        body = rng.integers(3, vocab, int(rng.integers(1, 30))).tolist()
+        prompt = (system + body) if i % 3 == 0 else body
+        params = SamplingParams(max_tokens=int(rng.integers(1, 24)), temperature=0.0, ignore_eos=True)
+        arrivals[int(rng.integers(0, len(arrivals)))].append((f"r{i}", prompt, params))
+    return arrivals
+
+
+def test_random_arrivals_with_preemption_match_transformers(engine, hf):
+    rng = np.random.default_rng(0)
+    arrivals = random_workload(rng, engine.model_config.vocab_size)
+    preemptions = engine.scheduler.num_preemptions
+    results = run(engine, arrivals)
+    assert engine.scheduler.num_preemptions > preemptions, "the workload should force preemption"
+    for wave in arrivals:
+        for rid, prompt, params in wave:
+            out = results[rid].outputs[0]
+            assert out.token_ids == hf_greedy(hf, prompt, params.max_tokens), rid
+            assert out.finish_reason == "length"
+
+
+def test_nan_poisoned_free_pages_change_nothing(engine):
+    rng = np.random.default_rng(1)
+    arrivals = random_workload(rng, engine.model_config.vocab_size, n=8)
+    clean = run(engine, arrivals)
+    bm = engine.scheduler.block_manager
+    bm.reset_prefix_cache()
+    engine.runner.kv_cache = [(jnp.full_like(k, jnp.nan), jnp.full_like(v, jnp.nan)) for k, v in engine.runner.kv_cache]
+    arrivals = [[(rid + "-again", p, sp) for rid, p, sp in wave] for wave in arrivals]
+    poisoned = run(engine, arrivals)
+    for rid, out in clean.items():
+        assert poisoned[rid + "-again"].outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_no_compiles_after_warmup(engine):
+    compiled = engine.num_compiles()
+    rng = np.random.default_rng(2)
+    arrivals = random_workload(rng, engine.model_config.vocab_size, n=10)
+    arrivals[3].append(("sampled", [5, 6, 7], SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, top_k=20,
+                                                                seed=3, logprobs=2, repetition_penalty=1.3)))
+    run(engine, arrivals)
+    assert engine.num_compiles() == compiled
+
+
+def test_seeded_sampling_independent_of_batch_mates(engine):
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=1234)
+    prompt = [11, 22, 33, 44, 55]
+    alone = run(engine, [[("alone", prompt, params)]])["alone"].outputs[0].token_ids
+    rng = np.random.default_rng(3)
+    mates = [(f"mate{i}", rng.integers(3, 300, 12).tolist(), SamplingParams(max_tokens=7, temperature=0.7,
+                                                                             seed=i)) for i in range(5)]
+    crowded = run(engine, [mates[:3] + [("crowded", prompt, params)] + mates[3:]])
+    assert crowded["crowded"].outputs[0].token_ids == alone
+    other_seed = run(engine, [[("other", prompt, SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95,
+                                                                 seed=99))]])
+    assert other_seed["other"].outputs[0].token_ids != alone
+
+
+def test_top_k_one_equals_greedy(engine):
+    prompt = [9, 8, 7, 6]
+    greedy = run(engine, [[("g", prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))]])
+    topk = run(engine, [[("k", prompt, SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=5,
+                                                       ignore_eos=True))]])
+    assert topk["k"].outputs[0].token_ids == greedy["g"].outputs[0].token_ids
+
+
+def test_n_samples_logprobs_and_metrics(engine):
+    params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=7, logprobs=3, ignore_eos=True)
+    out = run(engine, [[("n3", list(range(3, 23)), params)]])["n3"]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1, "n samples should differ"
+    for o in out.outputs:
+        assert len(o.token_ids) == 6 and len(o.logprobs) == 6
+        for token, lp in zip(o.token_ids, o.logprobs):
+            assert token in lp and len(lp) >= 3 and all(v <= 0.0 for v in lp.values())
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+def test_stop_string_is_removed_and_finishes(engine, hf):
+    prompt = [5, 17, 99, 23]
+    full = run(engine, [[("full", prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))]])
+    text = full["full"].outputs[0].text
+    assert len(text) > 6
+    stop = text[3:6]
+    out = run(engine, [[("stop", prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                        stop=[stop]))]])["stop"].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+
+
+def test_abort_frees_pages_in_any_state(engine):
+    engine.add_request("a", list(range(3, 40)), SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.add_request("b", [4, 5, 6], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.abort_request("a").outputs[0].finish_reason == "abort"
+    assert engine.abort_request("b").finished
+    assert engine.abort_request("missing") is None
+    assert not engine.has_unfinished()
+    bm = engine.scheduler.block_manager
+    bm.check_invariants()
+    assert bm.num_free_pages == bm.num_pages
+
+
+def test_invalid_requests_raise_naming_the_field(engine):
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request(None, [], SamplingParams())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request(None, [1, 10**6], SamplingParams())
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request(None, [1, 2, 3], SamplingParams(max_tokens=62))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1.0)
+    assert not engine.has_unfinished()
+
+
+def test_llm_chat_uses_the_template(model_dir):
+    llm = LLM(str(model_dir), page_size=PAGE, max_num_seqs=2, max_model_len=128, max_num_batched_tokens=64,
+              warmup=False, compilation_cache_dir=None)
+    messages = [{"role": "user", "content": "Hello there"}]
+    ids = llm.apply_chat_template(messages)
+    assert ids == llm.tokenizer.encode("<|user|>Hello there</s><|assistant|>", add_special_tokens=False)
+    chat = llm.chat(messages, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    direct = llm.generate([ids], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    assert chat.prompt_token_ids == ids and chat.outputs[0].token_ids == direct.outputs[0].token_ids
+    assert chat.num_prompt_tokens == len(ids) and chat.num_completion_tokens == 5
