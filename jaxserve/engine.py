@@ -153,6 +153,14 @@ class Engine:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         return text, ids
 
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation formatted with the checkpoint's chat template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish a request with reason "abort" and free its pages now; None if it is not live."""
         req = self._requests.get(request_id)

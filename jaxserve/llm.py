@@ -81,11 +81,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return self.engine.apply_chat_template(messages, add_generation_prompt)
 
     def _run(self, request_ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
         pending, done = set(request_ids), {}

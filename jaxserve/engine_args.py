@@ -1,0 +1,64 @@
+"""Command-line flags for every ``EngineConfig`` field, shared by the server and the scripts.
+
+Flag names are the field names with dashes (``max_num_seqs`` -> ``--max-num-seqs``), as in vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from jaxserve.engine_config import EngineConfig
+
+HELP = {
+    "model": "Hugging Face folder, orbax folder from scripts/convert_checkpoint.py, or hub id "
+             "(default: the built-in demo model, random weights)",
+    "tokenizer": "tokenizer folder or hub id, if not the model's",
+    "dtype": "weights and KV cache dtype: auto (the checkpoint's), float32, bfloat16 or float16",
+    "page_size": "tokens per KV-cache page",
+    "num_pages": "KV-cache pages in the pool (default: sized from --hbm-utilization, or --cpu-kv-cache-gib on CPU)",
+    "hbm_utilization": "fraction of free accelerator memory the KV cache may take when --num-pages is not given",
+    "cpu_kv_cache_gib": "KV-cache size in GiB on CPU when --num-pages is not given",
+    "max_model_len": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
+    "max_num_seqs": "sequences processed together in one step",
+    "max_num_batched_tokens": "tokens per step (prompt chunks plus decodes); longer prompts are chunked",
+    "enable_prefix_caching": "reuse the KV pages of repeated prompt prefixes",
+    "enable_chunked_prefill": "split long prompts across steps so running sequences keep decoding",
+    "max_waiting_requests": "queued requests beyond which new ones are refused as overloaded (default: no limit)",
+    "compilation_cache_dir": "directory of the persistent XLA compilation cache ('' to disable)",
+    "attention_backend": "ragged paged attention implementation: auto, reference, pallas_tpu or pallas_gpu",
+    "mesh": "device mesh, e.g. 'tensor=4' or 'data=2,tensor=4' (default: one device)",
+    "seed": "engine seed for requests that give none",
+    "warmup": "compile every bucket shape at start-up so serving never compiles",
+    "debug_checks": "check every batch's page ids and lengths on the host before it runs",
+    "logprobs_mode": "logprobs of the 'processed' distribution tokens are drawn from, or of the 'raw' logits",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+    """Add one flag per EngineConfig field (defaults from the dataclass)."""
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig)
+    defaults = EngineConfig(warmup=False)
+    for field in dataclasses.fields(EngineConfig):
+        if field.name in skip:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        default = getattr(defaults, field.name) if field.name != "warmup" else True
+        kind = hints[field.name]
+        help_text = f"{HELP[field.name]} (default: {default})"
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            continue
+        base = next((t for t in typing.get_args(kind) if t is not type(None)), kind) if typing.get_args(kind) else kind
+        group.add_argument(flag, type=base, default=default, help=help_text)
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    """An EngineConfig from parsed flags (ValueError, naming the option, if a value is invalid)."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    if values.get("compilation_cache_dir") == "":
+        values["compilation_cache_dir"] = None
+    values.update(overrides)
+    return EngineConfig(**values)
