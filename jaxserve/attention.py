@@ -10,7 +10,7 @@ import dataclasses
 
 import jax
 
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_kv
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_auto, write_kv
 
 
 @jax.tree_util.register_dataclass
@@ -32,6 +32,7 @@ class AttentionBackend:
     """A hashable choice of attention implementation, passed to the compiled steps as a static argument."""
 
     name: str = "reference"
+    decode: bool = False  # every sequence has one new token (the decode step's batches)
 
     def __post_init__(self):
         if self.name not in BACKENDS:
@@ -60,7 +61,8 @@ class AttentionBackend:
         """Write this step's K/V, then attend. Returns (out [T, num_q_heads, head_dim], k_pages, v_pages)."""
         meta = (md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, *meta)
-        out = ragged_paged_attention(
-            q, k_pages, v_pages, *meta, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
-        )
+        # Decode rows each belong to their own sequence, so the per-row reference reads exactly what is needed;
+        # prefill batches gather each sequence's pages once when they hold few sequences.
+        attend = ragged_paged_attention if self.decode else ragged_paged_attention_auto
+        out = attend(q, k_pages, v_pages, *meta, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
         return out, k_pages, v_pages

@@ -80,16 +80,19 @@ class ModelRunner:
 
         max_num_seqs = max_num_seqs
 
-        def step(params, token_ids, md, kv_cache, logits_indices):
-            logits, kv_cache = forward(nnx.merge(graphdef, params), token_ids, md, kv_cache, logits_indices, backend)
-            greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            # Padded to max_num_seqs rows so the sampler has one shape whatever the step's bucket.
-            padded = jnp.pad(logits, ((0, max_num_seqs - logits.shape[0]), (0, 0)))
-            return StepOutput(padded, greedy), kv_cache
+        def make_step(attention: AttentionBackend):
+            def step(params, token_ids, md, kv_cache, logits_indices):
+                model = nnx.merge(graphdef, params)
+                logits, kv_cache = forward(model, token_ids, md, kv_cache, logits_indices, attention)
+                greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+                # Padded to max_num_seqs rows so the sampler has one shape whatever the step's bucket.
+                padded = jnp.pad(logits, ((0, max_num_seqs - logits.shape[0]), (0, 0)))
+                return StepOutput(padded, greedy), kv_cache
 
-        # Two jit objects so prefill and decode shapes are compiled and cached separately.
-        self._prefill = jax.jit(step, donate_argnums=(3,))
-        self._decode = jax.jit(step, donate_argnums=(3,))
+            return jax.jit(step, donate_argnums=(3,))
+
+        self._prefill = make_step(backend)
+        self._decode = make_step(dataclasses.replace(backend, decode=True))
 
     # Shapes -------------------------------------------------------------------------------------------------
     def token_bucket(self, n: int) -> int:

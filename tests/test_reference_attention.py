@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ragged_paged_attention import check_values, ragged_paged_attention, write_kv
+from pallas_kernels.ragged_paged_attention import (check_values, ragged_paged_attention, ragged_paged_attention_auto,
+                                                  ragged_paged_attention_sequence_loop, write_kv)
 
 
 def dense_attention(q, k, v, scale, window=None, soft_cap=None):
@@ -112,3 +113,14 @@ def test_check_values_rejects_foreign_pages_and_overlong_kv():
     bad["kv_lens"][1] = 100
     with pytest.raises(ValueError, match="kv_len=100"):
         check_values(*args(bad))
+
+
+@pytest.mark.parametrize("fn", [ragged_paged_attention_sequence_loop, ragged_paged_attention_auto])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (5, 2.0)])
+def test_sequence_loop_matches_reference(fn, window, soft_cap):
+    rng = np.random.default_rng(3)
+    case, _, _ = make_case(rng, [1, 5, 1, 4, 8, 1, 3], [1, 5, 9, 8, 17, 4, 12])
+    args = {k: jnp.asarray(v) for k, v in case.items()}
+    want = np.asarray(ragged_paged_attention(**args, sm_scale=0.3, sliding_window=window, soft_cap=soft_cap))
+    got = np.asarray(fn(**args, sm_scale=0.3, sliding_window=window, soft_cap=soft_cap))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
