@@ -83,7 +83,7 @@ def test_page_runs_rebuild_every_slot():
 
 def test_block_size_table_default_and_override():
     hit = get_block_sizes("tpu", 128, 16, jnp.bfloat16, "decode")
-    assert hit == BlockSizes(block_q=16, block_kv=256)
+    assert hit == BlockSizes(block_q=1, block_kv=256, kv_heads_per_block=8)
     miss = get_block_sizes("tpu", 96, 48, jnp.float32, "prefill")
     assert miss.block_kv % 48 == 0
     assert get_block_sizes("gpu", 128, 16, jnp.bfloat16, "decode", {"num_splits": 8}).num_splits == 8
@@ -100,3 +100,21 @@ def test_check_batch_accepts_a_valid_batch():
     batch, _, _ = build_batch(rng, [3, 0, 1], [7, 2, 9])
     check_batch(batch["q"].shape[0], batch["k_pages"].shape, batch["kv_lens"], batch["page_indices"],
                 batch["cu_q_lens"], batch["num_seqs"])
+
+
+def test_kernels_adapt_table_entries_to_the_call():
+    from pallas_kernels.ragged_paged_attention import gpu, tpu
+
+    pages = (8, 1024, 16, 128)
+    # TPU decode: the fewest rows that fill whole bf16 sublane tiles, all 8 KV heads per DMA.
+    for group, block_q in ((1, 16), (2, 8), (4, 4), (8, 2)):
+        sizes = tpu.resolve_block_sizes((64, 8 * group, 128), pages, jnp.bfloat16, num_slots=64)
+        assert (sizes.block_q, sizes.kv_heads_per_block) == (block_q, 8)
+    # A head block that does not divide num_kv_heads falls back to a divisor.
+    sizes = tpu.resolve_block_sizes((64, 12, 128), (6, 1024, 16, 128), jnp.bfloat16, num_slots=64)
+    assert sizes.kv_heads_per_block == 6
+    # Prefill rows are capped unless block_q is given explicitly.
+    assert tpu.resolve_block_sizes((4096, 64, 128), pages, jnp.bfloat16, num_slots=8).block_q * 8 <= 512
+    assert tpu.resolve_block_sizes((4096, 64, 128), pages, jnp.bfloat16, num_slots=8, override={"block_q": 256}
+                                   ).block_q == 256
+    assert gpu.resolve_block_sizes((4096, 64, 128), pages, jnp.bfloat16, 8, 64).block_q * 8 <= 128

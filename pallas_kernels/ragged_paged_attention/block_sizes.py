@@ -44,29 +44,36 @@ class BlockSizes:
         return dataclasses.replace(self, **changes)
 
 
-# TPU: block_q * group must be a multiple of 8 (fp32) / 16 (bf16) sublanes, which the kernel enforces by rounding
-# block_q up; block_kv >= 128 keeps the score tile lane-dense.
+# TPU: the matmul rows are block_q * group, rounded up by the kernel to whole sublane tiles (8 fp32 / 16 bf16
+# rows) and capped at TPU_MAX_ROWS. Decode uses block_q=1, i.e. the fewest rows that tile: a decode block mixes
+# sequences, and every sequence's KV blocks run the softmax over all rows of the block, so extra rows are
+# wasted VPU work. Decode moves all KV heads with one DMA per page (fewer, larger DMAs and fewer grid steps,
+# whose first DMA is not overlapped). block_kv >= 128 keeps the score tile lane-dense.
+TPU_MAX_ROWS = 512
 TPU_BLOCK_SIZES: dict[tuple[int, int, str, Mode], BlockSizes] = {
-    (64, 16, "bfloat16", "decode"): BlockSizes(block_q=16, block_kv=256, kv_heads_per_block=1),
-    (64, 16, "bfloat16", "prefill"): BlockSizes(block_q=128, block_kv=256, kv_heads_per_block=1),
-    (128, 16, "bfloat16", "decode"): BlockSizes(block_q=16, block_kv=256, kv_heads_per_block=1),
-    (128, 16, "bfloat16", "prefill"): BlockSizes(block_q=128, block_kv=256, kv_heads_per_block=1),
-    (128, 32, "bfloat16", "decode"): BlockSizes(block_q=16, block_kv=512, kv_heads_per_block=1),
-    (128, 32, "bfloat16", "prefill"): BlockSizes(block_q=128, block_kv=512, kv_heads_per_block=1),
-    (128, 16, "float32", "decode"): BlockSizes(block_q=8, block_kv=128, kv_heads_per_block=1),
-    (128, 16, "float32", "prefill"): BlockSizes(block_q=64, block_kv=128, kv_heads_per_block=1),
+    (64, 16, "bfloat16", "decode"): BlockSizes(block_q=1, block_kv=256, kv_heads_per_block=8),
+    (64, 16, "bfloat16", "prefill"): BlockSizes(block_q=64, block_kv=256, kv_heads_per_block=1),
+    (128, 16, "bfloat16", "decode"): BlockSizes(block_q=1, block_kv=256, kv_heads_per_block=8),
+    (128, 16, "bfloat16", "prefill"): BlockSizes(block_q=64, block_kv=256, kv_heads_per_block=1),
+    (128, 32, "bfloat16", "decode"): BlockSizes(block_q=1, block_kv=512, kv_heads_per_block=8),
+    (128, 32, "bfloat16", "prefill"): BlockSizes(block_q=64, block_kv=512, kv_heads_per_block=1),
+    (128, 16, "float32", "decode"): BlockSizes(block_q=1, block_kv=128, kv_heads_per_block=8),
+    (128, 16, "float32", "prefill"): BlockSizes(block_q=32, block_kv=128, kv_heads_per_block=1),
 }
-TPU_DEFAULT = {"decode": BlockSizes(block_q=16, block_kv=128), "prefill": BlockSizes(block_q=64, block_kv=128)}
+TPU_DEFAULT = {"decode": BlockSizes(block_q=1, block_kv=128, kv_heads_per_block=8),
+               "prefill": BlockSizes(block_q=64, block_kv=128)}
 
-# GPU: decode tiles hold one token (its query heads fill the MMA rows) and split the KV length; prefill tiles
-# hold 32-64 tokens and need no split.
+# GPU: the MMA rows are block_q * group, padded to a power of two >= 16 and capped at GPU_MAX_ROWS (the fp32
+# accumulator lives in registers). Decode tiles hold one token, whose query heads fill the rows, and split the
+# KV length; prefill tiles hold several tokens and need no split.
+GPU_MAX_ROWS = 128
 GPU_BLOCK_SIZES: dict[tuple[int, int, str, Mode], BlockSizes] = {
     (64, 16, "bfloat16", "decode"): BlockSizes(block_q=1, block_kv=64, num_warps=4, num_stages=2),
     (64, 16, "bfloat16", "prefill"): BlockSizes(block_q=64, block_kv=64, num_warps=4, num_stages=2),
     (128, 16, "bfloat16", "decode"): BlockSizes(block_q=1, block_kv=64, num_warps=4, num_stages=2),
-    (128, 16, "bfloat16", "prefill"): BlockSizes(block_q=32, block_kv=64, num_warps=4, num_stages=2),
+    (128, 16, "bfloat16", "prefill"): BlockSizes(block_q=32, block_kv=64, num_warps=8, num_stages=2),
     (128, 32, "bfloat16", "decode"): BlockSizes(block_q=1, block_kv=128, num_warps=4, num_stages=2),
-    (128, 32, "bfloat16", "prefill"): BlockSizes(block_q=32, block_kv=64, num_warps=4, num_stages=2),
+    (128, 32, "bfloat16", "prefill"): BlockSizes(block_q=32, block_kv=64, num_warps=8, num_stages=2),
     (128, 16, "float32", "decode"): BlockSizes(block_q=1, block_kv=32, num_warps=4, num_stages=2),
     (128, 16, "float32", "prefill"): BlockSizes(block_q=16, block_kv=32, num_warps=4, num_stages=2),
 }
@@ -88,7 +95,11 @@ def get_block_sizes(
     mode: Mode,
     override: BlockSizes | Mapping[str, int] | None = None,
 ) -> BlockSizes:
-    """The table entry (or the backend default), with any fields of ``override`` replacing it."""
+    """The table entry (or the backend default), with any fields of ``override`` replacing it.
+
+    The kernels then adapt the entry to the call (sublane rounding, row caps, divisors of num_kv_heads); fields
+    given in ``override`` are only rounded where the hardware requires it.
+    """
     table, default = _TABLES[backend]
     sizes = table.get((head_dim, page_size, jnp.dtype(dtype).name, mode), default[mode])
     if backend == "tpu" and sizes.block_kv % page_size:
@@ -108,9 +119,9 @@ def candidates(backend: Backend, head_dim: int, page_size: int, dtype, mode: Mod
     """The block sizes a tuning sweep tries for one table key (the current entry first)."""
     base = get_block_sizes(backend, head_dim, page_size, dtype, mode)
     if backend == "tpu":
-        qs = [8, 16, 32] if mode == "decode" else [32, 64, 128, 256]
+        qs = [1, 2, 4, 8] if mode == "decode" else [16, 32, 64, 128]
         kvs = sorted({page_size * n for n in (4, 8, 16, 32) if page_size * n >= 64})
-        heads = [1, 2, 4]
+        heads = [1, 2, 4, 8]
         grid = [BlockSizes(q, kv, h) for q, kv, h in itertools.product(qs, kvs, heads)]
     else:
         qs = [1, 2, 4] if mode == "decode" else [16, 32, 64]

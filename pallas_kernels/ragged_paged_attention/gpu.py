@@ -39,7 +39,8 @@ try:  # Deprecated from jax 0.11, to be removed later.
 except ImportError:  # pragma: no cover - depends on the jax release
     plgpu = None
 
-from pallas_kernels.ragged_paged_attention.block_sizes import BlockSizes, get_block_sizes, mode_for
+from pallas_kernels.ragged_paged_attention.block_sizes import (
+    GPU_MAX_ROWS, BlockSizes, get_block_sizes, mode_for)
 from pallas_kernels.ragged_paged_attention.metadata import check_shapes
 from pallas_kernels.ragged_paged_attention.schedule import q_tiles
 from pallas_kernels.ragged_paged_attention.validation import maybe_check_batch
@@ -167,10 +168,15 @@ def _merge_splits(
 
 
 def resolve_block_sizes(q_shape, k_pages_shape, dtype, num_slots, pages_per_seq, override=None) -> BlockSizes:
-    """Table entry for this call with ``num_splits`` fixed: 1 for prefill, else enough to fill the GPU."""
+    """Table entry for this call with (unless overridden) block_q*group capped at GPU_MAX_ROWS and
+    ``num_splits`` fixed: enough splits to fill the GPU when the grid is small (decode), else 1."""
     num_tokens, num_q_heads, head_dim = q_shape
     num_kv_heads, _, page_size, _ = k_pages_shape
     sizes = get_block_sizes("gpu", head_dim, page_size, dtype, mode_for(num_tokens, num_slots), override)
+    explicit = set(override or ()) if not isinstance(override, BlockSizes) else {"block_q"}
+    if "block_q" not in explicit:
+        group = num_q_heads // num_kv_heads
+        sizes = sizes.replace(block_q=min(sizes.block_q, max(1, GPU_MAX_ROWS // group)))
     bkv = sizes.block_kv
     if bkv < 16 or bkv & (bkv - 1):
         raise ValueError(f"GPU block_kv must be a power of two >= 16, got {bkv}")

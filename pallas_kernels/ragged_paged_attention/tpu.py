@@ -42,7 +42,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.ragged_paged_attention.block_sizes import BlockSizes, get_block_sizes, mode_for
+from pallas_kernels.ragged_paged_attention.block_sizes import (
+    TPU_MAX_ROWS, BlockSizes, get_block_sizes, mode_for)
 from pallas_kernels.ragged_paged_attention.metadata import check_shapes
 from pallas_kernels.ragged_paged_attention.schedule import q_block_work
 from pallas_kernels.ragged_paged_attention.validation import maybe_check_batch
@@ -144,7 +145,8 @@ def _kernel(
         fetched = (key_col >= lo) & (key_col <= hi)
         for i in range(heads_per_block):
             k = k_buf[slot, i]
-            v = jnp.where(fetched, v_buf[slot, i], jnp.zeros((), v_buf.dtype))
+            # Select in fp32: not every TPU generation has bf16 VPU ops.
+            v = jnp.where(fetched, v_buf[slot, i].astype(jnp.float32), 0.0).astype(v_buf.dtype)
             q = q_ref[i].astype(k.dtype)
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * sm_scale
             if soft_cap is not None:
@@ -207,18 +209,24 @@ def _sublanes(dtype) -> int:
 
 
 def resolve_block_sizes(q_shape, k_pages_shape, dtype, num_slots, override=None) -> BlockSizes:
-    """Table entry for this call, adjusted to the TPU tiling rules (block_q*group on whole sublane tiles)."""
+    """Table entry for this call, adapted to the TPU: block_q*group on whole sublane tiles and (unless
+    block_q is overridden) at most TPU_MAX_ROWS rows; kv_heads_per_block a divisor of num_kv_heads."""
     num_tokens, num_q_heads, head_dim = q_shape
     num_kv_heads, _, page_size, _ = k_pages_shape
     group = num_q_heads // num_kv_heads
     sizes = get_block_sizes("tpu", head_dim, page_size, dtype, mode_for(num_tokens, num_slots), override)
-    sub = _sublanes(dtype)
+    explicit = set(override or ()) if not isinstance(override, BlockSizes) else {"block_q", "kv_heads_per_block"}
     block_q = sizes.block_q
+    if block_q < 1:
+        raise ValueError(f"block_q must be >= 1, got {block_q}")
+    if "block_q" not in explicit:
+        block_q = min(block_q, max(1, TPU_MAX_ROWS // group))
+    sub = _sublanes(dtype)
     while (block_q * group) % sub:
         block_q += 1
-    heads = sizes.kv_heads_per_block
-    if num_kv_heads % heads:
-        heads = 1
+    heads = min(max(1, sizes.kv_heads_per_block), num_kv_heads)
+    while num_kv_heads % heads:
+        heads -= 1
     if sizes.block_kv % page_size or sizes.block_kv <= 0:
         raise ValueError(f"TPU block_kv={sizes.block_kv} must be a positive multiple of page_size={page_size}")
     return sizes.replace(block_q=block_q, kv_heads_per_block=heads)
