@@ -118,3 +118,39 @@ def test_kernels_adapt_table_entries_to_the_call():
     assert tpu.resolve_block_sizes((4096, 64, 128), pages, jnp.bfloat16, num_slots=8, override={"block_q": 256}
                                    ).block_q == 256
     assert gpu.resolve_block_sizes((4096, 64, 128), pages, jnp.bfloat16, 8, 64).block_q * 8 <= 128
+
+
+def plan_chunks(src, slot, size, page_size, word):
+    """The TPU write kernel's chunking, in Python: largest power of two whose start is aligned on both sides."""
+    from pallas_kernels.kv_cache_update.staging import ROW_TILE
+
+    chunks, done = [], 0
+    sizes = [word * 2**k for k in range(8) if word * 2**k <= page_size]
+    while done < size:
+        fits = lambda o, c: word == 1 or o % min(c, ROW_TILE) == 0
+        c = max(c for c in sizes if c <= size - done and fits(src + done, c) and fits(slot + done, c))
+        chunks.append(c)
+        done += c
+    return chunks
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_staged_runs_copy_pages_in_few_aligned_chunks(dtype):
+    """Staging keeps a long run's source congruent to its slot, so a full bf16 page is one DMA, not 8 pairs."""
+    from pallas_kernels.kv_cache_update.staging import rows_per_word, staged_runs
+
+    rng = np.random.default_rng(6)
+    page_size = 16
+    batch, _, _ = build_batch(rng, [1, 32, 13, 1, 20], [9, 32, 16, 30, 37], page_size=page_size, dtype=dtype)
+    args = {k: jnp.asarray(v) for k, v in batch.items()}
+    new_k, new_v = args["q"][:, :2], args["q"][:, :2]  # [T, KVH=2, D]
+    runs, staged_k, _ = jax.jit(staged_runs)(args["k_pages"], args["v_pages"], new_k, new_v,
+                                             *[args[n] for n in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")])
+    src, _, slot, size = map(np.asarray, runs)
+    word = rows_per_word(dtype)
+    assert staged_k.shape[1] <= 3 * batch["q"].shape[0] + 8
+    plans = [plan_chunks(s, o, n, page_size, word) for s, o, n in zip(src, slot, size) if n]
+    assert len(plans) == 7  # decode rows 2, 32 rows on 2 pages, 13 on 1, 20 on 2
+    assert plans.count([16]) >= 2  # the full pages (bf16 also widens slots 1..15 to a full page)
+    assert all(len(p) <= 4 for p in plans)
+    assert [word] in plans  # a decode row: one word
