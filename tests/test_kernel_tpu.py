@@ -163,3 +163,23 @@ def test_lowers_to_mosaic_at_serving_shapes(window, soft_cap):
     write_shapes = (shapes[1], shapes[2], sds((256, 8, 128), bf16), sds((256, 8, 128), bf16), *shapes[3:])
     assert "tpu_custom_call" in jax.jit(write_kv_tpu).trace(*write_shapes).lower(
         lowering_platforms=("tpu",)).as_text()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_compiles_with_mosaic_for_v5e(dtype):
+    """The real Mosaic compiler (libtpu, compile-only: no TPU needed) accepts both kernels. Skipped without
+    libtpu; scripts/compile_tpu_kernels.py covers more generations and shapes."""
+    pytest.importorskip("libtpu")
+    from jax.experimental import topologies
+    from jax.sharding import SingleDeviceSharding
+
+    device = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[0]
+    sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=SingleDeviceSharding(device))
+    pool = sds((8, 256, 16, 128), dtype)
+    for tokens, slots in ((8, 8), (256, 8)):
+        meta = (sds((slots,), jnp.int32), sds((slots, 32), jnp.int32), sds((slots + 1,), jnp.int32),
+                sds((1,), jnp.int32))
+        attend = jax.jit(lambda *a: ragged_paged_attention_tpu(*a, sm_scale=0.088, sliding_window=128, soft_cap=30.0))
+        attend.trace(sds((tokens, 32, 128), dtype), pool, pool, *meta).lower().compile()
+        new = sds((tokens, 8, 128), dtype)
+        jax.jit(write_kv_tpu).trace(pool, pool, new, new, *meta).lower().compile()

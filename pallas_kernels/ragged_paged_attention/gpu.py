@@ -41,6 +41,7 @@ except ImportError:  # pragma: no cover - depends on the jax release
 
 from pallas_kernels.ragged_paged_attention.block_sizes import (
     GPU_MAX_ROWS, BlockSizes, get_block_sizes, mode_for)
+from pallas_kernels.ragged_paged_attention.kernel_ops import div_by, matmul, rem_by
 from pallas_kernels.ragged_paged_attention.metadata import check_shapes
 from pallas_kernels.ragged_paged_attention.schedule import q_tiles
 from pallas_kernels.ragged_paged_attention.validation import maybe_check_batch
@@ -50,17 +51,6 @@ _TARGET_PROGRAMS = 4 * 132
 _MAX_SPLITS = 32
 
 
-def _div_by(x: jax.Array, d: int) -> jax.Array:
-    """x // d for non-negative ints without jnp's floor-division sign fix-ups."""
-    if d & (d - 1) == 0:
-        return lax.shift_right_logical(x, jnp.int32(d.bit_length() - 1))
-    return lax.div(x, jnp.int32(d))
-
-
-def _rem_by(x: jax.Array, d: int) -> jax.Array:
-    if d & (d - 1) == 0:
-        return x & jnp.int32(d - 1)
-    return lax.rem(x, jnp.int32(d))
 
 
 def _kernel(
@@ -92,20 +82,20 @@ def _kernel(
     seq = jnp.maximum(seq, 0)
 
     r = lax.broadcasted_iota(jnp.int32, (rows,), 0)
-    token_in_tile = _div_by(r, group)
+    token_in_tile = div_by(r, group)
     row_ok = token_in_tile < n
     # Masked rows keep their natural (distinct, possibly out-of-range) index: a masked access never happens on
     # the GPU, and in the interpreter a masked scatter writes back what it read, which is only harmless if no
     # two rows of one store share an index.
-    flat_row = (row0 + token_in_tile) * num_q_heads + kv_head * group + _rem_by(r, group)
+    flat_row = (row0 + token_in_tile) * num_q_heads + kv_head * group + rem_by(r, group)
 
     base = kv_lens_ref[seq] - cu_q_lens_ref[seq + 1]  # position of query row t is base + t
     pos = base + row0 + token_in_tile
     hi = base + row0 + n - 1
     lo = jnp.int32(0) if sliding_window is None else jnp.maximum(base + row0 - sliding_window + 1, 0)
-    first_block = _div_by(lo, block_kv)
-    num_blocks = jnp.where(live, _div_by(jnp.maximum(hi, 0), block_kv) - first_block + 1, 0)
-    per_split = _div_by(num_blocks + (num_splits - 1), num_splits)
+    first_block = div_by(lo, block_kv)
+    num_blocks = jnp.where(live, div_by(jnp.maximum(hi, 0), block_kv) - first_block + 1, 0)
+    per_split = div_by(num_blocks + (num_splits - 1), num_splits)
     b_begin = first_block + split * per_split
     b_end = jnp.minimum(first_block + num_blocks, b_begin + per_split)
 
@@ -120,11 +110,11 @@ def _kernel(
         acc, m, l = carry
         key = b * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
         key_ok = (key >= lo) & (key <= hi)
-        page = plgpu.load(pages_ref.at[seq * pages_per_seq + _div_by(key, page_size)], mask=key_ok, other=0)
-        slot = (kv_base + page) * page_size + _rem_by(key, page_size)
+        page = plgpu.load(pages_ref.at[seq * pages_per_seq + div_by(key, page_size)], mask=key_ok, other=0)
+        slot = (kv_base + page) * page_size + rem_by(key, page_size)
         k = plgpu.load(k_ref.at[slot[:, None], lanes], mask=key_ok[:, None], other=0.0)
         v = plgpu.load(v_ref.at[slot[:, None], lanes], mask=key_ok[:, None], other=0.0)
-        s = lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        s = matmul(q.astype(k.dtype), k, transpose_b=True)
         s = s * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -137,7 +127,7 @@ def _kernel(
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
         p = jnp.exp(s - m_safe[:, None])
         alpha = jnp.exp(m - m_safe)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        pv = matmul(p.astype(v.dtype), v)
         return alpha[:, None] * acc + pv, m_next, alpha * l + jnp.sum(p, axis=1)
 
     init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),

@@ -44,18 +44,13 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.ragged_paged_attention.block_sizes import (
     TPU_MAX_ROWS, BlockSizes, get_block_sizes, mode_for)
+from pallas_kernels.ragged_paged_attention.kernel_ops import div_by, matmul
 from pallas_kernels.ragged_paged_attention.metadata import check_shapes
 from pallas_kernels.ragged_paged_attention.schedule import q_block_work
 from pallas_kernels.ragged_paged_attention.validation import maybe_check_batch
 
 _LANES = 128
 
-
-def _div_by(x: jax.Array, d: int) -> jax.Array:
-    """x // d for non-negative ints (scalars or vectors) without jnp's floor-division sign fix-ups."""
-    if d & (d - 1) == 0:
-        return lax.shift_right_logical(x, jnp.int32(d.bit_length() - 1))
-    return lax.div(x, jnp.int32(d))
 
 
 def _kernel(
@@ -108,7 +103,7 @@ def _kernel(
         copies = []
         for j in range(pages_per_block):
             p = kv_block * pages_per_block + j
-            needed = (p >= _div_by(lo, page_size)) & (p <= _div_by(hi, page_size))
+            needed = (p >= div_by(lo, page_size)) & (p <= div_by(hi, page_size))
             page = pages_ref[seq * pages_per_seq + jnp.minimum(p, pages_per_seq - 1)]
             src = (pl.ds(head0, heads_per_block), page)
             dst = (slot, slice(None), pl.ds(j * page_size, page_size))
@@ -134,7 +129,7 @@ def _kernel(
                 v_copy.wait()
 
     def attend(kv_block, slot, r0, r1, base, lo, hi):
-        token = first_row + _div_by(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group)
+        token = first_row + div_by(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group)
         pos = base + token
         key = kv_block * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
         visible = (token >= r0) & (token < r1) & (key <= pos)
@@ -148,7 +143,7 @@ def _kernel(
             # Select in fp32: not every TPU generation has bf16 VPU ops.
             v = jnp.where(fetched, v_buf[slot, i].astype(jnp.float32), 0.0).astype(v_buf.dtype)
             q = q_ref[i].astype(k.dtype)
-            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * sm_scale
+            s = matmul(q, k, transpose_b=True) * sm_scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             s = jnp.where(visible, s, -jnp.inf)
@@ -159,7 +154,7 @@ def _kernel(
             p = jnp.exp(s - m_safe)
             alpha = jnp.exp(m_prev - m_safe)
             l_next = alpha * l_ref[i][:, :1] + jnp.sum(p, axis=1, keepdims=True)
-            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            pv = matmul(p.astype(v.dtype), v)
             acc_ref[i] = alpha * acc_ref[i] + pv
             m_ref[i] = jnp.broadcast_to(m_next, (rows, _LANES))
             l_ref[i] = jnp.broadcast_to(l_next, (rows, _LANES))
@@ -172,7 +167,7 @@ def _kernel(
     w_end = block_start_ref[q_block + 1]
     first_seq = work_seq_ref[jnp.minimum(w_begin, max_work - 1)]
     _, _, _, first_lo, first_hi = span(first_seq)
-    first_kv_block = _div_by(first_lo, block_kv)
+    first_kv_block = div_by(first_lo, block_kv)
 
     @pl.when(w_begin < w_end)
     def _():
@@ -182,11 +177,11 @@ def _kernel(
         w, kv_block, slot = carry
         seq = work_seq_ref[w]
         r0, r1, base, lo, hi = span(seq)
-        last = kv_block == _div_by(hi, block_kv)
+        last = kv_block == div_by(hi, block_kv)
         next_w = jnp.where(last, w + 1, w)
         next_seq = work_seq_ref[jnp.minimum(next_w, max_work - 1)]
         _, _, _, next_lo, next_hi = span(next_seq)
-        next_kv_block = jnp.where(last, _div_by(next_lo, block_kv), kv_block + 1)
+        next_kv_block = jnp.where(last, div_by(next_lo, block_kv), kv_block + 1)
 
         @pl.when(next_w < w_end)
         def _():
