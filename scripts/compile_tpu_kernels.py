@@ -58,8 +58,8 @@ def main() -> None:
                 new = sds((tokens, 8, head_dim), dtype)
                 for name, fn, operands in (("attention", attend, (q, pool, pool, *meta)),
                                            ("write_kv", jax.jit(write_kv_tpu), (pool, pool, new, new, *meta))):
-                    label = f"{device.device_kind:12s} {name:9s} {dtype:8s} page {page_size:3d} head_dim {head_dim:3d}" \
-                            f" T={tokens} S={slots} group={group}"
+                    label = (f"{device.device_kind:12s} {name:9s} {dtype:8s} page {page_size:3d} "
+                             f"head_dim {head_dim:3d} T={tokens} S={slots} group={group}")
                     try:
                         fn.trace(*operands).lower().compile()
                         print(f"{label}: ok", flush=True)

@@ -52,7 +52,7 @@ def staged_runs(
       ``slot``; unused runs have size 0), staged_k [KVH, R, D], staged_v [KVH, R, D].
     """
     num_tokens = new_k.shape[0]
-    num_kv_heads, _, page_size, head_dim = k_pages.shape
+    page_size = k_pages.shape[2]
     word = rows_per_word(k_pages.dtype)
     row, page, offset, length = page_runs(kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens, page_size)
     new_k = new_k.astype(k_pages.dtype)
@@ -92,6 +92,5 @@ def staged_runs(
         current = pages[:, page[run], cache_slot]  # the widening rows keep the page's contents
         return jnp.where(is_new[None, :, None], fresh, jnp.where(used[None, :, None], current, 0))
 
-    del head_dim, num_kv_heads
     return (src_row.astype(jnp.int32), page, a0.astype(jnp.int32), size.astype(jnp.int32)), \
         stage(k_pages, new_k), stage(v_pages, new_v)

@@ -124,9 +124,11 @@ def candidates(backend: Backend, head_dim: int, page_size: int, dtype, mode: Mod
         heads = [1, 2, 4, 8]
         grid = [BlockSizes(q, kv, h) for q, kv, h in itertools.product(qs, kvs, heads)]
     else:
-        qs = [1, 2, 4] if mode == "decode" else [16, 32, 64]
+        # A decode tile is one token whatever block_q says; its knobs are the split count and the KV block.
+        qs = [1] if mode == "decode" else [16, 32, 64]
         kvs = [32, 64, 128]
-        splits = [0, 4, 16] if mode == "decode" else [1]
+        splits = [0, 2, 4, 8, 16] if mode == "decode" else [0, 1]
         warps = [4, 8]
-        grid = [BlockSizes(q, kv, num_splits=s, num_warps=w) for q, kv, s, w in itertools.product(qs, kvs, splits, warps)]
+        grid = [BlockSizes(q, kv, num_splits=s, num_warps=w)
+                for q, kv, s, w in itertools.product(qs, kvs, splits, warps)]
     return [base] + [c for c in grid if c != base]

@@ -51,8 +51,6 @@ _TARGET_PROGRAMS = 4 * 132
 _MAX_SPLITS = 32
 
 
-
-
 def _kernel(
     tile_seq_ref,  # i32[NT]
     tile_row_ref,  # i32[NT]
@@ -114,8 +112,7 @@ def _kernel(
         slot = (kv_base + page) * page_size + rem_by(key, page_size)
         k = plgpu.load(k_ref.at[slot[:, None], lanes], mask=key_ok[:, None], other=0.0)
         v = plgpu.load(v_ref.at[slot[:, None], lanes], mask=key_ok[:, None], other=0.0)
-        s = matmul(q.astype(k.dtype), k, transpose_b=True)
-        s = s * sm_scale
+        s = matmul(q.astype(k.dtype), k, transpose_b=True) * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         visible = row_ok[:, None] & key_ok[None, :] & (key[None, :] <= pos[:, None])

@@ -23,13 +23,13 @@ The new tokens' K/V are written by a separate kernel (``pallas_kernels.kv_cache_
 fusing would need the write of a sequence's rows to land before any program that reads them, which holds only
 if every q block of a sequence runs in order on one core ("arbitrary" semantics, no megacore split), and a
 chunk's rows would be written by DMA and read back by DMA in the same program anyway. The separate kernel costs
-one launch and reads the new rows once more (T*KVH*D elements, small next to the pages attention reads); its
-DMAs coalesce a chunk's rows into one copy per page run. This is an argument from DMA counts, not a
-measurement: no TPU was available when this was written.
+one launch and a staged copy of the new rows (about T*KVH*D elements, small next to the pages attention
+reads); its DMAs move whole page runs, two per decode row and two per full page of a prefill chunk. This is an
+argument from DMA counts, not a measurement: no TPU was available when this was written.
 
-Hardware notes (not checkable in interpret mode): page_size should be a multiple of 8 (fp32) or 16 (bf16) so a
-page lands on whole sublane tiles of the VMEM buffer, and the flattened page table lives in SMEM, so
-``num_slots * pages_per_seq`` int32 must fit there.
+Not checkable on CPU: the flattened page table lives in SMEM, so ``num_slots * pages_per_seq`` int32 must fit
+there. The Mosaic compiler (libtpu, compile-only) accepts this kernel on v4/v5e/v5p/v6e for bf16 and fp32 and
+page sizes 8-64 (``scripts/compile_tpu_kernels.py``).
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ from pallas_kernels.ragged_paged_attention.schedule import q_block_work
 from pallas_kernels.ragged_paged_attention.validation import maybe_check_batch
 
 _LANES = 128
-
 
 
 def _kernel(
