@@ -77,7 +77,7 @@ def test_race_detector_reports_a_race():
         pl.run_scoped(body, pltpu.VMEM((8, 128), jnp.float32))
 
     racy = pl.pallas_call(
-        lambda o, sem: kernel(o, sem), grid=(2,), out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        kernel, grid=(2,), out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
         out_specs=pl.BlockSpec(memory_space=pl.ANY), scratch_shapes=[pltpu.SemaphoreType.DMA(())],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2))
