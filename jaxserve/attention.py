@@ -10,7 +10,7 @@ import dataclasses
 
 import jax
 
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_auto, write_kv
+from pallas_kernels import ragged_paged_attention as rpa
 
 
 @jax.tree_util.register_dataclass
@@ -24,7 +24,7 @@ class AttentionMetadata:
     num_seqs: jax.Array  # i32[1]
 
 
-BACKENDS = ("reference",)
+BACKENDS = ("reference", "pallas_tpu", "pallas_gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,17 +33,24 @@ class AttentionBackend:
 
     name: str = "reference"
     decode: bool = False  # every sequence has one new token (the decode step's batches)
+    interpret: bool = False  # run a Pallas kernel in the interpreter (a CPU has no Mosaic or Triton)
 
     def __post_init__(self):
         if self.name not in BACKENDS:
-            raise ValueError(f"attention_backend={self.name!r} is not one of {BACKENDS}")
+            raise ValueError(f"attention_backend={self.name!r} is not one of 'auto', {', '.join(BACKENDS)}")
 
     @classmethod
-    def resolve(cls, name: str) -> "AttentionBackend":
-        """``"auto"`` picks the best implementation for the default device."""
+    def resolve(cls, name: str, platform: str | None = None) -> "AttentionBackend":
+        """A backend for ``platform`` (default: jax's default backend).
+
+        ``"auto"`` is the TPU kernel on TPU, the GPU kernel on GPU and the pure-JAX reference on CPU; a Pallas
+        kernel asked for on a CPU runs in interpret mode (slow: for tests and debugging).
+        """
+        platform = platform or jax.default_backend()
         if name == "auto":
-            name = "reference"
-        return cls(name)
+            name = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "reference")
+        interpret = name.startswith("pallas_") and platform == "cpu"
+        return cls(name, interpret=interpret)
 
     def __call__(
         self,
@@ -60,9 +67,17 @@ class AttentionBackend:
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Write this step's K/V, then attend. Returns (out [T, num_q_heads, head_dim], k_pages, v_pages)."""
         meta = (md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
-        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, *meta)
-        # Decode rows each belong to their own sequence, so the per-row reference reads exactly what is needed;
-        # prefill batches gather each sequence's pages once when they hold few sequences.
-        attend = ragged_paged_attention if self.decode else ragged_paged_attention_auto
-        out = attend(q, k_pages, v_pages, *meta, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        if self.name == "pallas_tpu":
+            k_pages, v_pages = rpa.write_kv_tpu(k_pages, v_pages, k, v, *meta, interpret=self.interpret)
+            out = rpa.ragged_paged_attention_tpu(q, k_pages, v_pages, *meta, interpret=self.interpret, **kw)
+        elif self.name == "pallas_gpu":
+            k_pages, v_pages = rpa.write_kv_gpu(k_pages, v_pages, k, v, *meta, interpret=self.interpret)
+            out = rpa.ragged_paged_attention_gpu(q, k_pages, v_pages, *meta, interpret=self.interpret, **kw)
+        else:
+            k_pages, v_pages = rpa.write_kv(k_pages, v_pages, k, v, *meta)
+            # Decode rows each belong to their own sequence, so the per-row reference reads exactly what is
+            # needed; prefill batches gather each sequence's pages once when they hold few sequences.
+            attend = rpa.ragged_paged_attention if self.decode else rpa.ragged_paged_attention_auto
+            out = attend(q, k_pages, v_pages, *meta, **kw)
         return out, k_pages, v_pages

@@ -1,0 +1,73 @@
+"""Compile the TPU kernels with the real Mosaic compiler, without a TPU.
+
+libtpu can compile for a described topology with no chips attached (JAX's "compile-only" devices), which runs
+Mosaic's full pipeline: layout inference, tiling and DMA alignment checks, VMEM allocation. Interpret mode and
+plain lowering check none of those.
+
+  pip install "jax[tpu]==$(python -c 'import jax; print(jax.__version__)')"   # or the matching libtpu alone
+  PYTHONPATH=. python scripts/compile_tpu_kernels.py                          # v4, v5e, v5p, v6e
+  PYTHONPATH=. python scripts/compile_tpu_kernels.py --topologies v5e:2x2 --page-sizes 16,32
+
+Exits non-zero if any kernel fails to compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
+from jax.sharding import SingleDeviceSharding  # noqa: E402
+
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_tpu, write_kv_tpu  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--topologies", default="v4:2x2x1,v5e:2x2,v5p:2x2x1,v6e:2x2")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--page-sizes", default="16,32")
+    parser.add_argument("--head-dims", default="64,128")
+    args = parser.parse_args()
+    i32 = jnp.int32
+    failures = 0
+    for topology in args.topologies.split(","):
+        device = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
+        sharding = SingleDeviceSharding(device)
+
+        def sds(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+        for dtype, page_size, head_dim in itertools.product(
+                args.dtypes.split(","), map(int, args.page_sizes.split(",")), map(int, args.head_dims.split(","))):
+            pool = sds((8, 512, page_size, head_dim), dtype)
+            # (tokens, slots, group, window, soft cap): decode, a prefill chunk, a large mixed batch.
+            for tokens, slots, group, window, cap in ((8, 8, 4, None, None), (512, 8, 8, 256, 30.0),
+                                                      (128, 64, 1, None, None)):
+                meta = (sds((slots,), i32), sds((slots, 32), i32), sds((slots + 1,), i32), sds((1,), i32))
+                q = sds((tokens, 8 * group, head_dim), dtype)
+                attend = jax.jit(lambda *a, w=window, c=cap: ragged_paged_attention_tpu(
+                    *a, sm_scale=head_dim**-0.5, sliding_window=w, soft_cap=c))
+                new = sds((tokens, 8, head_dim), dtype)
+                for name, fn, operands in (("attention", attend, (q, pool, pool, *meta)),
+                                           ("write_kv", jax.jit(write_kv_tpu), (pool, pool, new, new, *meta))):
+                    label = (f"{device.device_kind:12s} {name:9s} {dtype:8s} page {page_size:3d} "
+                             f"head_dim {head_dim:3d} T={tokens} S={slots} group={group}")
+                    try:
+                        fn.trace(*operands).lower().compile()
+                        print(f"{label}: ok", flush=True)
+                    except Exception as e:  # report every configuration, then fail
+                        failures += 1
+                        print(f"{label}: FAILED {str(e).strip().splitlines()[0][:300]}", flush=True)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""The Pallas TPU kernels (attention and KV write) against the reference, in interpret mode on CPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+
+from attention_cases import (CONFIGS, META, MIXED, assert_matches_reference, assert_write_matches, build_batch,
+                             device_args, new_rows, random_batch)
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_tpu, write_kv_tpu
+
+SMALL_BLOCKS = dict(block_q=4, block_kv=8)
+
+
+@pytest.mark.parametrize("lengths,group,head_dim,dtype,window,soft_cap", CONFIGS)
+def test_attention_matches_reference(lengths, group, head_dim, dtype, window, soft_cap):
+    rng = np.random.default_rng(group * 1000 + head_dim)
+    batch, _, _ = build_batch(rng, *lengths, group=group, head_dim=head_dim, dtype=dtype)
+    out = ragged_paged_attention_tpu(**device_args(batch), sm_scale=head_dim**-0.5, sliding_window=window,
+                                     soft_cap=soft_cap, block_sizes=SMALL_BLOCKS, interpret=True)
+    assert out.dtype == jnp.dtype(dtype)
+    assert_matches_reference(out, batch, sm_scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
+
+
+@pytest.mark.parametrize("blocks", [
+    dict(block_q=1, block_kv=4),  # block_q rounded up to whole sublanes; one page per KV block
+    dict(block_q=8, block_kv=12),  # KV blocks of 3 pages, so blocks and windows straddle pages
+    dict(block_q=4, block_kv=8, kv_heads_per_block=2),  # one DMA moves both KV heads
+    None,  # the table's default for this shape (page_size 16)
+])
+def test_attention_block_sizes(blocks):
+    rng = np.random.default_rng(7)
+    page_size = 4 if blocks else 16
+    batch, _, _ = build_batch(rng, *MIXED, num_kv_heads=2, group=1, head_dim=64, page_size=page_size)
+    out = ragged_paged_attention_tpu(**device_args(batch), sm_scale=0.125, sliding_window=9, block_sizes=blocks,
+                                     interpret=True)
+    assert_matches_reference(out, batch, sm_scale=0.125, sliding_window=9)
+
+
+def test_attention_random_batches():
+    """Seeded random metadata at one padded shape (one compilation): lengths, zero-length entries, page edges,
+    number of live sequences; group 8 with multi-token tiles."""
+    rng = np.random.default_rng(11)
+    for _ in range(6):
+        batch = random_batch(rng, group=8)
+        out = ragged_paged_attention_tpu(**device_args(batch), sm_scale=0.2, sliding_window=13,
+                                         block_sizes=dict(block_q=2, block_kv=8), interpret=True)
+        assert_matches_reference(out, batch, sm_scale=0.2, sliding_window=13)
+
+
+def test_attention_under_tpu_simulator_has_no_races():
+    """DMAs run only when waited on and unwritten VMEM is NaN, so a missing wait or a reused slot shows up as a
+    wrong answer; out-of-range page reads raise; the race detector watches both cores."""
+    rng = np.random.default_rng(3)
+    batch, _, _ = build_batch(rng, [1, 3, 0, 1], [6, 9, 2, 13], group=2, head_dim=64)
+    params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, out_of_bounds_reads="raise")
+    out = ragged_paged_attention_tpu(**device_args(batch), sm_scale=0.125, sliding_window=8, block_sizes=SMALL_BLOCKS,
+                                     interpret=params)
+    assert_matches_reference(out, batch, sm_scale=0.125, sliding_window=8)
+    assert tpu_interpreter.races is not None and not tpu_interpreter.races.races_found
+
+
+def test_race_detector_reports_a_race():
+    """The assertion above can fail: two cores writing one HBM block is reported as a race."""
+    def kernel(o_hbm, sem):
+        src = jnp.full((8, 128), 1.0, jnp.float32)
+
+        def body(scratch):
+            scratch[...] = src
+            copy = pltpu.make_async_copy(scratch, o_hbm, sem)
+            copy.start()
+            copy.wait()
+
+        pl.run_scoped(body, pltpu.VMEM((8, 128), jnp.float32))
+
+    racy = pl.pallas_call(
+        kernel, grid=(2,), out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        out_specs=pl.BlockSpec(memory_space=pl.ANY), scratch_shapes=[pltpu.SemaphoreType.DMA(())],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2))
+    jax.block_until_ready(racy())
+    assert tpu_interpreter.races.races_found
+
+
+@pytest.mark.parametrize("dtype,page_size,lengths", [
+    # Runs of every length 1..page_size, odd offsets (bf16 writes whole row pairs), a run ending on a page edge.
+    ("bfloat16", 4, ([3, 1, 0, 8, 7, 1], [3, 9, 4, 12, 15, 8])),
+    # Runs of 8+ rows at offsets 0, 1 and 3 mod 8 (staged congruent to their slots) and full 16-row pages.
+    ("bfloat16", 16, ([13, 1, 20, 9, 2, 32], [16, 5, 37, 9, 40, 48])),
+    ("float32", 16, ([13, 1, 20, 0, 2], [16, 5, 37, 9, 40])),
+])
+def test_write_kv_matches_reference_page_by_page(dtype, page_size, lengths):
+    rng = np.random.default_rng(5)
+    batch, _, _ = build_batch(rng, *lengths, page_size=page_size, dtype=dtype)
+    new_k, new_v = new_rows(rng, batch)
+    touched = assert_write_matches(lambda *a: write_kv_tpu(*a, runs_per_block=4, interpret=True), batch, new_k, new_v)
+    assert len(touched) >= 5
+
+
+def test_write_kv_under_tpu_simulator_has_no_races():
+    rng = np.random.default_rng(6)
+    batch, _, _ = build_batch(rng, [2, 11, 1], [6, 20, 4], page_size=16, dtype="bfloat16")
+    new_k, new_v = new_rows(rng, batch)
+    params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, out_of_bounds_reads="raise")
+    assert_write_matches(lambda *a: write_kv_tpu(*a, runs_per_block=2, interpret=params), batch, new_k, new_v)
+    assert tpu_interpreter.races is not None and not tpu_interpreter.races.races_found
+
+
+def test_debug_checks_reject_foreign_pages_before_any_read():
+    rng = np.random.default_rng(8)
+    batch, _, _ = build_batch(rng, [2, 1], [6, 3])
+    bad = dict(batch, page_indices=batch["page_indices"].copy())
+    bad["page_indices"][1, 0] = batch["k_pages"].shape[1]
+    with pytest.raises(ValueError, match="page index"):
+        ragged_paged_attention_tpu(**device_args(bad), sm_scale=1.0, debug_checks=True, interpret=True)
+    too_long = dict(batch, kv_lens=batch["kv_lens"].copy())
+    too_long["kv_lens"][0] = 10**4
+    new_k, new_v = new_rows(rng, batch)
+    args = device_args(too_long)
+    with pytest.raises(ValueError, match="kv_len=10000"):
+        write_kv_tpu(args["k_pages"], args["v_pages"], new_k, new_v, *[args[n] for n in META], debug_checks=True,
+                     interpret=True)
+
+
+def test_debug_checks_run_inside_jit():
+    rng = np.random.default_rng(9)
+    batch, _, _ = build_batch(rng, [2, 1], [6, 3])
+    bad = dict(batch, page_indices=batch["page_indices"].copy())
+    bad["page_indices"][0, 1] = -1
+
+    @jax.jit
+    def step(args):
+        return ragged_paged_attention_tpu(**args, sm_scale=1.0, debug_checks=True, block_sizes=SMALL_BLOCKS,
+                                          interpret=True)
+
+    with pytest.raises(Exception, match="page index -1"):
+        jax.block_until_ready(step(device_args(bad)))
+
+
+def test_shape_and_dtype_checks_at_trace_time():
+    rng = np.random.default_rng(10)
+    args = device_args(build_batch(rng, [2, 1], [6, 3])[0])
+    with pytest.raises(ValueError, match="kv_lens must be int32"):
+        ragged_paged_attention_tpu(**dict(args, kv_lens=args["kv_lens"].astype(jnp.int16)), sm_scale=1.0)
+    with pytest.raises(ValueError, match="block_kv"):
+        ragged_paged_attention_tpu(**args, sm_scale=1.0, block_sizes=dict(block_kv=6))
+
+
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (64, 30.0)])
+def test_lowers_to_mosaic_at_serving_shapes(window, soft_cap):
+    """Mosaic lowering (no TPU needed) of bf16, head_dim 128, page_size 16 with the table's block sizes."""
+    sds = jax.ShapeDtypeStruct
+    bf16, i32 = jnp.bfloat16, jnp.int32
+    for tokens, slots in ((8, 8), (256, 8)):
+        shapes = (sds((tokens, 32, 128), bf16), sds((8, 512, 16, 128), bf16), sds((8, 512, 16, 128), bf16),
+                  sds((slots,), i32), sds((slots, 64), i32), sds((slots + 1,), i32), sds((1,), i32))
+        fn = jax.jit(lambda *a: ragged_paged_attention_tpu(*a, sm_scale=0.088, sliding_window=window,
+                                                           soft_cap=soft_cap))
+        assert "tpu_custom_call" in fn.trace(*shapes).lower(lowering_platforms=("tpu",)).as_text()
+    write_shapes = (shapes[1], shapes[2], sds((256, 8, 128), bf16), sds((256, 8, 128), bf16), *shapes[3:])
+    assert "tpu_custom_call" in jax.jit(write_kv_tpu).trace(*write_shapes).lower(
+        lowering_platforms=("tpu",)).as_text()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_compiles_with_mosaic_for_v5e(dtype):
+    """The real Mosaic compiler (libtpu, compile-only: no TPU needed) accepts both kernels. Skipped without
+    libtpu; scripts/compile_tpu_kernels.py covers more generations and shapes."""
+    pytest.importorskip("libtpu")
+    from jax.experimental import topologies
+    from jax.sharding import SingleDeviceSharding
+
+    device = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[0]
+    sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=SingleDeviceSharding(device))
+    pool = sds((8, 256, 16, 128), dtype)
+    for tokens, slots in ((8, 8), (256, 8)):
+        meta = (sds((slots,), jnp.int32), sds((slots, 32), jnp.int32), sds((slots + 1,), jnp.int32),
+                sds((1,), jnp.int32))
+        attend = jax.jit(lambda *a: ragged_paged_attention_tpu(*a, sm_scale=0.088, sliding_window=128, soft_cap=30.0))
+        attend.trace(sds((tokens, 32, 128), dtype), pool, pool, *meta).lower().compile()
+        new = sds((tokens, 8, 128), dtype)
+        jax.jit(write_kv_tpu).trace(pool, pool, new, new, *meta).lower().compile()
