@@ -4,6 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from attention_cases import build_batch
+
 from pallas_kernels.ragged_paged_attention import (check_values, ragged_paged_attention, ragged_paged_attention_auto,
                                                   ragged_paged_attention_sequence_loop, write_kv)
 
@@ -28,36 +30,9 @@ def dense_attention(q, k, v, scale, window=None, soft_cap=None):
     return np.einsum("hqk,khd->qhd", w, v)
 
 
-def make_case(rng, q_lens, kv_lens, *, kvh=2, group=2, d=16, page_size=4, num_pages=64, pad_tokens=3, pad_seqs=2):
-    """Random cache with each sequence on shuffled pages; unused pages poisoned with NaN."""
-    num_seqs = len(q_lens)
-    slots = num_seqs + pad_seqs
-    pages_per_seq = max(-(-k // page_size) for k in kv_lens) + 1
-    k_pages = np.full((kvh, num_pages, page_size, d), np.nan, np.float32)
-    v_pages = np.full_like(k_pages, np.nan)
-    free = list(rng.permutation(num_pages))
-    page_indices = np.zeros((slots, pages_per_seq), np.int32)
-    keys, values = [], []
-    for s, kv in enumerate(kv_lens):
-        n = -(-kv // page_size)
-        pages = [free.pop() for _ in range(n)]
-        page_indices[s, :n] = pages
-        k = rng.standard_normal((kv, kvh, d)).astype(np.float32)
-        v = rng.standard_normal((kv, kvh, d)).astype(np.float32)
-        for t in range(kv):
-            k_pages[:, pages[t // page_size], t % page_size] = k[t]
-            v_pages[:, pages[t // page_size], t % page_size] = v[t]
-        keys.append(k)
-        values.append(v)
-    cu = np.zeros(slots + 1, np.int32)
-    cu[1 : num_seqs + 1] = np.cumsum(q_lens)
-    cu[num_seqs + 1 :] = cu[num_seqs]
-    total = int(cu[num_seqs]) + pad_tokens
-    q = rng.standard_normal((total, kvh * group, d)).astype(np.float32)
-    kvl = np.zeros(slots, np.int32)
-    kvl[:num_seqs] = kv_lens
-    return dict(q=q, k_pages=k_pages, v_pages=v_pages, kv_lens=kvl, page_indices=page_indices, cu_q_lens=cu,
-                num_seqs=np.array([num_seqs], np.int32)), keys, values
+def make_case(rng, q_lens, kv_lens, **kw):
+    """A poisoned ragged batch (see attention_cases.build_batch) with small heads."""
+    return build_batch(rng, q_lens, kv_lens, head_dim=16, **kw)
 
 
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (5, None), (None, 3.0), (7, 2.0)])
@@ -103,11 +78,12 @@ def test_write_kv_touches_only_its_slots():
 def test_check_values_rejects_foreign_pages_and_overlong_kv():
     rng = np.random.default_rng(2)
     case, _, _ = make_case(rng, [2, 1], [6, 3])
-    args = lambda c: (c["q"].shape[0], 64, 4, c["kv_lens"], c["page_indices"], c["cu_q_lens"], c["num_seqs"])
+    args = lambda c: (c["q"].shape[0], c["k_pages"].shape[1], 4, c["kv_lens"], c["page_indices"], c["cu_q_lens"],
+                      c["num_seqs"])
     check_values(*args(case))
     bad = dict(case, page_indices=case["page_indices"].copy())
-    bad["page_indices"][0, 1] = 64
-    with pytest.raises(ValueError, match="page index 64"):
+    bad["page_indices"][0, 1] = case["k_pages"].shape[1]
+    with pytest.raises(ValueError, match=f"page index {case['k_pages'].shape[1]}"):
         check_values(*args(bad))
     bad = dict(case, kv_lens=case["kv_lens"].copy())
     bad["kv_lens"][1] = 100
