@@ -57,19 +57,38 @@ def hf_tensor_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write_random_checkpoint(folder: Path, hf_config: dict, *, seed: int = 0, std: float = 0.02) -> Path:
-    """Write ``config.json`` and a ``model.safetensors`` of seeded normal weights (norms at 1) into ``folder``."""
+def write_random_checkpoint(folder: Path, hf_config: dict, *, seed: int = 0, std: float = 0.02,
+                            dtype: str = "float32", shard_bytes: int = 4 << 30) -> Path:
+    """Write ``config.json`` and seeded normal weights (norms at 1) as safetensors into ``folder``.
+
+    Large models are split into shards of about ``shard_bytes`` with a ``model.safetensors.index.json``.
+    """
+    import ml_dtypes
     from safetensors.numpy import save_file
 
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype]
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    tensors = {
-        name: (np.ones(shape, np.float32) if name.endswith("norm.weight")
-               else (rng.standard_normal(shape, np.float32) * std))
-        for name, shape in hf_tensor_shapes(hf_config).items()
-    }
-    save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
+    shards, current, size = [], {}, 0
+    for name, shape in hf_tensor_shapes(hf_config).items():
+        t = np.ones(shape, np.float32) if name.endswith("norm.weight") else rng.standard_normal(shape, np.float32) * std
+        current[name] = t.astype(np_dtype)
+        size += current[name].nbytes
+        if size >= shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+    if current:
+        shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / "model.safetensors"))
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(folder / file))
+            weight_map |= {name: file for name in shard}
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "config.json").write_text(json.dumps(dict(hf_config, dtype=dtype), indent=2))
     return folder
 
 

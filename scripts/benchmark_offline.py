@@ -3,7 +3,8 @@
     python scripts/benchmark_offline.py --model M [--num-requests 48 --prompt-len 16:256 --output-len 64]
         [--compare transformers,vllm --vllm-python /path/to/vllm-venv/bin/python] [--probe-batches 1,32]
         [engine options]
-    python scripts/benchmark_offline.py --make-model DIR ...   # write the ~100M Llama-shaped random model first
+    python scripts/benchmark_offline.py --make-model DIR [--preset 100m|llama-3.2-1b|llama-3.1-8b] ...
+        # writes a random-weight model of that shape first
 
 Greedy, EOS ignored, prompts of random token ids. Reports requests/s, input and output tokens/s, mean step
 time, start-up time (load + compile), roofline bounds, decode probes (step time at a batch size against its
@@ -34,14 +35,28 @@ from jaxserve.roofline import decode_cost, measure_peaks, prefill_cost  # noqa: 
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-MODEL_100M = dict(DEMO_CONFIG, hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
-                  intermediate_size=2048, vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=2048,
-                  bos_token_id=1, eos_token_id=2)
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+PRESETS = {
+    # The CPU target: ~100M parameters.
+    "100m": dict(DEMO_CONFIG, hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
+                 intermediate_size=2048, vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=2048,
+                 bos_token_id=1, eos_token_id=2),
+    "llama-3.2-1b": dict(DEMO_CONFIG, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
+                         tie_word_embeddings=True, max_position_embeddings=131072, bos_token_id=1, eos_token_id=2,
+                         rope_parameters=dict(_LLAMA3_ROPE, factor=32.0)),
+    "llama-3.1-8b": dict(DEMO_CONFIG, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
+                         max_position_embeddings=131072, bos_token_id=1, eos_token_id=2,
+                         rope_parameters=dict(_LLAMA3_ROPE, factor=8.0)),
+}
 
 
-def make_model(folder: Path) -> Path:
-    if not (folder / "model.safetensors").exists():
-        write_random_checkpoint(folder, MODEL_100M, seed=0, std=0.02)
+def make_model(folder: Path, preset: str, dtype: str) -> Path:
+    """Write a random-weight checkpoint of a preset shape (with a byte tokenizer) unless it exists."""
+    if not (folder / "config.json").exists():
+        write_random_checkpoint(folder, PRESETS[preset], seed=0, std=0.02, dtype=dtype)
         byte_tokenizer().save_pretrained(folder)
     return folder
 
@@ -107,7 +122,8 @@ def run_peer(cmd: list[str], env=None) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--make-model", type=Path, default=None, help="write the ~100M random Llama here and use it")
+    p.add_argument("--make-model", type=Path, default=None, help="write a random model of --preset here and use it")
+    p.add_argument("--preset", default="100m", choices=sorted(PRESETS), help="shape for --make-model")
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--prompt-len", default="16:256", help="LO:HI, uniform")
     p.add_argument("--output-len", type=int, default=64)
@@ -119,7 +135,8 @@ def main() -> None:
     add_engine_args(p)
     args = p.parse_args()
     if args.make_model:
-        args.model = str(make_model(args.make_model))
+        args.model = str(make_model(args.make_model, args.preset,
+                                    "bfloat16" if args.dtype == "bfloat16" else "float32"))
     if args.model is None:
         p.error("--model or --make-model is required")
 
