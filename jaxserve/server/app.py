@@ -1,0 +1,121 @@
+"""One process, one engine, two front ends: start-up, readiness and graceful shutdown.
+
+Start-up: both servers listen at once (health says NOT_SERVING / 503) while the engine thread loads and warms
+up the model; then health turns SERVING / 200 and one line with both addresses goes to stdout.
+
+Shutdown (SIGTERM or SIGINT): stop admitting (health NOT_SERVING / 503, new requests 503 / UNAVAILABLE), let
+in-flight requests finish for up to ``--shutdown-grace-period`` seconds, abort what is left, close both servers,
+stop the engine thread and return 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+
+import uvicorn
+
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.metrics import ServerMetrics
+from jaxserve.server.grpc_api import GrpcServer
+from jaxserve.server.openai_api import OpenAIServer
+
+logger = logging.getLogger("jaxserve.serve")
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn in our event loop; the process's signal handlers (ours) decide when it stops."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    def install_signal_handlers(self) -> None:  # older uvicorn versions
+        pass
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def _url(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Run the server until a signal; returns the process exit code."""
+    names = args.served_model_name
+    metrics = ServerMetrics(names[0])
+    engine = AsyncEngine(args.engine_config, metrics=metrics)
+    metrics.attach_engine(engine.stats, engine.intake_length)
+
+    grpc_server = GrpcServer(engine, metrics, names, api_key=args.api_key, max_message_bytes=args.max_request_bytes)
+    grpc_port = grpc_server.bind(args.host, args.grpc_port)
+    http_sock = _listen(args.host, args.http_port)
+    http_port = http_sock.getsockname()[1]
+    app = OpenAIServer(engine, metrics, names, api_key=args.api_key, max_body_bytes=args.max_request_bytes).app()
+    http_server = _UvicornServer(uvicorn.Config(
+        app, lifespan="off", log_config=None, access_log=False, timeout_keep_alive=5, timeout_graceful_shutdown=5))
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    await grpc_server.start()
+    http_task = asyncio.create_task(http_server.serve(sockets=[http_sock]))
+    engine.start()
+    logger.info("loading and warming up %s; HTTP on %s and gRPC on %s answer 'not ready' until then",
+                args.model or "the demo model", _url(args.host, http_port), _url(args.host, grpc_port))
+
+    ready = asyncio.ensure_future(engine.wait_ready())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({ready, stopping, http_task}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if ready.done() and ready.exception() is None and not http_task.done():
+        await grpc_server.set_serving(True)
+        metrics.ready.set(1)
+        print(f"jaxserve ready: model={names[0]} http=http://{_url(args.host, http_port)} "
+              f"grpc={_url(args.host, grpc_port)}", flush=True)
+        await asyncio.wait({stopping, http_task}, return_when=asyncio.FIRST_COMPLETED)
+    elif ready.done():
+        logger.error("the engine failed to start: %s", ready.exception())
+        code = 1
+    if http_task.done() and not stopping.done():
+        logger.error("the HTTP server stopped unexpectedly: %s", http_task.exception() if not
+                     http_task.cancelled() else "cancelled")
+        code = 1
+
+    # Drain.
+    engine.begin_drain()
+    metrics.ready.set(0)
+    await grpc_server.set_serving(False)
+    warm = engine.ready
+    if warm:
+        live = engine.num_live_requests
+        logger.info("shutting down: %d request(s) in flight, up to %.0fs to finish", live,
+                    args.shutdown_grace_period)
+        if not await engine.wait_idle(args.shutdown_grace_period):
+            logger.warning("grace period over: aborting %d request(s)", engine.num_live_requests)
+            engine.abort_all()
+            await engine.wait_idle(10)
+    await grpc_server.stop(grace=3)
+    http_server.should_exit = True
+    with contextlib.suppress(Exception):
+        await http_task
+    if warm:
+        await engine.stop()
+    ready.cancel()
+    stopping.cancel()
+    logger.info("stopped")
+    return code if warm else (code or -1)  # -1: the engine thread is still busy starting; exit hard
