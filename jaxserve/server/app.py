@@ -4,8 +4,8 @@ Start-up: both servers listen at once (health says NOT_SERVING / 503) while the 
 up the model; then health turns SERVING / 200 and one line with both addresses goes to stdout.
 
 Shutdown (SIGTERM or SIGINT): stop admitting (health NOT_SERVING / 503, new requests 503 / UNAVAILABLE), let
-in-flight requests finish for up to ``--shutdown-grace-period`` seconds, abort what is left, close both servers,
-stop the engine thread and return 0.
+in-flight requests finish for up to ``--shutdown-grace-period`` seconds (a second signal ends the wait), abort
+what is left, close both servers, stop the engine thread and return 0.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 
@@ -52,9 +53,33 @@ def _url(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+async def _drain(engine: AsyncEngine, grace: float, force: asyncio.Event) -> None:
+    """Let live requests finish for up to ``grace`` seconds (or until ``force``), then abort the rest."""
+    live = engine.num_live_requests
+    logger.info("shutting down: %d request(s) in flight, up to %gs to finish", live, grace)
+    if not live:
+        return
+    idle = asyncio.ensure_future(engine.wait_idle(None))
+    forced = asyncio.ensure_future(force.wait())
+    await asyncio.wait({idle, forced}, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+    if not idle.done():
+        why = "second signal" if forced.done() else "grace period over"
+        logger.warning("%s: aborting %d request(s)", why, engine.num_live_requests)
+        engine.abort_all()
+        await engine.wait_idle(10)
+    idle.cancel()
+    forced.cancel()
+
+
 async def serve(args: argparse.Namespace) -> int:
     """Run the server until a signal; returns the process exit code."""
     names = args.served_model_name
+    cache_dir = args.engine_config.compilation_cache_dir
+    if cache_dir:  # XLA only writes cache entries into a folder that exists
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+        except OSError as e:
+            logger.warning("cannot create the compilation cache folder %s: %s", cache_dir, e)
     metrics = ServerMetrics(names[0])
     engine = AsyncEngine(args.engine_config, metrics=metrics)
     metrics.attach_engine(engine.stats, engine.intake_length)
@@ -68,9 +93,15 @@ async def serve(args: argparse.Namespace) -> int:
         app, lifespan="off", log_config=None, access_log=False, timeout_keep_alive=5, timeout_graceful_shutdown=5))
 
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
+    stop, force = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:  # the first signal drains; a second one cuts the grace period short
+        if stop.is_set():
+            force.set()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
 
     await grpc_server.start()
     http_task = asyncio.create_task(http_server.serve(sockets=[http_sock]))
@@ -96,19 +127,12 @@ async def serve(args: argparse.Namespace) -> int:
                      http_task.cancelled() else "cancelled")
         code = 1
 
-    # Drain.
     engine.begin_drain()
     metrics.ready.set(0)
     await grpc_server.set_serving(False)
     warm = engine.ready
     if warm:
-        live = engine.num_live_requests
-        logger.info("shutting down: %d request(s) in flight, up to %.0fs to finish", live,
-                    args.shutdown_grace_period)
-        if not await engine.wait_idle(args.shutdown_grace_period):
-            logger.warning("grace period over: aborting %d request(s)", engine.num_live_requests)
-            engine.abort_all()
-            await engine.wait_idle(10)
+        await _drain(engine, args.shutdown_grace_period, force)
     await grpc_server.stop(grace=3)
     http_server.should_exit = True
     with contextlib.suppress(Exception):

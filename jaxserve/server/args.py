@@ -10,6 +10,9 @@ from jaxserve.engine_config import EngineConfig, default_compilation_cache_dir
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.default is not dataclasses.MISSING}
 DEMO_MODEL_NAME = "jaxserve-demo"
+# The demo model exists to try the server on any machine: smaller shapes keep its first warm-up compile short
+# on a laptop CPU. They apply only to the options left unset.
+DEMO_ENGINE_DEFAULTS = {"max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 128}
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -41,11 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = p.add_argument_group("engine")
     e.add_argument("--max-model-len", type=int, default=None,
-                   help="most tokens (prompt plus output) per sequence. Default: the model's context length")
-    e.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"],
-                   help="most sequences in one batch")
-    e.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS["max_num_batched_tokens"],
-                   help="most tokens in one step (prefill chunks plus decodes)")
+                   help="most tokens (prompt plus output) per sequence. Default: the model's context length "
+                        f"({DEMO_ENGINE_DEFAULTS['max_model_len']} for the demo model)")
+    e.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"most sequences in one batch. Default: {_DEFAULTS['max_num_seqs']} "
+                        f"({DEMO_ENGINE_DEFAULTS['max_num_seqs']} for the demo model)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="most tokens in one step (prefill chunks plus decodes). Default: "
+                        f"{_DEFAULTS['max_num_batched_tokens']} "
+                        f"({DEMO_ENGINE_DEFAULTS['max_num_batched_tokens']} for the demo model)")
     e.add_argument("--page-size", type=int, default=_DEFAULTS["page_size"], help="tokens per KV cache page")
     e.add_argument("--num-pages", type=int, default=None,
                    help="KV cache pages. Default: sized from --hbm-utilization of free accelerator memory (on CPU "
@@ -89,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.api_key = os.environ.get("JAXSERVE_API_KEY") or None
     if args.served_model_name is None:
         args.served_model_name = [args.model if args.model is not None else DEMO_MODEL_NAME]
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) is None:
+            setattr(args, name, DEMO_ENGINE_DEFAULTS[name] if args.model is None else _DEFAULTS.get(name))
     for name in ("http_port", "grpc_port"):
         if not 0 <= getattr(args, name) <= 65535:
             parser.error(f"--{name.replace('_', '-')} must be in [0, 65535]")
