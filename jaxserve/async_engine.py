@@ -318,6 +318,7 @@ class AsyncEngine:
             "page_size": int(getattr(cache, "page_size", 0) or 0),
             "num_pages": int(getattr(cache, "num_pages", 0) or 0),
             "has_chat_template": bool(getattr(engine.tokenizer, "chat_template", None)),
+            "dtype": _kv_dtype(engine),
         }
 
     def _take(self, block: bool) -> list:
@@ -484,6 +485,16 @@ class AsyncEngine:
             future.set_exception(error)
         else:
             future.set_result(result)
+
+
+def _kv_dtype(engine) -> str:
+    """The dtype the model runs in (that of its KV cache), or the configured one if it cannot be seen."""
+    try:
+        import jax
+
+        return str(jax.tree.leaves(engine.runner.kv_cache)[0].dtype)
+    except Exception:  # noqa: BLE001 - informational only
+        return str(getattr(getattr(engine, "config", None), "dtype", ""))
 
 
 @dataclasses.dataclass

@@ -103,13 +103,7 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """Samples of /metrics by name with labels, e.g. ``jaxserve_requests_finished_total{finish_reason="abort"}``."""
-        text = httpx.get(self.http + "/metrics", timeout=10).text
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                out[key] = float(value)
-        return out
+        return parse_metrics(httpx.get(self.http + "/metrics", timeout=10).text)
 
     def wait_metrics(self, predicate, timeout: float = 10.0) -> dict[str, float]:
         deadline = time.monotonic() + timeout
@@ -168,6 +162,15 @@ def reference_llm(request):
         _state["llm"] = LLM(str(tiny_model(request)), page_size=8, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
                             max_num_batched_tokens=64, warmup=False, compilation_cache_dir=None)
     return _state["llm"]
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
 
 
 def pages_idle(m: dict[str, float]) -> bool:

@@ -158,8 +158,9 @@ def test_a_failing_step_finishes_its_batch_with_error_and_the_loop_goes_on():
         assert not fake.requests
         outs = await _collect(await ae.add_request("b", SamplingParams(max_tokens=2)))
         assert outs[-1].outputs[0].finish_reason == "length"
-        assert ae.metrics.step_errors._value.get() == 1
-        assert ae.metrics.finished.labels("error")._value.get() == 1
+        registry = ae.metrics.registry
+        assert registry.get_sample_value("jaxserve_engine_step_errors_total") == 1
+        assert registry.get_sample_value("jaxserve_requests_finished_total", {"finish_reason": "error"}) == 1
         await ae.stop()
 
     run(main())

@@ -46,6 +46,7 @@ def test_model_info_and_tokenize(request, stub):
     assert info.architecture == "LlamaForCausalLM" and info.family == "llama"
     assert info.vocab_size == llm.model_config.vocab_size and info.max_model_len == MAX_MODEL_LEN
     assert info.page_size == 8 and info.max_num_seqs == 8 and info.has_chat_template
+    assert info.dtype == "float32" and list(info.eos_token_ids) == [1]
     tok = stub.Tokenize(pb.TokenizeRequest(text=PROMPT), metadata=AUTH)
     assert list(tok.token_ids) == llm.tokenizer.encode(PROMPT)
     assert len(tok.tokens) == len(tok.token_ids)

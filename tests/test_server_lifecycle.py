@@ -13,12 +13,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxserve.protos import jaxserve_pb2 as pb
 from jaxserve.protos import jaxserve_pb2_grpc as pb_grpc
-from server_harness import free_port, start_server
+from server_harness import free_port, parse_metrics, start_server
 
-MAX_WAITING = 40
-# The flood below is ~600 batched steps of work and the short stream ~24 steps, so at a few ms per step a
-# half-second grace period sits well between the two.
-GRACE = 0.5
+MAX_WAITING = 64
+FLOOD_GRPC, FLOOD_HTTP = 50, 8
+# At SIGTERM the flood below holds 50+ queued sequences of 100 tokens (600+ batched steps) and the short stream
+# at most 40 steps left, so at a few ms per step the grace period sits well between the two.
+GRACE = 0.6
 LONG = {"prompt": "Continuous batching admits new requests", "max_tokens": 100, "ignore_eos": True}
 
 
@@ -91,7 +92,7 @@ def test_overload_gets_429_and_resource_exhausted_at_once(server):
     assert rejected and len(served) >= MAX_WAITING
     for r, t in rejected:
         err = r.json()["error"]
-        assert "max_waiting_requests=40" in err["message"] and err["code"] == 429
+        assert f"max_waiting_requests={MAX_WAITING}" in err["message"] and err["code"] == 429
     assert max(t for _, t in rejected) < min(t for _, t in served)  # refused at once, not after waiting
     assert all(r.json()["choices"][0]["finish_reason"] == "length" for r, _ in served)
     assert grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED and "overloaded" in grpc_details
@@ -100,25 +101,34 @@ def test_overload_gets_429_and_resource_exhausted_at_once(server):
 
 
 def test_sigterm_drains_then_exits_zero(server):
+    def finished(m):
+        return sum(v for k, v in m.items() if k.startswith("jaxserve_requests_finished_total"))
+
     async def main():
         async with httpx.AsyncClient(base_url=server.http, timeout=60,
                                      limits=httpx.Limits(max_connections=100)) as client, \
                 grpc.aio.insecure_channel(server.grpc) as channel:
             stub = pb_grpc.JaxServeStub(channel)
+            done_before = finished(server.metrics())
             # A: a short stream, in flight when SIGTERM arrives; it must complete.
             async with client.stream("POST", "/v1/completions", json={
-                    "prompt": "The quick brown fox", "max_tokens": 24, "ignore_eos": True, "stream": True}) as a:
+                    "prompt": "The quick brown fox", "max_tokens": 40, "ignore_eos": True, "stream": True}) as a:
                 lines = a.aiter_lines()
                 first = await anext(lines)
                 assert first.startswith("data: ")
-                # B: more work than the grace period allows, over both front ends.
-                flood = [asyncio.ensure_future(client.post("/v1/completions", json=LONG))
-                         for _ in range(MAX_WAITING - 2)]
-                grpc_call = stub.Generate(pb.GenerateRequest(text=LONG["prompt"], sampling_params=pb.SamplingParams(
-                    max_tokens=100, ignore_eos=True)))
-                first_msg = await grpc_call.read()
-                assert first_msg.token_ids
-                await asyncio.sleep(0.1)
+                # B: far more work than the grace period allows, mostly over gRPC (one connection: it queues
+                # within milliseconds), some over HTTP.
+                calls = [stub.Generate(pb.GenerateRequest(text=LONG["prompt"], sampling_params=pb.SamplingParams(
+                    max_tokens=LONG["max_tokens"], ignore_eos=True))) for _ in range(FLOOD_GRPC)]
+                grpc_results = [asyncio.ensure_future(_collect(c)) for c in calls]
+                http_results = [asyncio.ensure_future(client.post("/v1/completions", json=LONG))
+                                for _ in range(FLOOD_HTTP)]
+                while True:  # until the flood is queued
+                    m = parse_metrics((await client.get("/metrics")).text)
+                    if m["jaxserve_num_requests_waiting"] >= FLOOD_GRPC:
+                        break
+                    await asyncio.sleep(0.005)
+                assert finished(m) == done_before  # A is still running
                 server.signal()
                 signalled = time.monotonic()
 
@@ -138,13 +148,9 @@ def test_sigterm_drains_then_exits_zero(server):
                 assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
 
                 events = [first] + [line async for line in lines if line]
-            grpc_msgs = [first_msg]
-            while (msg := await grpc_call.read()) != grpc.aio.EOF:
-                grpc_msgs.append(msg)
-            flood_results = await asyncio.gather(*flood)
-        return events, grpc_msgs, flood_results, signalled
+            return events, await asyncio.gather(*grpc_results), await asyncio.gather(*http_results), signalled
 
-    events, grpc_msgs, flood_results, signalled = asyncio.run(asyncio.wait_for(main(), 120))
+    events, grpc_results, http_results, signalled = asyncio.run(asyncio.wait_for(main(), 120))
     code = server.wait(timeout=60)
     exited = time.monotonic() - signalled
     assert code == 0, server.log()
@@ -152,10 +158,18 @@ def test_sigterm_drains_then_exits_zero(server):
     assert events[-1] == "data: [DONE]"
     chunks = [json.loads(e[6:]) for e in events[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    # What could not finish within the grace period was aborted, with a proper final answer.
-    reasons = [r.json()["choices"][0]["finish_reason"] for r in flood_results]
-    assert all(r.status_code == 200 for r in flood_results)
-    assert set(reasons) <= {"length", "abort"} and "abort" in reasons, reasons
-    assert grpc_msgs[-1].finish_reason in (pb.FINISH_REASON_ABORT, pb.FINISH_REASON_LENGTH)
-    assert grpc_msgs[-1].HasField("usage")
+    assert len("".join(c["choices"][0]["text"] for c in chunks)) > 0
+    # What could not finish within the grace period was aborted, each with a proper final answer.
+    assert all(r.status_code == 200 for r in http_results)
+    reasons = [r.json()["choices"][0]["finish_reason"] for r in http_results] + grpc_results
+    assert set(reasons) <= {"length", "abort"} and reasons.count("abort") >= FLOOD_GRPC // 2, reasons
     assert GRACE <= exited < GRACE + 20
+
+
+async def _collect(call) -> str:
+    """The finish reason of a gRPC Generate call ("length", "abort", ...)."""
+    last = None
+    async for msg in call:
+        last = msg
+    assert last is not None and last.HasField("usage")
+    return pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()

@@ -260,8 +260,8 @@ def test_bad_chat_requests_get_400(http, body, needle):
 
 
 def test_malformed_and_oversized_bodies_get_400(server, http):
-    err = _error(http.post("/v1/completions", content=b'{"prompt": "hi",', headers={"content-type": "application/json"}),
-                 400)
+    json_header = {"content-type": "application/json"}
+    err = _error(http.post("/v1/completions", content=b'{"prompt": "hi",', headers=json_header), 400)
     assert "not valid JSON" in err["message"]
     err = _error(http.post("/v1/completions", content=b"[1, 2]"), 400)
     assert "JSON object" in err["message"]
@@ -317,7 +317,7 @@ def test_non_streaming_disconnect_aborts(server):
     before = server.metrics()
     body = {"prompt": PROMPT, "max_tokens": MAX_MODEL_LEN - 20, "n": 4, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.http + "/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(10, read=0.15))
+        httpx.post(server.http + "/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(10, read=0.05))
     after = server.wait_metrics(lambda m: pages_idle(m) and _finished(m, "abort") > _finished(before, "abort"))
     assert pages_idle(after)
     assert _finished(after, "abort") == _finished(before, "abort") + 1

@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="persistent XLA compilation cache (makes the next start's warm-up fast); '' disables")
     e.add_argument("--attention-backend", default=_DEFAULTS["attention_backend"],
                    help="ragged paged attention implementation ('auto' picks the best for the platform)")
-    e.add_argument("--mesh", default=None, help="device mesh, e.g. 'tensor=4' or 'data=2,tensor=4'. Default: one device")
+    e.add_argument("--mesh", default=None,
+                   help="device mesh, e.g. 'tensor=4' or 'data=2,tensor=4'. Default: one device")
     e.add_argument("--seed", type=int, default=_DEFAULTS["seed"],
                    help="engine seed for requests that set none (runs are reproducible)")
 

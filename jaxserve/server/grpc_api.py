@@ -116,7 +116,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             served_model_names=self.names, model_path=info["model_path"], architecture=info["architecture"],
             family=info["family"], vocab_size=info["vocab_size"], max_model_len=info["max_model_len"],
             num_layers=info["num_layers"], hidden_size=info["hidden_size"], eos_token_ids=info["eos_token_ids"],
-            dtype=cfg.dtype, page_size=info["page_size"], num_pages=info["num_pages"],
+            dtype=info["dtype"], page_size=info["page_size"], num_pages=info["num_pages"],
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             has_chat_template=info["has_chat_template"])
 
