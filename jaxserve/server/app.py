@@ -85,8 +85,13 @@ async def serve(args: argparse.Namespace) -> int:
     metrics.attach_engine(engine.stats, engine.intake_length)
 
     grpc_server = GrpcServer(engine, metrics, names, api_key=args.api_key, max_message_bytes=args.max_request_bytes)
-    grpc_port = grpc_server.bind(args.host, args.grpc_port)
-    http_sock = _listen(args.host, args.http_port)
+    try:
+        grpc_port = grpc_server.bind(args.host, args.grpc_port)
+        http_sock = _listen(args.host, args.http_port)
+    except (OSError, RuntimeError) as e:
+        logger.error("cannot listen on %s (HTTP port %d, gRPC port %d): %s", args.host, args.http_port,
+                     args.grpc_port, e)
+        return 1
     http_port = http_sock.getsockname()[1]
     app = OpenAIServer(engine, metrics, names, api_key=args.api_key, max_body_bytes=args.max_request_bytes).app()
     http_server = _UvicornServer(uvicorn.Config(

@@ -139,7 +139,10 @@ class GrpcServer:
     def bind(self, host: str, port: int) -> int:
         """Listen on host:port (0 picks a free port); returns the port."""
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        bound = self.server.add_insecure_port(address)
+        try:
+            bound = self.server.add_insecure_port(address)
+        except RuntimeError as e:  # recent grpcio raises where older versions returned 0
+            raise OSError(f"cannot listen for gRPC on {address}: {e}") from None
         if bound == 0:
             raise OSError(f"cannot listen for gRPC on {address}")
         return bound
