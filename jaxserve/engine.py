@@ -161,12 +161,14 @@ class Engine:
                                                  tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Finish a request with reason "abort" and free its pages now; None if it is not live."""
+    def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        """Finish a request with ``reason`` ("abort", or "error" after a failed step) and free its pages now;
+        None if it is not live."""
         req = self._requests.get(request_id)
         if req is None:
             return None
-        self.scheduler.abort(request_id)
+        for seq in self.scheduler.get_request(request_id):
+            self.scheduler.finish(seq, reason)
         return self._finish_request(req, [s for s in req.seqs])
 
     def has_unfinished(self) -> bool:

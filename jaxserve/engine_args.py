@@ -13,11 +13,12 @@ from jaxserve.engine_config import EngineConfig
 
 HELP = {
     "model": "Hugging Face folder, orbax folder from scripts/convert_checkpoint.py, or hub id "
-             "(default: the built-in demo model, random weights)",
+             "(default: the built-in demo model, random weights: its output is meaningless)",
     "tokenizer": "tokenizer folder or hub id, if not the model's",
     "dtype": "weights and KV cache dtype: auto (the checkpoint's), float32, bfloat16 or float16",
     "page_size": "tokens per KV-cache page",
-    "num_pages": "KV-cache pages in the pool (default: sized from --hbm-utilization, or --cpu-kv-cache-gib on CPU)",
+    "num_pages": "KV-cache pages in the pool (default: sized from --hbm-utilization of free accelerator memory, "
+                 "or --cpu-kv-cache-gib on CPU, capped at max-num-seqs full-length sequences)",
     "hbm_utilization": "fraction of free accelerator memory the KV cache may take when --num-pages is not given",
     "cpu_kv_cache_gib": "KV-cache size in GiB on CPU when --num-pages is not given",
     "max_model_len": "longest prompt + output in tokens (default: the model's max_position_embeddings)",
@@ -36,23 +37,40 @@ HELP = {
 }
 
 
-def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
-    """Add one flag per EngineConfig field (defaults from the dataclass)."""
+CHOICES = {
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "attention_backend": ("auto", "reference", "pallas_tpu", "pallas_gpu"),
+    "logprobs_mode": ("processed", "raw"),
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = (),
+                    defaults: dict | None = None, notes: dict | None = None) -> None:
+    """Add one flag per EngineConfig field.
+
+    Args:
+      skip: fields not to add.
+      defaults: flag defaults that differ from the dataclass's (None: decided after parsing).
+      notes: text shown instead of "(default: X)" for some fields.
+    """
     group = parser.add_argument_group("engine")
     hints = typing.get_type_hints(EngineConfig)
-    defaults = EngineConfig(warmup=False)
+    dataclass_defaults = EngineConfig(warmup=False)
+    defaults, notes = defaults or {}, notes or {}
     for field in dataclasses.fields(EngineConfig):
         if field.name in skip:
             continue
         flag = "--" + field.name.replace("_", "-")
-        default = getattr(defaults, field.name) if field.name != "warmup" else True
+        default = defaults.get(field.name, getattr(dataclass_defaults, field.name) if field.name != "warmup" else True)
         kind = hints[field.name]
-        help_text = f"{HELP[field.name]} (default: {default})"
+        help_text = HELP[field.name]
+        if field.name in notes or "default:" not in help_text.lower():
+            help_text += f" ({notes.get(field.name, f'default: {default}')})"
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind) if typing.get_args(kind) else kind
-        group.add_argument(flag, type=base, default=default, help=help_text)
+        group.add_argument(flag, type=base, default=default, help=help_text, choices=CHOICES.get(field.name))
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:

@@ -91,6 +91,9 @@ def test_no_compiles_after_warmup(engine):
     arrivals = random_workload(rng, engine.model_config.vocab_size, n=10)
     arrivals[3].append(("sampled", [5, 6, 7], SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, top_k=20,
                                                                 seed=3, logprobs=2, repetition_penalty=1.3)))
+    arrivals[5].append(("n2", [9, 10, 11, 12, 13], SamplingParams(n=2, max_tokens=7, temperature=1.0, min_p=0.05,
+                                                                   presence_penalty=0.5, stop=["ab"], min_tokens=2)))
+    arrivals[6].append(("greedy-lp", [4, 4, 4], SamplingParams(max_tokens=5, temperature=0.0, logprobs=0)))
     run(engine, arrivals)
     assert engine.num_compiles() == compiled
 

@@ -1,0 +1,503 @@
+"""The engine in a thread of its own, driven from asyncio.
+
+``Engine`` is synchronous and not thread-safe, so one thread owns it (and its tokenizer) for its whole life:
+it builds and warms it up, then loops: take commands from a thread-safe intake queue (add, abort, tokenize),
+run one ``step()`` while any request is unfinished, and hand the outputs back to the asyncio loop with one
+``loop.call_soon_threadsafe`` per iteration. With nothing to do it blocks on the intake queue: no busy-spin.
+
+On the asyncio side each request is a ``RequestStream``: an async iterator of ``RequestOutput`` fed by its own
+``asyncio.Queue``. Every front end (gRPC, HTTP) goes through ``AsyncEngine.add_request``, so all streams share
+one engine and one batch. An exception inside ``step()`` does not end the loop: the requests that were in the
+batch finish with reason ``"error"`` and everything else keeps running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jaxserve.engine_config import EngineConfig
+from jaxserve.metrics import ServerMetrics
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineNotReady(RuntimeError):
+    """The engine is still starting (loading, compiling) or failed to start."""
+
+
+class EngineDraining(RuntimeError):
+    """The server is shutting down and admits no new requests."""
+
+
+class EngineOverloaded(RuntimeError):
+    """Admitting the request would queue more than ``max_waiting_requests`` sequences."""
+
+
+class EngineFailure(RuntimeError):
+    """The engine could not finish a request cleanly (reported to that request only)."""
+
+
+@dataclasses.dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int] | None
+    messages: list[dict] | None
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_id: str | None  # None: every live request
+    reason: str = "abort"
+
+
+@dataclasses.dataclass
+class _Call:
+    fn: Callable[[Any], Any]
+    future: asyncio.Future
+
+
+_STOP = object()
+
+
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation in the checkpoint's chat template; ValueError if it has none or fails."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; use /v1/completions with a plain prompt")
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    except Exception as e:  # jinja2 errors (e.g. raise_exception in the template) carry the template's reason
+        raise ValueError(f"the chat template rejected the messages: {e}") from None
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+class RequestStream:
+    """The outputs of one request, in order; the last one has ``finished=True``.
+
+    ``prompt_token_ids`` is set once the engine has accepted the request. ``token_texts`` maps every token id
+    seen in this request's logprobs to its text decoded on its own (filled before the output is delivered).
+    ``abort()`` finishes the request with reason "abort" and frees its pages before the engine's next step.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, params: SamplingParams):
+        self.request_id = request_id
+        self.params = params
+        self.prompt_token_ids: list[int] = []
+        self.token_texts: dict[int, str] = {}
+        self._engine = engine
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._done = False  # the consumer has received the final output (or an error)
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def abort(self) -> None:
+        if not self._done:
+            self._engine.abort(self.request_id)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+
+class AsyncEngine:
+    """Owns an ``Engine`` in a dedicated thread; thread-safe entry points for asyncio front ends.
+
+    Args:
+      config: the engine's options; ``config.max_waiting_requests`` bounds the sequences that may wait.
+      metrics: where latencies and finish reasons are recorded (optional).
+      engine_factory: builds the engine from ``config`` inside the engine thread (default: ``Engine``).
+    """
+
+    def __init__(self, config: EngineConfig, *, metrics: ServerMetrics | None = None,
+                 engine_factory: Callable[[EngineConfig], Any] | None = None):
+        self.config = config
+        self.metrics = metrics
+        self._factory = engine_factory
+        self._intake: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Future | None = None
+        self._stopped: asyncio.Future | None = None
+        self.engine = None  # touched only by the engine thread once it runs
+        self.info: dict[str, Any] = {}
+        self.draining = False
+        # asyncio-side view, only touched in the event loop thread
+        self._live: dict[str, RequestStream] = {}
+        self._pending_seqs = 0  # sequences sent to the engine thread and not yet acknowledged
+        self._sched = {"num_running": 0, "num_waiting": 0}
+        self._idle: asyncio.Event | None = None
+        # engine-thread state
+        self._stats: dict | None = None
+        self._last_token_time: dict[str, float] = {}
+        self._engine_live: set[str] = set()  # request ids the engine holds
+        self._token_text_cache: dict[int, str] = {}
+
+    # Life cycle ---------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; it builds (and warms up) the engine. Call from the event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        self._stopped = self._loop.create_future()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._thread_main, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    async def wait_ready(self) -> None:
+        """Return once the engine is warm; raise what its construction raised, if it failed."""
+        await asyncio.shield(self._ready)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready is not None and self._ready.done() and self._ready.exception() is None
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._live)
+
+    def stats(self) -> dict | None:
+        """The engine's latest ``stats()`` (after its last iteration); None before it is ready."""
+        return self._stats
+
+    def intake_length(self) -> int:
+        return self._intake.qsize()
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on (``EngineDraining``); live ones continue."""
+        self.draining = True
+
+    async def wait_idle(self, timeout: float | None) -> bool:
+        """Wait until no request is live; False if ``timeout`` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def stop(self) -> None:
+        """Abort whatever is live, end the engine thread and wait for it."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        self._put(_STOP)
+        await asyncio.shield(self._stopped)
+        await asyncio.to_thread(self._thread.join, 30)
+
+    # Requests -----------------------------------------------------------------------------------------------
+    def _admission_check(self, num_seqs: int) -> None:
+        if self.draining:
+            raise EngineDraining("the server is shutting down and accepts no new requests")
+        if not self.ready:
+            if self._ready is not None and self._ready.done():
+                raise EngineNotReady("the engine failed to start")
+            raise EngineNotReady("the engine is still starting up (loading and compiling the model)")
+        limit = self.config.max_waiting_requests
+        if limit is not None:
+            free_slots = max(0, self.config.max_num_seqs - self._sched["num_running"])
+            would_wait = self._pending_seqs + self._sched["num_waiting"] + num_seqs - free_slots
+            if would_wait > limit:
+                raise EngineOverloaded(f"the server is overloaded: more than max_waiting_requests={limit} "
+                                       "sequences would be waiting; retry later")
+
+    async def add_request(self, prompt: str | Sequence[int] | None, params: SamplingParams, *,
+                          messages: list[dict] | None = None, request_id: str | None = None) -> RequestStream:
+        """Queue a request (a text or token-id prompt, or chat ``messages``) and return its stream once the
+        engine has accepted it.
+
+        Raises:
+          ValueError: naming the problem (empty prompt, ids outside the vocabulary, too long, bad template...).
+          EngineOverloaded, EngineDraining, EngineNotReady: the request was not admitted.
+        """
+        self._admission_check(params.n)
+        if messages is None and (prompt is None or len(prompt) == 0):
+            raise ValueError("prompt is empty")
+        rid = request_id or uuid.uuid4().hex
+        stream = RequestStream(self, rid, params)
+        self._live[rid] = stream
+        self._idle.clear()
+        self._pending_seqs += params.n
+        prompt = prompt if prompt is None or isinstance(prompt, str) else [int(t) for t in prompt]
+        self._put(_Add(rid, prompt, messages, params, time.monotonic()))
+        try:
+            await asyncio.shield(stream._accepted)
+        except asyncio.CancelledError:
+            stream._accepted.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self.abort(rid)  # queued behind the add, so the engine sees it right after
+            raise
+        return stream
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Finish a live request (reason "abort") before the engine's next step; no-op if it is not live."""
+        self._put(_Abort(request_id, reason))
+
+    def abort_all(self) -> None:
+        self._put(_Abort(None))
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(engine)`` in the engine thread between steps and return its result."""
+        if not self.ready:
+            raise EngineNotReady("the engine is still starting up (loading and compiling the model)")
+        future = self._loop.create_future()
+        self._put(_Call(fn, future))
+        return await future
+
+    async def tokenize(self, text: str) -> tuple[list[int], list[str]]:
+        """Token ids of ``text`` as a prompt, and each token decoded on its own."""
+        def run(engine):
+            _, ids = engine.tokenize(text)
+            return ids, [self._token_text(engine, t) for t in ids]
+        return await self.call(run)
+
+    def _put(self, item) -> None:
+        self._intake.put(item)
+
+    # Engine thread ------------------------------------------------------------------------------------------
+    def _thread_main(self) -> None:
+        try:
+            if self._factory is not None:
+                engine = self._factory(self.config)
+            else:
+                from jaxserve.engine import Engine
+
+                engine = Engine(self.config)
+            self.engine = engine
+            self.info = self._describe(engine)
+            self._stats = engine.stats()
+        except BaseException as e:  # noqa: BLE001 - reported to the event loop, which exits
+            logger.exception("the engine failed to start")
+            self._loop.call_soon_threadsafe(self._set_future, self._ready, None, e)
+            self._loop.call_soon_threadsafe(self._set_future, self._stopped, None, None)
+            return
+        self._loop.call_soon_threadsafe(self._set_future, self._ready, None, None)
+        try:
+            self._run(engine)
+        except BaseException:  # noqa: BLE001 - the loop itself catches step errors; this is a bug
+            logger.exception("the engine loop died")
+            self._loop.call_soon_threadsafe(self._fail_all, EngineFailure("the engine loop stopped"))
+        finally:
+            self._loop.call_soon_threadsafe(self._set_future, self._stopped, None, None)
+
+    @staticmethod
+    def _describe(engine) -> dict[str, Any]:
+        cfg = engine.model_config
+        cache = getattr(engine, "cache_config", None)
+        return {
+            "model_path": str(getattr(engine, "model_path", "")),
+            "architecture": getattr(cfg, "architecture", ""),
+            "family": getattr(cfg, "family", ""),
+            "vocab_size": int(cfg.vocab_size),
+            "max_model_len": int(engine.max_model_len),
+            "num_layers": int(getattr(cfg, "num_layers", 0)),
+            "hidden_size": int(getattr(cfg, "hidden_size", 0)),
+            "eos_token_ids": [int(t) for t in getattr(engine, "eos_token_ids", ())],
+            "page_size": int(getattr(cache, "page_size", 0) or 0),
+            "num_pages": int(getattr(cache, "num_pages", 0) or 0),
+            "has_chat_template": bool(getattr(engine.tokenizer, "chat_template", None)),
+            "dtype": _kv_dtype(engine),
+        }
+
+    def _take(self, block: bool) -> list:
+        items = []
+        try:
+            items.append(self._intake.get(block=block))
+            while True:
+                items.append(self._intake.get_nowait())
+        except queue.Empty:
+            pass
+        return items
+
+    def _run(self, engine) -> None:
+        while True:
+            acks: list[tuple[str, list[int] | BaseException]] = []
+            outputs: list[RequestOutput] = []
+            stop = False
+            for cmd in self._take(block=not engine.has_unfinished()):
+                if cmd is _STOP:
+                    stop = True
+                    cmd = _Abort(None)
+                self._handle(engine, cmd, acks, outputs)
+            if not stop and engine.has_unfinished():
+                outputs.extend(self._step(engine))
+            self._publish(engine, acks, outputs)
+            if stop:
+                return
+
+    def _handle(self, engine, cmd, acks: list, outputs: list) -> None:
+        if isinstance(cmd, _Add):
+            try:
+                prompt = cmd.prompt
+                if cmd.messages is not None:
+                    prompt = apply_chat_template(engine.tokenizer, cmd.messages)
+                _, ids = engine.tokenize(prompt)
+                engine.add_request(cmd.request_id, ids, cmd.params, arrival_time=cmd.arrival_time)
+                self._engine_live.add(cmd.request_id)
+                acks.append((cmd.request_id, ids))
+            except Exception as e:  # noqa: BLE001 - ValueError for bad input; anything else is reported too
+                if not isinstance(e, ValueError):
+                    logger.exception("adding request %s failed", cmd.request_id)
+                    e = EngineFailure(f"the engine could not add the request: {e}")
+                acks.append((cmd.request_id, e))
+        elif isinstance(cmd, _Abort):
+            ids = [cmd.request_id] if cmd.request_id is not None else list(self._engine_live)
+            for rid in ids:
+                out = self._abort_one(engine, rid, cmd.reason)
+                if out is not None:
+                    outputs.append(out)
+        elif isinstance(cmd, _Call):
+            try:
+                result, error = cmd.fn(engine), None
+            except Exception as e:  # noqa: BLE001 - goes back to the caller
+                result, error = None, e
+            self._loop.call_soon_threadsafe(self._set_future, cmd.future, result, error)
+
+    def _abort_one(self, engine, rid: str, reason: str) -> RequestOutput | BaseException | None:
+        try:
+            return engine.abort_request(rid, reason=reason)
+        except Exception as e:  # noqa: BLE001
+            logger.exception("aborting request %s failed", rid)
+            return _Failed(rid, EngineFailure(f"the request could not be finished cleanly: {e}"))
+
+    def _step(self, engine) -> list:
+        try:
+            return engine.step()
+        except Exception:  # noqa: BLE001 - one bad step must not take the server down
+            logger.exception("engine step failed; the requests in its batch finish with reason 'error'")
+            if self.metrics is not None:
+                self.metrics.step_errors.inc()
+            scheduler = getattr(engine, "scheduler", None)
+            affected = list(dict.fromkeys(s.request_id for s in getattr(scheduler, "running", ())))
+            if not affected:  # the failure is not tied to the batch: nothing else can make progress either
+                affected = list(self._engine_live)
+            outs = []
+            for rid in affected:
+                out = self._abort_one(engine, rid, "error")
+                if out is not None:
+                    outs.append(out)
+            return outs
+
+    def _token_text(self, engine, token_id: int) -> str:
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            text = self._token_text_cache[token_id] = engine.tokenizer.decode([token_id])
+        return text
+
+    def _publish(self, engine, acks: list, outputs: list) -> None:
+        now = time.monotonic()
+        items = []
+        for out in outputs:
+            if isinstance(out, _Failed):
+                items.append((out.request_id, out.error, None))
+                self._last_token_time.pop(out.request_id, None)
+                self._engine_live.discard(out.request_id)
+                continue
+            texts = {}
+            for c in out.outputs:
+                for lp in c.delta_logprobs or ():
+                    for t in lp:
+                        texts[t] = self._token_text(engine, t)
+            if self.metrics is not None:
+                try:
+                    self.metrics.observe_tokens(out, now, self._last_token_time.get(out.request_id))
+                    if out.finished:
+                        self.metrics.observe_finished(out)
+                except Exception:  # noqa: BLE001 - metrics must never break serving
+                    logger.exception("recording metrics failed")
+            if out.finished:
+                self._last_token_time.pop(out.request_id, None)
+                self._engine_live.discard(out.request_id)
+            elif any(c.delta_token_ids for c in out.outputs):
+                self._last_token_time[out.request_id] = now
+            items.append((out.request_id, out, texts))
+        try:
+            stats = engine.stats()
+        except Exception:  # noqa: BLE001
+            logger.exception("engine stats failed")
+            stats = self._stats or {}
+        self._stats = stats
+        sched = {"num_running": int(stats.get("num_running", 0)), "num_waiting": int(stats.get("num_waiting", 0))}
+        self._loop.call_soon_threadsafe(self._deliver, acks, items, sched)
+
+    # Event loop side ----------------------------------------------------------------------------------------
+    def _deliver(self, acks: list, items: list, sched: dict) -> None:
+        self._sched = sched
+        for rid, result in acks:
+            stream = self._live.get(rid)
+            if stream is None:
+                continue
+            self._pending_seqs -= stream.params.n
+            if isinstance(result, BaseException):
+                del self._live[rid]
+                stream._done = True
+                self._set_future(stream._accepted, None, result)
+            else:
+                stream.prompt_token_ids = result
+                self._set_future(stream._accepted, None, None)
+        for rid, out, texts in items:
+            stream = self._live.get(rid)
+            if stream is None:
+                continue
+            if texts:
+                stream.token_texts.update(texts)
+            stream._queue.put_nowait(out)
+            if isinstance(out, BaseException) or out.finished:
+                del self._live[rid]
+        if not self._live:
+            self._idle.set()
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid, stream in list(self._live.items()):
+            if not stream._accepted.done():
+                self._set_future(stream._accepted, None, error)
+            stream._queue.put_nowait(error)
+        self._live.clear()
+        self._idle.set()
+
+    @staticmethod
+    def _set_future(future: asyncio.Future, result, error) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+
+def _kv_dtype(engine) -> str:
+    """The dtype the model runs in (that of its KV cache), or the configured one if it cannot be seen."""
+    try:
+        import jax
+
+        return str(jax.tree.leaves(engine.runner.kv_cache)[0].dtype)
+    except Exception:  # noqa: BLE001 - informational only
+        return str(getattr(getattr(engine, "config", None), "dtype", ""))
+
+
+@dataclasses.dataclass
+class _Failed:
+    request_id: str
+    error: BaseException

@@ -1,0 +1,1 @@
+"""Generated gRPC modules for jaxserve.proto (regenerate with ``python scripts/gen_protos.py``)."""

@@ -1,0 +1,32 @@
+"""Serve a model over gRPC and an OpenAI-compatible HTTP API: ``python -m jaxserve.serve [--model PATH]``.
+
+With no ``--model`` it serves the built-in demo model (random weights: the output is meaningless), so it runs on
+a fresh machine. ``--help`` lists every option; docs/serving.md describes the endpoints, metrics and errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+
+from jaxserve.server.args import parse_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from jaxserve.server.app import serve  # after logging is set up: importing it loads jax and grpc
+
+    code = asyncio.run(serve(args))
+    if code < 0:  # stopped during warm-up: the engine thread cannot be interrupted mid-compile
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""The gRPC front end (grpc.aio): ``jaxserve.v1.JaxServe`` plus the standard health and reflection services.
+
+Health reports NOT_SERVING until the engine is warm and again while draining. With an API key, JaxServe calls
+need metadata ``authorization: Bearer <key>``; health and reflection stay open.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from jaxserve.async_engine import AsyncEngine, EngineNotReady
+from jaxserve.metrics import ServerMetrics
+from jaxserve.protos import jaxserve_pb2 as pb
+from jaxserve.protos import jaxserve_pb2_grpc as pb_grpc
+from jaxserve.server.intake import (ChoiceTracker, RequestError, api_key_ok, from_engine_error, invalid,
+                                   make_sampling_params, unauthenticated, usage_counts)
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name
+_FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+           "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}
+_OPTIONAL = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "seed", "logprobs", "skip_special_tokens")
+
+
+def sampling_params_from_proto(p: pb.SamplingParams):
+    fields = {name: getattr(p, name) for name in _OPTIONAL if p.HasField(name)}
+    fields.update(stop=tuple(p.stop) or None, stop_token_ids=tuple(p.stop_token_ids) or None,
+                  ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
+                  include_stop_str_in_output=p.include_stop_str_in_output)
+    fields.setdefault("max_tokens", None)  # unset: until a stop condition or max_model_len
+    return make_sampling_params(**fields)
+
+
+class JaxServeServicer(pb_grpc.JaxServeServicer):
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str],
+                 api_key: str | None):
+        self.engine = engine
+        self.metrics = metrics
+        self.names = served_model_names
+        self.api_key = api_key
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, e: RequestError):
+        self.metrics.rejected.labels("grpc", e.reason).inc()
+        await context.abort(e.code, e.message)
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if self.api_key:
+            metadata = dict(context.invocation_metadata() or ())
+            if not api_key_ok(metadata.get("authorization"), self.api_key):
+                await self._refuse(context, unauthenticated())
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        await self._authorize(context)
+        rid = request.request_id
+        try:
+            params = sampling_params_from_proto(request.sampling_params)
+            kind = request.WhichOneof("prompt")
+            if kind is None:
+                raise invalid("prompt is empty: set text or token_ids", "prompt")
+            prompt = request.text if kind == "text" else list(request.token_ids.ids)
+            stream = await self.engine.add_request(prompt, params)
+        except Exception as e:  # noqa: BLE001 - every refusal becomes a status code
+            await self._refuse(context, from_engine_error(e))
+            return
+        rid = rid or stream.request_id
+        tracker = ChoiceTracker(params.logprobs)
+        try:
+            async for out in stream:
+                events = tracker.events(out)
+                for i, ev in enumerate(events):
+                    msg = pb.GenerateResponse(request_id=rid, index=ev.index, text=ev.text, token_ids=ev.token_ids,
+                                              finish_reason=_FINISH.get(ev.finish_reason, pb.FINISH_REASON_ERROR))
+                    if isinstance(ev.stop_reason, int):
+                        msg.stop_token_id = ev.stop_reason
+                    elif isinstance(ev.stop_reason, str):
+                        msg.stop_string = ev.stop_reason
+                    for lp in ev.logprobs or ():
+                        texts = stream.token_texts
+                        msg.logprobs.append(pb.TokenLogprob(
+                            token_id=lp.token_id, logprob=lp.logprob, token=texts.get(lp.token_id, ""),
+                            top_logprobs=[pb.TopLogprob(token_id=t, logprob=v, token=texts.get(t, ""))
+                                          for t, v in lp.top]))
+                    if out.finished and i == len(events) - 1:
+                        u = usage_counts(out)
+                        msg.usage.CopyFrom(pb.Usage(prompt_tokens=u["prompt_tokens"],
+                                                    completion_tokens=u["completion_tokens"],
+                                                    cached_prompt_tokens=u["cached_tokens"]))
+                    yield msg
+        except Exception as e:  # noqa: BLE001
+            await self._refuse(context, from_engine_error(e))
+        finally:
+            stream.abort()  # no-op once finished; on cancellation it frees the pages before the next step
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext):
+        await self._authorize(context)
+        try:
+            ids, tokens = await self.engine.tokenize(request.text)
+        except Exception as e:  # noqa: BLE001
+            await self._refuse(context, from_engine_error(e))
+            return None
+        return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext):
+        await self._authorize(context)
+        if not self.engine.ready:
+            await self._refuse(context, from_engine_error(EngineNotReady("the engine is still starting up")))
+        info, cfg = self.engine.info, self.engine.config
+        return pb.GetModelInfoResponse(
+            served_model_names=self.names, model_path=info["model_path"], architecture=info["architecture"],
+            family=info["family"], vocab_size=info["vocab_size"], max_model_len=info["max_model_len"],
+            num_layers=info["num_layers"], hidden_size=info["hidden_size"], eos_token_ids=info["eos_token_ids"],
+            dtype=info["dtype"], page_size=info["page_size"], num_pages=info["num_pages"],
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            has_chat_template=info["has_chat_template"])
+
+
+class GrpcServer:
+    """The grpc.aio server with JaxServe, health (NOT_SERVING until ``set_serving(True)``) and reflection."""
+
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str], *,
+                 api_key: str | None = None, max_message_bytes: int = 4 * 2**20):
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
+                                               ("grpc.so_reuseport", 0)])
+        pb_grpc.add_JaxServeServicer_to_server(
+            JaxServeServicer(engine, metrics, served_model_names, api_key), self.server)
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server)
+
+    def bind(self, host: str, port: int) -> int:
+        """Listen on host:port (0 picks a free port); returns the port."""
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            bound = self.server.add_insecure_port(address)
+        except RuntimeError as e:  # recent grpcio raises where older versions returned 0
+            raise OSError(f"cannot listen for gRPC on {address}: {e}") from None
+        if bound == 0:
+            raise OSError(f"cannot listen for gRPC on {address}")
+        return bound
+
+    async def start(self) -> None:
+        await self.set_serving(False)
+        await self.server.start()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    async def stop(self, grace: float) -> None:
+        await self.server.stop(grace)

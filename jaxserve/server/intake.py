@@ -1,0 +1,177 @@
+"""Request intake shared by both front ends: validation, errors and their HTTP / gRPC mapping, auth, and the
+bookkeeping that turns engine outputs into per-choice events.
+
+Every refusal is a ``RequestError`` carrying an HTTP status, a gRPC status code and a message that names the
+problem; the front ends only translate it into their wire format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import re
+from typing import Any
+
+import grpc
+
+from jaxserve.async_engine import EngineDraining, EngineFailure, EngineNotReady, EngineOverloaded
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+
+class RequestError(Exception):
+    """A request the server refuses; ``status`` is the HTTP status, ``code`` the gRPC status."""
+
+    def __init__(self, message: str, *, status: int = 400, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT,
+                 type: str = "invalid_request_error", param: str | None = None, reason: str = "invalid"):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code
+        self.type = type
+        self.param = param
+        self.reason = reason  # label of jaxserve_requests_rejected_total
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+def invalid(message: str, param: str | None = None) -> RequestError:
+    return RequestError(message, param=param)
+
+
+def unauthenticated() -> RequestError:
+    return RequestError("missing or invalid API key: send 'Authorization: Bearer <key>'", status=401,
+                        code=grpc.StatusCode.UNAUTHENTICATED, type="authentication_error", reason="unauthenticated")
+
+
+def draining() -> RequestError:
+    return RequestError("the server is shutting down and accepts no new requests", status=503,
+                        code=grpc.StatusCode.UNAVAILABLE, type="service_unavailable", reason="draining")
+
+
+_FIELD = re.compile(r"^SamplingParams\.(\w+)=")
+
+
+def from_engine_error(e: BaseException) -> RequestError:
+    """The ``RequestError`` for an exception from ``AsyncEngine.add_request`` or ``SamplingParams``."""
+    if isinstance(e, RequestError):
+        return e
+    if isinstance(e, EngineOverloaded):
+        return RequestError(str(e), status=429, code=grpc.StatusCode.RESOURCE_EXHAUSTED, type="overloaded",
+                            reason="overloaded")
+    if isinstance(e, EngineDraining):
+        return draining()
+    if isinstance(e, EngineNotReady):
+        return RequestError(str(e), status=503, code=grpc.StatusCode.UNAVAILABLE, type="service_unavailable",
+                            reason="not_ready")
+    if isinstance(e, EngineFailure):
+        return RequestError(str(e), status=500, code=grpc.StatusCode.INTERNAL, type="internal_error",
+                            reason="error")
+    if isinstance(e, ValueError):
+        message = str(e)
+        match = _FIELD.match(message)
+        param = match.group(1) if match else ("prompt" if "prompt" in message else None)
+        return invalid(message.removeprefix("SamplingParams."), param)
+    return RequestError(f"internal error: {e}", status=500, code=grpc.StatusCode.INTERNAL, type="internal_error",
+                        reason="error")
+
+
+def make_sampling_params(**fields: Any) -> SamplingParams:
+    """``SamplingParams`` from the fields that are set (None means "the default", except for ``max_tokens``,
+    where None means "until a stop condition or max_model_len"); RequestError if invalid."""
+    fields = {k: v for k, v in fields.items() if v is not None or k == "max_tokens"}
+    try:
+        return SamplingParams(**fields)
+    except (TypeError, ValueError) as e:
+        raise from_engine_error(e if isinstance(e, ValueError) else ValueError(str(e))) from None
+
+
+def check_model(name: str | None, served: list[str]) -> None:
+    if name is not None and name not in served:
+        raise RequestError(f"the model {name!r} does not exist; this server serves {', '.join(map(repr, served))}",
+                           param="model", reason="invalid")
+
+
+def api_key_ok(authorization: str | None, api_key: str | None) -> bool:
+    """Whether an ``Authorization`` value carries the key (always true when the server has no key)."""
+    if not api_key:
+        return True
+    if not authorization:
+        return False
+    scheme, _, token = authorization.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+# Outputs --------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # most likely first
+
+
+def split_logprobs(entry: dict[int, float], num_top: int) -> TokenLogprob | None:
+    """One token's engine logprobs (the chosen token first, then the top-n; the chosen one appears once even
+    when it is also among the top-n) as the chosen token plus its top-n alternatives."""
+    if not entry:
+        return None
+    items = list(entry.items())
+    chosen, lp = items[0]
+    top = items if len(items) == num_top else items[1:]
+    top = sorted(top, key=lambda kv: -kv[1])[:num_top]
+    return TokenLogprob(chosen, lp, top)
+
+
+@dataclasses.dataclass
+class ChoiceEvent:
+    """What one output (of the request's n) gained since its previous event."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class ChoiceTracker:
+    """Turns a request's ``RequestOutput``s into ``ChoiceEvent``s: each finished output is reported once
+    (the engine repeats finished siblings in the request's final output)."""
+
+    def __init__(self, num_top_logprobs: int | None):
+        self.num_top = num_top_logprobs
+        self.finished: set[int] = set()
+
+    def events(self, out: RequestOutput) -> list[ChoiceEvent]:
+        events = []
+        for c in out.outputs:
+            if c.index in self.finished:
+                continue
+            if c.finish_reason is not None:
+                self.finished.add(c.index)
+            elif not c.delta_token_ids and not c.delta_text:
+                continue
+            events.append(ChoiceEvent(c.index, c.delta_text, list(c.delta_token_ids), self._logprobs(c),
+                                      c.finish_reason, c.stop_reason))
+        return events
+
+    def _logprobs(self, c: CompletionOutput) -> list[TokenLogprob] | None:
+        if self.num_top is None or c.delta_logprobs is None:
+            return None
+        return token_logprobs(c.delta_logprobs, c.delta_token_ids, self.num_top)
+
+
+def token_logprobs(entries: list[dict[int, float]], token_ids: list[int], num_top: int) -> list[TokenLogprob]:
+    """``split_logprobs`` of each token (a token without an entry gets logprob -9999, like vLLM's filler)."""
+    out = []
+    for entry, token in zip(entries, token_ids):
+        lp = split_logprobs(entry, num_top)
+        out.append(lp if lp is not None else TokenLogprob(token, -9999.0, []))
+    return out
+
+
+def usage_counts(out: RequestOutput) -> dict[str, int]:
+    cached = out.metrics.num_cached_tokens if out.metrics is not None else 0
+    return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": out.num_completion_tokens,
+            "cached_tokens": cached}

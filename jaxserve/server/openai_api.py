@@ -1,0 +1,378 @@
+"""The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models, health and metrics.
+
+Streaming responses are server-sent events ending in ``data: [DONE]``. A client that disconnects (streaming or
+not) aborts its request, which frees its KV pages before the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxserve.async_engine import AsyncEngine, RequestStream
+from jaxserve.metrics import CONTENT_TYPE, ServerMetrics
+from jaxserve.outputs import RequestOutput
+from jaxserve.server.intake import (ChoiceTracker, RequestError, TokenLogprob, api_key_ok, check_model,
+                                   from_engine_error, invalid, token_logprobs, unauthenticated, usage_counts)
+from jaxserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest, parse
+
+logger = logging.getLogger(__name__)
+
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]
+
+
+class EventStreamResponse(Response):
+    """Server-sent events from an async iterator of ``bytes``; ``on_close`` runs however the response ends
+    (finished, client disconnected, or failed), so unfinished requests are aborted at once."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]):
+        super().__init__(status_code=200)
+        self.events = events
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def stream():
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        streamer = asyncio.ensure_future(stream())
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({streamer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.on_close()
+            for task in (streamer, watcher):
+                task.cancel()
+            results = await asyncio.gather(streamer, watcher, return_exceptions=True)
+        error = results[0]
+        if isinstance(error, Exception) and not isinstance(error, OSError):
+            logger.error("streaming a response failed", exc_info=error)
+
+
+async def _wait_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def _usage(outs: list[RequestOutput]) -> dict[str, Any]:
+    counts = [usage_counts(o) for o in outs]
+    prompt = sum(c["prompt_tokens"] for c in counts)
+    completion = sum(c["completion_tokens"] for c in counts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c["cached_tokens"] for c in counts)}}
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they arrive."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, s: RequestStream):
+        try:
+            async for out in s:
+                q.put_nowait((k, out))
+        except Exception as e:  # noqa: BLE001 - re-raised in the consumer
+            q.put_nowait((k, e))
+        q.put_nowait((k, None))
+
+    tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            k, out = await q.get()
+            if out is None:
+                remaining -= 1
+            elif isinstance(out, Exception):
+                raise out
+            else:
+                yield k, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class OpenAIServer:
+    """Builds the FastAPI app over an ``AsyncEngine``."""
+
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str], *,
+                 api_key: str | None = None, max_body_bytes: int = 4 * 2**20):
+        self.engine = engine
+        self.metrics = metrics
+        self.names = served_model_names
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+
+    def app(self) -> FastAPI:
+        app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_exception_handler(RequestError, self._request_error)
+        app.add_exception_handler(StarletteHTTPException, self._http_error)
+        app.add_exception_handler(Exception, self._internal_error)
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics_endpoint, methods=["GET"])
+        v1 = APIRouter(prefix="/v1", dependencies=[Depends(self._authorize)])
+        v1.add_api_route("/models", self.models, methods=["GET"])
+        v1.add_api_route("/completions", self.completions, methods=["POST"])
+        v1.add_api_route("/chat/completions", self.chat_completions, methods=["POST"])
+        app.include_router(v1)
+        return app
+
+    # Errors -------------------------------------------------------------------------------------------------
+    async def _request_error(self, request: Request, e: RequestError) -> JSONResponse:
+        self.metrics.rejected.labels("http", e.reason).inc()
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        return JSONResponse(e.to_openai(), status_code=e.status, headers=headers)
+
+    async def _http_error(self, request: Request, e: StarletteHTTPException) -> JSONResponse:
+        message = {404: f"no route {request.method} {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(e.status_code, e.detail)
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                       "code": e.status_code}}, status_code=e.status_code)
+
+    async def _internal_error(self, request: Request, e: Exception) -> JSONResponse:
+        logger.exception("request %s %s failed", request.method, request.url.path)
+        return JSONResponse({"error": {"message": f"internal error: {type(e).__name__}: {e}",
+                                       "type": "internal_error", "param": None, "code": 500}}, status_code=500)
+
+    async def _authorize(self, request: Request) -> None:
+        if not api_key_ok(request.headers.get("authorization"), self.api_key):
+            raise unauthenticated()
+
+    async def _read_json(self, request: Request) -> Any:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise invalid(f"the request body has {declared} bytes, over the limit of {self.max_body_bytes}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise invalid(f"the request body is over the limit of {self.max_body_bytes} bytes")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise invalid(f"the request body is not valid JSON: {e}") from None
+
+    # Plain endpoints ----------------------------------------------------------------------------------------
+    async def health(self) -> Response:
+        if self.engine.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not self.engine.ready:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_endpoint(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def models(self) -> JSONResponse:
+        info = self.engine.info
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "jaxserve",
+             "root": info.get("model_path"), "max_model_len": info.get("max_model_len")}
+            for name in self.names]})
+
+    # Generation ---------------------------------------------------------------------------------------------
+    async def _start(self, prompts: list, params, messages=None) -> list[RequestStream]:
+        """Admit every prompt of the request, or none (the admitted ones are aborted if one fails)."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                try:
+                    streams.append(await self.engine.add_request(prompt, params, messages=messages))
+                except Exception as e:  # noqa: BLE001 - mapped to the error response
+                    err = from_engine_error(e)
+                    if len(prompts) > 1 and err.status == 400:
+                        err.message = f"prompt[{i}]: {err.message}"
+                    raise err from None
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        return streams
+
+    async def _until_disconnect(self, request: Request, work, streams: list[RequestStream]):
+        """Await ``work``; if the client disconnects first, abort the requests and return None."""
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                for s in streams:
+                    s.abort()
+                task.cancel()
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        if task.cancelled():
+            await asyncio.gather(task, return_exceptions=True)
+            return None
+        return task.result()
+
+    @staticmethod
+    async def _final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async for k, out in _merged(streams):
+            if out.finished:
+                finals[k] = out
+        return finals  # type: ignore[return-value]
+
+    def _model_name(self, requested: str | None) -> str:
+        return requested or self.names[0]
+
+    async def completions(self, request: Request) -> Response:
+        req: CompletionRequest = parse(CompletionRequest, await self._read_json(request))
+        check_model(req.model, self.names)
+        params = req.sampling_params()
+        prompts = req.prompts()
+        streams = await self._start(prompts, params)
+        rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self._model_name(req.model)
+        n, num_top = params.n, params.logprobs
+        if req.stream:
+            events = self._completion_events(streams, rid, created, model, n, num_top, req.include_usage)
+            return EventStreamResponse(events, lambda: [s.abort() for s in streams])
+        finals = await self._until_disconnect(request, self._final_outputs(streams), streams)
+        if finals is None:
+            return Response(status_code=499)
+        choices = []
+        for k, (stream, out) in enumerate(zip(streams, finals)):
+            for c in out.outputs:
+                logprobs = None
+                if num_top is not None:
+                    lps = token_logprobs(c.logprobs or [], c.token_ids, num_top)
+                    logprobs = _completion_logprobs(lps, stream.token_texts, 0)[0]
+                choices.append({"index": k * n + c.index, "text": c.text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                             "choices": choices, "usage": _usage(finals)})
+
+    async def _completion_events(self, streams, rid, created, model, n, num_top, include_usage):
+        trackers = [ChoiceTracker(num_top) for _ in streams]
+        offsets: dict[int, int] = {}
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        base = {"id": rid, "object": "text_completion", "created": created, "model": model}
+        try:
+            async for k, out in _merged(streams):
+                if out.finished:
+                    finals[k] = out
+                for ev in trackers[k].events(out):
+                    index = k * n + ev.index
+                    logprobs = None
+                    if ev.logprobs is not None:
+                        logprobs, offsets[index] = _completion_logprobs(ev.logprobs, streams[k].token_texts,
+                                                                        offsets.get(index, 0))
+                    choice = {"index": index, "text": ev.text, "logprobs": logprobs,
+                              "finish_reason": ev.finish_reason}
+                    if ev.finish_reason is not None:
+                        choice["stop_reason"] = ev.stop_reason
+                    chunk = {**base, "choices": [choice]}
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield _sse(chunk)
+            if include_usage:
+                yield _sse({**base, "choices": [], "usage": _usage([f for f in finals if f is not None])})
+        except Exception as e:  # noqa: BLE001 - the status line is already sent; report in-band
+            err = from_engine_error(e)
+            yield _sse(err.to_openai())
+        yield _sse("[DONE]")
+
+    async def chat_completions(self, request: Request) -> Response:
+        req: ChatCompletionRequest = parse(ChatCompletionRequest, await self._read_json(request))
+        check_model(req.model, self.names)
+        params = req.sampling_params()
+        messages = req.template_messages()
+        streams = await self._start([None], params, messages)
+        stream = streams[0]
+        rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self._model_name(req.model)
+        num_top = params.logprobs
+        if req.stream:
+            events = self._chat_events(stream, rid, created, model, params.n, num_top, req.include_usage)
+            return EventStreamResponse(events, stream.abort)
+        finals = await self._until_disconnect(request, self._final_outputs(streams), streams)
+        if finals is None:
+            return Response(status_code=499)
+        out = finals[0]
+        choices = []
+        for c in out.outputs:
+            logprobs = None
+            if num_top is not None:
+                lps = token_logprobs(c.logprobs or [], c.token_ids, num_top)
+                logprobs = {"content": _chat_logprobs(lps, stream.token_texts)}
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
+                             "choices": choices, "usage": _usage([out])})
+
+    async def _chat_events(self, stream, rid, created, model, n, num_top, include_usage):
+        tracker = ChoiceTracker(num_top)
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        final = None
+
+        def chunk(choice: dict) -> bytes:
+            c = {**base, "choices": [choice]}
+            if include_usage:
+                c["usage"] = None
+            return _sse(c)
+
+        try:
+            for i in range(n):
+                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+            async for out in stream:
+                if out.finished:
+                    final = out
+                for ev in tracker.events(out):
+                    delta = {"content": ev.text} if ev.text or ev.finish_reason is None else {}
+                    logprobs = ({"content": _chat_logprobs(ev.logprobs, stream.token_texts)}
+                                if ev.logprobs is not None else None)
+                    choice = {"index": ev.index, "delta": delta, "logprobs": logprobs,
+                              "finish_reason": ev.finish_reason}
+                    if ev.finish_reason is not None:
+                        choice["stop_reason"] = ev.stop_reason
+                    yield chunk(choice)
+            if include_usage and final is not None:
+                yield _sse({**base, "choices": [], "usage": _usage([final])})
+        except Exception as e:  # noqa: BLE001 - the status line is already sent; report in-band
+            yield _sse(from_engine_error(e).to_openai())
+        yield _sse("[DONE]")
+
+
+def _completion_logprobs(lps: list[TokenLogprob], texts: dict[int, str], offset: int) -> tuple[dict, int]:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for lp in lps:
+        text = texts.get(lp.token_id, "")
+        tokens.append(text)
+        token_logprobs.append(lp.logprob)
+        top.append({texts.get(t, ""): v for t, v in lp.top})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}, offset
+
+
+def _chat_logprobs(lps: list[TokenLogprob], texts: dict[int, str]) -> list[dict]:
+    content = []
+    for lp in lps:
+        text = texts.get(lp.token_id, "")
+        content.append({"token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": texts.get(t, ""), "logprob": v,
+                                          "bytes": list(texts.get(t, "").encode())} for t, v in lp.top]})
+    return content

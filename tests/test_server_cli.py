@@ -1,0 +1,75 @@
+"""The serve command's options and the committed gRPC stubs (no server started)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxserve.server.args import DEMO_MODEL_NAME, parse_args
+
+REPO = Path(__file__).resolve().parents[1]
+FLAGS = ["--model", "--tokenizer", "--served-model-name", "--dtype", "--max-model-len", "--max-num-seqs",
+         "--max-num-batched-tokens", "--page-size", "--num-pages", "--hbm-utilization", "--enable-prefix-caching",
+         "--no-enable-prefix-caching", "--max-waiting-requests", "--compilation-cache-dir", "--attention-backend",
+         "--mesh", "--seed", "--host", "--http-port", "--grpc-port", "--api-key", "--shutdown-grace-period",
+         "--max-request-bytes", "--log-level"]
+
+
+def test_help_documents_every_flag():
+    out = subprocess.run([sys.executable, "-m", "jaxserve.serve", "--help"], cwd=REPO, capture_output=True, text=True,
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for flag in FLAGS:
+        assert flag in out.stdout, flag
+
+
+def test_defaults_and_engine_config(monkeypatch):
+    monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)
+    args = parse_args([])
+    assert args.model is None and args.served_model_name == [DEMO_MODEL_NAME]
+    assert args.host == "127.0.0.1" and args.api_key is None
+    cfg = args.engine_config
+    assert cfg.model is None and cfg.enable_prefix_caching and cfg.max_waiting_requests is None
+    assert (cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens) == (512, 8, 128)  # demo-sized
+
+    monkeypatch.setenv("JAXSERVE_API_KEY", "from-env")
+    args = parse_args(["--model", "some/model", "--max-num-seqs", "4", "--no-enable-prefix-caching",
+                       "--max-waiting-requests", "7", "--page-size", "8", "--compilation-cache-dir", ""])
+    assert args.served_model_name == ["some/model"] and args.api_key == "from-env"
+    cfg = args.engine_config
+    assert (cfg.max_num_seqs, cfg.enable_prefix_caching, cfg.max_waiting_requests, cfg.page_size) == (4, False, 7, 8)
+    assert cfg.compilation_cache_dir is None
+    assert (cfg.max_model_len, cfg.max_num_batched_tokens) == (None, 512)  # the engine's defaults for real models
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--max-num-seqs", "0"], "max_num_seqs=0"),
+    (["--http-port", "70000"], "--http-port"),
+    (["--hbm-utilization", "1.5"], "hbm_utilization"),
+    (["--dtype", "int8"], "invalid choice"),
+])
+def test_bad_options_exit_with_a_message(capsys, argv, needle):
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_committed_stubs_match_the_proto(tmp_path):
+    pytest.importorskip("grpc_tools")
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from gen_protos import GENERATED, PROTO_DIR, generate
+    finally:
+        sys.path.pop(0)
+    generate(tmp_path)
+    for name in GENERATED:
+        assert (tmp_path / name).read_text() == (PROTO_DIR / name).read_text(), (
+            f"{name} is stale: run python scripts/gen_protos.py")
+    from jaxserve.protos import jaxserve_pb2, jaxserve_pb2_grpc
+
+    assert jaxserve_pb2.DESCRIPTOR.package == "jaxserve.v1"
+    assert hasattr(jaxserve_pb2_grpc, "JaxServeStub")
