@@ -186,51 +186,63 @@ class Engine:
             self._release_row(seq)
         if plan.is_empty:
             return self._collect(self.scheduler.update(plan, []).finished, [])
-        entries = plan.scheduled
-        decode = all(len(e.token_ids) == 1 for e in entries)
-        batch = self.runner.make_batch([e.token_ids for e in entries], [e.kv_len for e in entries],
-                                       [e.page_table for e in entries], decode=decode)
-        step_out = self.runner.decode_step(batch) if decode else self.runner.prefill_step(batch)
         now = time.monotonic()
-        for e in entries:
+        for e in plan.scheduled:
             req = self._requests.get(e.seq.request_id)
             if req is not None and req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-        rows = [self._penalty_row(e.seq) for e in entries]
-        if not any(rows) and all(_plain_greedy(e.seq) for e in entries):
-            # Greedy batches take the argmax the step already computed: no sampler call at all.
-            tokens = jax.device_get(step_out.greedy_ids)[: len(entries)].tolist()
-            host = None
-        else:
-            tokens, host = self._sample_batch(entries, rows, step_out.logits)
-        result = self.scheduler.update(plan, tokens)
-        self.stats_counters["steps"] += 1
-        logprobs = {}
-        if host is not None and len(host) > 1:
-            for slot, e in enumerate(entries):
+        # Every call is dispatched before anything is copied back: one device-to-host sync per step.
+        launched = [self._launch(group) for group in self._groups(plan.scheduled)]
+        host = jax.device_get([fetch for _, fetch in launched])
+        tokens: dict[int, int] = {}
+        logprobs: dict[int, dict[int, float]] = {}
+        for (group, _), got in zip(launched, host):
+            for slot, e in enumerate(group):
+                token = int(got[0][slot])
+                tokens[e.seq.seq_id] = token
                 n = e.seq.sampling_params.logprobs
-                if n is not None and e.needs_sample:
-                    top = {int(i): float(v) for i, v in zip(host[2][slot][:n], host[3][slot][:n])}
-                    logprobs[e.seq.seq_id] = {tokens[slot]: float(host[1][slot]), **top}
+                if len(got) > 1 and n is not None and e.needs_sample:
+                    top = {int(i): float(v) for i, v in zip(got[2][slot][:n], got[3][slot][:n])}
+                    logprobs[e.seq.seq_id] = {token: float(got[1][slot]), **top}
+        result = self.scheduler.update(plan, [tokens[e.seq.seq_id] for e in plan.scheduled])
+        self.stats_counters["steps"] += 1
         return self._collect(result.finished, result.updated, logprobs)
 
-    def _sample_batch(self, entries, rows: list[int], logits: jax.Array) -> tuple[list[int], tuple]:
-        """Run the sampler over the step's logits; the one device-to-host copy of the step."""
+    def _groups(self, entries) -> list[list]:
+        """One compiled call per group: a decode call when every sequence has one new token, else a prefill.
+
+        Kernels attend a mixed batch in one call. The pure-JAX path attends prompt chunks one sequence at a
+        time and decode rows one row at a time, so there decodes and chunks go to separate calls.
+        """
+        if self.runner.backend.name != "reference":
+            return [list(entries)]
+        decodes = [e for e in entries if len(e.token_ids) == 1]
+        chunks = [e for e in entries if len(e.token_ids) > 1]
+        return [g for g in (chunks, decodes) if g]
+
+    def _launch(self, group) -> tuple[list, tuple]:
+        """Dispatch one group's step and its sampling; returns the device arrays to fetch."""
+        decode = all(len(e.token_ids) == 1 for e in group)
+        batch = self.runner.make_batch([e.token_ids for e in group], [e.kv_len for e in group],
+                                       [e.page_table for e in group], decode=decode)
+        step_out = self.runner.decode_step(batch) if decode else self.runner.prefill_step(batch)
+        rows = [self._penalty_row(e.seq) for e in group]
+        if not any(rows) and all(_plain_greedy(e.seq) for e in group):
+            # Greedy batches take the argmax the step already computed: no sampler call at all.
+            return group, (step_out.greedy_ids,)
         tensors = SamplingTensors.build(
-            [e.seq.sampling_params for e in entries], num_slots=self.config.max_num_seqs,
-            seeds=[self._seeds[e.seq.seq_id] for e in entries],
-            num_generated=[e.seq.num_output_tokens for e in entries], eos_token_ids=self.eos_token_ids,
-            penalty_rows=rows, commit=[e.needs_sample for e in entries], logprobs_mode=self.config.logprobs_mode,
+            [e.seq.sampling_params for e in group], num_slots=self.config.max_num_seqs,
+            seeds=[self._seeds[e.seq.seq_id] for e in group],
+            num_generated=[e.seq.num_output_tokens for e in group], eos_token_ids=self.eos_token_ids,
+            penalty_rows=rows, commit=[e.needs_sample for e in group], logprobs_mode=self.config.logprobs_mode,
         )
         use_penalties = any(rows)
-        out = self._sample(logits, tensors, self._penalties if use_penalties else None)
+        out = self._sample(step_out.logits, tensors, self._penalties if use_penalties else None)
         if use_penalties:
             self._penalties = out.penalty_state
-        fetch = (out.token_ids,)
-        if tensors.num_top_logprobs or any(e.seq.sampling_params.logprobs is not None for e in entries):
-            fetch = (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
-        host = jax.device_get(fetch)
-        return host[0][: len(entries)].tolist(), host
+        if tensors.num_top_logprobs or any(e.seq.sampling_params.logprobs is not None for e in group):
+            return group, (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
+        return group, (out.token_ids,)
 
     def _penalty_row(self, seq: Sequence) -> int:
         p = seq.sampling_params
