@@ -91,15 +91,14 @@ def write_kv(
     Returns:
       The updated (k_pages, v_pages); donate the inputs so XLA updates them in place.
     """
-    num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
+    num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
     seq_ids, positions, valid = token_layout(cu_q_lens, kv_lens, num_seqs, new_k.shape[0])
-    page = page_indices[seq_ids, positions // page_size]
     # Padding rows point one past the pool, and mode="drop" discards them.
-    slot = jnp.where(valid, page * page_size + positions % page_size, num_pages * page_size)
+    page = jnp.where(valid, page_indices[seq_ids, positions // page_size], num_pages)
+    offset = positions % page_size
 
     def put(pages, new):
-        flat = pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
-        flat = flat.at[:, slot].set(new.swapaxes(0, 1).astype(pages.dtype), mode="drop")
-        return flat.reshape(pages.shape)
+        # Scattered straight into the 4-D pool: a reshape around the scatter makes XLA copy the whole pool.
+        return pages.at[:, page, offset].set(new.swapaxes(0, 1).astype(pages.dtype), mode="drop")
 
     return put(k_pages, new_k), put(v_pages, new_v)
