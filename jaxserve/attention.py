@@ -58,9 +58,22 @@ class AttentionBackend:
         soft_cap: float | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Write this step's K/V, then attend. Returns (out [T, num_q_heads, head_dim], k_pages, v_pages)."""
-        meta = (md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
-        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, *meta)
-        out = ragged_paged_attention(
-            q, k_pages, v_pages, *meta, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
-        )
+        k_pages, v_pages = self.write(k, v, k_pages, v_pages, md)
+        out = self.attend(q, k_pages, v_pages, md, sm_scale=sm_scale, sliding_window=sliding_window,
+                          soft_cap=soft_cap)
         return out, k_pages, v_pages
+
+    # The two halves, for callers whose query rows are a subset of the rows written (sequence parallelism:
+    # every sequence shard writes all of a chunk's K/V, then attends for its own rows only).
+    def write(self, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+              md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+        """Write each real row's K/V into its page slot. Returns (k_pages, v_pages)."""
+        return write_kv(k_pages, v_pages, k, v, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
+
+    def attend(self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata, *,
+               sm_scale: float, sliding_window: int | None, soft_cap: float | None = None) -> jax.Array:
+        """Attention of ``q``'s rows over pages that already hold their K/V. Returns [T, num_q_heads, head_dim]."""
+        return ragged_paged_attention(
+            q, k_pages, v_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        )
