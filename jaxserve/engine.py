@@ -21,17 +21,18 @@ import numpy as np
 from jaxserve.attention import AttentionBackend
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.engine_config import EngineConfig
-from jaxserve.kv_cache import CacheConfig, bytes_per_token
+from jaxserve.kv_cache import CacheConfig, bytes_per_token, bytes_per_token_per_device
 from jaxserve.loader import load_model
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.penalty_state import PenaltyState
+from jaxserve.replicas import ReplicatedScheduler
 from jaxserve.runner import ModelRunner
 from jaxserve.sampler import SamplingTensors, sample, sequence_seed
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler, SchedulerConfig
+from jaxserve.scheduler import SchedulerConfig
 from jaxserve.sequence import Sequence
 from jaxserve.tokenizer import eos_token_ids, load_tokenizer
-from sharding import make_mesh
+from sharding import make_mesh, multihost
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,12 @@ class _Request:
 
 
 class Engine:
-    """Serve many requests at once. Not thread-safe: one thread calls ``add_request``/``abort``/``step``."""
+    """Serve many requests at once. Not thread-safe: one thread calls ``add_request``/``abort``/``step``.
+
+    On a mesh with ``data`` > 1 each data replica has its own scheduler and page block (``ReplicatedScheduler``);
+    ``max_num_seqs`` and ``max_num_batched_tokens`` then apply per replica. On a multi-process run only process
+    0 drives the engine; the others call ``follow()``.
+    """
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -61,7 +67,9 @@ class Engine:
             from jaxserve.demo import demo_model_path
 
             model_path = str(demo_model_path())
-        self.mesh = make_mesh(config.mesh)
+        self.mesh = make_mesh(config.mesh, num_devices=config.num_devices)
+        self.num_replicas = int(self.mesh.shape["data"])
+        self.is_leader = multihost.is_leader()
         model, self.model_config, folder = load_model(model_path, config.dtype, self.mesh)
         cfg = self.model_config
         self.model_path = model_path
@@ -69,45 +77,55 @@ class Engine:
         self.eos_token_ids = eos_token_ids(folder, cfg, self.tokenizer)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         dtype = model.embed_tokens.embedding.get_value().dtype
-        self.cache_config = CacheConfig(config.page_size, config.num_pages or self._auto_num_pages(dtype))
+        num_pages = config.num_pages or self._auto_num_pages(dtype)
+        if num_pages % self.num_replicas:
+            raise ValueError(f"num_pages={num_pages} must be a multiple of the mesh's data={self.num_replicas} "
+                             "(each data replica owns an equal block of pages)")
+        self.cache_config = CacheConfig(config.page_size, num_pages)
         self.runner = ModelRunner(
             model, cfg, self.cache_config, self.mesh,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, backend=AttentionBackend.resolve(config.attention_backend),
             debug_checks=config.debug_checks,
         )
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_pages=self.cache_config.num_pages, page_size=config.page_size, max_model_len=self.max_model_len,
+        self.scheduler = ReplicatedScheduler(SchedulerConfig(
+            num_pages=self.runner.pages_per_replica, page_size=config.page_size, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching, enable_chunked_prefill=config.enable_chunked_prefill,
-        ))
+        ), self.num_replicas)
+        # Sampling runs on process 0, on one device, over the step's (replicated) logits.
         self._sample = jax.jit(sample)
         self._reset_rows = jax.jit(PenaltyState.reset_rows)
-        self._penalties = PenaltyState.create(config.max_num_seqs + 1, cfg.vocab_size)
-        self._free_rows = list(range(config.max_num_seqs, 0, -1))
+        max_running = config.max_num_seqs * self.num_replicas
+        self._penalties = PenaltyState.create(max_running + 1, cfg.vocab_size)
+        self._free_rows = list(range(max_running, 0, -1))
         self._rows: dict[int, int] = {}  # seq_id -> penalty row
         self._seeds: dict[int, int] = {}  # seq_id -> sequence seed
         self._requests: dict[str, _Request] = {}
         self._counter = itertools.count()
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
-        if config.warmup:
-            self.warmup()
+        if config.warmup and self.is_leader:
+            self.warmup()  # on a multi-process run the followers compile the same shapes as they follow
 
     def _auto_num_pages(self, dtype) -> int:
-        per_page = bytes_per_token(self.model_config, dtype) * self.config.page_size
-        device = self.mesh.devices.flat[0]
+        """Total pages (all replicas): each replica's block as large as one device's budget allows."""
+        cfg, page_size, replicas = self.model_config, self.config.page_size, self.num_replicas
+        device = jax.local_devices()[0]
         stats = device.memory_stats() if device.platform != "cpu" else None
         if stats and "bytes_limit" in stats:
             budget = stats["bytes_limit"] * self.config.hbm_utilization - stats.get("bytes_in_use", 0)
-            budget *= self.mesh.devices.size
-        else:
-            budget = self.config.cpu_kv_cache_gib * 2**30
-        wanted = self.config.max_num_seqs * -(-self.max_model_len // self.config.page_size)
+            per_page = bytes_per_token_per_device(cfg, dtype, int(self.mesh.shape["tensor"])) * page_size
+        else:  # CPU: cpu_kv_cache_gib is the whole pool, all replicas together
+            budget = self.config.cpu_kv_cache_gib * 2**30 / replicas
+            per_page = bytes_per_token(cfg, dtype) * page_size
+        wanted = self.config.max_num_seqs * -(-self.max_model_len // page_size)
         pages = int(min(wanted, budget // per_page))
-        if pages * self.config.page_size < self.max_model_len:
-            raise ValueError(f"the KV budget holds {pages} pages of {self.config.page_size} tokens, fewer than "
+        if jax.process_count() > 1:  # every process must build the same cache shape: process 0's
+            pages = int(multihost.broadcast_ints([pages])[0])
+        if pages * page_size < self.max_model_len:
+            raise ValueError(f"the KV budget holds {pages} pages of {page_size} tokens per replica, fewer than "
                              f"max_model_len={self.max_model_len}; lower max_model_len or raise the memory budget")
-        return pages
+        return pages * replicas
 
     # Requests -----------------------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
@@ -172,8 +190,10 @@ class Engine:
         entries = plan.scheduled
         decode = all(len(e.token_ids) == 1 for e in entries)
         batch = self.runner.make_batch([e.token_ids for e in entries], [e.kv_len for e in entries],
-                                       [e.page_table for e in entries], decode=decode)
+                                       [e.page_table for e in entries], decode=decode, replicas=plan.replicas)
         logits = self.runner.decode_step(batch) if decode else self.runner.prefill_step(batch)
+        # Replicated over the mesh: sample from the copy on this process's first device.
+        logits = logits.addressable_data(0)
         now = time.monotonic()
         for e in entries:
             req = self._requests.get(e.seq.request_id)
@@ -286,6 +306,15 @@ class Engine:
                 lps[len(lps) - len(ids):] if lps is not None else None,
             ))
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, completions, finished, req.metrics)
+
+    # Multi-process ------------------------------------------------------------------------------------------
+    def follow(self) -> None:
+        """On a process other than 0: run the steps process 0 plans until it calls ``close``."""
+        self.runner.follow()
+
+    def close(self) -> None:
+        """Release the follower processes of a multi-process run (no-op otherwise)."""
+        self.runner.close()
 
     # Start-up -----------------------------------------------------------------------------------------------
     def warmup(self) -> None:
