@@ -133,6 +133,28 @@ class MeshBatch:
         return cls(*arrays)
 
 
+def jit_step(graphdef: nnx.GraphDef):
+    """The compiled step: (params, token_ids, md, kv_cache, logits_indices, attention, layout) ->
+    (logits, kv_cache), the cache donated, ``attention`` and ``layout`` static."""
+
+    def step(params, token_ids, md, kv_cache, logits_indices, attention, layout):
+        return forward(nnx.merge(graphdef, params), token_ids, md, kv_cache, logits_indices, attention, layout)
+
+    return jax.jit(step, donate_argnums=(3,), static_argnums=(5, 6))
+
+
+def step_inputs(batch: MeshBatch, layout: StepLayout, put=None):
+    """(token_ids, md, logits_indices) of a batch, each placed on its sharding by ``put(array, sharding)``
+    (default: ``place``; pass a ShapeDtypeStruct maker to lower without data)."""
+    put = put or place
+    rows = lambda a: put(a, layout.sharding(("replicas",) + (None,) * (a.ndim - 1), a.shape))  # noqa: E731
+    md = AttentionMetadata(rows(batch.cu_q_lens), rows(batch.kv_lens), rows(batch.page_indices),
+                           rows(batch.num_seqs))
+    token_ids = put(batch.token_ids, layout.sharding(("tokens",), batch.token_ids.shape))
+    logits_indices = put(batch.logits_indices, NamedSharding(layout.mesh, PartitionSpec()))
+    return token_ids, md, logits_indices
+
+
 class ModelRunner:
     """Owns the parameters and the KV cache on the mesh, and the compiled steps.
 
@@ -171,16 +193,10 @@ class ModelRunner:
         rules = model_rules(cfg.num_heads, cfg.num_kv_heads, mesh)
         # Prefill rows split over `sequence` when the axis divides them; decode rows never are.
         self.layouts = {split: StepLayout.create(mesh, rules, split_sequence=split) for split in (False, True)}
-        self._replicated = NamedSharding(mesh, PartitionSpec())
         self.channel = multihost.StepChannel() if jax.process_count() > 1 else None
-        graphdef = self.graphdef
-
-        def step(params, token_ids, md, kv_cache, logits_indices, attention, layout):
-            return forward(nnx.merge(graphdef, params), token_ids, md, kv_cache, logits_indices, attention, layout)
-
         # Two jit objects so prefill and decode shapes are compiled and cached separately.
-        self._prefill = jax.jit(step, donate_argnums=(3,), static_argnums=(5, 6))
-        self._decode = jax.jit(step, donate_argnums=(3,), static_argnums=(5, 6))
+        self._prefill = jit_step(self.graphdef)
+        self._decode = jit_step(self.graphdef)
 
     # Shapes (per data replica) ------------------------------------------------------------------------------
     def token_bucket(self, n: int) -> int:
@@ -278,11 +294,7 @@ class ModelRunner:
                              b.page_indices, b.cu_q_lens, b.num_seqs)
         layout = self.layout_for(kind, batch)
         attention = ShardedAttention(self.backend, layout, self.cfg.num_kv_heads)
-        rows = lambda a: place(a, layout.sharding(("replicas",) + (None,) * (a.ndim - 1), a.shape))  # noqa: E731
-        md = AttentionMetadata(rows(batch.cu_q_lens), rows(batch.kv_lens), rows(batch.page_indices),
-                               rows(batch.num_seqs))
-        token_ids = place(batch.token_ids, layout.sharding(("tokens",), batch.token_ids.shape))
-        logits_indices = place(batch.logits_indices, self._replicated)
+        token_ids, md, logits_indices = step_inputs(batch, layout)
         fn = self._prefill if kind == multihost.PREFILL else self._decode
         logits, self.kv_cache = fn(self.params, token_ids, md, self.kv_cache, logits_indices, attention, layout)
         return logits
