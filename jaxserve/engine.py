@@ -192,8 +192,7 @@ class Engine:
         batch = self.runner.make_batch([e.token_ids for e in entries], [e.kv_len for e in entries],
                                        [e.page_table for e in entries], decode=decode, replicas=plan.replicas)
         logits = self.runner.decode_step(batch) if decode else self.runner.prefill_step(batch)
-        # Replicated over the mesh: sample from the copy on this process's first device.
-        logits = logits.addressable_data(0)
+        logits = self.runner.local_logits(logits)  # replicated: sample from one device's copy
         now = time.monotonic()
         for e in entries:
             req = self._requests.get(e.seq.request_id)
@@ -329,7 +328,8 @@ class Engine:
                 for penalties in (None, self._penalties):
                     t = SamplingTensors.build(params, num_slots=s, seeds=[0], num_generated=[0],
                                               penalty_rows=[0], logprobs_mode=self.config.logprobs_mode)
-                    jax.block_until_ready(self._sample(jnp.zeros((s, vocab), jnp.float32), t, penalties))
+                    logits = jax.device_put(jnp.zeros((s, vocab), jnp.float32), self.runner.sample_device)
+                    jax.block_until_ready(self._sample(logits, t, penalties))
         width = self.max_model_len
         pad = np.full((1, width), -1, np.int32)
         self._penalties = self._reset_rows(self._penalties, jnp.zeros(1, jnp.int32), pad, pad)

@@ -133,14 +133,18 @@ class MeshBatch:
         return cls(*arrays)
 
 
-def jit_step(graphdef: nnx.GraphDef):
+def jit_step(graphdef: nnx.GraphDef, out_shardings=None):
     """The compiled step: (params, token_ids, md, kv_cache, logits_indices, attention, layout) ->
-    (logits, kv_cache), the cache donated, ``attention`` and ``layout`` static."""
+    (logits, kv_cache), the cache donated, ``attention`` and ``layout`` static.
+
+    ``out_shardings`` (logits, cache) pins the outputs: the cache must come back with exactly the sharding it
+    went in with, or the next call would see a new input sharding and compile again.
+    """
 
     def step(params, token_ids, md, kv_cache, logits_indices, attention, layout):
         return forward(nnx.merge(graphdef, params), token_ids, md, kv_cache, logits_indices, attention, layout)
 
-    return jax.jit(step, donate_argnums=(3,), static_argnums=(5, 6))
+    return jax.jit(step, donate_argnums=(3,), static_argnums=(5, 6), out_shardings=out_shardings)
 
 
 def step_inputs(batch: MeshBatch, layout: StepLayout, put=None):
@@ -194,9 +198,12 @@ class ModelRunner:
         # Prefill rows split over `sequence` when the axis divides them; decode rows never are.
         self.layouts = {split: StepLayout.create(mesh, rules, split_sequence=split) for split in (False, True)}
         self.channel = multihost.StepChannel() if jax.process_count() > 1 else None
+        # Where this process finds its copy of the (replicated) logits: its first device of the mesh.
+        self.sample_device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
         # Two jit objects so prefill and decode shapes are compiled and cached separately.
-        self._prefill = jit_step(self.graphdef)
-        self._decode = jit_step(self.graphdef)
+        outs = (NamedSharding(mesh, PartitionSpec()), jax.tree.map(lambda a: a.sharding, self.kv_cache))
+        self._prefill = jit_step(self.graphdef, outs)
+        self._decode = jit_step(self.graphdef, outs)
 
     # Shapes (per data replica) ------------------------------------------------------------------------------
     def token_bucket(self, n: int) -> int:
@@ -298,6 +305,11 @@ class ModelRunner:
         fn = self._prefill if kind == multihost.PREFILL else self._decode
         logits, self.kv_cache = fn(self.params, token_ids, md, self.kv_cache, logits_indices, attention, layout)
         return logits
+
+    def local_logits(self, logits: jax.Array) -> jax.Array:
+        """The step's logits (replicated over the mesh) as one array on ``sample_device``, where sampling runs."""
+        index = next(i for i, s in enumerate(logits.addressable_shards) if s.device == self.sample_device)
+        return logits.addressable_data(index)  # a single-device array, as the sampler was compiled for
 
     def warmup(self) -> list[tuple[int, int]]:
         """Compile every bucket shape of both steps with all-padding batches (they write nothing).

@@ -44,6 +44,7 @@ def measure(hf: dict, prompt_len: int, sequence: int, tensor: int, dtype_name: s
     from jaxserve.loader import DTYPES, abstract_model, param_shardings
     from jaxserve.runner import MeshBatch, jit_step, step_inputs
     from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
     from sharding import make_mesh
     from sharding.attention import ShardedAttention
     from sharding.layout import StepLayout
@@ -74,7 +75,8 @@ def measure(hf: dict, prompt_len: int, sequence: int, tensor: int, dtype_name: s
     abstract = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)  # noqa: E731
     token_ids, md, logits_indices = step_inputs(batch, layout, put=abstract)
     attention = ShardedAttention(AttentionBackend(), layout, cfg.num_kv_heads)
-    lowered = jit_step(graphdef).lower(params, token_ids, md, kv_cache, logits_indices, attention, layout)
+    outs = (NamedSharding(mesh, PartitionSpec()), jax.tree.map(lambda a: a.sharding, kv_cache))
+    lowered = jit_step(graphdef, outs).lower(params, token_ids, md, kv_cache, logits_indices, attention, layout)
     stats = lowered.compile().memory_analysis()
 
     def per_device(tree) -> int:

@@ -241,3 +241,12 @@ def test_replicated_scheduler_places_and_collects_per_replica():
     assert sched.stats()["num_running"] == 0 and sched.replica_of("0") is None
     with pytest.raises(AttributeError, match="one block manager per replica"):
         sched.block_manager
+
+
+def test_nothing_compiles_after_warmup_on_a_mesh(models):
+    llm = LLM(str(models.path("mistral")), dtype="float32", page_size=4, max_num_seqs=2, max_num_batched_tokens=16,
+              max_model_len=32, num_pages=32, mesh=ALL_AXES, num_devices=8, warmup=True,
+              compilation_cache_dir=None)
+    compiled = llm.engine.num_compiles()
+    llm.generate([[5, 6, 7], list(range(3, 23)), [9]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert llm.engine.num_compiles() == compiled
