@@ -88,6 +88,9 @@ def make_mesh(config: MeshConfig | str | None = None, devices: list | None = Non
                              "devices of all processes")
         available = available[:num_devices]
     elif default and devices is None:
+        if jax.process_count() > 1:
+            raise ValueError(f"a multi-process run needs a mesh spec that uses all {len(available)} devices "
+                             f"(e.g. --mesh tensor={len(available)})")
         available = available[:1]
     if config.num_devices != len(available):
         hint = "" if num_devices is not None or devices is not None else (
