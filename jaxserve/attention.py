@@ -2,6 +2,11 @@
 
 The model calls one ``AttentionBackend``; which implementation runs (the pure-JAX reference, the Pallas TPU
 kernel, the Pallas GPU kernel) is chosen here and nowhere else.
+
+On a mesh, ``sharding.attention.ShardedAttention`` calls the backend once per shard with that shard's heads,
+pages and metadata, so a kernel sees exactly the single-device contract. Sequence-parallel prefill calls the
+two halves separately (``write`` all of a chunk's rows, then ``attend`` for a window of them), with window
+metadata in which some sequences have zero query rows (and ``kv_len`` 0); ``attend`` must accept that.
 """
 
 from __future__ import annotations
