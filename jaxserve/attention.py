@@ -2,6 +2,11 @@
 
 The model calls one ``AttentionBackend``; which implementation runs (the pure-JAX reference, the Pallas TPU
 kernel, the Pallas GPU kernel) is chosen here and nowhere else.
+
+On a mesh, ``sharding.attention.ShardedAttention`` calls the backend once per shard with that shard's heads,
+pages and metadata, so a kernel sees exactly the single-device contract. Sequence-parallel prefill calls the
+two halves separately (``write`` all of a chunk's rows, then ``attend`` for a window of them), with window
+metadata in which some sequences have zero query rows (and ``kv_len`` 0); ``attend`` must accept that.
 """
 
 from __future__ import annotations
@@ -66,18 +71,33 @@ class AttentionBackend:
         soft_cap: float | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Write this step's K/V, then attend. Returns (out [T, num_q_heads, head_dim], k_pages, v_pages)."""
+        k_pages, v_pages = self.write(k, v, k_pages, v_pages, md)
+        out = self.attend(q, k_pages, v_pages, md, sm_scale=sm_scale, sliding_window=sliding_window,
+                          soft_cap=soft_cap)
+        return out, k_pages, v_pages
+
+    # The two halves, for callers whose query rows are a subset of the rows written (sequence parallelism:
+    # every sequence shard writes all of a chunk's K/V, then attends for its own rows only).
+    def write(self, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+              md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+        """Write each real row's K/V into its page slot. Returns (k_pages, v_pages)."""
+        meta = (md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
+        if self.name == "pallas_tpu":
+            return rpa.write_kv_tpu(k_pages, v_pages, k, v, *meta, interpret=self.interpret)
+        if self.name == "pallas_gpu":
+            return rpa.write_kv_gpu(k_pages, v_pages, k, v, *meta, interpret=self.interpret)
+        return rpa.write_kv(k_pages, v_pages, k, v, *meta)
+
+    def attend(self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata, *,
+               sm_scale: float, sliding_window: int | None, soft_cap: float | None = None) -> jax.Array:
+        """Attention of ``q``'s rows over pages that already hold their K/V. Returns [T, num_q_heads, head_dim]."""
         meta = (md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
         kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
         if self.name == "pallas_tpu":
-            k_pages, v_pages = rpa.write_kv_tpu(k_pages, v_pages, k, v, *meta, interpret=self.interpret)
-            out = rpa.ragged_paged_attention_tpu(q, k_pages, v_pages, *meta, interpret=self.interpret, **kw)
-        elif self.name == "pallas_gpu":
-            k_pages, v_pages = rpa.write_kv_gpu(k_pages, v_pages, k, v, *meta, interpret=self.interpret)
-            out = rpa.ragged_paged_attention_gpu(q, k_pages, v_pages, *meta, interpret=self.interpret, **kw)
-        else:
-            k_pages, v_pages = rpa.write_kv(k_pages, v_pages, k, v, *meta)
-            # Decode rows each belong to their own sequence, so the per-row reference reads exactly what is
-            # needed; prefill batches gather each sequence's pages once when they hold few sequences.
-            attend = rpa.ragged_paged_attention if self.decode else rpa.ragged_paged_attention_auto
-            out = attend(q, k_pages, v_pages, *meta, **kw)
-        return out, k_pages, v_pages
+            return rpa.ragged_paged_attention_tpu(q, k_pages, v_pages, *meta, interpret=self.interpret, **kw)
+        if self.name == "pallas_gpu":
+            return rpa.ragged_paged_attention_gpu(q, k_pages, v_pages, *meta, interpret=self.interpret, **kw)
+        # Decode rows each belong to their own sequence, so the per-row reference reads exactly what is needed;
+        # prefill batches gather each sequence's pages once when they hold few sequences.
+        attend = rpa.ragged_paged_attention if self.decode else rpa.ragged_paged_attention_auto
+        return attend(q, k_pages, v_pages, *meta, **kw)

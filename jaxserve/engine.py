@@ -17,23 +17,23 @@ from collections.abc import Sequence as Seq
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve import compile_counter
 from jaxserve.attention import AttentionBackend
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.engine_config import EngineConfig
-from jaxserve.kv_cache import CacheConfig, bytes_per_token
+from jaxserve.kv_cache import CacheConfig, bytes_per_token, bytes_per_token_per_device
 from jaxserve.loader import load_model
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.penalty_state import PenaltyState
+from jaxserve.replicas import ReplicatedScheduler
 from jaxserve.runner import ModelRunner
 from jaxserve.sampler import SamplingTensors, sample, sequence_seed
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler, SchedulerConfig
+from jaxserve.scheduler import SchedulerConfig
 from jaxserve.sequence import Sequence
 from jaxserve.tokenizer import eos_token_ids, load_tokenizer
-from sharding import make_mesh
+from sharding import make_mesh, multihost
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,12 @@ class _Request:
 
 
 class Engine:
-    """Serve many requests at once. Not thread-safe: one thread calls ``add_request``/``abort``/``step``."""
+    """Serve many requests at once. Not thread-safe: one thread calls ``add_request``/``abort``/``step``.
+
+    On a mesh with ``data`` > 1 each data replica has its own scheduler and page block (``ReplicatedScheduler``);
+    ``max_num_seqs`` and ``max_num_batched_tokens`` then apply per replica. On a multi-process run only process
+    0 drives the engine; the others call ``follow()``.
+    """
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -66,7 +71,9 @@ class Engine:
             from jaxserve.demo import demo_model_path
 
             model_path = str(demo_model_path())
-        self.mesh = make_mesh(config.mesh)
+        self.mesh = make_mesh(config.mesh, num_devices=config.num_devices)
+        self.num_replicas = int(self.mesh.shape["data"])
+        self.is_leader = multihost.is_leader()
         model, self.model_config, folder = load_model(model_path, config.dtype, self.mesh)
         cfg = self.model_config
         self.model_path = model_path
@@ -74,47 +81,57 @@ class Engine:
         self.eos_token_ids = eos_token_ids(folder, cfg, self.tokenizer)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         dtype = model.embed_tokens.embedding.get_value().dtype
-        self.cache_config = CacheConfig(config.page_size, config.num_pages or self._auto_num_pages(dtype))
+        num_pages = config.num_pages or self._auto_num_pages(dtype)
+        if num_pages % self.num_replicas:
+            raise ValueError(f"num_pages={num_pages} must be a multiple of the mesh's data={self.num_replicas} "
+                             "(each data replica owns an equal block of pages)")
+        self.cache_config = CacheConfig(config.page_size, num_pages)
         self.runner = ModelRunner(
             model, cfg, self.cache_config, self.mesh,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, backend=AttentionBackend.resolve(config.attention_backend),
             debug_checks=config.debug_checks,
         )
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_pages=self.cache_config.num_pages, page_size=config.page_size, max_model_len=self.max_model_len,
+        self.scheduler = ReplicatedScheduler(SchedulerConfig(
+            num_pages=self.runner.pages_per_replica, page_size=config.page_size, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching, enable_chunked_prefill=config.enable_chunked_prefill,
-        ))
+        ), self.num_replicas)
         self._sample = jax.jit(sample)
         self._reset_rows = jax.jit(PenaltyState.reset_rows)
-        # Placed on the mesh up front: the sampler's outputs are, and a differently placed input recompiles.
-        self._penalties = jax.device_put(PenaltyState.create(config.max_num_seqs + 1, cfg.vocab_size),
-                                         NamedSharding(self.mesh, PartitionSpec(None, None)))
-        self._free_rows = list(range(config.max_num_seqs, 0, -1))
+        # Sampling runs on process 0, on one device, over the step's (replicated) logits. The penalty state lives
+        # there from the start: the sampler's outputs do, and a differently placed input would recompile.
+        max_running = config.max_num_seqs * self.num_replicas
+        self._penalties = jax.device_put(PenaltyState.create(max_running + 1, cfg.vocab_size),
+                                         self.runner.sample_device)
+        self._free_rows = list(range(max_running, 0, -1))
         self._rows: dict[int, int] = {}  # seq_id -> penalty row
         self._seeds: dict[int, int] = {}  # seq_id -> sequence seed
         self._requests: dict[str, _Request] = {}
         self._counter = itertools.count()
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
-        if config.warmup:
-            self.warmup()
+        if config.warmup and self.is_leader:
+            self.warmup()  # on a multi-process run the followers compile the same shapes as they follow
 
     def _auto_num_pages(self, dtype) -> int:
-        per_page = bytes_per_token(self.model_config, dtype) * self.config.page_size
-        device = self.mesh.devices.flat[0]
+        """Total pages (all replicas): each replica's block as large as one device's budget allows."""
+        cfg, page_size, replicas = self.model_config, self.config.page_size, self.num_replicas
+        device = jax.local_devices()[0]
         stats = device.memory_stats() if device.platform != "cpu" else None
         if stats and "bytes_limit" in stats:
             budget = stats["bytes_limit"] * self.config.hbm_utilization - stats.get("bytes_in_use", 0)
-            budget *= self.mesh.devices.size
-        else:
-            budget = self.config.cpu_kv_cache_gib * 2**30
-        wanted = self.config.max_num_seqs * -(-self.max_model_len // self.config.page_size)
+            per_page = bytes_per_token_per_device(cfg, dtype, int(self.mesh.shape["tensor"])) * page_size
+        else:  # CPU: cpu_kv_cache_gib is the whole pool, all replicas together
+            budget = self.config.cpu_kv_cache_gib * 2**30 / replicas
+            per_page = bytes_per_token(cfg, dtype) * page_size
+        wanted = self.config.max_num_seqs * -(-self.max_model_len // page_size)
         pages = int(min(wanted, budget // per_page))
-        if pages * self.config.page_size < self.max_model_len:
-            raise ValueError(f"the KV budget holds {pages} pages of {self.config.page_size} tokens, fewer than "
+        if jax.process_count() > 1:  # every process must build the same cache shape: process 0's
+            pages = int(multihost.broadcast_ints([pages])[0])
+        if pages * page_size < self.max_model_len:
+            raise ValueError(f"the KV budget holds {pages} pages of {page_size} tokens per replica, fewer than "
                              f"max_model_len={self.max_model_len}; lower max_model_len or raise the memory budget")
-        return pages
+        return pages * replicas
 
     # Requests -----------------------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
@@ -192,12 +209,12 @@ class Engine:
             if req is not None and req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
         # Every call is dispatched before anything is copied back: one device-to-host sync per step.
-        launched = [self._launch(group) for group in self._groups(plan.scheduled)]
+        launched = [self._launch(group) for group in self._groups(list(zip(plan.scheduled, plan.replicas)))]
         host = jax.device_get([fetch for _, fetch in launched])
         tokens: dict[int, int] = {}
         logprobs: dict[int, dict[int, float]] = {}
         for (group, _), got in zip(launched, host):
-            for slot, e in enumerate(group):
+            for slot, (e, _) in enumerate(group):
                 token = int(got[0][slot])
                 tokens[e.seq.seq_id] = token
                 n = e.seq.sampling_params.logprobs
@@ -216,22 +233,26 @@ class Engine:
         """
         if self.runner.backend.name != "reference":
             return [list(entries)]
-        decodes = [e for e in entries if len(e.token_ids) == 1]
-        chunks = [e for e in entries if len(e.token_ids) > 1]
+        decodes = [(e, r) for e, r in entries if len(e.token_ids) == 1]
+        chunks = [(e, r) for e, r in entries if len(e.token_ids) > 1]
         return [g for g in (chunks, decodes) if g]
 
-    def _launch(self, group) -> tuple[list, tuple]:
-        """Dispatch one group's step and its sampling; returns the device arrays to fetch."""
+    def _launch(self, pairs) -> tuple[list, tuple]:
+        """Dispatch one group's step and its sampling; returns the device arrays to fetch.
+
+        ``pairs`` holds (scheduled entry, data replica) of each sequence.
+        """
+        group = [e for e, _ in pairs]
         decode = all(len(e.token_ids) == 1 for e in group)
         batch = self.runner.make_batch([e.token_ids for e in group], [e.kv_len for e in group],
-                                       [e.page_table for e in group], decode=decode)
-        step_out = self.runner.decode_step(batch) if decode else self.runner.prefill_step(batch)
+                                       [e.page_table for e in group], decode=decode, replicas=[r for _, r in pairs])
+        step_out = self.runner.local(self.runner.decode_step(batch) if decode else self.runner.prefill_step(batch))
         rows = [self._penalty_row(e.seq) for e in group]
         if not any(rows) and all(_plain_greedy(e.seq) for e in group):
             # Greedy batches take the argmax the step already computed: no sampler call at all.
-            return group, (step_out.greedy_ids,)
+            return pairs, (step_out.greedy_ids,)
         tensors = SamplingTensors.build(
-            [e.seq.sampling_params for e in group], num_slots=self.config.max_num_seqs,
+            [e.seq.sampling_params for e in group], num_slots=self.runner.num_logit_rows,
             seeds=[self._seeds[e.seq.seq_id] for e in group],
             num_generated=[e.seq.num_output_tokens for e in group], eos_token_ids=self.eos_token_ids,
             penalty_rows=rows, commit=[e.needs_sample for e in group], logprobs_mode=self.config.logprobs_mode,
@@ -241,8 +262,8 @@ class Engine:
         if use_penalties:
             self._penalties = out.penalty_state
         if tensors.num_top_logprobs or any(e.seq.sampling_params.logprobs is not None for e in group):
-            return group, (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
-        return group, (out.token_ids,)
+            return pairs, (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
+        return pairs, (out.token_ids,)
 
     def _penalty_row(self, seq: Sequence) -> int:
         p = seq.sampling_params
@@ -324,18 +345,27 @@ class Engine:
             ))
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, completions, finished, req.metrics)
 
+    # Multi-process ------------------------------------------------------------------------------------------
+    def follow(self) -> None:
+        """On a process other than 0: run the steps process 0 plans until it calls ``close``."""
+        self.runner.follow()
+
+    def close(self) -> None:
+        """Release the follower processes of a multi-process run (no-op otherwise)."""
+        self.runner.close()
+
     # Start-up -----------------------------------------------------------------------------------------------
     def warmup(self) -> None:
         """Compile every bucket shape of both steps and of the sampler now, so serving never compiles."""
         start = time.perf_counter()
-        logits = self.runner.warmup()
+        logits = self.runner.warmup().logits
         # Serving passes the sampler a penalty state produced by jitted code; warm it on one as well.
         pad = np.full((1, self.max_model_len), -1, np.int32)
         self._penalties = self._reset_rows(self._penalties, np.zeros(1, np.int32), pad, pad)
         # The sampler is warmed on the runner's own logits: same shape *and* sharding as when serving.
         for logprobs in (None, 1):
             params = [SamplingParams(temperature=1.0, logprobs=logprobs)]
-            tensors = SamplingTensors.build(params, num_slots=self.config.max_num_seqs, seeds=[0], num_generated=[0],
+            tensors = SamplingTensors.build(params, num_slots=self.runner.num_logit_rows, seeds=[0], num_generated=[0],
                                             penalty_rows=[0], logprobs_mode=self.config.logprobs_mode)
             for penalties in (None, self._penalties):
                 jax.block_until_ready(self._sample(logits, tensors, penalties))

@@ -35,7 +35,8 @@ class EngineConfig:
     max_waiting_requests: int | None = None  # the server answers "overloaded" past this many queued requests
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
     attention_backend: str = "auto"
-    mesh: str | None = None
+    mesh: str | None = None  # "data=2,tensor=4": must use every device, or exactly num_devices of them
+    num_devices: int | None = None  # use only the first N devices (single process); None: all when mesh is set
     seed: int = 0
     warmup: bool = True
     debug_checks: bool = False
@@ -56,5 +57,10 @@ class EngineConfig:
             raise ValueError(f"cpu_kv_cache_gib={self.cpu_kv_cache_gib} must be > 0")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests={self.max_waiting_requests} must be >= 1")
+        if self.num_devices is not None and (not isinstance(self.num_devices, int) or self.num_devices < 1):
+            raise ValueError(f"num_devices={self.num_devices!r} must be a positive integer")
+        from sharding.mesh import MeshConfig
+
+        MeshConfig.parse(self.mesh)  # a malformed spec fails here, naming the part it cannot read
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r} must be 'auto', 'float32', 'bfloat16' or 'float16'")

@@ -1,6 +1,10 @@
 """Offline generation from the command line: ``python -m jaxserve.generate --prompt "Hello"``.
 
 With no ``--model`` it runs the built-in demo model (random weights: the text is meaningless).
+
+Multi-host: run the same command on every host with ``--coordinator-address HOST:PORT --num-processes N
+--process-id I`` (or JAX's ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``); process 0
+schedules, samples and prints, the others run the same compiled steps and exit when it is done.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import time
 
 from jaxserve.llm import LLM
 from jaxserve.sampling_params import SamplingParams
+from sharding import multihost
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,8 +28,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--mesh", default=None, help='e.g. "tensor=2" (default: one device)')
+    parser.add_argument("--mesh", default=None,
+                        help='e.g. "data=2,tensor=4"; must use every device unless --num-devices (default: one device)')
+    parser.add_argument("--num-devices", type=int, default=None, help="use only the first N devices for --mesh")
+    multihost.add_arguments(parser)
     args = parser.parse_args(argv)
+    multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
 
     model = args.model
     if model is None:
@@ -33,10 +42,16 @@ def main(argv: list[str] | None = None) -> None:
         model = str(demo_model_path())
     start = time.perf_counter()
     llm = LLM(model, dtype=args.dtype, page_size=args.page_size, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, mesh=args.mesh)
+              max_num_seqs=args.max_num_seqs, mesh=args.mesh, num_devices=args.num_devices)
+    if not multihost.is_leader():
+        llm.engine.follow()
+        return
     loaded = time.perf_counter()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    outputs = llm.generate(args.prompt or ["Hello, my name is"], params)
+    try:
+        outputs = llm.generate(args.prompt or ["Hello, my name is"], params)
+    finally:
+        llm.engine.close()
     done = time.perf_counter()
     for out in outputs:
         c = out.outputs[0]

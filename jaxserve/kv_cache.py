@@ -1,8 +1,11 @@
 """The paged KV cache on device: one (k_pages, v_pages) pair per layer.
 
-Layout of each array: ``[num_kv_heads, num_pages, page_size, head_dim]``. The leading KV-head axis is what
+Layout of each array: ``[cache_heads, num_pages, page_size, head_dim]``. The leading KV-head axis is what
 tensor parallelism shards (logical axis ``cache_kv_heads``), so a shard holds whole pages of its heads and
-attention never gathers the cache across devices.
+attention never gathers the cache across devices; ``cache_heads`` is the model's KV-head count, or ``tensor``
+when that is larger (each KV head then stored once per tensor shard that reads it). The page axis is split
+over ``data`` (``cache_pages``): replica ``r`` owns pages ``r * P .. (r + 1) * P - 1`` and its page tables
+use local ids ``0 .. P - 1``. The cache is replicated over ``sequence``.
 """
 
 from __future__ import annotations
@@ -15,13 +18,14 @@ from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
 from sharding import logical_sharding
+from sharding.rules import cache_heads
 
 CACHE_AXES = ("cache_kv_heads", "cache_pages", "page_size", "head_dim")
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """Page size and count of the pool; the dtype follows the model's."""
+    """Page size and count of the pool (all data replicas together); the dtype follows the model's."""
 
     page_size: int = 16
     num_pages: int = 512
@@ -38,8 +42,17 @@ def bytes_per_token(cfg: ModelConfig, dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
+def bytes_per_token_per_device(cfg: ModelConfig, dtype, tensor: int) -> int:
+    """KV bytes one token occupies on each device holding it (a tensor shard's heads, replicas included)."""
+    heads = cache_heads(cfg.num_kv_heads, tensor) // tensor
+    return 2 * cfg.num_layers * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
 def cache_sharding(cfg: ModelConfig, cache: CacheConfig, mesh: Mesh):
-    shape = (cfg.num_kv_heads, cache.num_pages, cache.page_size, cfg.head_dim)
+    shape = (cache_heads(cfg.num_kv_heads, int(mesh.shape["tensor"])), cache.num_pages, cache.page_size,
+             cfg.head_dim)
+    if cache.num_pages % mesh.shape["data"]:
+        raise ValueError(f"num_pages={cache.num_pages} must be a multiple of the mesh's data={mesh.shape['data']}")
     return shape, logical_sharding(CACHE_AXES, shape, mesh)
 
 

@@ -20,6 +20,7 @@ from jaxserve.checkpoint import read_checkpoint, resolve_model_path
 from jaxserve.config import ModelConfig
 from jaxserve.models import DecoderLM
 from sharding import logical_sharding, make_mesh
+from sharding.rules import DEFAULT_RULES, model_rules
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ORBAX_DIR = "params"
@@ -49,12 +50,19 @@ def abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(nnx.eval_shape(lambda: DecoderLM(cfg, dtype)))
 
 
-def param_shardings(state: nnx.State, mesh: Mesh) -> dict:
+def param_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
     """Flat {path: NamedSharding} from each parameter's logical axes."""
     return {
-        path: logical_sharding(var.logical_axes, var.get_value().shape, mesh)
+        path: logical_sharding(var.logical_axes, var.get_value().shape, mesh, rules)
         for path, var in nnx.to_flat_state(state)
     }
+
+
+def place(host: np.ndarray, sharding) -> jax.Array:
+    """A host array onto a sharding; each process copies only the shards its devices hold (multi-host safe)."""
+    if jax.process_count() == 1:
+        return jax.device_put(host, sharding)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def load_model(
@@ -71,7 +79,8 @@ def load_model(
     jdtype = resolve_dtype(dtype, cfg)
     mesh = mesh if mesh is not None else make_mesh()
     graphdef, abstract = abstract_model(cfg, jdtype)
-    shardings = param_shardings(abstract, mesh)
+    # Validates that the heads split over the mesh's tensor axis (a clear error before any tensor is read).
+    shardings = param_shardings(abstract, mesh, model_rules(cfg.num_heads, cfg.num_kv_heads, mesh))
     if (folder / ORBAX_DIR).is_dir():
         state = _restore_orbax(folder / ORBAX_DIR, abstract, shardings)
     else:
@@ -100,7 +109,7 @@ def _load_safetensors(folder: Path, cfg: ModelConfig, abstract: nnx.State, shard
                 f"the model's {tuple(target.shape)}"
             )
         host = np.ascontiguousarray(array.astype(target.dtype, copy=False))
-        placed[path] = jax.device_put(host, shardings[path])
+        placed[path] = place(host, shardings[path])
     missing = sorted(hf_name(p) for p in flat if p not in placed)
     if missing or unexpected:
         raise ValueError(

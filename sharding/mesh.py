@@ -1,4 +1,10 @@
-"""Meshes from a spec string such as ``"data=2,tensor=4"``; axes ``data``, ``tensor``, ``sequence``."""
+"""Meshes from a spec string such as ``"data=2,tensor=4"``; axes ``data``, ``sequence``, ``tensor``.
+
+The device rule: a mesh uses exactly the devices it is given. With a spec, its axis sizes must multiply to
+the number of devices in use, which is every device JAX sees (all processes together on a multi-host run)
+unless ``num_devices`` explicitly asks for the first N of them (single-process only). No spec at all means
+the single-device default: the first device.
+"""
 
 from __future__ import annotations
 
@@ -21,12 +27,19 @@ class MeshConfig:
 
     def __post_init__(self):
         for axis in AXES:
-            if getattr(self, axis) < 1:
-                raise ValueError(f"mesh axis {axis}={getattr(self, axis)} must be >= 1")
+            value = getattr(self, axis)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"mesh axis {axis}={value!r} must be an integer >= 1")
 
     @classmethod
-    def parse(cls, spec: str | None) -> "MeshConfig":
-        """``"data=2,tensor=4"`` -> MeshConfig(data=2, tensor=4); empty or None -> one device."""
+    def parse(cls, spec: "str | MeshConfig | None") -> "MeshConfig":
+        """``"data=2,tensor=4"`` -> MeshConfig(data=2, tensor=4); empty or None -> one device.
+
+        Raises:
+          ValueError: for an unknown axis, a size that is not a positive integer, or an axis named twice.
+        """
+        if isinstance(spec, MeshConfig):
+            return spec
         sizes: dict[str, int] = {}
         for part in (spec or "").replace(" ", "").split(","):
             if not part:
@@ -47,20 +60,47 @@ class MeshConfig:
         return ",".join(f"{a}={getattr(self, a)}" for a in AXES)
 
 
-def make_mesh(config: MeshConfig | str | None = None, devices: list | None = None) -> Mesh:
-    """A mesh with axes (data, sequence, tensor) over ``devices`` (default: as many as the config needs).
+def make_mesh(config: MeshConfig | str | None = None, devices: list | None = None, *,
+              num_devices: int | None = None) -> Mesh:
+    """A mesh with axes (data, sequence, tensor) laid over the devices in use.
+
+    Args:
+      config: a ``MeshConfig`` or spec string; None or "" is the single-device default.
+      devices: the devices to use, in order (default: ``jax.devices()``, all processes).
+      num_devices: use only the first N of them (single-process only): the explicit way to build a mesh
+        smaller than the machine.
+
+    Devices fill the mesh in row-major (data, sequence, tensor) order, so ``tensor`` neighbours are adjacent
+    devices (one host's chips on a multi-host run) and ``data`` varies slowest (one replica per host when
+    data equals the number of hosts).
 
     Raises:
-      ValueError: if the axis sizes multiply to more devices than there are, or (with explicit devices) to a
-      different number.
+      ValueError: if the axis sizes do not multiply to exactly the number of devices in use.
     """
-    if not isinstance(config, MeshConfig):
-        config = MeshConfig.parse(config)
+    default = config is None or (isinstance(config, str) and not config.strip())
+    config = MeshConfig.parse(config)
     available = list(devices) if devices is not None else jax.devices()
-    if devices is not None and config.num_devices != len(available):
-        raise ValueError(f"mesh {config} needs {config.num_devices} devices, {len(available)} given")
-    if config.num_devices > len(available):
-        raise ValueError(f"mesh {config} needs {config.num_devices} devices, only {len(available)} available")
-    grid = np.array(available[: config.num_devices], dtype=object).reshape(config.data, config.sequence,
-                                                                            config.tensor)
+    if num_devices is not None:
+        if not 1 <= num_devices <= len(available):
+            raise ValueError(f"num_devices={num_devices} must be in [1, {len(available)}] (devices available)")
+        if jax.process_count() > 1 and num_devices != len(available):
+            raise ValueError(f"num_devices={num_devices}: a multi-process mesh must use all {len(available)} "
+                             "devices of all processes")
+        available = available[:num_devices]
+    elif default and devices is None:
+        if jax.process_count() > 1:
+            raise ValueError(f"a multi-process run needs a mesh spec that uses all {len(available)} devices "
+                             f"(e.g. --mesh tensor={len(available)})")
+        available = available[:1]
+    if config.num_devices != len(available):
+        hint = "" if num_devices is not None or devices is not None else (
+            f"; to use only {config.num_devices} of them pass num_devices={config.num_devices} "
+            f"(--num-devices {config.num_devices})" if config.num_devices < len(available) else "")
+        raise ValueError(f"mesh {config} has {config.num_devices} devices but {len(available)} are in use{hint}")
+    grid = np.array(available, dtype=object).reshape(config.data, config.sequence, config.tensor)
     return Mesh(grid, AXES)
+
+
+def mesh_config(mesh: Mesh) -> MeshConfig:
+    """The axis sizes of a mesh made by ``make_mesh``."""
+    return MeshConfig(**{a: int(mesh.shape[a]) for a in AXES})

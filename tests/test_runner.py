@@ -1,9 +1,7 @@
 """The compiled steps update the donated KV cache in place: no copy of the page pool per step."""
 
-import jax.numpy as jnp
 import pytest
 
-from jaxserve.attention import AttentionMetadata
 from jaxserve.demo import DEMO_CONFIG, byte_tokenizer, write_random_checkpoint
 from jaxserve.engine import Engine
 from jaxserve.engine_config import EngineConfig
@@ -27,11 +25,7 @@ def engine(tmp_path_factory):
 def test_steps_do_not_copy_the_kv_pool(engine, decode):
     runner = engine.runner
     batch = runner.make_batch([[5]] if decode else [[5, 6, 7]], [200], [list(range(13))], decode=decode)
-    md = AttentionMetadata(*(jnp.asarray(x) for x in (batch.cu_q_lens, batch.kv_lens, batch.page_indices,
-                                                       batch.num_seqs)))
-    step = runner._decode if decode else runner._prefill
-    hlo = step.lower(runner.params, jnp.asarray(batch.token_ids), md, runner.kv_cache,
-                     jnp.asarray(batch.logits_indices)).compile().as_text()
+    hlo = runner.lower(batch, decode=decode).compile().as_text()
     pool = f"[4,{NUM_PAGES},16,64]"
     copies = [line.strip()[:120] for line in hlo.splitlines() if " copy(" in line and pool in line]
     assert not copies, copies

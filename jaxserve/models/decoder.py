@@ -16,8 +16,14 @@ from jaxserve.attention import AttentionBackend, AttentionMetadata
 from jaxserve.config import ModelConfig
 from jaxserve.models import layers
 from pallas_kernels.ragged_paged_attention import token_layout
+from sharding.layout import StepLayout
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages) [KVH, num_pages, page_size, D]
+
+
+def _constrain(x: jax.Array, layout: StepLayout | None, *axes: str | None) -> jax.Array:
+    """Pin an activation's sharding by logical axes (no-op without a mesh layout)."""
+    return x if layout is None else layout.constrain(x, axes)
 
 
 def _param(shape, dtype, axes) -> nnx.Param:
@@ -62,11 +68,14 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, ("head_dim",)) if cfg.qk_norm else None
         self.cfg, self.sliding_window = cfg, cfg.sliding_windows[layer]
 
-    def __call__(self, x, positions, inv_freq, k_pages, v_pages, md: AttentionMetadata, backend: AttentionBackend):
+    def __call__(self, x, positions, inv_freq, k_pages, v_pages, md: AttentionMetadata, backend: AttentionBackend,
+                 layout: StepLayout | None = None):
         cfg, t = self.cfg, x.shape[0]
-        q = self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        q = _constrain(self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim), layout, "tokens", "act_heads", None)
+        k = _constrain(self.k_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim), layout, "tokens", "act_kv_heads",
+                       None)
+        v = _constrain(self.v_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim), layout, "tokens", "act_kv_heads",
+                       None)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = layers.rope(q, positions, inv_freq), layers.rope(k, positions, inv_freq)
@@ -83,10 +92,9 @@ class MLP(nnx.Module):
         self.up_proj = Linear(h, m, bias=b, dtype=dtype, axes=("embed", "mlp"))
         self.down_proj = Linear(m, h, bias=b, dtype=dtype, axes=("mlp", "embed"))
 
-    def __call__(self, x):
-        if self.gate_proj.bias is None:
-            return layers.swiglu(x, self.gate_proj.weight[...], self.up_proj.weight[...], self.down_proj.weight[...])
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x, layout: StepLayout | None = None):
+        hidden = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(_constrain(hidden, layout, "tokens", "act_mlp"))
 
 
 class DecoderLayer(nnx.Module):
@@ -96,12 +104,13 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype)
 
-    def __call__(self, x, positions, inv_freq, k_pages, v_pages, md, backend):
+    def __call__(self, x, positions, inv_freq, k_pages, v_pages, md, backend, layout: StepLayout | None = None):
         attn, k_pages, v_pages = self.self_attn(
-            self.input_layernorm(x), positions, inv_freq, k_pages, v_pages, md, backend
+            self.input_layernorm(x), positions, inv_freq, k_pages, v_pages, md, backend, layout
         )
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), k_pages, v_pages
+        x = _constrain(x + attn, layout, "tokens", "act_embed")
+        x = x + self.mlp(self.post_attention_layernorm(x), layout)
+        return _constrain(x, layout, "tokens", "act_embed"), k_pages, v_pages
 
 
 class DecoderLM(nnx.Module):
@@ -117,31 +126,50 @@ class DecoderLM(nnx.Module):
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, axes=("embed", "vocab"))
         )
 
-    def __call__(self, token_ids, md: AttentionMetadata, kv_cache: KVCache, logits_indices, backend):
-        return forward(self, token_ids, md, kv_cache, logits_indices, backend)
+    def __call__(self, token_ids, md: AttentionMetadata, kv_cache: KVCache, logits_indices, backend,
+                 layout: StepLayout | None = None):
+        return forward(self, token_ids, md, kv_cache, logits_indices, backend, layout)
 
 
 def forward(
     model: DecoderLM,
-    token_ids: jax.Array,  # i32[T]
+    token_ids: jax.Array,  # i32[R * T]
     md: AttentionMetadata,
     kv_cache: KVCache,
-    logits_indices: jax.Array,  # i32[S]
-    backend: AttentionBackend,
+    logits_indices: jax.Array,  # i32[N]
+    backend,
+    layout: StepLayout | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Run the decoder over a ragged batch, writing its K/V into the cache.
 
+    Two forms of batch:
+      - one ragged batch: ``md`` fields as in the kernel contract, ``backend`` an ``AttentionBackend``;
+      - ``R`` data replicas' batches side by side: rows ``r*T .. (r+1)*T - 1`` of ``token_ids`` are replica
+        ``r``'s, every ``md`` field has a leading axis R, and ``backend`` is a ``sharding.ShardedAttention``
+        (which takes the stacked metadata). ``logits_indices`` are rows of the whole array.
+    ``layout`` (the mesh and rules of the step) pins activation shardings; None runs unconstrained.
+
     Returns:
-      (logits f32[S, vocab] at each sequence's ``logits_indices`` row, the updated cache).
+      (logits f32[N, vocab] at the ``logits_indices`` rows, gathered over the mesh; the updated cache).
     """
     cfg = model.cfg
-    _, positions, _ = token_layout(md.cu_q_lens, md.kv_lens, md.num_seqs, token_ids.shape[0])
+    if md.cu_q_lens.ndim == 2:
+        num_replicas = md.cu_q_lens.shape[0]
+        rows = token_ids.shape[0] // num_replicas
+        _, positions, _ = jax.vmap(lambda cu, kv, n: token_layout(cu, kv, n, rows))(
+            md.cu_q_lens, md.kv_lens, md.num_seqs)
+        positions = positions.reshape(-1)
+    else:
+        _, positions, _ = token_layout(md.cu_q_lens, md.kv_lens, md.num_seqs, token_ids.shape[0])
+    positions = _constrain(positions, layout, "tokens")
     inv_freq = jnp.asarray(np.array(cfg.rope.inv_freq(cfg.head_dim), np.float32))
-    x = model.embed_tokens(token_ids)
+    x = _constrain(model.embed_tokens(_constrain(token_ids, layout, "tokens")), layout, "tokens", "act_embed")
     new_cache = []
     for layer, (k_pages, v_pages) in zip(model.layers, kv_cache, strict=True):
-        x, k_pages, v_pages = layer(x, positions, inv_freq, k_pages, v_pages, md, backend)
+        x, k_pages, v_pages = layer(x, positions, inv_freq, k_pages, v_pages, md, backend, layout)
         new_cache.append((k_pages, v_pages))
     x = model.norm(x[logits_indices])
     head = model.embed_tokens.embedding[...].T if model.lm_head is None else model.lm_head.weight[...]
-    return jnp.dot(x, head, preferred_element_type=jnp.float32), new_cache
+    # Each tensor shard computes its vocab slice; then the [N, vocab] logits (not the head) are gathered.
+    logits = _constrain(jnp.dot(x, head, preferred_element_type=jnp.float32), layout, "slots", "act_vocab")
+    return _constrain(logits, layout, "slots", "logits_vocab"), new_cache

@@ -1,0 +1,67 @@
+"""Two local CPU processes of 4 devices each (gloo collectives) give the tokens of one single-device process.
+
+Meshes: data=2,tensor=4 puts one replica on each process; tensor=8 splits every layer across both processes;
+sequence=2,tensor=4 splits long-prompt rows across them.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiny import build_tiny_model, train_tokenizer
+
+ROOT = Path(__file__).parents[1]
+DRIVER = Path(__file__).with_name("multihost_driver.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(devices: int) -> dict:
+    e = dict(os.environ)
+    e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    e["JAX_PLATFORMS"] = "cpu"
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), e.get("PYTHONPATH", "")])
+    return e
+
+
+def tokens_from(output: str) -> list[list[int]]:
+    line = next(l for l in output.splitlines() if l.startswith("TOKENS "))
+    return json.loads(line[len("TOKENS "):])
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = build_tiny_model("mistral", tmp_path_factory.mktemp("mistral"), tokenizer=train_tokenizer())
+    single = subprocess.run([sys.executable, str(DRIVER), str(path), "", "0", "1", "0"], env=env(1), cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    return path, tokens_from(single.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["data=2,tensor=4", "tensor=8", "sequence=2,tensor=4"])
+def test_two_processes_match_one(model, mesh):
+    path, want = model
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(DRIVER), str(path), mesh, port, "2", str(i)], env=env(4),
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        results = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+    assert tokens_from(results[0][0]) == want
+    assert "TOKENS" not in results[1][0]  # only process 0 samples and reports
