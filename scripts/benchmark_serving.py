@@ -686,8 +686,9 @@ def main(argv: list[str] | None = None) -> int:
         (args.out_dir / "results.json").write_text(json.dumps(json_safe(result), indent=1) + "\n")
         (args.out_dir / "results.csv").write_text(to_csv(summaries))
         (args.out_dir / "results.md").write_text(to_markdown(summaries))
-        title = (f"jaxserve {result['backend']} - {Path(result['model']).name or result['model']} - prompts {args.prompt_len}, "
-                 f"outputs {args.output_len}, {args.num_requests} requests per point")
+        model = Path(result["model"]).name or result["model"]
+        title = (f"jaxserve {result['backend']} - {model} - prompts {args.prompt_len}, outputs {args.output_len}, "
+                 f"{args.num_requests} requests per point")
         png = args.out_dir / "latency_vs_throughput.png"
         if plot(summaries, png, title):
             log(f"wrote {args.out_dir}/results.{{json,csv,md}} and {png.name}")
