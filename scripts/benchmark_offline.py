@@ -92,9 +92,10 @@ def probe_decode(engine: Engine, batch: int, context: int, steps: int = 16) -> d
     seen = []
     real = engine.runner.decode_step
     engine.runner.decode_step = lambda b: (seen.append(b), real(b))[1]
+    started: set[str] = set()
     try:
-        while len(seen) < 2:  # prefill, then decode until every sequence is decoding
-            engine.step()
+        while len(started) < batch:  # until every sequence has its first token: all decoding from here on
+            started.update(o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids)
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
