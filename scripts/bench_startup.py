@@ -1,0 +1,53 @@
+"""Time from ``python -m jaxserve.serve`` to its ready line, with a cold and then a warm compilation cache.
+
+    python scripts/bench_startup.py [-- serve flags...]     e.g.  -- --model PATH --max-num-seqs 32
+
+Each run starts the server on free ports with a fresh compilation-cache directory for the cold run (the same
+one again for the warm run), waits for the "jaxserve ready" line, then stops it with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def time_to_ready(serve_args: list[str], cache_dir: str, timeout: float = 1200) -> float:
+    cmd = [sys.executable, "-m", "jaxserve.serve", "--http-port", "0", "--grpc-port", "0",
+           "--compilation-cache-dir", cache_dir, *serve_args]
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "jaxserve ready" in line:
+                return time.perf_counter() - start
+            if time.perf_counter() - start > timeout:
+                break
+        raise RuntimeError(f"server exited or timed out before it was ready (exit code {proc.poll()})")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main() -> None:
+    serve_args = sys.argv[sys.argv.index("--") + 1 :] if "--" in sys.argv else []
+    with tempfile.TemporaryDirectory(prefix="jaxserve-xla-") as cache:
+        cold = time_to_ready(serve_args, cache)
+        warm = time_to_ready(serve_args, cache)
+    print(f"serve {' '.join(serve_args) or '(demo model)'}: ready after {cold:.1f}s cold, {warm:.1f}s with a warm "
+          f"compilation cache")
+
+
+if __name__ == "__main__":
+    main()
