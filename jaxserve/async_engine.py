@@ -27,6 +27,7 @@ from jaxserve.engine_config import EngineConfig
 from jaxserve.metrics import ServerMetrics
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import chat_template_ids
 
 logger = logging.getLogger(__name__)
 
@@ -69,19 +70,6 @@ class _Call:
 
 
 _STOP = object()
-
-
-def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a conversation in the checkpoint's chat template; ValueError if it has none or fails."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; use /v1/completions with a plain prompt")
-    try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-    except Exception as e:  # jinja2 errors (e.g. raise_exception in the template) carry the template's reason
-        raise ValueError(f"the chat template rejected the messages: {e}") from None
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
 
 
 class RequestStream:
@@ -352,7 +340,7 @@ class AsyncEngine:
             try:
                 prompt = cmd.prompt
                 if cmd.messages is not None:
-                    prompt = apply_chat_template(engine.tokenizer, cmd.messages)
+                    prompt = chat_template_ids(engine.tokenizer, cmd.messages)
                 _, ids = engine.tokenize(prompt)
                 engine.add_request(cmd.request_id, ids, cmd.params, arrival_time=cmd.arrival_time)
                 self._engine_live.add(cmd.request_id)

@@ -44,6 +44,15 @@ class AttentionBackend:
         if self.name not in BACKENDS:
             raise ValueError(f"attention_backend={self.name!r} is not one of 'auto', {', '.join(BACKENDS)}")
 
+    @property
+    def attends_mixed_batches(self) -> bool:
+        """Whether one call should carry decodes and prompt chunks together.
+
+        The kernels do. The pure-JAX path attends prompt chunks one sequence at a time and decode rows one row
+        at a time, so a mixed batch would push its chunks onto the per-row path: keep them in separate calls.
+        """
+        return self.name != "reference"
+
     @classmethod
     def resolve(cls, name: str, platform: str | None = None) -> "AttentionBackend":
         """A backend for ``platform`` (default: jax's default backend).

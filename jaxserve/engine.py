@@ -32,7 +32,7 @@ from jaxserve.sampler import SamplingTensors, sample, sequence_seed
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import SchedulerConfig
 from jaxserve.sequence import Sequence
-from jaxserve.tokenizer import eos_token_ids, load_tokenizer
+from jaxserve.tokenizer import chat_template_ids, eos_token_ids, load_tokenizer
 from sharding import make_mesh, multihost
 
 logger = logging.getLogger(__name__)
@@ -172,11 +172,7 @@ class Engine:
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation formatted with the checkpoint's chat template."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return chat_template_ids(self.tokenizer, messages, add_generation_prompt)
 
     def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         """Finish a request with ``reason`` ("abort", or "error" after a failed step) and free its pages now;
@@ -226,12 +222,9 @@ class Engine:
         return self._collect(result.finished, result.updated, logprobs)
 
     def _groups(self, entries) -> list[list]:
-        """One compiled call per group: a decode call when every sequence has one new token, else a prefill.
-
-        Kernels attend a mixed batch in one call. The pure-JAX path attends prompt chunks one sequence at a
-        time and decode rows one row at a time, so there decodes and chunks go to separate calls.
-        """
-        if self.runner.backend.name != "reference":
+        """One compiled call per group: a decode call when every sequence has one new token, else a prefill
+        call; decodes and prompt chunks share one call when the attention backend handles mixed batches well."""
+        if self.runner.backend.attends_mixed_batches:
             return [list(entries)]
         decodes = [(e, r) for e, r in entries if len(e.token_ids) == 1]
         chunks = [(e, r) for e, r in entries if len(e.token_ids) > 1]

@@ -52,19 +52,14 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
-        for i, prompt in enumerate(prompts):  # validate everything first, so a bad prompt queues nothing
-            try:
-                self.engine.tokenize(prompt)
-            except ValueError as e:
-                raise ValueError(f"prompts[{i}]: {e}") from None
         ids = []
-        try:
-            for prompt, sp in zip(prompts, params):
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            try:
                 ids.append(self.engine.add_request(None, prompt, sp))
-        except ValueError:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            raise
+            except ValueError as e:  # a bad prompt leaves nothing queued
+                for rid in ids:
+                    self.engine.abort_request(rid)
+                raise ValueError(f"prompts[{i}]: {e}") from None
         return self._run(ids, use_tqdm)
 
     def chat(

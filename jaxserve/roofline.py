@@ -71,11 +71,6 @@ def prefill_cost(cfg: ModelConfig, itemsize: int, tokens: int) -> StepCost:
     )
 
 
-def max_batch_context(cfg: ModelConfig, itemsize: int, kv_budget_bytes: float) -> int:
-    """How many tokens of context (batch x context) fit in a KV budget."""
-    return int(kv_budget_bytes // kv_bytes_per_token(cfg, itemsize))
-
-
 def _time(fn, *args, repeats: int = 5) -> float:
     jax.block_until_ready(fn(*args))
     best = float("inf")

@@ -25,3 +25,16 @@ def eos_token_ids(folder: Path, cfg: ModelConfig, tokenizer: PreTrainedTokenizer
     if cfg.eos_token_ids:
         return cfg.eos_token_ids
     return () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+
+
+def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation in the checkpoint's chat template; ValueError if it has none or fails."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; use a plain prompt")
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    except Exception as e:  # jinja2 errors (e.g. raise_exception in the template) carry the template's reason
+        raise ValueError(f"the chat template rejected the messages: {e}") from None
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]

@@ -15,6 +15,17 @@ from pallas_kernels.ragged_paged_attention.metadata import check_shapes, token_l
 _GATHER_BUDGET_BYTES = 256 * 1024 * 1024
 
 
+def masked_softmax(scores: jax.Array, visible: jax.Array, soft_cap: float | None) -> jax.Array:
+    """Softmax over the last axis of f32 ``scores`` where ``visible`` (broadcastable) holds, after the optional
+    soft cap; masked entries get weight 0, and a row with nothing visible gets all zeros (not NaN)."""
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    scores = jnp.where(visible, scores, -jnp.inf)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    weights = jnp.where(visible, jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0)), 0.0)
+    return weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-30)
+
+
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_q_heads, head_dim]
     k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
@@ -60,12 +71,7 @@ def ragged_paged_attention(
             visible &= key_pos > pos - sliding_window
         qg = q_row.reshape(num_kv_heads, group, head_dim)
         scores = jnp.einsum("kgd,kld->kgl", qg, k, preferred_element_type=jnp.float32) * sm_scale
-        if soft_cap is not None:
-            scores = soft_cap * jnp.tanh(scores / soft_cap)
-        scores = jnp.where(visible, scores, -jnp.inf)
-        peak = jnp.max(scores, axis=-1, keepdims=True)
-        weights = jnp.where(visible, jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0)), 0.0)
-        weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-30)
+        weights = masked_softmax(scores, visible, soft_cap)
         # Masked keys may hold anything (another request's data, NaN): zero them, not just their weights.
         v = jnp.where(visible[None, :, None], v, jnp.zeros((), v.dtype))
         out = jnp.einsum("kgl,kld->kgd", weights, v.astype(jnp.float32))

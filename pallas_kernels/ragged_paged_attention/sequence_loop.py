@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention.metadata import check_shapes
-from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.reference import masked_softmax, ragged_paged_attention
 
 # Above this many live sequences, the per-row reference moves less data than per-sequence windows.
 SEQUENCE_LOOP_MAX_SEQS = 8
@@ -55,13 +55,7 @@ def ragged_paged_attention_sequence_loop(
         if sliding_window is not None:
             visible &= keys[None, :] > pos[:, None] - sliding_window
         scores = jnp.einsum("tkgd,kld->tkgl", qw, k, preferred_element_type=jnp.float32) * sm_scale
-        if soft_cap is not None:
-            scores = soft_cap * jnp.tanh(scores / soft_cap)
-        vis = visible[:, None, None, :]
-        scores = jnp.where(vis, scores, -jnp.inf)
-        peak = jnp.max(scores, axis=-1, keepdims=True)
-        weights = jnp.where(vis, jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0)), 0.0)
-        weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-30)
+        weights = masked_softmax(scores, visible[:, None, None, :], soft_cap)
         # Keys past kv_len may hold anything (NaN included): zero them, not just their weights.
         v = jnp.where((keys < kv_len)[None, :, None], v, jnp.zeros((), v.dtype))
         o = jnp.einsum("tkgl,kld->tkgd", weights, v.astype(jnp.float32)).reshape(t, num_q_heads, head_dim)
