@@ -204,7 +204,7 @@ def test_cancelled_add_is_aborted():
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert await ae.wait_idle(5)
+        assert await ae.wait_idle(30)  # returns as soon as idle; the bound only matters on a loaded machine
         assert not fake.requests
         await ae.stop()
 
@@ -251,7 +251,7 @@ def test_admission_overload_draining_and_not_ready():
             await ae.add_request("d", SamplingParams(max_tokens=1))
         for s in streams:
             s.abort()
-        assert await ae.wait_idle(5)
+        assert await ae.wait_idle(30)  # returns as soon as idle; the bound only matters on a loaded machine
         await ae.stop()
 
     run(main())
