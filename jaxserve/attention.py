@@ -48,8 +48,9 @@ class AttentionBackend:
     def attends_mixed_batches(self) -> bool:
         """Whether one call should carry decodes and prompt chunks together.
 
-        The kernels do. The pure-JAX path attends prompt chunks one sequence at a time and decode rows one row
-        at a time, so a mixed batch would push its chunks onto the per-row path: keep them in separate calls.
+        The kernels do. The pure-JAX path has one shape for prompt chunks (dense over the step's own rows plus
+        each sequence's cached context) and another for decode rows (each row walks its own pages); a mixed
+        batch would push its chunks onto the per-row walk, so they stay in separate calls.
         """
         return self.name != "reference"
 
@@ -81,8 +82,14 @@ class AttentionBackend:
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Write this step's K/V, then attend. Returns (out [T, num_q_heads, head_dim], k_pages, v_pages)."""
         k_pages, v_pages = self.write(k, v, k_pages, v_pages, md)
-        out = self.attend(q, k_pages, v_pages, md, sm_scale=sm_scale, sliding_window=sliding_window,
-                          soft_cap=soft_cap)
+        if self.name == "reference" and not self.decode:
+            # Prompt chunks read their own rows' K/V from k and v, and only their earlier context from pages.
+            out = rpa.ragged_paged_attention_chunks(q, k, v, k_pages, v_pages, md.kv_lens, md.page_indices,
+                                                    md.cu_q_lens, md.num_seqs, sm_scale=sm_scale,
+                                                    sliding_window=sliding_window, soft_cap=soft_cap)
+        else:
+            out = self.attend(q, k_pages, v_pages, md, sm_scale=sm_scale, sliding_window=sliding_window,
+                              soft_cap=soft_cap)
         return out, k_pages, v_pages
 
     # The two halves, for callers whose query rows are a subset of the rows written (sequence parallelism:
@@ -106,7 +113,7 @@ class AttentionBackend:
             return rpa.ragged_paged_attention_tpu(q, k_pages, v_pages, *meta, interpret=self.interpret, **kw)
         if self.name == "pallas_gpu":
             return rpa.ragged_paged_attention_gpu(q, k_pages, v_pages, *meta, interpret=self.interpret, **kw)
-        # Decode rows each belong to their own sequence, so the per-row reference reads exactly what is needed;
-        # prefill batches gather each sequence's pages once when they hold few sequences.
-        attend = rpa.ragged_paged_attention if self.decode else rpa.ragged_paged_attention_auto
+        # Decode rows each walk their own sequence's pages; prompt chunks called here (sequence parallelism,
+        # whose rows are a window of the chunk written) gather each sequence's pages once when few.
+        attend = rpa.ragged_paged_attention_rows if self.decode else rpa.ragged_paged_attention_auto
         return attend(q, k_pages, v_pages, *meta, **kw)

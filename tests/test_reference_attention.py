@@ -7,6 +7,7 @@ import pytest
 from attention_cases import build_batch
 
 from pallas_kernels.ragged_paged_attention import (check_values, ragged_paged_attention, ragged_paged_attention_auto,
+                                                  ragged_paged_attention_chunks, ragged_paged_attention_rows,
                                                   ragged_paged_attention_sequence_loop, write_kv)
 
 
@@ -100,3 +101,69 @@ def test_sequence_loop_matches_reference(fn, window, soft_cap):
     want = np.asarray(ragged_paged_attention(**args, sm_scale=0.3, sliding_window=window, soft_cap=soft_cap))
     got = np.asarray(fn(**args, sm_scale=0.3, sliding_window=window, soft_cap=soft_cap))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def chunk_rows(case, q_lens, kv_lens):
+    """This step's K/V, row for row with q (read back from the pages); padding rows NaN."""
+    cu, page_size = case["cu_q_lens"], case["k_pages"].shape[2]
+    num_kv_heads, _, _, head_dim = case["k_pages"].shape
+    k = np.full((case["q"].shape[0], num_kv_heads, head_dim), np.nan, np.float32)
+    v = k.copy()
+    for s, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+        for i in range(ql):
+            pos = kl - ql + i
+            page = case["page_indices"][s, pos // page_size]
+            k[cu[s] + i] = case["k_pages"][:, page, pos % page_size]
+            v[cu[s] + i] = case["v_pages"][:, page, pos % page_size]
+    return jnp.asarray(k), jnp.asarray(v)
+
+
+# (q_lens, kv_lens): decode rows, prompt chunks with and without earlier context, a zero-length entry, page edges.
+CPU_BATCHES = [
+    ([1, 1, 1, 0, 1, 1], [9, 16, 1, 5, 33, 4]),
+    ([5, 8, 3, 0, 7], [5, 20, 12, 4, 8]),
+    ([1, 5, 1, 4, 8, 1, 3], [1, 5, 9, 8, 17, 4, 12]),
+    ([9, 2], [40, 2]),
+]
+
+
+@pytest.mark.parametrize("lengths", CPU_BATCHES)
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (5, 2.0), (7, None)])
+def test_cpu_paths_match_reference(lengths, window, soft_cap):
+    """The CPU engine's decode walk and chunk path give the reference's result on poisoned batches."""
+    rng = np.random.default_rng(4)
+    q_lens, kv_lens = lengths
+    case, _, _ = make_case(rng, q_lens, kv_lens)
+    args = {k: jnp.asarray(v) for k, v in case.items()}
+    kw = dict(sm_scale=0.3, sliding_window=window, soft_cap=soft_cap)
+    want = np.asarray(ragged_paged_attention(**args, **kw))
+    np.testing.assert_allclose(np.asarray(ragged_paged_attention_rows(**args, **kw)), want, rtol=2e-5, atol=2e-5)
+    k, v = chunk_rows(case, q_lens, kv_lens)
+    pages = {n: args[n] for n in ("k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")}
+    got = np.asarray(ragged_paged_attention_chunks(args["q"], k, v, **pages, **kw))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_chunk_path_blocks_and_long_context():
+    """More rows than one query block (the causal block bound) and contexts longer than one walk step."""
+    rng = np.random.default_rng(5)
+    q_lens, kv_lens = [150, 1, 90, 30], [170, 70, 90, 100]
+    case, _, _ = make_case(rng, q_lens, kv_lens, page_size=8, pad_tokens=20)
+    args = {k: jnp.asarray(v) for k, v in case.items()}
+    want = np.asarray(ragged_paged_attention(**args, sm_scale=0.2))
+    k, v = chunk_rows(case, q_lens, kv_lens)
+    pages = {n: args[n] for n in ("k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")}
+    got = np.asarray(ragged_paged_attention_chunks(args["q"], k, v, **pages, sm_scale=0.2))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(ragged_paged_attention_rows(**args, sm_scale=0.2)), want, rtol=2e-5,
+                               atol=2e-5)
+
+
+def test_chunk_path_checks_its_rows():
+    rng = np.random.default_rng(6)
+    case, _, _ = make_case(rng, [2, 1], [6, 3])
+    args = {k: jnp.asarray(v) for k, v in case.items()}
+    k, _ = chunk_rows(case, [2, 1], [6, 3])
+    with pytest.raises(ValueError, match="k and v must be"):
+        ragged_paged_attention_chunks(args["q"], k[:-1], k[:-1], *(args[n] for n in (
+            "k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")), sm_scale=0.3)

@@ -3,6 +3,7 @@ the Pallas TPU and GPU kernels with their KV-write companions."""
 
 from pallas_kernels.ragged_paged_attention.metadata import check_shapes, check_values, token_layout
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention, write_kv
+from pallas_kernels.ragged_paged_attention.cpu import ragged_paged_attention_chunks, ragged_paged_attention_rows
 from pallas_kernels.ragged_paged_attention.sequence_loop import (ragged_paged_attention_auto,
                                                                  ragged_paged_attention_sequence_loop)
 from pallas_kernels.ragged_paged_attention.block_sizes import BlockSizes, get_block_sizes
@@ -14,6 +15,8 @@ __all__ = [
     "ragged_paged_attention",
     "ragged_paged_attention_sequence_loop",
     "ragged_paged_attention_auto",
+    "ragged_paged_attention_rows",
+    "ragged_paged_attention_chunks",
     "write_kv",
     "token_layout",
     "check_shapes",
