@@ -120,17 +120,22 @@ class MeshBatch:
         fields = (getattr(self, f.name) for f in dataclasses.fields(self))
         return np.concatenate([np.asarray(a, np.int32).reshape(-1) for a in fields])
 
-    @classmethod
-    def unpack(cls, fields: tuple[int, ...], payload: np.ndarray) -> "MeshBatch":
+    @staticmethod
+    def field_shapes(fields: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The shapes of the packed arrays, in field order, for header fields (R, T, S, P)."""
         r, t, s, p = fields[:4]
-        shapes = [(r * t,), (r, s + 1), (r, s), (r, s, p), (r, 1), (r * s,)]
+        return [(r * t,), (r, s + 1), (r, s), (r, s, p), (r, 1), (r * s,)]
+
+    @classmethod
+    def unpack(cls, fields: tuple[int, ...], payload) -> "MeshBatch":
+        """The inverse of ``pack`` (``payload`` a NumPy array, or a jax array inside a compiled step)."""
         arrays, offset = [], 0
-        for shape in shapes:
+        for shape in cls.field_shapes(fields):
             n = int(np.prod(shape))
             arrays.append(payload[offset : offset + n].reshape(shape))
             offset += n
-        if offset != payload.size:
-            raise ValueError(f"step payload of {payload.size} ints does not match shape {fields[:4]}")
+        if offset != payload.shape[0]:
+            raise ValueError(f"step payload of {payload.shape[0]} ints does not match shape {fields[:4]}")
         return cls(*arrays)
 
 
@@ -144,34 +149,40 @@ class StepOutput:
 
 
 def jit_step(graphdef: nnx.GraphDef, num_rows: int, out_shardings=None):
-    """The compiled step: (params, token_ids, md, kv_cache, logits_indices, attention, layout) ->
-    (StepOutput, kv_cache), the cache donated, ``attention`` and ``layout`` static.
+    """The compiled step: (params, packed, kv_cache, fields, attention, layout) -> (StepOutput, kv_cache), the
+    cache donated, ``fields`` (the batch's shape, ``MeshBatch.shape_fields``), ``attention`` and ``layout`` static.
 
+    ``packed`` is the whole batch as one int32 array (``MeshBatch.pack``), placed replicated: one host-to-device
+    copy per step instead of one per field. The step unpacks it and gives each field its sharding.
     Logits are padded to ``num_rows`` so the sampler has one shape whatever the step's bucket.
     ``out_shardings`` (output, cache) pins the outputs: the cache must come back with exactly the sharding it
     went in with, or the next call would see a new input sharding and compile again.
     """
 
-    def step(params, token_ids, md, kv_cache, logits_indices, attention, layout):
+    def step(params, packed, kv_cache, fields, attention, layout):
+        token_ids, md, logits_indices = device_inputs(MeshBatch.unpack(fields, packed), layout)
         logits, kv_cache = forward(nnx.merge(graphdef, params), token_ids, md, kv_cache, logits_indices, attention,
                                    layout)
         greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         padded = jnp.pad(logits, ((0, num_rows - logits.shape[0]), (0, 0)))
         return StepOutput(padded, greedy), kv_cache
 
-    return jax.jit(step, donate_argnums=(3,), static_argnums=(5, 6), out_shardings=out_shardings)
+    return jax.jit(step, donate_argnums=(2,), static_argnums=(3, 4, 5), out_shardings=out_shardings)
 
 
-def step_inputs(batch: MeshBatch, layout: StepLayout, put=None):
-    """(token_ids, md, logits_indices) of a batch, each placed on its sharding by ``put(array, sharding)``
-    (default: ``place``; pass a ShapeDtypeStruct maker to lower without data)."""
-    put = put or place
-    rows = lambda a: put(a, layout.sharding(("replicas",) + (None,) * (a.ndim - 1), a.shape))  # noqa: E731
+def device_inputs(batch: MeshBatch, layout: StepLayout):
+    """(token_ids, md, logits_indices) of a batch unpacked inside the step, each constrained to its sharding."""
+    pin = lambda a, axes: jax.lax.with_sharding_constraint(a, layout.sharding(axes, a.shape))  # noqa: E731
+    rows = lambda a: pin(a, ("replicas",) + (None,) * (a.ndim - 1))  # noqa: E731
     md = AttentionMetadata(rows(batch.cu_q_lens), rows(batch.kv_lens), rows(batch.page_indices),
                            rows(batch.num_seqs))
-    token_ids = put(batch.token_ids, layout.sharding(("tokens",), batch.token_ids.shape))
-    logits_indices = put(batch.logits_indices, NamedSharding(layout.mesh, PartitionSpec()))
-    return token_ids, md, logits_indices
+    return pin(batch.token_ids, ("tokens",)), md, batch.logits_indices
+
+
+def packed_input(batch: MeshBatch, mesh: Mesh, put=None):
+    """The batch as one int32 array, replicated over ``mesh`` by ``put(array, sharding)`` (default: ``place``;
+    pass a ShapeDtypeStruct maker to lower without data)."""
+    return (put or place)(batch.pack(), NamedSharding(mesh, PartitionSpec()))
 
 
 class ModelRunner:
@@ -314,9 +325,9 @@ class ModelRunner:
         layout = self.layout_for(kind, batch)
         backend = dataclasses.replace(self.backend, decode=kind == multihost.DECODE)
         attention = ShardedAttention(backend, layout, self.cfg.num_kv_heads)
-        token_ids, md, logits_indices = step_inputs(batch, layout)
         fn = self._prefill if kind == multihost.PREFILL else self._decode
-        return fn, (self.params, token_ids, md, self.kv_cache, logits_indices, attention, layout)
+        return fn, (self.params, packed_input(batch, self.mesh), self.kv_cache, batch.shape_fields(), attention,
+                    layout)
 
     def lower(self, batch: MeshBatch | StepBatch, *, decode: bool):
         """The step a batch would run, lowered (for inspecting the compiled program)."""

@@ -6,6 +6,7 @@ import pytest
 
 from attention_cases import build_batch
 
+from pallas_kernels.ragged_paged_attention import cpu as cpu_attention
 from pallas_kernels.ragged_paged_attention import (check_values, ragged_paged_attention, ragged_paged_attention_auto,
                                                   ragged_paged_attention_chunks, ragged_paged_attention_rows,
                                                   ragged_paged_attention_sequence_loop, write_kv)
@@ -144,8 +145,12 @@ def test_cpu_paths_match_reference(lengths, window, soft_cap):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
-def test_chunk_path_blocks_and_long_context():
-    """More rows than one query block (the causal block bound) and contexts longer than one walk step."""
+@pytest.mark.parametrize("budget", [None, 12 * 1024])
+def test_chunk_path_blocks_and_long_context(budget, monkeypatch):
+    """More rows than one query span (the causal bound), spans split into blocks of rows when their scores would
+    pass the budget (forced small here), and contexts longer than one walk step."""
+    if budget is not None:
+        monkeypatch.setattr(cpu_attention, "_GATHER_BUDGET_BYTES", budget)
     rng = np.random.default_rng(5)
     q_lens, kv_lens = [150, 1, 90, 30], [170, 70, 90, 100]
     case, _, _ = make_case(rng, q_lens, kv_lens, page_size=8, pad_tokens=20)

@@ -26,7 +26,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention.metadata import check_shapes, token_layout
 
-_ROW_BLOCK = 128  # query rows per block of the in-chunk part
+_ROW_BLOCK = 128  # query rows per span of the in-chunk part while there are few spans
+_MAX_ROW_SPANS = 8  # spans of the in-chunk part written out (more rows: longer spans, blocked)
+_GATHER_BUDGET_BYTES = 256 * 1024 * 1024  # bound on one block's scores (and the reference's gathers)
 _ROW_KEYS = 64  # keys per step of the decode walk
 
 
@@ -164,19 +166,41 @@ def ragged_paged_attention_chunks(
     kh = _zero_unless(real, k).swapaxes(0, 1).astype(jnp.float32)  # [KVH, T, D]
     vh = _zero_unless(real, v).swapaxes(0, 1).astype(jnp.float32)
 
-    # (a) Keys of this step: query block [r0, r1) sees key rows [0, r1) of its own sequence, causally.
+    # (a) Keys of this step: query rows [r0, r1) see key rows [0, r1) of their own sequence, causally. At most
+    # _MAX_ROW_SPANS such spans are written out (each its own static key count); inside a span, blocks of rows
+    # go one after another so the scores stay within the gather budget however many rows the step has.
+    spans = min(_MAX_ROW_SPANS, -(-num_tokens // _ROW_BLOCK))
+    span_rows = -(-num_tokens // spans)
     parts = []
-    for r0 in range(0, num_tokens, _ROW_BLOCK):
-        r1 = min(num_tokens, r0 + _ROW_BLOCK)
-        visible = ((seq_ids[r0:r1, None] == seq_ids[None, :r1]) & valid[r0:r1, None] & valid[None, :r1]
-                   & (positions[None, :r1] <= positions[r0:r1, None]))  # [rows, keys]
-        if sliding_window is not None:
-            visible &= positions[None, :r1] > positions[r0:r1, None] - sliding_window
-        qb = qh[:, r0:r1].reshape(num_kv_heads, (r1 - r0) * group, head_dim)
-        scores = jnp.einsum("kmd,kld->kml", qb, kh[:, :r1]).reshape(num_kv_heads, r1 - r0, group, r1)
-        peak, weights, total = _partial_softmax(_cap(scores * sm_scale, soft_cap), _bias(visible, num_seqs)[None, :, None, :])
-        out = jnp.einsum("kml,kld->kmd", weights.reshape(num_kv_heads, (r1 - r0) * group, r1), vh[:, :r1])
-        parts.append((peak, out.reshape(num_kv_heads, r1 - r0, group, head_dim), total))
+    for r0 in range(0, num_tokens, span_rows):
+        r1 = min(num_tokens, r0 + span_rows)
+        block = max(1, min(r1 - r0, _GATHER_BUDGET_BYTES // (3 * 4 * num_kv_heads * group * r1)))
+        blocks = -(-(r1 - r0) // block)
+
+        def own_rows(start, r1=r1, block=block):
+            """Query rows [start, start + block) (``start`` static, or traced within padded arrays)."""
+            take = lambda a, axis=0: jax.lax.dynamic_slice_in_dim(a, start, block, axis)  # noqa: E731
+            ids, pos, ok = take(seq_ids_p), take(positions_p), take(valid_p)
+            visible = ((ids[:, None] == seq_ids[None, :r1]) & ok[:, None] & valid[None, :r1]
+                       & (positions[None, :r1] <= pos[:, None]))  # [block, keys]
+            if sliding_window is not None:
+                visible &= positions[None, :r1] > pos[:, None] - sliding_window
+            qb = take(qh_p, 1).reshape(num_kv_heads, block * group, head_dim)
+            scores = jnp.einsum("kmd,kld->kml", qb, kh[:, :r1]).reshape(num_kv_heads, block, group, r1)
+            peak, weights, total = _partial_softmax(_cap(scores * sm_scale, soft_cap),
+                                                    _bias(visible, num_seqs)[None, :, None, :])
+            out = jnp.einsum("kml,kld->kmd", weights.reshape(num_kv_heads, block * group, r1), vh[:, :r1])
+            return peak, out.reshape(num_kv_heads, block, group, head_dim), total
+
+        if blocks == 1:
+            seq_ids_p, positions_p, valid_p, qh_p = seq_ids, positions, valid, qh
+            parts.append(own_rows(r0))
+        else:  # rows padded so every block's slice is in bounds; [blocks, KVH, block, ...] -> [KVH, rows, ...]
+            pad = lambda a, axis=0: jnp.pad(a, [(0, block if i == axis else 0) for i in range(a.ndim)])  # noqa: E731
+            seq_ids_p, positions_p, valid_p, qh_p = pad(seq_ids), pad(positions), pad(valid), pad(qh, 1)
+            done = jax.lax.map(own_rows, r0 + block * jnp.arange(blocks))
+            parts.append(tuple(jnp.moveaxis(x, 0, 1).reshape(num_kv_heads, blocks * block, *x.shape[3:])[:, : r1 - r0]
+                               for x in done))
     peak_a, out_a, total_a = (jnp.concatenate(x, axis=1) for x in zip(*parts))  # [KVH, T, G(, D)]
 
     # (b) Cached context, sequence by sequence, only for sequences that have any.
