@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import ragged_paged_attention as rpa
 
@@ -53,6 +54,16 @@ class AttentionBackend:
         batch would push its chunks onto the per-row walk, so they stay in separate calls.
         """
         return self.name != "reference"
+
+    def cache_dtype(self, model_dtype, platform: str | None = None):
+        """The KV pool's dtype for a model's dtype: the model's, except 16-bit floats on the CPU path, which are
+        kept in fp32. XLA:CPU has no 16-bit float gather or scatter: it widens the whole pool to fp32 and back
+        around each one, a full copy of the pool per layer per step. An fp32 pool holds the same rounded
+        values exactly (results are unchanged) and costs twice the memory."""
+        platform = platform or jax.default_backend()
+        if self.name == "reference" and platform == "cpu" and jnp.dtype(model_dtype).itemsize == 2:
+            return jnp.float32
+        return model_dtype
 
     @classmethod
     def resolve(cls, name: str, platform: str | None = None) -> "AttentionBackend":

@@ -80,7 +80,8 @@ class Engine:
         self.tokenizer = load_tokenizer(config.tokenizer or folder)
         self.eos_token_ids = eos_token_ids(folder, cfg, self.tokenizer)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        dtype = model.embed_tokens.embedding.get_value().dtype
+        backend = AttentionBackend.resolve(config.attention_backend)
+        dtype = backend.cache_dtype(model.embed_tokens.embedding.get_value().dtype)
         num_pages = config.num_pages or self._auto_num_pages(dtype)
         if num_pages % self.num_replicas:
             raise ValueError(f"num_pages={num_pages} must be a multiple of the mesh's data={self.num_replicas} "
@@ -89,7 +90,7 @@ class Engine:
         self.runner = ModelRunner(
             model, cfg, self.cache_config, self.mesh,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, backend=AttentionBackend.resolve(config.attention_backend),
+            max_model_len=self.max_model_len, backend=backend,
             debug_checks=config.debug_checks,
         )
         self.scheduler = ReplicatedScheduler(SchedulerConfig(
@@ -114,7 +115,8 @@ class Engine:
             self.warmup()  # on a multi-process run the followers compile the same shapes as they follow
 
     def _auto_num_pages(self, dtype) -> int:
-        """Total pages (all replicas): each replica's block as large as one device's budget allows."""
+        """Total pages (all replicas) of a ``dtype`` pool: each replica's block as large as one device's budget
+        allows."""
         cfg, page_size, replicas = self.model_config, self.config.page_size, self.num_replicas
         device = jax.local_devices()[0]
         stats = device.memory_stats() if device.platform != "cpu" else None

