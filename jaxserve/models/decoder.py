@@ -171,5 +171,5 @@ def forward(
     x = model.norm(x[logits_indices])
     head = model.embed_tokens.embedding[...].T if model.lm_head is None else model.lm_head.weight[...]
     # Each tensor shard computes its vocab slice; then the [N, vocab] logits (not the head) are gathered.
-    logits = _constrain(jnp.dot(x, head, preferred_element_type=jnp.float32), layout, "slots", "act_vocab")
+    logits = _constrain(layers.matmul_f32(x, head), layout, "slots", "act_vocab")
     return _constrain(logits, layout, "slots", "logits_vocab"), new_cache

@@ -13,13 +13,21 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
-def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
-    """``x @ weight (+ bias)`` with weight stored [in, out], accumulated in fp32 and returned in x's dtype.
+def matmul_f32(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """``x @ weight`` for 2-D ``x``, accumulated and returned in fp32.
 
     Asking for the fp32 result is also what makes bf16 fast on CPU: XLA:CPU runs a bf16 x bf16 -> fp32 matmul
-    on the bf16 dot-product instructions (~2x fp32's rate here) but a bf16 -> bf16 one several times slower.
+    on the bf16 dot-product instructions (~2x fp32's rate here) but a bf16 -> bf16 one several times slower;
+    and its one-row bf16 matmul is ~10x slower than a two-row one, so a single 16-bit row is padded to two.
     """
-    y = jnp.dot(x, weight, preferred_element_type=jnp.float32)
+    if x.shape[0] == 1 and x.dtype.itemsize == 2 and jax.default_backend() == "cpu":
+        return jnp.dot(jnp.pad(x, ((0, 1), (0, 0))), weight, preferred_element_type=jnp.float32)[:1]
+    return jnp.dot(x, weight, preferred_element_type=jnp.float32)
+
+
+def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """``x @ weight (+ bias)`` with weight stored [in, out], accumulated in fp32 and returned in x's dtype."""
+    y = matmul_f32(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[-1])
     return (y if bias is None else y + bias).astype(x.dtype)
 
 
