@@ -28,7 +28,7 @@ from pallas_kernels.ragged_paged_attention.metadata import check_shapes, token_l
 
 _ROW_BLOCK = 128  # query rows per span of the in-chunk part while there are few spans
 _MAX_ROW_SPANS = 8  # spans of the in-chunk part written out (more rows: longer spans, blocked)
-_GATHER_BUDGET_BYTES = 256 * 1024 * 1024  # bound on one block's scores (and the reference's gathers)
+_GATHER_BUDGET_BYTES = 256 * 1024 * 1024  # bound on one block's scores in the in-chunk part
 _ROW_KEYS = 64  # keys per step of the decode walk
 
 
