@@ -93,14 +93,8 @@ class AttentionBackend:
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Write this step's K/V, then attend. Returns (out [T, num_q_heads, head_dim], k_pages, v_pages)."""
         k_pages, v_pages = self.write(k, v, k_pages, v_pages, md)
-        if self.name == "reference" and not self.decode:
-            # Prompt chunks read their own rows' K/V from k and v, and only their earlier context from pages.
-            out = rpa.ragged_paged_attention_chunks(q, k, v, k_pages, v_pages, md.kv_lens, md.page_indices,
-                                                    md.cu_q_lens, md.num_seqs, sm_scale=sm_scale,
-                                                    sliding_window=sliding_window, soft_cap=soft_cap)
-        else:
-            out = self.attend(q, k_pages, v_pages, md, sm_scale=sm_scale, sliding_window=sliding_window,
-                              soft_cap=soft_cap)
+        out = self.attend(q, k, v, k_pages, v_pages, md, sm_scale=sm_scale, sliding_window=sliding_window,
+                          soft_cap=soft_cap)
         return out, k_pages, v_pages
 
     # The two halves, for callers whose query rows are a subset of the rows written (sequence parallelism:
@@ -115,16 +109,21 @@ class AttentionBackend:
             return rpa.write_kv_gpu(k_pages, v_pages, k, v, *meta, interpret=self.interpret)
         return rpa.write_kv(k_pages, v_pages, k, v, *meta)
 
-    def attend(self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata, *,
-               sm_scale: float, sliding_window: int | None, soft_cap: float | None = None) -> jax.Array:
-        """Attention of ``q``'s rows over pages that already hold their K/V. Returns [T, num_q_heads, head_dim]."""
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+               md: AttentionMetadata, *, sm_scale: float, sliding_window: int | None,
+               soft_cap: float | None = None) -> jax.Array:
+        """Attention of ``q``'s rows over pages that already hold their K/V. Returns [T, num_q_heads, head_dim].
+
+        ``k`` and ``v`` are the same rows' own K/V (already written): the kernels read everything from the
+        pages; the pure-JAX prompt path takes each chunk's own rows from here and only earlier context from
+        the pages.
+        """
         meta = (md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
         kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
         if self.name == "pallas_tpu":
             return rpa.ragged_paged_attention_tpu(q, k_pages, v_pages, *meta, interpret=self.interpret, **kw)
         if self.name == "pallas_gpu":
             return rpa.ragged_paged_attention_gpu(q, k_pages, v_pages, *meta, interpret=self.interpret, **kw)
-        # Decode rows each walk their own sequence's pages; prompt chunks called here (sequence parallelism,
-        # whose rows are a window of the chunk written) gather each sequence's pages once when few.
-        attend = rpa.ragged_paged_attention_rows if self.decode else rpa.ragged_paged_attention_auto
-        return attend(q, k_pages, v_pages, *meta, **kw)
+        if self.decode:  # each row walks its own sequence's pages
+            return rpa.ragged_paged_attention_rows(q, k_pages, v_pages, *meta, **kw)
+        return rpa.ragged_paged_attention_chunks(q, k, v, k_pages, v_pages, *meta, **kw)

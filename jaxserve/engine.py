@@ -81,8 +81,8 @@ class Engine:
         self.eos_token_ids = eos_token_ids(folder, cfg, self.tokenizer)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         backend = AttentionBackend.resolve(config.attention_backend)
-        dtype = backend.cache_dtype(model.embed_tokens.embedding.get_value().dtype)
-        num_pages = config.num_pages or self._auto_num_pages(dtype)
+        cache_dtype = backend.cache_dtype(model.embed_tokens.embedding.get_value().dtype)
+        num_pages = config.num_pages or self._auto_num_pages(cache_dtype)
         if num_pages % self.num_replicas:
             raise ValueError(f"num_pages={num_pages} must be a multiple of the mesh's data={self.num_replicas} "
                              "(each data replica owns an equal block of pages)")

@@ -152,8 +152,8 @@ def jit_step(graphdef: nnx.GraphDef, num_rows: int, out_shardings=None):
     """The compiled step: (params, packed, kv_cache, fields, attention, layout) -> (StepOutput, kv_cache), the
     cache donated, ``fields`` (the batch's shape, ``MeshBatch.shape_fields``), ``attention`` and ``layout`` static.
 
-    ``packed`` is the whole batch as one int32 array (``MeshBatch.pack``), placed replicated: one host-to-device
-    copy per step instead of one per field. The step unpacks it and gives each field its sharding.
+    ``packed`` is the whole batch as one int32 array (``MeshBatch.pack``, also the multi-host wire format),
+    placed replicated: one host-to-device copy per step. The step unpacks it and gives each field its sharding.
     Logits are padded to ``num_rows`` so the sampler has one shape whatever the step's bucket.
     ``out_shardings`` (output, cache) pins the outputs: the cache must come back with exactly the sharding it
     went in with, or the next call would see a new input sharding and compile again.
@@ -177,12 +177,6 @@ def device_inputs(batch: MeshBatch, layout: StepLayout):
     md = AttentionMetadata(rows(batch.cu_q_lens), rows(batch.kv_lens), rows(batch.page_indices),
                            rows(batch.num_seqs))
     return pin(batch.token_ids, ("tokens",)), md, batch.logits_indices
-
-
-def packed_input(batch: MeshBatch, mesh: Mesh, put=None):
-    """The batch as one int32 array, replicated over ``mesh`` by ``put(array, sharding)`` (default: ``place``;
-    pass a ShapeDtypeStruct maker to lower without data)."""
-    return (put or place)(batch.pack(), NamedSharding(mesh, PartitionSpec()))
 
 
 class ModelRunner:
@@ -297,9 +291,10 @@ class ModelRunner:
         if kind == multihost.DECODE and batch.tokens_per_replica != batch.kv_lens.shape[1]:
             raise ValueError(f"decode batch must have one row per slot, got {batch.tokens_per_replica} rows / "
                              f"{batch.kv_lens.shape[1]} slots")
+        payload = batch.pack()
         if self.channel is not None:
-            self.channel.send(kind, batch.shape_fields(), batch.pack())
-        return self._run(kind, batch)
+            self.channel.send(kind, batch.shape_fields(), payload)
+        return self._run(kind, batch, payload)
 
     def follow(self) -> None:
         """A follower process's loop: run each step process 0 sends, until it sends STOP."""
@@ -309,7 +304,7 @@ class ModelRunner:
             kind, fields, payload = self.channel.recv()
             if kind == multihost.STOP:
                 return
-            jax.block_until_ready(self._run(kind, MeshBatch.unpack(fields, payload)))
+            jax.block_until_ready(self._run(kind, MeshBatch.unpack(fields, payload), payload))
 
     def close(self) -> None:
         """On process 0 of a multi-process run: release the followers from ``follow``."""
@@ -321,27 +316,29 @@ class ModelRunner:
         split = kind == multihost.PREFILL and self.sequence > 1 and batch.tokens_per_replica % self.sequence == 0
         return self.layouts[split]
 
-    def _call_args(self, kind: int, batch: MeshBatch):
+    def _call_args(self, kind: int, batch: MeshBatch, payload: np.ndarray):
+        """The compiled step for a batch and its arguments; ``payload`` is ``batch.pack()``, placed replicated
+        (one host-to-device copy per step)."""
         layout = self.layout_for(kind, batch)
         backend = dataclasses.replace(self.backend, decode=kind == multihost.DECODE)
         attention = ShardedAttention(backend, layout, self.cfg.num_kv_heads)
         fn = self._prefill if kind == multihost.PREFILL else self._decode
-        return fn, (self.params, packed_input(batch, self.mesh), self.kv_cache, batch.shape_fields(), attention,
-                    layout)
+        packed = place(payload, NamedSharding(self.mesh, PartitionSpec()))
+        return fn, (self.params, packed, self.kv_cache, batch.shape_fields(), attention, layout)
 
     def lower(self, batch: MeshBatch | StepBatch, *, decode: bool):
         """The step a batch would run, lowered (for inspecting the compiled program)."""
         batch = MeshBatch.stack([batch]) if isinstance(batch, StepBatch) else batch
-        fn, args = self._call_args(multihost.DECODE if decode else multihost.PREFILL, batch)
+        fn, args = self._call_args(multihost.DECODE if decode else multihost.PREFILL, batch, batch.pack())
         return fn.lower(*args)
 
-    def _run(self, kind: int, batch: MeshBatch) -> StepOutput:
+    def _run(self, kind: int, batch: MeshBatch, payload: np.ndarray) -> StepOutput:
         if self.debug_checks:
             for r in range(batch.num_replicas):
                 b = batch.replica(r)
                 check_values(b.num_tokens, self.pages_per_replica, self.cache_cfg.page_size, b.kv_lens,
                              b.page_indices, b.cu_q_lens, b.num_seqs)
-        fn, args = self._call_args(kind, batch)
+        fn, args = self._call_args(kind, batch, payload)
         out, self.kv_cache = fn(*args)
         return out
 

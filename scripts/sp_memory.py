@@ -42,7 +42,7 @@ def measure(hf: dict, prompt_len: int, sequence: int, tensor: int, dtype_name: s
     from jaxserve.config import ModelConfig
     from jaxserve.kv_cache import CacheConfig, cache_sharding
     from jaxserve.loader import DTYPES, abstract_model, param_shardings
-    from jaxserve.runner import MeshBatch, StepOutput, jit_step, packed_input
+    from jaxserve.runner import MeshBatch, StepOutput, jit_step
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
     from sharding import make_mesh
@@ -73,9 +73,9 @@ def measure(hf: dict, prompt_len: int, sequence: int, tensor: int, dtype_name: s
     batch = MeshBatch.stack([one])
     layout = StepLayout.create(mesh, rules, split_sequence=True)
     abstract = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)  # noqa: E731
-    packed = packed_input(batch, mesh, put=abstract)
-    attention = ShardedAttention(AttentionBackend(), layout, cfg.num_kv_heads)
     replicated = NamedSharding(mesh, PartitionSpec())
+    packed = abstract(batch.pack(), replicated)
+    attention = ShardedAttention(AttentionBackend(), layout, cfg.num_kv_heads)
     outs = (StepOutput(replicated, replicated), jax.tree.map(lambda a: a.sharding, kv_cache))
     lowered = jit_step(graphdef, 1, outs).lower(params, packed, kv_cache, batch.shape_fields(), attention, layout)
     stats = lowered.compile().memory_analysis()

@@ -91,8 +91,10 @@ class ShardedAttention:
                 return backend(q, k, v, k_pages, v_pages, md, **kw)
             k_pages, v_pages = backend.write(k, v, k_pages, v_pages, md)
             rows = q.shape[0]
-            window = window_metadata(md, jax.lax.axis_index("sequence") * rows, rows)
-            return backend.attend(q, k_pages, v_pages, window, **kw), k_pages, v_pages
+            offset = jax.lax.axis_index("sequence") * rows
+            mine = lambda a: jax.lax.dynamic_slice_in_dim(a, offset, rows)  # noqa: E731  this shard's rows
+            out = backend.attend(q, mine(k), mine(v), k_pages, v_pages, window_metadata(md, offset, rows), **kw)
+            return out, k_pages, v_pages
 
         if lay.mesh.size == 1:
             return local(q, k, v, k_pages, v_pages, md)

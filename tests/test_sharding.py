@@ -163,11 +163,13 @@ def test_window_metadata_splits_attention_rows_exactly():
     k_pages = jnp.asarray(rng.normal(size=(kvh, pages, page, d)), jnp.float32)
     v_pages = jnp.asarray(rng.normal(size=(kvh, pages, page, d)), jnp.float32)
     k_pages, v_pages = backend.write(k, k * 2, k_pages, v_pages, md)
-    attend = jax.jit(lambda q, md: backend.attend(q, k_pages, v_pages, md, sm_scale=0.3, sliding_window=7))
-    full = attend(q, md)
+    attend = jax.jit(lambda q, k, md: backend.attend(q, k, k * 2, k_pages, v_pages, md, sm_scale=0.3,
+                                                     sliding_window=7))
+    full = attend(q, k, md)
     for shards in (2, 3, 4):
         n = rows // shards
-        parts = [attend(q[i * n:(i + 1) * n], window_metadata(md, i * n, n)) for i in range(shards)]
+        parts = [attend(q[i * n:(i + 1) * n], k[i * n:(i + 1) * n], window_metadata(md, i * n, n))
+                 for i in range(shards)]
         np.testing.assert_allclose(np.concatenate(parts), np.asarray(full), rtol=1e-6, atol=1e-6)
 
 

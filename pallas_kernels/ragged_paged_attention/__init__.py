@@ -1,11 +1,9 @@
-"""Ragged paged attention over a paged KV cache: the reference (spec + CPU path), its metadata contract, and
-the Pallas TPU and GPU kernels with their KV-write companions."""
+"""Ragged paged attention over a paged KV cache: the reference (the spec), its metadata contract, the pure-JAX
+CPU path, and the Pallas TPU and GPU kernels with their KV-write companions."""
 
 from pallas_kernels.ragged_paged_attention.metadata import check_shapes, check_values, token_layout
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention, write_kv
 from pallas_kernels.ragged_paged_attention.cpu import ragged_paged_attention_chunks, ragged_paged_attention_rows
-from pallas_kernels.ragged_paged_attention.sequence_loop import (ragged_paged_attention_auto,
-                                                                 ragged_paged_attention_sequence_loop)
 from pallas_kernels.ragged_paged_attention.block_sizes import BlockSizes, get_block_sizes
 from pallas_kernels.ragged_paged_attention.validation import check_batch
 from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
@@ -13,8 +11,6 @@ from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 
 __all__ = [
     "ragged_paged_attention",
-    "ragged_paged_attention_sequence_loop",
-    "ragged_paged_attention_auto",
     "ragged_paged_attention_rows",
     "ragged_paged_attention_chunks",
     "write_kv",

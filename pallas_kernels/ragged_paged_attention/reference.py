@@ -1,4 +1,4 @@
-"""Pure-JAX ragged paged attention: the specification every kernel is tested against, and the CPU path.
+"""Pure-JAX ragged paged attention: the specification every kernel (and the CPU path, `cpu.py`) is tested against.
 
 Each query row attends, causally, to the first ``position + 1`` tokens of its own sequence, read through that
 sequence's page table. Written per row (gather the row's pages, mask, softmax) so that it is obviously right;
