@@ -13,20 +13,21 @@ import argparse
 
 from jaxserve.checkpoint import resolve_model_path
 from jaxserve.config import ModelConfig
-from jaxserve.roofline import kv_bytes_per_token
+from jaxserve.kv_cache import bytes_per_token
 from sharding import MeshConfig
+from sharding.rules import check_tensor_parallel
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def capacity(cfg: ModelConfig, *, hbm_gb: float, dtype: str, page_size: int, mesh: MeshConfig,
              utilization: float, max_model_len: int) -> dict[str, float]:
-    item = _ITEMSIZE[dtype if dtype != "auto" else cfg.torch_dtype]
+    dtype = dtype if dtype != "auto" else cfg.torch_dtype
+    item = _ITEMSIZE[dtype]
     tensor = mesh.tensor
+    check_tensor_parallel(cfg.num_heads, cfg.num_kv_heads, tensor)  # as the engine refuses a mesh it cannot use
     weights_per_device = cfg.num_params * item / tensor
-    kv_heads_per_device = max(1, cfg.num_kv_heads // tensor) if cfg.num_kv_heads % tensor == 0 or \
-        tensor % cfg.num_kv_heads == 0 else cfg.num_kv_heads
-    kv_token_device = kv_bytes_per_token(cfg, item) * kv_heads_per_device / cfg.num_kv_heads
+    kv_token_device = bytes_per_token(cfg, dtype, tensor)  # exactly what the engine's pool allocates
     budget = hbm_gb * 2**30 * utilization - weights_per_device
     if budget <= 0:
         raise ValueError(f"the weights ({weights_per_device / 2**30:.1f} GiB per device) do not fit in "
@@ -35,7 +36,7 @@ def capacity(cfg: ModelConfig, *, hbm_gb: float, dtype: str, page_size: int, mes
     tokens = pages * page_size * mesh.data
     return {
         "weights_gib_per_device": weights_per_device / 2**30,
-        "kv_bytes_per_token": kv_bytes_per_token(cfg, item),
+        "kv_bytes_per_token": bytes_per_token(cfg, dtype),
         "kv_bytes_per_token_per_device": kv_token_device,
         "pages_per_replica": pages,
         "tokens_of_context": tokens,

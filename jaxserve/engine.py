@@ -22,7 +22,7 @@ from jaxserve import compile_counter
 from jaxserve.attention import AttentionBackend
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.engine_config import EngineConfig
-from jaxserve.kv_cache import CacheConfig, bytes_per_token, bytes_per_token_per_device
+from jaxserve.kv_cache import CacheConfig, bytes_per_token
 from jaxserve.loader import load_model
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.penalty_state import PenaltyState
@@ -122,7 +122,7 @@ class Engine:
         stats = device.memory_stats() if device.platform != "cpu" else None
         if stats and "bytes_limit" in stats:
             budget = stats["bytes_limit"] * self.config.hbm_utilization - stats.get("bytes_in_use", 0)
-            per_page = bytes_per_token_per_device(cfg, dtype, int(self.mesh.shape["tensor"])) * page_size
+            per_page = bytes_per_token(cfg, dtype, int(self.mesh.shape["tensor"])) * page_size
         else:  # CPU: cpu_kv_cache_gib is the whole pool, all replicas together
             budget = self.config.cpu_kv_cache_gib * 2**30 / replicas
             per_page = bytes_per_token(cfg, dtype) * page_size

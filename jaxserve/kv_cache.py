@@ -38,13 +38,10 @@ class CacheConfig:
             raise ValueError(f"num_pages={self.num_pages} must be >= 2")
 
 
-def bytes_per_token(cfg: ModelConfig, dtype) -> int:
-    """KV bytes one token occupies across all layers (K and V)."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
-
-
-def bytes_per_token_per_device(cfg: ModelConfig, dtype, tensor: int) -> int:
-    """KV bytes one token occupies on each device holding it (a tensor shard's heads, replicas included)."""
+def bytes_per_token(cfg: ModelConfig, dtype, tensor: int = 1) -> int:
+    """KV bytes one token occupies across all layers (K and V) on each device holding it: with ``tensor`` > 1,
+    a tensor shard's heads (replicated heads included); with 1, the whole token (the seed formula
+    2 * layers * kv_heads * head_dim * bytes)."""
     heads = cache_heads(cfg.num_kv_heads, tensor) // tensor
     return 2 * cfg.num_layers * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 

@@ -1,0 +1,48 @@
+"""python -m jaxserve.capacity: pages, sequences and context that fit, by the same sizes the engine allocates."""
+
+import pytest
+
+from jaxserve.capacity import capacity, main
+from jaxserve.config import ModelConfig
+from jaxserve.kv_cache import bytes_per_token
+from sharding import MeshConfig
+from tiny import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    # 4 q heads, 2 KV heads, head_dim 16, 2 layers
+    return build_tiny_model("llama", tmp_path_factory.mktemp("cap") / "m")
+
+
+def test_capacity_matches_the_kv_formula_and_the_tensor_split(llama):
+    cfg = ModelConfig.from_pretrained(llama)
+    kw = dict(hbm_gb=0.01, dtype="bfloat16", page_size=16, utilization=0.9, max_model_len=128)
+    one = capacity(cfg, mesh=MeshConfig.parse(None), **kw)
+    assert one["kv_bytes_per_token"] == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    budget = 0.01 * 2**30 * 0.9 - cfg.num_params * 2
+    assert one["pages_per_replica"] == int(budget // (one["kv_bytes_per_token"] * 16))
+    assert one["full_length_sequences"] == one["tokens_of_context"] // 128
+    # tensor=4 over 2 KV heads: each shard holds one (replicated) head, as the engine's pool does.
+    four = capacity(cfg, mesh=MeshConfig.parse("tensor=4"), **kw)
+    assert four["kv_bytes_per_token_per_device"] == bytes_per_token(cfg, "bfloat16", 4) == \
+        one["kv_bytes_per_token"] // cfg.num_kv_heads
+    # data=2: each replica holds its own pages, the context adds up.
+    two = capacity(cfg, mesh=MeshConfig.parse("data=2"), **kw)
+    assert two["tokens_of_context"] == 2 * one["tokens_of_context"]
+
+
+def test_capacity_refuses_what_the_engine_refuses(llama):
+    cfg = ModelConfig.from_pretrained(llama)
+    with pytest.raises(ValueError, match="tensor=3"):
+        capacity(cfg, hbm_gb=1, dtype="float32", page_size=16, mesh=MeshConfig.parse("tensor=3"), utilization=0.9,
+                 max_model_len=128)
+    with pytest.raises(ValueError, match="do not fit"):
+        capacity(cfg, hbm_gb=1e-6, dtype="float32", page_size=16, mesh=MeshConfig.parse(None), utilization=0.9,
+                 max_model_len=128)
+
+
+def test_capacity_command_prints_the_figures(llama, capsys):
+    main(["--model", str(llama), "--hbm-gb", "0.01", "--max-model-len", "128"])
+    out = capsys.readouterr().out
+    assert "KV bytes per token" in out and "KV pages per replica" in out and "sequences at 128 tokens" in out
