@@ -92,7 +92,8 @@ def probe_decode(engine: Engine, batch: int, context: int, steps: int = 16) -> d
     """
     rng = np.random.default_rng(batch)
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(f"probe{batch}-{i}", rng.integers(3, 1000, context).tolist(), params)
+    vocab = engine.model_config.vocab_size
+    ids = [engine.add_request(f"probe{batch}-{i}", rng.integers(3, min(1000, vocab), context).tolist(), params)
            for i in range(batch)]
     seen = []
     real = engine.runner.decode_step
