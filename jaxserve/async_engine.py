@@ -72,6 +72,10 @@ class _Call:
 _STOP = object()
 
 
+class _LoopClosed(Exception):
+    """The event loop that owns the engine closed while the engine thread still ran."""
+
+
 class RequestStream:
     """The outputs of one request, in order; the last one has ``finished=True``.
 
@@ -278,17 +282,29 @@ class AsyncEngine:
             self._stats = engine.stats()
         except BaseException as e:  # noqa: BLE001 - reported to the event loop, which exits
             logger.exception("the engine failed to start")
-            self._loop.call_soon_threadsafe(self._set_future, self._ready, None, e)
-            self._loop.call_soon_threadsafe(self._set_future, self._stopped, None, None)
+            self._to_loop(self._set_future, self._ready, None, e)
+            self._to_loop(self._set_future, self._stopped, None, None)
             return
-        self._loop.call_soon_threadsafe(self._set_future, self._ready, None, None)
+        self._to_loop(self._set_future, self._ready, None, None)
         try:
             self._run(engine)
+        except _LoopClosed:
+            logger.warning("the event loop closed without stopping the engine; the engine thread ends")
         except BaseException:  # noqa: BLE001 - the loop itself catches step errors; this is a bug
             logger.exception("the engine loop died")
-            self._loop.call_soon_threadsafe(self._fail_all, EngineFailure("the engine loop stopped"))
+            self._to_loop(self._fail_all, EngineFailure("the engine loop stopped"))
         finally:
-            self._loop.call_soon_threadsafe(self._set_future, self._stopped, None, None)
+            self._to_loop(self._set_future, self._stopped, None, None)
+
+    def _to_loop(self, fn: Callable, *args) -> bool:
+        """Schedule ``fn(*args)`` on the event loop; False if that loop is already closed."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+            return True
+        except RuntimeError:
+            if self._loop.is_closed():
+                return False
+            raise
 
     @staticmethod
     def _describe(engine) -> dict[str, Any]:
@@ -361,7 +377,7 @@ class AsyncEngine:
                 result, error = cmd.fn(engine), None
             except Exception as e:  # noqa: BLE001 - goes back to the caller
                 result, error = None, e
-            self._loop.call_soon_threadsafe(self._set_future, cmd.future, result, error)
+            self._to_loop(self._set_future, cmd.future, result, error)
 
     def _abort_one(self, engine, rid: str, reason: str) -> RequestOutput | BaseException | None:
         try:
@@ -428,7 +444,8 @@ class AsyncEngine:
             stats = self._stats or {}
         self._stats = stats
         sched = {"num_running": int(stats.get("num_running", 0)), "num_waiting": int(stats.get("num_waiting", 0))}
-        self._loop.call_soon_threadsafe(self._deliver, acks, items, sched)
+        if not self._to_loop(self._deliver, acks, items, sched):
+            raise _LoopClosed
 
     # Event loop side ----------------------------------------------------------------------------------------
     def _deliver(self, acks: list, items: list, sched: dict) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 
 import pytest
 
@@ -49,6 +50,7 @@ class FakeEngine:
         self.requests: dict[str, _Req] = {}
         self.steps = 0
         self.fail_steps = 0
+        self.paused = False  # while True, steps produce nothing: live requests neither advance nor finish
         self.step_thread = None
         self.scheduler = type("Sched", (), {})()
         self.scheduler.running = []
@@ -85,6 +87,9 @@ class FakeEngine:
         if self.fail_steps:
             self.fail_steps -= 1
             raise RuntimeError("injected step failure")
+        if self.paused:
+            time.sleep(0.001)
+            return []
         outs = []
         for req in list(self.requests.values()):
             req.tokens.append(len(req.tokens) + 1)
@@ -240,7 +245,8 @@ def test_admission_overload_draining_and_not_ready():
         with pytest.raises(EngineNotReady, match="failed to start"):
             await ae.add_request("a", SamplingParams())
 
-        ae, _ = await _started(max_num_seqs=1, max_waiting_requests=1)
+        ae, fake = await _started(max_num_seqs=1, max_waiting_requests=1)
+        fake.paused = True  # "a" must still be running when "c" arrives, however slow this machine is
         streams = [await ae.add_request("a", SamplingParams(max_tokens=10_000))]
         # one running slot and one waiting place: the third sequence in flight is refused at once
         streams.append(await ae.add_request("b", SamplingParams(max_tokens=10_000)))
@@ -255,3 +261,20 @@ def test_admission_overload_draining_and_not_ready():
         await ae.stop()
 
     run(main())
+
+
+def test_engine_thread_ends_quietly_when_its_event_loop_closes_first():
+    errors = []
+    hook, threading.excepthook = threading.excepthook, errors.append
+    try:
+        async def main():
+            ae, _ = await _started()
+            await ae.add_request("a", SamplingParams(max_tokens=10_000_000))
+            return ae  # the loop closes with the request still running and the engine never stopped
+
+        ae = run(main())
+        ae._thread.join(10)
+        assert not ae._thread.is_alive()
+        assert errors == []
+    finally:
+        threading.excepthook = hook
