@@ -24,6 +24,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import CacheConfig, init_kv_cache
 from jaxserve.loader import place
 from jaxserve.models import DecoderLM, forward
+from jaxserve.sampler import argmax
 from pallas_kernels.ragged_paged_attention import check_values
 from sharding import multihost
 from sharding.attention import ShardedAttention
@@ -163,7 +164,7 @@ def jit_step(graphdef: nnx.GraphDef, num_rows: int, out_shardings=None):
         token_ids, md, logits_indices = device_inputs(MeshBatch.unpack(fields, packed), layout)
         logits, kv_cache = forward(nnx.merge(graphdef, params), token_ids, md, kv_cache, logits_indices, attention,
                                    layout)
-        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        greedy = argmax(logits)
         padded = jnp.pad(logits, ((0, num_rows - logits.shape[0]), (0, 0)))
         return StepOutput(padded, greedy), kv_cache
 

@@ -251,6 +251,23 @@ def _penalise(x: jax.Array, t: SamplingTensors, state: PenaltyState) -> jax.Arra
     return x - t.presence_penalty[:, None] * (counts > 0).astype(x.dtype)
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` as i32, NaN and ties included (the first NaN, else the first maximum), as two
+    plain reductions.
+
+    XLA:CPU runs argmax's (value, index) reduction one element at a time: ~3.4 ms for 48 x 32000 logits against
+    ~0.5 ms for a max followed by a min over the positions that reach it. The positions are float32, which
+    holds every index below 2**24 exactly.
+    """
+    size = x.shape[-1]
+    if size > 1 << 24:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    peak = jnp.max(x, axis=-1, keepdims=True)  # NaN if the row has one
+    hit = (x >= peak) | jnp.isnan(x)
+    positions = jax.lax.broadcasted_iota(jnp.float32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(hit, positions, jnp.inf), axis=-1).astype(jnp.int32)
+
+
 def sample(
     logits: jax.Array,  # f32[S, V]
     tensors: SamplingTensors,
@@ -290,12 +307,12 @@ def sample(
         )
         bits = jax.vmap(lambda key: jax.random.bits(key, (vocab,), jnp.uint32))(keys)
         u = ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
-        drawn = jnp.argmax(jnp.where(keep, rel / -jnp.log(u), -1.0), axis=-1).astype(jnp.int32)
+        drawn = argmax(jnp.where(keep, rel / -jnp.log(u), -1.0))
         return jnp.where(keep, scaled, -jnp.inf), drawn
 
     # An all-greedy batch skips truncation and random numbers altogether.
     processed, drawn = jax.lax.cond(jnp.any(~greedy), draw, lambda: (x, jnp.zeros(s_slots, jnp.int32)))
-    token_ids = jnp.where(greedy, jnp.argmax(x, axis=-1), drawn).astype(jnp.int32)
+    token_ids = jnp.where(greedy, argmax(x), drawn)
 
     source = raw if t.logprobs_mode == "raw" else jnp.where(greedy[:, None], x, processed)
     norm = jax.nn.logsumexp(source, axis=-1)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxserve.penalty_state import PenaltyState
-from jaxserve.sampler import SamplingTensors, sample, sequence_seed
+from jaxserve.sampler import SamplingTensors, argmax, sample, sequence_seed
 from jaxserve.sampling_params import SamplingParams as SP
 
 V = 16
@@ -328,3 +328,21 @@ def test_build_validates():
         build([SP()], logprobs_mode="final")
     t = build([SP(min_tokens=5, stop_token_ids=tuple(range(10)))], eos_token_ids=(EOS,))
     assert t.banned_ids.shape == (S, 16) and t.top_k.dtype == np.int32 and t.rng_key.dtype == np.uint32
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_argmax_matches_jnp_argmax_with_ties_infinities_and_nan(dtype):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((9, 1000)).astype(np.float32)
+    x[1, [3, 700]] = 50.0  # a tie: the first one wins
+    x[2, :] = -np.inf  # nothing finite: index 0
+    x[3, [10, 20]] = np.inf
+    x[4, [400, 30]] = np.nan  # a NaN anywhere wins over any number; the first NaN
+    x[5, 999] = 99.0  # the last position
+    x[6, :] = 0.0
+    x[7, 0] = np.nan
+    x = jnp.asarray(x, dtype)
+    got = jax.jit(argmax)(x)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(x, axis=-1)))
+    np.testing.assert_array_equal(np.asarray(got)[1:6], [3, 0, 10, 30, 999])
