@@ -45,16 +45,6 @@ class AttentionBackend:
         if self.name not in BACKENDS:
             raise ValueError(f"attention_backend={self.name!r} is not one of 'auto', {', '.join(BACKENDS)}")
 
-    @property
-    def attends_mixed_batches(self) -> bool:
-        """Whether one call should carry decodes and prompt chunks together.
-
-        The kernels do. The pure-JAX path has one shape for prompt chunks (dense over the step's own rows plus
-        each sequence's cached context) and another for decode rows (each row walks its own pages); a mixed
-        batch would push its chunks onto the per-row walk, so they stay in separate calls.
-        """
-        return self.name != "reference"
-
     def cache_dtype(self, model_dtype, platform: str | None = None):
         """The KV pool's dtype for a model's dtype: the model's, except 16-bit floats on the CPU path, which are
         kept in fp32. XLA:CPU has no 16-bit float gather or scatter: it widens the whole pool to fp32 and back

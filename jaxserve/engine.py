@@ -206,36 +206,26 @@ class Engine:
             req = self._requests.get(e.seq.request_id)
             if req is not None and req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-        # Every call is dispatched before anything is copied back: one device-to-host sync per step.
-        launched = [self._launch(group) for group in self._groups(list(zip(plan.scheduled, plan.replicas)))]
-        host = jax.device_get([fetch for _, fetch in launched])
-        tokens: dict[int, int] = {}
+        # One compiled call and one device-to-host copy per step.
+        got = jax.device_get(self._launch(list(zip(plan.scheduled, plan.replicas))))
+        tokens: list[int] = []
         logprobs: dict[int, dict[int, float]] = {}
-        for (group, _), got in zip(launched, host):
-            for slot, (e, _) in enumerate(group):
-                token = int(got[0][slot])
-                tokens[e.seq.seq_id] = token
-                n = e.seq.sampling_params.logprobs
-                if len(got) > 1 and n is not None and e.needs_sample:
-                    top = {int(i): float(v) for i, v in zip(got[2][slot][:n], got[3][slot][:n])}
-                    logprobs[e.seq.seq_id] = {token: float(got[1][slot]), **top}
-        result = self.scheduler.update(plan, [tokens[e.seq.seq_id] for e in plan.scheduled])
+        for slot, e in enumerate(plan.scheduled):
+            token = int(got[0][slot])
+            tokens.append(token)
+            n = e.seq.sampling_params.logprobs
+            if len(got) > 1 and n is not None and e.needs_sample:
+                top = {int(i): float(v) for i, v in zip(got[2][slot][:n], got[3][slot][:n])}
+                logprobs[e.seq.seq_id] = {token: float(got[1][slot]), **top}
+        result = self.scheduler.update(plan, tokens)
         self.stats_counters["steps"] += 1
         return self._collect(result.finished, result.updated, logprobs)
 
-    def _groups(self, entries) -> list[list]:
-        """One compiled call per group: a decode call when every sequence has one new token, else a prefill
-        call; decodes and prompt chunks share one call when the attention backend handles mixed batches well."""
-        if self.runner.backend.attends_mixed_batches:
-            return [list(entries)]
-        decodes = [(e, r) for e, r in entries if len(e.token_ids) == 1]
-        chunks = [(e, r) for e, r in entries if len(e.token_ids) > 1]
-        return [g for g in (chunks, decodes) if g]
+    def _launch(self, pairs) -> tuple:
+        """Dispatch the step and its sampling; returns the device arrays to fetch, one row per entry.
 
-    def _launch(self, pairs) -> tuple[list, tuple]:
-        """Dispatch one group's step and its sampling; returns the device arrays to fetch.
-
-        ``pairs`` holds (scheduled entry, data replica) of each sequence.
+        ``pairs`` holds (scheduled entry, data replica) of each sequence. A decode call when every sequence has
+        one new token, else a prefill call that carries the decodes along.
         """
         group = [e for e, _ in pairs]
         decode = all(len(e.token_ids) == 1 for e in group)
@@ -245,7 +235,7 @@ class Engine:
         rows = [self._penalty_row(e.seq) for e in group]
         if not any(rows) and all(_plain_greedy(e.seq) for e in group):
             # Greedy batches take the argmax the step already computed: no sampler call at all.
-            return pairs, (step_out.greedy_ids,)
+            return (step_out.greedy_ids,)
         tensors = SamplingTensors.build(
             [e.seq.sampling_params for e in group], num_slots=self.runner.num_logit_rows,
             seeds=[self._seeds[e.seq.seq_id] for e in group],
@@ -257,8 +247,8 @@ class Engine:
         if use_penalties:
             self._penalties = out.penalty_state
         if tensors.num_top_logprobs or any(e.seq.sampling_params.logprobs is not None for e in group):
-            return pairs, (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
-        return pairs, (out.token_ids,)
+            return (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
+        return (out.token_ids,)
 
     def _penalty_row(self, seq: Sequence) -> int:
         p = seq.sampling_params

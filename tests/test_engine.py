@@ -181,3 +181,21 @@ def test_llm_chat_uses_the_template(model_dir):
     direct = llm.generate([ids], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
     assert chat.prompt_token_ids == ids and chat.outputs[0].token_ids == direct.outputs[0].token_ids
     assert chat.num_prompt_tokens == len(ids) and chat.num_completion_tokens == 5
+
+
+def test_decodes_ride_in_the_prompt_step(engine, hf, monkeypatch):
+    """A step with decodes and a prompt chunk is one compiled call, on every attention backend."""
+    calls = []
+    for name in ("prefill_step", "decode_step"):
+        real = getattr(engine.runner, name)
+        monkeypatch.setattr(engine.runner, name, lambda batch, real=real, name=name: calls.append(name) or real(batch))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("first", [5, 6, 7, 8, 9], params)
+    engine.step()
+    engine.add_request("second", [10, 11, 12], params)
+    calls.clear()
+    engine.step()  # "first" decodes while "second" prefills
+    assert calls == ["prefill_step"]
+    results = run(engine, [])
+    assert results["first"].outputs[0].token_ids == hf_greedy(hf, [5, 6, 7, 8, 9], 4)
+    assert results["second"].outputs[0].token_ids == hf_greedy(hf, [10, 11, 12], 4)
