@@ -207,7 +207,7 @@ class Engine:
             if req is not None and req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
         # One compiled call and one device-to-host copy per step.
-        got = jax.device_get(self._launch(list(zip(plan.scheduled, plan.replicas))))
+        got = jax.device_get(self._launch(plan.scheduled, plan.replicas))
         tokens: list[int] = []
         logprobs: dict[int, dict[int, float]] = {}
         for slot, e in enumerate(plan.scheduled):
@@ -221,16 +221,15 @@ class Engine:
         self.stats_counters["steps"] += 1
         return self._collect(result.finished, result.updated, logprobs)
 
-    def _launch(self, pairs) -> tuple:
+    def _launch(self, group: list, replicas: list[int]) -> tuple:
         """Dispatch the step and its sampling; returns the device arrays to fetch, one row per entry.
 
-        ``pairs`` holds (scheduled entry, data replica) of each sequence. A decode call when every sequence has
-        one new token, else a prefill call that carries the decodes along.
+        ``group`` holds the scheduled entries, ``replicas`` each one's data replica. A decode call when every
+        sequence has one new token, else a prefill call that carries the decodes along.
         """
-        group = [e for e, _ in pairs]
         decode = all(len(e.token_ids) == 1 for e in group)
         batch = self.runner.make_batch([e.token_ids for e in group], [e.kv_len for e in group],
-                                       [e.page_table for e in group], decode=decode, replicas=[r for _, r in pairs])
+                                       [e.page_table for e in group], decode=decode, replicas=replicas)
         step_out = self.runner.local(self.runner.decode_step(batch) if decode else self.runner.prefill_step(batch))
         rows = [self._penalty_row(e.seq) for e in group]
         if not any(rows) and all(_plain_greedy(e.seq) for e in group):
