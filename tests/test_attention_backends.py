@@ -3,9 +3,9 @@
 import jax.numpy as jnp
 import pytest
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM, SamplingParams, compile_counter
 from jaxserve.attention import AttentionBackend
-from tiny import build_tiny_model, train_tokenizer
+from tiny import FAMILIES, build_tiny_model, train_tokenizer
 
 
 def test_auto_resolves_per_platform():
@@ -49,3 +49,33 @@ def test_every_backend_same_greedy_tokens(tmp_path):
         results[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert results["pallas_tpu"] == results["reference"]
     assert results["pallas_gpu"] == results["reference"]
+
+
+@pytest.fixture(scope="module")
+def one_layer_models(tmp_path_factory):
+    tokenizer = train_tokenizer()
+    root = tmp_path_factory.mktemp("families")
+    return {f: build_tiny_model(f, root / f, tokenizer=tokenizer, num_hidden_layers=1) for f in FAMILIES}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_backend_warms_up_and_serves_without_compiling(one_layer_models, family, dtype):
+    """Each backend through the engine as a user starts it: warm-up on, so every bucket of both steps is
+    compiled at the default page size (16), including the one-row decode bucket; serving then compiles
+    nothing. In fp32 every backend gives the reference's tokens (in bf16 the CPU reference keeps an fp32 pool,
+    the kernels a bf16 one, so only fp32 can be compared exactly)."""
+    prompts = [list(range(5, 23)), [7, 7, 3]]  # 18 tokens: two prompt chunks of a 16-token budget, a page edge
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    results = {}
+    for backend in ("reference", "pallas_tpu", "pallas_gpu"):
+        llm = LLM(str(one_layer_models[family]), dtype=dtype, attention_backend=backend, max_num_seqs=1,
+                  max_num_batched_tokens=16, max_model_len=64, compilation_cache_dir=None)
+        assert llm.engine.config.page_size == 16
+        before = compile_counter.count()
+        results[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert compile_counter.count() == before, f"{backend} compiled while serving"
+        assert all(len(ids) == 4 for ids in results[backend])
+    if dtype == "float32":
+        assert results["pallas_tpu"] == results["reference"]
+        assert results["pallas_gpu"] == results["reference"]
