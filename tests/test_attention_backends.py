@@ -33,7 +33,7 @@ def test_bfloat16_engine_on_cpu_keeps_an_fp32_pool(tmp_path):
     path = build_tiny_model("llama", tmp_path / "m", tokenizer=train_tokenizer(), num_hidden_layers=1)
     llm = LLM(str(path), dtype="bfloat16", page_size=4, max_num_seqs=2, max_num_batched_tokens=32,
               max_model_len=48, warmup=False, compilation_cache_dir=None)
-    assert all(k.dtype == jnp.float32 and v.dtype == jnp.float32 for k, v in llm.engine.runner.kv_cache)
+    assert all(k.dtype == jnp.float32 and v.dtype == jnp.float32 for k, v in llm.engine.executor.runner.kv_cache)
     out = llm.generate([[5, 17, 99, 23]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
 
