@@ -121,7 +121,7 @@ def test_tensor_parallel_placement_and_kv_head_replication(models):
     assert {s.data.shape for s in q.addressable_shards} == {(64, 16)}  # 8 heads x 8 dims / 4
 
     llm.generate(prompts(llm.model_config.vocab_size)[:2], GREEDY)
-    k_pages = llm.engine.runner.kv_cache[0][0]
+    k_pages = llm.engine.executor.runner.kv_cache[0][0]
     assert k_pages.shape == (4, 64, 4, 8) and spec_of(k_pages) == P("tensor", None, None, None)
     shards = sorted(k_pages.addressable_shards, key=lambda s: s.index[0].start)
     assert [s.data.shape for s in shards] == [(1, 64, 4, 8)] * 4
