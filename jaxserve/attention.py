@@ -1,7 +1,9 @@
 """The attention seam: how the model writes new K/V into the page pool and attends over it.
 
 The model calls one ``AttentionBackend``; which implementation runs (the pure-JAX reference, the Pallas TPU
-kernel, the Pallas GPU kernel) is chosen here and nowhere else.
+kernel, the Pallas GPU kernel) is chosen here and nowhere else. Every implementation takes the batch as one
+``AttentionMetadata`` (defined by the kernels in ``pallas_kernels.metadata``, re-exported here), which the
+backend passes through unchanged.
 
 On a mesh, ``sharding.attention.ShardedAttention`` calls the backend once per shard with that shard's heads,
 pages and metadata, so a kernel sees exactly the single-device contract. Sequence-parallel prefill calls the
@@ -16,18 +18,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import kv_cache_update
 from pallas_kernels import ragged_paged_attention as rpa
+from pallas_kernels.metadata import AttentionMetadata
 
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class AttentionMetadata:
-    """The ragged-batch description every attention implementation reads (see pallas_kernels metadata)."""
-
-    cu_q_lens: jax.Array  # i32[S + 1]
-    kv_lens: jax.Array  # i32[S]
-    page_indices: jax.Array  # i32[S, P]
-    num_seqs: jax.Array  # i32[1]
+__all__ = ["AttentionMetadata", "AttentionBackend", "BACKENDS"]
 
 
 BACKENDS = ("reference", "pallas_tpu", "pallas_gpu")
@@ -92,12 +87,11 @@ class AttentionBackend:
     def write(self, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
               md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
         """Write each real row's K/V into its page slot. Returns (k_pages, v_pages)."""
-        meta = (md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
         if self.name == "pallas_tpu":
-            return rpa.write_kv_tpu(k_pages, v_pages, k, v, *meta, interpret=self.interpret)
+            return kv_cache_update.write_kv_tpu(k_pages, v_pages, k, v, md, interpret=self.interpret)
         if self.name == "pallas_gpu":
-            return rpa.write_kv_gpu(k_pages, v_pages, k, v, *meta, interpret=self.interpret)
-        return rpa.write_kv(k_pages, v_pages, k, v, *meta)
+            return kv_cache_update.write_kv_gpu(k_pages, v_pages, k, v, md, interpret=self.interpret)
+        return rpa.write_kv(k_pages, v_pages, k, v, md)
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                md: AttentionMetadata, *, sm_scale: float, sliding_window: int | None,
@@ -108,12 +102,12 @@ class AttentionBackend:
         pages; the pure-JAX prompt path takes each chunk's own rows from here and only earlier context from
         the pages.
         """
-        meta = (md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
         kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
         if self.name == "pallas_tpu":
-            return rpa.ragged_paged_attention_tpu(q, k_pages, v_pages, *meta, interpret=self.interpret, **kw)
+            return rpa.ragged_paged_attention_tpu(q, k_pages, v_pages, md, interpret=self.interpret, **kw)
         if self.name == "pallas_gpu":
-            return rpa.ragged_paged_attention_gpu(q, k_pages, v_pages, *meta, interpret=self.interpret, **kw)
+            return rpa.ragged_paged_attention_gpu(q, k_pages, v_pages, md, interpret=self.interpret, **kw)
         if self.decode:  # each row walks its own sequence's pages
-            return rpa.ragged_paged_attention_rows(q, k_pages, v_pages, *meta, **kw)
-        return rpa.ragged_paged_attention_chunks(q, k, v, k_pages, v_pages, *meta, **kw)
+            return rpa.ragged_paged_attention_rows(q, k_pages, v_pages, md, **kw)
+        return rpa.ragged_paged_attention_chunks(q, k, v, k_pages, v_pages, md, **kw)
+

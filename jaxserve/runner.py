@@ -337,8 +337,9 @@ class ModelRunner:
         if self.debug_checks:
             for r in range(batch.num_replicas):
                 b = batch.replica(r)
-                check_values(b.num_tokens, self.pages_per_replica, self.cache_cfg.page_size, b.kv_lens,
-                             b.page_indices, b.cu_q_lens, b.num_seqs)
+                check_values(AttentionMetadata(b.cu_q_lens, b.kv_lens, b.page_indices, b.num_seqs),
+                             num_tokens=b.num_tokens, num_pages=self.pages_per_replica,
+                             page_size=self.cache_cfg.page_size)
         fn, args = self._call_args(kind, batch, payload)
         out, self.kv_cache = fn(*args)
         return out

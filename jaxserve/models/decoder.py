@@ -156,11 +156,10 @@ def forward(
     if md.cu_q_lens.ndim == 2:
         num_replicas = md.cu_q_lens.shape[0]
         rows = token_ids.shape[0] // num_replicas
-        _, positions, _ = jax.vmap(lambda cu, kv, n: token_layout(cu, kv, n, rows))(
-            md.cu_q_lens, md.kv_lens, md.num_seqs)
+        _, positions, _ = jax.vmap(lambda m: token_layout(m, rows))(md)
         positions = positions.reshape(-1)
     else:
-        _, positions, _ = token_layout(md.cu_q_lens, md.kv_lens, md.num_seqs, token_ids.shape[0])
+        _, positions, _ = token_layout(md, token_ids.shape[0])
     positions = _constrain(positions, layout, "tokens")
     inv_freq = jnp.asarray(np.array(cfg.rope.inv_freq(cfg.head_dim), np.float32))
     x = _constrain(model.embed_tokens(_constrain(token_ids, layout, "tokens")), layout, "tokens", "act_embed")
