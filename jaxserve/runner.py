@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.attention import AttentionBackend, AttentionMetadata
+from jaxserve.attention import AttentionBackend, AttentionMetadata, ShardedAttention
 from jaxserve.batch import StepBatch
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import CacheConfig, init_kv_cache
@@ -27,7 +27,6 @@ from jaxserve.models import DecoderLM, forward
 from jaxserve.sampler import argmax
 from pallas_kernels.ragged_paged_attention import check_values
 from sharding import multihost
-from sharding.attention import ShardedAttention
 from sharding.layout import StepLayout
 from sharding.rules import model_rules
 
