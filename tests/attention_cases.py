@@ -69,7 +69,7 @@ def build_batch(rng, q_lens, kv_lens, *, num_kv_heads=2, group=2, head_dim=64, p
     q[cu[num_live] :] = np.nan
     kv = rng.integers(10**6, 2 * 10**6, slots).astype(np.int32)
     kv[:num_live] = kv_lens
-    batch = dict(q=q, k_pages=k_pages, v_pages=v_pages, kv_lens=kv, page_indices=page_indices, cu_q_lens=cu,
+    batch = dict(q=q, k_pages=k_pages, v_pages=v_pages, cu_q_lens=cu, kv_lens=kv, page_indices=page_indices,
                  num_seqs=np.array([num_live], np.int32))
     for name in ("q", "k_pages", "v_pages"):
         batch[name] = np.asarray(jnp.asarray(batch[name], dtype))
