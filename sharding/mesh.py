@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 if TYPE_CHECKING:  # jax is imported where a mesh is built: parsing a spec (e.g. for --help) needs none
     import jax
     from jax.sharding import Mesh
@@ -81,6 +79,7 @@ def make_mesh(config: MeshConfig | str | None = None, devices: list | None = Non
       ValueError: if the axis sizes do not multiply to exactly the number of devices in use.
     """
     import jax
+    import numpy as np
     from jax.sharding import Mesh
 
     default = config is None or (isinstance(config, str) and not config.strip())
@@ -112,8 +111,9 @@ def mesh_config(mesh: Mesh) -> MeshConfig:
     return MeshConfig(**{a: int(mesh.shape[a]) for a in AXES})
 
 
-def place(host: np.ndarray, sharding) -> "jax.Array":
-    """A host array onto a sharding; each process copies only the shards its devices hold (multi-host safe)."""
+def place(host, sharding) -> "jax.Array":
+    """A host array (NumPy) onto a sharding; each process copies only the shards its devices hold (multi-host
+    safe)."""
     import jax
 
     if jax.process_count() == 1:
