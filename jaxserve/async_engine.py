@@ -1,7 +1,7 @@
 """The engine in a thread of its own, driven from asyncio.
 
-``Engine`` is synchronous and not thread-safe, so one thread owns it (and its tokenizer) for its whole life:
-it builds and warms it up, then loops: take commands from a thread-safe intake queue (add, abort, tokenize),
+``Engine`` is synchronous and not thread-safe, so one thread owns it for its whole life: it builds and warms
+it up, then loops: take commands from a thread-safe intake queue (add already-tokenized prompts, abort),
 run one ``step()`` while any request is unfinished, and hand the outputs back to the asyncio loop with one
 ``loop.call_soon_threadsafe`` per iteration. With nothing to do it blocks on the intake queue: no busy-spin.
 
@@ -26,8 +26,8 @@ from typing import Any
 from jaxserve.engine_config import EngineConfig
 from jaxserve.metrics import ServerMetrics
 from jaxserve.outputs import RequestOutput
+from jaxserve.prompt_tokenizer import PromptTokenizer
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.tokenizer import chat_template_ids
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +51,7 @@ class EngineFailure(RuntimeError):
 @dataclasses.dataclass
 class _Add:
     request_id: str
-    prompt: str | list[int] | None
-    messages: list[dict] | None
+    prompt_ids: list[int]  # already tokenized, off the engine thread
     params: SamplingParams
     arrival_time: float
 
@@ -137,6 +136,7 @@ class AsyncEngine:
         self._ready: asyncio.Future | None = None
         self._stopped: asyncio.Future | None = None
         self.engine = None  # touched only by the engine thread once it runs
+        self.prompts: PromptTokenizer | None = None  # tokenizes in worker threads, once the engine is ready
         self.info: dict[str, Any] = {}
         self.draining = False
         # asyncio-side view, only touched in the event loop thread
@@ -199,6 +199,8 @@ class AsyncEngine:
         self._put(_STOP)
         await asyncio.shield(self._stopped)
         await asyncio.to_thread(self._thread.join, 30)
+        if self.prompts is not None:
+            self.prompts.close()
 
     # Requests -----------------------------------------------------------------------------------------------
     def _admission_check(self, num_seqs: int) -> None:
@@ -217,9 +219,11 @@ class AsyncEngine:
                                        "sequences would be waiting; retry later")
 
     async def add_request(self, prompt: str | Sequence[int] | None, params: SamplingParams, *,
-                          messages: list[dict] | None = None, request_id: str | None = None) -> RequestStream:
+                          messages: list[dict] | None = None, add_generation_prompt: bool = True,
+                          request_id: str | None = None) -> RequestStream:
         """Queue a request (a text or token-id prompt, or chat ``messages``) and return its stream once the
-        engine has accepted it.
+        engine has accepted it. Text and chat templates are tokenized in ``self.prompts``' worker threads, never
+        in the engine thread.
 
         Raises:
           ValueError: naming the problem (empty prompt, ids outside the vocabulary, too long, bad template...).
@@ -228,13 +232,14 @@ class AsyncEngine:
         self._admission_check(params.n)
         if messages is None and (prompt is None or len(prompt) == 0):
             raise ValueError("prompt is empty")
+        ids = await self.prompts.encode(prompt, messages, add_generation_prompt)
+        self._admission_check(params.n)  # the queue (or the server's state) may have changed meanwhile
         rid = request_id or uuid.uuid4().hex
         stream = RequestStream(self, rid, params)
         self._live[rid] = stream
         self._idle.clear()
         self._pending_seqs += params.n
-        prompt = prompt if prompt is None or isinstance(prompt, str) else [int(t) for t in prompt]
-        self._put(_Add(rid, prompt, messages, params, time.monotonic()))
+        self._put(_Add(rid, ids, params, time.monotonic()))
         try:
             await asyncio.shield(stream._accepted)
         except asyncio.CancelledError:
@@ -259,11 +264,16 @@ class AsyncEngine:
         return await future
 
     async def tokenize(self, text: str) -> tuple[list[int], list[str]]:
-        """Token ids of ``text`` as a prompt, and each token decoded on its own."""
-        def run(engine):
-            _, ids = engine.tokenize(text)
-            return ids, [self._token_text(engine, t) for t in ids]
-        return await self.call(run)
+        """Token ids of ``text`` as a prompt, and each token decoded on its own (in a worker thread)."""
+        if not self.ready:
+            raise EngineNotReady("the engine is still starting up (loading and compiling the model)")
+        return await self.prompts.tokens(text)
+
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of token ids (in a worker thread); ValueError for ids outside the vocabulary."""
+        if not self.ready:
+            raise EngineNotReady("the engine is still starting up (loading and compiling the model)")
+        return await self.prompts.decode(ids)
 
     def _put(self, item) -> None:
         self._intake.put(item)
@@ -278,6 +288,8 @@ class AsyncEngine:
 
                 engine = Engine(self.config)
             self.engine = engine
+            self.prompts = PromptTokenizer(engine.tokenizer, int(engine.max_model_len),
+                                           int(engine.model_config.vocab_size))
             self.info = self._describe(engine)
             self._stats = engine.stats()
         except BaseException as e:  # noqa: BLE001 - reported to the event loop, which exits
@@ -354,10 +366,7 @@ class AsyncEngine:
     def _handle(self, engine, cmd, acks: list, outputs: list) -> None:
         if isinstance(cmd, _Add):
             try:
-                prompt = cmd.prompt
-                if cmd.messages is not None:
-                    prompt = chat_template_ids(engine.tokenizer, cmd.messages)
-                _, ids = engine.tokenize(prompt)
+                _, ids = engine.tokenize(cmd.prompt_ids)  # token ids: a range check, no tokenizer
                 engine.add_request(cmd.request_id, ids, cmd.params, arrival_time=cmd.arrival_time)
                 self._engine_live.add(cmd.request_id)
                 acks.append((cmd.request_id, ids))

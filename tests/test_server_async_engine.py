@@ -19,10 +19,30 @@ from jaxserve.sampling_params import SamplingParams
 class _Tokenizer:
     chat_template = "{{ messages }}"
 
+    def __init__(self, engine):
+        self.engine = engine
+        self.encode_delay = 0.0  # seconds each encode takes (asleep: the GIL is free, as in a real tokenizer)
+        self.threads: list[threading.Thread] = []
+        self.steps_during_encode: list[int] = []  # engine steps taken while each encode ran
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def get_vocab(self):
+        return {chr(65 + i): i for i in range(26)}
+
+    def encode(self, text):
+        self.threads.append(threading.current_thread())
+        steps = self.engine.steps
+        time.sleep(self.encode_delay)
+        self.steps_during_encode.append(self.engine.steps - steps)
+        return [ord(c) % 100 for c in text]
+
     def decode(self, ids):
         return "".join(f"<{i}>" for i in ids)
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        self.threads.append(threading.current_thread())
         return [len(m["content"]) for m in messages]
 
 
@@ -44,7 +64,7 @@ class FakeEngine:
 
     def __init__(self, config):
         self.max_num_seqs = config.max_num_seqs
-        self.tokenizer = _Tokenizer()
+        self.tokenizer = _Tokenizer(self)
         self.model_config = type("Cfg", (), {"vocab_size": 100, "architecture": "Fake", "family": "fake"})()
         self.max_model_len = 64
         self.requests: dict[str, _Req] = {}
@@ -216,12 +236,36 @@ def test_cancelled_add_is_aborted():
     run(main())
 
 
-def test_chat_messages_go_through_the_template_in_the_engine_thread():
+def test_chat_messages_go_through_the_template_in_a_worker_thread():
     async def main():
-        ae, _ = await _started()
+        ae, fake = await _started()
         stream = await ae.add_request(None, SamplingParams(max_tokens=1), messages=[{"role": "user", "content": "abc"}])
         await _collect(stream)
         assert stream.prompt_token_ids == [3]
+        assert fake.tokenizer.threads and fake.tokenizer.threads[-1] not in (fake.step_thread,
+                                                                             threading.current_thread())
+        await ae.stop()
+
+    run(main())
+
+
+def test_a_slow_prompt_does_not_stop_the_engine_stepping():
+    """Tokenizing a near-limit prompt happens in a worker thread: the running stream keeps getting steps."""
+    async def main():
+        ae, fake = await _started()
+        running = await ae.add_request("a", SamplingParams(max_tokens=10_000_000))
+        await running.__anext__()
+        fake.tokenizer.encode_delay = 0.5
+        near_limit = "b" * (ae.prompts.max_prompt_chars - 1)
+        await ae.add_request(near_limit[:60], SamplingParams(max_tokens=1))  # under max_model_len in tokens
+        assert fake.tokenizer.steps_during_encode[-1] >= 5  # 0 when the engine thread did the tokenizing
+        fake.tokenizer.encode_delay = 0.0
+        encodes = len(fake.tokenizer.steps_during_encode)
+        with pytest.raises(ValueError, match="cannot fit max_model_len=64"):  # refused before tokenizing
+            await ae.add_request(near_limit + "bb", SamplingParams(max_tokens=1))
+        assert len(fake.tokenizer.steps_during_encode) == encodes
+        running.abort()
+        await _collect(running)
         await ae.stop()
 
     run(main())

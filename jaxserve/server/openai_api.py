@@ -192,13 +192,14 @@ class OpenAIServer:
             for name in self.names]})
 
     # Generation ---------------------------------------------------------------------------------------------
-    async def _start(self, prompts: list, params, messages=None) -> list[RequestStream]:
+    async def _start(self, prompts: list, params, messages=None, add_generation_prompt=True) -> list[RequestStream]:
         """Admit every prompt of the request, or none (the admitted ones are aborted if one fails)."""
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 try:
-                    streams.append(await self.engine.add_request(prompt, params, messages=messages))
+                    streams.append(await self.engine.add_request(prompt, params, messages=messages,
+                                                                 add_generation_prompt=add_generation_prompt))
                 except Exception as e:  # noqa: BLE001 - mapped to the error response
                     err = from_engine_error(e)
                     if len(prompts) > 1 and err.status == 400:
@@ -300,7 +301,7 @@ class OpenAIServer:
         check_model(req.model, self.names)
         params = req.sampling_params()
         messages = req.template_messages()
-        streams = await self._start([None], params, messages)
+        streams = await self._start([None], params, messages, req.add_generation_prompt)
         stream = streams[0]
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self._model_name(req.model)
         num_top = params.logprobs
