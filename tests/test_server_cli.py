@@ -15,7 +15,8 @@ FLAGS = ["--model", "--tokenizer", "--served-model-name", "--dtype", "--max-mode
          "--max-num-batched-tokens", "--page-size", "--num-pages", "--hbm-utilization", "--enable-prefix-caching",
          "--no-enable-prefix-caching", "--max-waiting-requests", "--compilation-cache-dir", "--attention-backend",
          "--mesh", "--seed", "--host", "--http-port", "--grpc-port", "--api-key", "--shutdown-grace-period",
-         "--max-request-bytes", "--log-level"]
+         "--max-request-bytes", "--log-level", "--max-n", "--max-prompts-per-request",
+         "--max-stop-strings", "--max-stop-string-chars", "--max-logprobs"]
 
 
 def test_help_documents_every_flag():
@@ -32,8 +33,12 @@ def test_defaults_and_engine_config(monkeypatch):
     assert args.model is None and args.served_model_name == [DEMO_MODEL_NAME]
     assert args.host == "127.0.0.1" and args.api_key is None
     cfg = args.engine_config
-    assert cfg.model is None and cfg.enable_prefix_caching and cfg.max_waiting_requests is None
+    assert cfg.model is None and cfg.enable_prefix_caching
     assert (cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens) == (512, 8, 128)  # demo-sized
+    assert cfg.max_waiting_requests == 4 * 8  # bounded by default, sized from max_num_seqs
+    assert (args.limits.max_n, args.limits.max_prompts_per_request, args.limits.max_logprobs) == (16, 64, 20)
+    assert parse_args(["--max-waiting-requests", "0"]).engine_config.max_waiting_requests is None  # no limit
+    assert parse_args(["--mesh", "data=2", "--max-num-seqs", "4"]).engine_config.max_waiting_requests == 32
 
     monkeypatch.setenv("JAXSERVE_API_KEY", "from-env")
     args = parse_args(["--model", "some/model", "--max-num-seqs", "4", "--no-enable-prefix-caching",
@@ -50,6 +55,8 @@ def test_defaults_and_engine_config(monkeypatch):
     (["--http-port", "70000"], "--http-port"),
     (["--hbm-utilization", "1.5"], "hbm_utilization"),
     (["--dtype", "int8"], "invalid choice"),
+    (["--max-logprobs", "21"], "--max-logprobs=21"),
+    (["--max-n", "0"], "--max-n=0"),
 ])
 def test_bad_options_exit_with_a_message(capsys, argv, needle):
     with pytest.raises(SystemExit) as e:

@@ -8,12 +8,14 @@ import os
 
 from jaxserve.engine_args import add_engine_args, engine_config_from_args
 from jaxserve.engine_config import EngineConfig
+from jaxserve.server.limits import RequestLimits
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.default is not dataclasses.MISSING}
 DEMO_MODEL_NAME = "jaxserve-demo"
 # The demo model exists to try the server on any machine: smaller shapes keep its first warm-up compile short
 # on a laptop CPU. They apply only to the options left unset.
 DEMO_ENGINE_DEFAULTS = {"max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 128}
+WAITING_PER_SEQ = 4  # the default waiting queue holds this many sequences per batch slot
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -39,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = {name: None for name in DEMO_ENGINE_DEFAULTS}
     notes = {name: f"default: {_DEFAULTS[name] or 'the model context length'}; {value} for the demo model"
              for name, value in DEMO_ENGINE_DEFAULTS.items()}
+    notes["max_waiting_requests"] = (f"default: {WAITING_PER_SEQ} x --max-num-seqs per data replica; 0: no limit")
     add_engine_args(p, skip=("warmup",), defaults=demo, notes=notes)
 
     s = p.add_argument_group("server")
@@ -54,6 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                    help="largest HTTP request body / gRPC message accepted")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    lim = p.add_argument_group("per-request limits (each refusal is a 400 / INVALID_ARGUMENT naming its flag)")
+    defaults = RequestLimits()
+    lim.add_argument("--max-n", type=int, default=defaults.max_n, help="most outputs per prompt (n, best_of)")
+    lim.add_argument("--max-prompts-per-request", type=int, default=defaults.max_prompts_per_request,
+                     help="most prompts in one completions batch")
+    lim.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings,
+                     help="most stop strings per request (stop token ids: 4 times as many)")
+    lim.add_argument("--max-stop-string-chars", type=int, default=defaults.max_stop_string_chars,
+                     help="longest stop string, in characters")
+    lim.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
+                     help="most top alternatives per token (logprobs, top_logprobs); at most 20")
     return p
 
 
@@ -74,11 +89,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--shutdown-grace-period must be >= 0")
     if args.max_request_bytes < 1024:
         parser.error("--max-request-bytes must be >= 1024")
+    if args.max_waiting_requests is None:
+        replicas = _data_replicas(args.mesh)
+        args.max_waiting_requests = WAITING_PER_SEQ * args.max_num_seqs * replicas
+    elif args.max_waiting_requests == 0:
+        args.max_waiting_requests = None  # no limit
     try:
         args.engine_config = engine_config(args)
     except ValueError as e:
         parser.error(str(e))
+    try:
+        args.limits = RequestLimits(
+            max_n=args.max_n, max_prompts_per_request=args.max_prompts_per_request,
+            max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
+            max_logprobs=args.max_logprobs)
+    except ValueError as e:  # "max_n=0 must ..." -> "--max-n=0 must ..."
+        name, _, rest = str(e).partition("=")
+        parser.error(f"--{name.replace('_', '-')}={rest}")
     return args
+
+
+def _data_replicas(mesh: str | None) -> int:
+    from sharding.mesh import MeshConfig
+
+    try:
+        return MeshConfig.parse(mesh).data
+    except Exception:  # noqa: BLE001 - a malformed spec is reported by EngineConfig with its own message
+        return 1
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
