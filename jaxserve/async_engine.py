@@ -216,6 +216,7 @@ class AsyncEngine:
             would_wait = self._pending_seqs + self._sched["num_waiting"] + num_seqs - free_slots
             if would_wait > limit:
                 raise EngineOverloaded(f"the server is overloaded: more than max_waiting_requests={limit} "
+                                       "(--max-waiting-requests) "
                                        "sequences would be waiting; retry later")
 
     async def add_request(self, prompt: str | Sequence[int] | None, params: SamplingParams, *,
@@ -268,6 +269,16 @@ class AsyncEngine:
         if not self.ready:
             raise EngineNotReady("the engine is still starting up (loading and compiling the model)")
         return await self.prompts.tokens(text)
+
+    async def tokenize_prompt(self, prompt: str | Sequence[int] | None, messages: list[dict] | None = None,
+                              add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a prompt or conversation as ``add_request`` would see them (in a worker thread)."""
+        if not self.ready:
+            raise EngineNotReady("the engine is still starting up (loading and compiling the model)")
+        return await self.prompts.encode(prompt, messages, add_generation_prompt, fit=False)
+
+    async def token_strings(self, ids: Sequence[int]) -> list[str]:
+        return await self.prompts.token_strings(ids)
 
     async def detokenize(self, ids: Sequence[int]) -> str:
         """The text of token ids (in a worker thread); ValueError for ids outside the vocabulary."""
@@ -373,7 +384,8 @@ class AsyncEngine:
             except Exception as e:  # noqa: BLE001 - ValueError for bad input; anything else is reported too
                 if not isinstance(e, ValueError):
                     logger.exception("adding request %s failed", cmd.request_id)
-                    e = EngineFailure(f"the engine could not add the request: {e}")
+                    e = EngineFailure(f"internal error: the engine could not add request {cmd.request_id}; the "
+                                      "server log has the details")
                 acks.append((cmd.request_id, e))
         elif isinstance(cmd, _Abort):
             ids = [cmd.request_id] if cmd.request_id is not None else list(self._engine_live)
@@ -393,7 +405,8 @@ class AsyncEngine:
             return engine.abort_request(rid, reason=reason)
         except Exception as e:  # noqa: BLE001
             logger.exception("aborting request %s failed", rid)
-            return _Failed(rid, EngineFailure(f"the request could not be finished cleanly: {e}"))
+            return _Failed(rid, EngineFailure(f"internal error: request {rid} could not be finished cleanly; the "
+                                              "server log has the details"))
 
     def _step(self, engine) -> list:
         try:

@@ -101,8 +101,9 @@ class PromptTokenizer:
 
     # Tokenization -------------------------------------------------------------------------------------------
     async def encode(self, prompt: str | Sequence[int] | None, messages: list[dict] | None = None,
-                     add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a text or token-id prompt, or of chat ``messages`` in the chat template.
+                     add_generation_prompt: bool = True, *, fit: bool = True) -> list[int]:
+        """Token ids of a text or token-id prompt, or of chat ``messages`` in the chat template; with ``fit``,
+        a prompt that leaves no room for output in ``max_model_len`` is refused.
 
         Raises:
           ValueError: naming the problem (invalid text, too long to fit, a template that refuses the messages).
@@ -125,13 +126,18 @@ class PromptTokenizer:
             ids = [int(t) for t in prompt or ()]
         if not ids:
             raise ValueError("prompt is empty")
-        self.check_ids(ids)
+        if fit:
+            self.check_ids(ids)
         return ids
 
     async def tokens(self, text: str) -> tuple[list[int], list[str]]:
         """Token ids of ``text`` as a prompt, and each token decoded on its own."""
         self.check_text(text)
         return await self._run(self._tokens, text)
+
+    async def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each token id decoded on its own."""
+        return await self._run(lambda: [self._own().decode([t]) for t in ids])
 
     async def decode(self, ids: Sequence[int]) -> str:
         """The text of token ids; ValueError for an id outside the vocabulary."""
