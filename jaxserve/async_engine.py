@@ -26,7 +26,7 @@ from typing import Any
 from jaxserve.engine_config import EngineConfig
 from jaxserve.metrics import ServerMetrics
 from jaxserve.outputs import RequestOutput
-from jaxserve.prompt_tokenizer import PromptTokenizer
+from jaxserve.prompt_tokenizer import PromptTokenizer, token_bytes
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -88,6 +88,7 @@ class RequestStream:
         self.params = params
         self.prompt_token_ids: list[int] = []
         self.token_texts: dict[int, str] = {}
+        self.token_bytes: dict[int, bytes] = {}  # the same tokens' raw bytes (a token can hold part of a character)
         self._engine = engine
         self._queue: asyncio.Queue = asyncio.Queue()
         self._accepted: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -149,6 +150,7 @@ class AsyncEngine:
         self._last_token_time: dict[str, float] = {}
         self._engine_live: set[str] = set()  # request ids the engine holds
         self._token_text_cache: dict[int, str] = {}
+        self._token_bytes_cache: dict[int, bytes] = {}
 
     # Life cycle ---------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -426,6 +428,12 @@ class AsyncEngine:
                     outs.append(out)
             return outs
 
+    def _token_bytes(self, engine, token_id: int, text: str) -> bytes:
+        raw = self._token_bytes_cache.get(token_id)
+        if raw is None:
+            raw = self._token_bytes_cache[token_id] = token_bytes(engine.tokenizer, token_id, text)
+        return raw
+
     def _token_text(self, engine, token_id: int) -> str:
         text = self._token_text_cache.get(token_id)
         if text is None:
@@ -441,11 +449,12 @@ class AsyncEngine:
                 self._last_token_time.pop(out.request_id, None)
                 self._engine_live.discard(out.request_id)
                 continue
-            texts = {}
+            texts, raw = {}, {}
             for c in out.outputs:
                 for lp in c.delta_logprobs or ():
                     for t in lp:
                         texts[t] = self._token_text(engine, t)
+                        raw[t] = self._token_bytes(engine, t, texts[t])
             if self.metrics is not None:
                 try:
                     self.metrics.observe_tokens(out, now, self._last_token_time.get(out.request_id))
@@ -458,7 +467,7 @@ class AsyncEngine:
                 self._engine_live.discard(out.request_id)
             elif any(c.delta_token_ids for c in out.outputs):
                 self._last_token_time[out.request_id] = now
-            items.append((out.request_id, out, texts))
+            items.append((out.request_id, out, (texts, raw)))
         try:
             stats = engine.stats()
         except Exception:  # noqa: BLE001
@@ -488,8 +497,9 @@ class AsyncEngine:
             stream = self._live.get(rid)
             if stream is None:
                 continue
-            if texts:
-                stream.token_texts.update(texts)
+            if texts and texts[0]:
+                stream.token_texts.update(texts[0])
+                stream.token_bytes.update(texts[1])
             stream._queue.put_nowait(out)
             if isinstance(out, BaseException) or out.finished:
                 del self._live[rid]

@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import copy
 import logging
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +33,39 @@ def first_invalid_char(text: str) -> int | None:
         return None
     except UnicodeEncodeError as e:
         return e.start
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's characters (GPT-2's scheme): printable bytes stand for themselves, the others are
+    numbered from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in chars.values()]
+    chars.update({chr(256 + i): b for i, b in enumerate(others)})
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(tokenizer, token_id: int, text: str) -> bytes:
+    """The raw bytes of one token. ``text`` (the token decoded on its own) is exact unless the token holds only
+    part of a UTF-8 character (it then decodes to U+FFFD); such tokens are read from the vocabulary: a
+    byte-fallback piece ``<0xE2>``, or a byte-level BPE piece."""
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    try:
+        piece = tokenizer.convert_ids_to_tokens(int(token_id))
+    except Exception:  # noqa: BLE001 - a tokenizer without the lookup keeps the decoded text
+        return text.encode("utf-8")
+    if isinstance(piece, str):
+        match = _BYTE_FALLBACK.fullmatch(piece)
+        if match:
+            return bytes([int(match.group(1), 16)])
+        if piece and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+    return text.encode("utf-8")
 
 
 def chars_per_token_bound(tokenizer) -> int:

@@ -400,7 +400,7 @@ class OpenAIServer:
             logprobs = None
             if num_top is not None:
                 lps = token_logprobs(c.logprobs or [], c.token_ids, num_top)
-                logprobs = {"content": _chat_logprobs(lps, stream.token_texts)}
+                logprobs = {"content": _chat_logprobs(lps, stream)}
             choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
                             "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
@@ -426,7 +426,7 @@ class OpenAIServer:
                     final = out
                 for ev in tracker.events(out):
                     delta = {"content": ev.text} if ev.text or ev.finish_reason is None else {}
-                    logprobs = ({"content": _chat_logprobs(ev.logprobs, stream.token_texts)}
+                    logprobs = ({"content": _chat_logprobs(ev.logprobs, stream)}
                                 if ev.logprobs is not None else None)
                     choice = {"index": ev.index, "delta": delta, "logprobs": logprobs,
                               "finish_reason": ev.finish_reason}
@@ -452,11 +452,13 @@ def _completion_logprobs(lps: list[TokenLogprob], texts: dict[int, str], offset:
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}, offset
 
 
-def _chat_logprobs(lps: list[TokenLogprob], texts: dict[int, str]) -> list[dict]:
-    content = []
-    for lp in lps:
-        text = texts.get(lp.token_id, "")
-        content.append({"token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
-                        "top_logprobs": [{"token": texts.get(t, ""), "logprob": v,
-                                          "bytes": list(texts.get(t, "").encode())} for t, v in lp.top]})
-    return content
+def _chat_logprobs(lps: list[TokenLogprob], stream: RequestStream) -> list[dict]:
+    """OpenAI's chat logprobs; ``bytes`` are each token's own raw bytes (a token that holds part of a UTF-8
+    character shows its bytes, not the replacement character its text decodes to)."""
+    texts, raw = stream.token_texts, stream.token_bytes
+
+    def entry(token_id: int, logprob: float) -> dict:
+        text = texts.get(token_id, "")
+        return {"token": text, "logprob": logprob, "bytes": list(raw.get(token_id, text.encode()))}
+
+    return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
