@@ -293,6 +293,7 @@ class AsyncEngine:
 
     # Engine thread ------------------------------------------------------------------------------------------
     def _thread_main(self) -> None:
+        started = time.monotonic()
         try:
             if self._factory is not None:
                 engine = self._factory(self.config)
@@ -305,6 +306,7 @@ class AsyncEngine:
                                            int(engine.model_config.vocab_size))
             self.info = self._describe(engine)
             self._stats = engine.stats()
+            _log_ready(self.info, time.monotonic() - started)
         except BaseException as e:  # noqa: BLE001 - reported to the event loop, which exits
             logger.exception("the engine failed to start")
             self._to_loop(self._set_future, self._ready, None, e)
@@ -522,6 +524,28 @@ class AsyncEngine:
             future.set_exception(error)
         else:
             future.set_result(result)
+
+
+def _log_ready(info: dict, seconds: float) -> None:
+    """One line: what was loaded, on which devices, and where the start-up time went."""
+    from jaxserve import compile_progress
+
+    warm = compile_progress.last_summary
+    try:
+        import jax
+
+        devices = f"{len(jax.devices())} {jax.default_backend()} device(s)"
+    except Exception:  # noqa: BLE001 - informational only
+        devices = "unknown devices"
+    if warm is None:
+        timing = f"in {seconds:.1f}s (no warm-up compile)"
+    else:
+        hits, misses = warm["cache_hits"], warm["cache_misses"]
+        cache = (f"compilation cache: {hits} hits, {misses} misses" if warm["cache_dir"]
+                 else "compilation cache off")
+        timing = (f"in {seconds:.1f}s: loading {max(seconds - warm['seconds'], 0):.1f}s, warm-up "
+                  f"{warm['seconds']:.1f}s ({cache})")
+    logger.info("engine ready: %s (%s) on %s %s", info.get("model_path"), info.get("dtype"), devices, timing)
 
 
 def _kv_dtype(engine) -> str:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import compile_counter
+from jaxserve import compile_counter, compile_progress
 from jaxserve.attention import AttentionBackend
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.engine_config import EngineConfig
@@ -341,7 +341,9 @@ class Engine:
     # Start-up -----------------------------------------------------------------------------------------------
     def warmup(self) -> None:
         """Compile every bucket shape of both steps and of the sampler now, so serving never compiles."""
-        start = time.perf_counter()
+        r = self.runner
+        progress = compile_progress.start((len(r.token_buckets()) + len(r.decode_buckets())) * len(r.page_buckets())
+                                          + 4, self.config.compilation_cache_dir)
         logits = self.runner.warmup().logits
         # Serving passes the sampler a penalty state produced by jitted code; warm it on one as well.
         pad = np.full((1, self.max_model_len), -1, np.int32)
@@ -353,8 +355,8 @@ class Engine:
                                             penalty_rows=[0], logprobs_mode=self.config.logprobs_mode)
             for penalties in (None, self._penalties):
                 jax.block_until_ready(self._sample(logits, tensors, penalties))
-        logger.info("warm-up compiled the steps and the sampler in %.1fs (%d compilations)",
-                    time.perf_counter() - start, compile_counter.count())
+                progress.tick()
+        progress.finish()
 
     @staticmethod
     def num_compiles() -> int:

@@ -12,14 +12,15 @@ from __future__ import annotations
 import argparse
 import time
 
-from jaxserve.llm import LLM
-from jaxserve.sampling_params import SamplingParams
-from sharding import multihost
+from jaxserve import logs
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", help="Hugging Face folder, orbax folder or hub id (default: the demo model)")
+    from jaxserve.demo import demo_model_folder
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="Hugging Face folder, orbax folder or hub id (default: the built-in demo "
+                        f"model, random weights, written on first use to {demo_model_folder()})")
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -31,8 +32,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mesh", default=None,
                         help='e.g. "data=2,tensor=4"; must use every device unless --num-devices (default: one device)')
     parser.add_argument("--num-devices", type=int, default=None, help="use only the first N devices for --mesh")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from sharding import multihost
+
     multihost.add_arguments(parser)
     args = parser.parse_args(argv)
+    logs.setup(args.log_level)  # before jax and transformers are imported
+    from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
 
     model = args.model
@@ -40,9 +48,15 @@ def main(argv: list[str] | None = None) -> None:
         from jaxserve.demo import demo_model_path
 
         model = str(demo_model_path())
+    shapes = {}
+    if args.model is None:  # the demo model: the server's smaller shapes keep its first compile short
+        from jaxserve.server.args import DEMO_ENGINE_DEFAULTS
+
+        shapes = {"max_num_batched_tokens": DEMO_ENGINE_DEFAULTS["max_num_batched_tokens"]}
+        args.max_model_len = args.max_model_len or DEMO_ENGINE_DEFAULTS["max_model_len"]
     start = time.perf_counter()
     llm = LLM(model, dtype=args.dtype, page_size=args.page_size, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, mesh=args.mesh, num_devices=args.num_devices)
+              max_num_seqs=args.max_num_seqs, mesh=args.mesh, num_devices=args.num_devices, **shapes)
     if not multihost.is_leader():
         llm.engine.follow()
         return
@@ -57,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         c = out.outputs[0]
         print(f"--- prompt: {out.prompt!r}\n{c.text!r}\n(finish: {c.finish_reason}, {len(c.token_ids)} tokens)")
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(f"load {loaded - start:.1f}s, generate {done - loaded:.1f}s ({tokens} tokens, first call compiles)")
+    print(f"load and compile {loaded - start:.1f}s, generate {done - loaded:.1f}s ({tokens} tokens)")
 
 
 if __name__ == "__main__":

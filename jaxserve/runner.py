@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxserve import compile_progress
 from jaxserve.attention import AttentionBackend, AttentionMetadata
 from jaxserve.batch import StepBatch
 from jaxserve.config import ModelConfig
@@ -366,4 +367,5 @@ class ModelRunner:
                 batch = MeshBatch.padding(self.num_replicas, num_tokens=num_tokens, max_seqs=num_seqs,
                                           pages_per_seq=pages)
                 out = jax.block_until_ready(step(batch))
+                compile_progress.tick()
         return self.local(out)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 
 import httpx
 import openai
 import pytest
 
 from jaxserve.sampling_params import SamplingParams
-from server_harness import API_KEY, MAX_MODEL_LEN, MODEL_NAME, pages_idle, reference_llm, shared_server
+from server_harness import API_KEY, MAX_MODEL_LEN, MODEL_NAME, pages_idle, reference_llm, shared_server, tiny_model
 
 PROMPT = "The quick brown fox"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -56,6 +57,15 @@ def test_models_health_and_metrics_are_served(server, client):
                  "jaxserve_num_preemptions_total", 'jaxserve_requests_finished_total{finish_reason="stop"}',
                  "jaxserve_kv_pages_used", "jaxserve_intake_queue_length"):
         assert name in metrics.text, name
+
+
+def test_start_up_explains_itself(request, server):
+    assert server.ready_line.endswith(f"path={tiny_model(request)}")  # the folder outside tools can load
+    log = server.log_path.read_text()
+    assert "compiling " in log and "warm-up done: " in log and "compilation cache" in log
+    assert re.search(r"engine ready: .* in [0-9.]+s: loading [0-9.]+s, warm-up [0-9.]+s \(compilation cache: "
+                     r"\d+ hits, \d+ misses\)", log), log[-3000:]
+    assert "Unable to initialize backend" not in log and "PyTorch was not found" not in log
 
 
 def test_greedy_completion_matches_llm_generate(request, client):

@@ -125,7 +125,7 @@ async def serve(args: argparse.Namespace) -> int:
         await grpc_server.set_serving(True)
         metrics.ready.set(1)
         print(f"jaxserve ready: model={names[0]} http=http://{_url(args.host, http_port)} "
-              f"grpc={_url(args.host, grpc_port)}", flush=True)
+              f"grpc={_url(args.host, grpc_port)} path={engine.info.get('model_path', '')}", flush=True)
         await asyncio.wait({stopping, http_task}, return_when=asyncio.FIRST_COMPLETED)
     elif ready.done():
         logger.error("the engine failed to start: %s", ready.exception())

@@ -27,12 +27,22 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def demo_note() -> str:
+    from jaxserve.demo import demo_model_folder
+
+    return (f"With no --model, the built-in demo model (random weights) is served from {demo_model_folder()} "
+            "(written on first start); outside benchmark tools can use that folder as their --tokenizer. "
+            "The first start compiles every step shape (progress is logged); later starts load them from "
+            "--compilation-cache-dir.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jaxserve.serve",
         description="Serve one model from one engine over gRPC (jaxserve.v1.JaxServe, health, reflection) and an "
                     "OpenAI-compatible HTTP API, with Prometheus metrics at /metrics.",
         formatter_class=_HelpFormatter,
+        epilog=demo_note(),
     )
     m = p.add_argument_group("model")
     m.add_argument("--served-model-name", nargs="+", default=None,

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.server.intake import invalid
-
 JSON_MAX_DEPTH = 32  # nesting of a request body; the deepest valid body is about 5 levels
 
 
@@ -36,6 +34,7 @@ class RequestLimits:
               logprobs_field: str = "logprobs") -> None:
         """RequestError (400 / INVALID_ARGUMENT) naming the field, the limit and its flag; run on the request's
         fields before they become ``SamplingParams``, so the refusal names the server's limit."""
+        from jaxserve.server.intake import invalid  # here: the flags parser imports this module before logging
         if num_prompts > self.max_prompts_per_request:
             raise invalid(f"prompt: a batch of {num_prompts} prompts is over the limit of "
                           f"{self.max_prompts_per_request} per request (--max-prompts-per-request)", "prompt")
