@@ -407,7 +407,7 @@ class AsyncEngine:
     def _abort_one(self, engine, rid: str, reason: str) -> RequestOutput | BaseException | None:
         try:
             return engine.abort_request(rid, reason=reason)
-        except Exception as e:  # noqa: BLE001
+        except Exception:  # noqa: BLE001
             logger.exception("aborting request %s failed", rid)
             return _Failed(rid, EngineFailure(f"internal error: request {rid} could not be finished cleanly; the "
                                               "server log has the details"))
