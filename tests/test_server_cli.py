@@ -25,7 +25,7 @@ def test_help_documents_every_flag():
     assert out.returncode == 0, out.stderr
     for flag in FLAGS:
         assert flag in out.stdout, flag
-    assert "demo-model-v1" in out.stdout  # where the demo model lives, for outside tools' --tokenizer
+    assert "demo-model-v1" in out.stdout.replace("\n", "")  # where the demo model lives, for outside tools' --tokenizer
 
 
 def test_defaults_and_engine_config(monkeypatch):
