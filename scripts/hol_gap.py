@@ -42,22 +42,30 @@ def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
 
 
 class Stream(threading.Thread):
-    """One streaming completion; records the arrival time of every chunk."""
+    """Streaming completions back to back (each as long as the model allows); records every chunk's arrival."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, max_tokens: int):
         super().__init__(daemon=True)
         self.url = url
+        self.max_tokens = max_tokens
         self.times: list[float] = []
         self.stop = threading.Event()
+        self.error: str | None = None
 
     def run(self) -> None:
-        body = {"prompt": "Hello", "max_tokens": 100_000, "ignore_eos": True, "temperature": 0, "stream": True}
-        with httpx.Client(timeout=600) as client, client.stream("POST", self.url + "/v1/completions", json=body) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    self.times.append(time.monotonic())
-                if self.stop.is_set():
-                    return
+        body = {"prompt": "Hello", "max_tokens": self.max_tokens, "ignore_eos": True, "temperature": 0,
+                "stream": True}
+        with httpx.Client(timeout=600) as client:
+            while not self.stop.is_set():
+                with client.stream("POST", self.url + "/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        self.error = f"{r.status_code}: {r.read()!r}"
+                        return
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            self.times.append(time.monotonic())
+                        if self.stop.is_set():
+                            return
 
 
 def max_gap(times: list[float], start: float, end: float) -> float:
@@ -78,9 +86,13 @@ def main() -> None:
     results = []
     try:
         client = httpx.Client(base_url=url, timeout=600)
-        stream = Stream(url)
+        max_model_len = client.get("/v1/models").json()["data"][0]["max_model_len"]
+        stream = Stream(url, max_model_len - 8)
         stream.start()
+        deadline = time.monotonic() + 120
         while len(stream.times) < 20:
+            if stream.error or time.monotonic() > deadline:
+                raise RuntimeError(f"the stream did not start: {stream.error}")
             time.sleep(0.05)
         time.sleep(1.0)
         t0 = time.monotonic()
