@@ -81,3 +81,13 @@ def test_committed_stubs_match_the_proto(tmp_path):
 
     assert jaxserve_pb2.DESCRIPTOR.package == "jaxserve.v1"
     assert hasattr(jaxserve_pb2_grpc, "JaxServeStub")
+
+
+def test_the_demo_model_says_where_it_is_and_does_not_claim_to_serve(tmp_path, caplog):
+    from jaxserve.demo import demo_model_folder, demo_model_path
+
+    with caplog.at_level("WARNING", logger="jaxserve.demo"):
+        folder = demo_model_path(tmp_path)  # also what python -m jaxserve.generate logs
+    assert folder == demo_model_folder(tmp_path) and (folder / "tokenizer.json").exists()
+    message = caplog.records[-1].getMessage()
+    assert str(folder) in message and "serving" not in message
