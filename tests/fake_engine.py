@@ -70,6 +70,7 @@ class FakeEngine:
         self.scheduler = type("Sched", (), {})()
         self.scheduler.running = []
         self.pages_used = 0
+        self.check_lengths = False  # True: refuse prompt + max_tokens beyond max_model_len, as the engine does
 
     def tokenize(self, prompt):
         ids = [ord(c) % 100 for c in prompt] if isinstance(prompt, str) else list(prompt)
@@ -80,7 +81,7 @@ class FakeEngine:
         return prompt if isinstance(prompt, str) else None, ids
 
     def add_request(self, rid, ids, params, arrival_time=None):
-        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+        if self.check_lengths and params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"SamplingParams.max_tokens={params.max_tokens} with a {len(ids)}-token prompt exceeds "
                              f"max_model_len={self.max_model_len}")
         self.requests[rid] = _Req(rid, ids, params)

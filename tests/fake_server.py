@@ -39,6 +39,7 @@ class FakeServer:
 
     def _factory(self, cfg):
         self.fake = FakeEngine(cfg)
+        self.fake.check_lengths = True  # as the real engine: no request outlives max_model_len
         return self.fake
 
     async def _main(self) -> None:
