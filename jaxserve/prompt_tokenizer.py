@@ -5,7 +5,9 @@ stall every other stream for as long as it takes to tokenize. ``PromptTokenizer`
 pool of worker threads, each with its own copy of the tokenizer (Hugging Face fast tokenizers release the GIL
 while they encode, so the engine keeps stepping meanwhile), and refuses before any tokenization a prompt whose
 size alone shows it cannot fit ``max_model_len``: a token covers at most ``chars_per_token`` characters, a
-generous bound taken from the longest entry of the vocabulary (special tokens included).
+generous bound taken from the longest entry of the vocabulary (special tokens included). Text under
+``INLINE_CHARS`` characters is tokenized in the calling (event loop) thread with that thread's own copy: it
+takes microseconds, less than the hop to a worker.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from jaxserve.tokenizer import chat_template_ids
 logger = logging.getLogger(__name__)
 
 MIN_CHARS_PER_TOKEN = 16
+INLINE_CHARS = 512  # text this short is tokenized in the caller's thread: microseconds, less than a thread hop
 
 
 def first_invalid_char(text: str) -> int | None:
@@ -111,7 +114,10 @@ class PromptTokenizer:
             self._local.tokenizer = tok
         return tok
 
-    async def _run(self, fn, *args) -> Any:
+    async def _run(self, fn, *args, chars: int | None = None) -> Any:
+        """``fn(*args)`` in a worker thread, or right here for ``chars`` under ``INLINE_CHARS``."""
+        if chars is not None and chars <= INLINE_CHARS:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # Checks that need no tokenizer --------------------------------------------------------------------------
@@ -152,10 +158,10 @@ class PromptTokenizer:
             if total > self.max_prompt_chars:
                 raise ValueError(f"messages have {total} characters in all: they cannot fit "
                                  f"max_model_len={self.max_model_len} tokens")
-            ids = await self._run(self._template, messages, add_generation_prompt)
+            ids = await self._run(self._template, messages, add_generation_prompt, chars=total)
         elif isinstance(prompt, str):
             self.check_text(prompt)
-            ids = await self._run(self._encode, prompt)
+            ids = await self._run(self._encode, prompt, chars=len(prompt))
         else:
             ids = [int(t) for t in prompt or ()]
         if not ids:

@@ -10,6 +10,7 @@ import pytest
 from jaxserve.async_engine import AsyncEngine, EngineDraining, EngineNotReady, EngineOverloaded
 from jaxserve.engine_config import EngineConfig
 from jaxserve.metrics import ServerMetrics
+from jaxserve.prompt_tokenizer import INLINE_CHARS
 from jaxserve.sampling_params import SamplingParams
 
 from fake_engine import FakeEngine
@@ -126,14 +127,17 @@ def test_cancelled_add_is_aborted():
     run(main())
 
 
-def test_chat_messages_go_through_the_template_in_a_worker_thread():
+def test_chat_messages_go_through_the_template_off_the_engine_thread():
     async def main():
         ae, fake = await _started()
         stream = await ae.add_request(None, SamplingParams(max_tokens=1), messages=[{"role": "user", "content": "abc"}])
         await _collect(stream)
         assert stream.prompt_token_ids == [3]
-        assert fake.tokenizer.threads and fake.tokenizer.threads[-1] not in (fake.step_thread,
-                                                                             threading.current_thread())
+        assert fake.tokenizer.threads[-1] is threading.current_thread()  # short: right on the event loop
+        long = [{"role": "user", "content": "c" * (INLINE_CHARS + 1)}]
+        with pytest.raises(ValueError, match="outside the vocabulary"):  # the stand-in template: [len(content)]
+            await ae.add_request(None, SamplingParams(max_tokens=1), messages=long)
+        assert fake.tokenizer.threads[-1] not in (fake.step_thread, threading.current_thread())  # a worker
         await ae.stop()
 
     run(main())
@@ -146,13 +150,15 @@ def test_a_slow_prompt_does_not_stop_the_engine_stepping():
         running = await ae.add_request("a", SamplingParams(max_tokens=10_000_000))
         await running.__anext__()
         fake.tokenizer.encode_delay = 0.5
-        near_limit = "b" * (ae.prompts.max_prompt_chars - 1)
-        await ae.add_request(near_limit[:60], SamplingParams(max_tokens=1))  # under max_model_len in tokens
+        near_limit = "b" * ae.prompts.max_prompt_chars
+        with pytest.raises(ValueError, match="leaves no room for output"):  # tokenized, then too many tokens
+            await ae.add_request(near_limit, SamplingParams(max_tokens=1))
         assert fake.tokenizer.steps_during_encode[-1] >= 5  # 0 when the engine thread did the tokenizing
+        assert fake.tokenizer.threads[-1] not in (fake.step_thread, threading.current_thread())
         fake.tokenizer.encode_delay = 0.0
         encodes = len(fake.tokenizer.steps_during_encode)
         with pytest.raises(ValueError, match="cannot fit max_model_len=64"):  # refused before tokenizing
-            await ae.add_request(near_limit + "bb", SamplingParams(max_tokens=1))
+            await ae.add_request(near_limit + "b", SamplingParams(max_tokens=1))
         assert len(fake.tokenizer.steps_during_encode) == encodes
         running.abort()
         await _collect(running)
