@@ -1,7 +1,7 @@
 """The engine in a thread of its own, driven from asyncio.
 
-``Engine`` is synchronous and not thread-safe, so one thread owns it (and its tokenizer) for its whole life:
-it builds and warms it up, then loops: take commands from a thread-safe intake queue (add, abort, tokenize),
+``Engine`` is synchronous and not thread-safe, so one thread owns it for its whole life: it builds and warms
+it up, then loops: take commands from a thread-safe intake queue (add already-tokenized prompts, abort),
 run one ``step()`` while any request is unfinished, and hand the outputs back to the asyncio loop with one
 ``loop.call_soon_threadsafe`` per iteration. With nothing to do it blocks on the intake queue: no busy-spin.
 
@@ -26,8 +26,8 @@ from typing import Any
 from jaxserve.engine_config import EngineConfig
 from jaxserve.metrics import ServerMetrics
 from jaxserve.outputs import RequestOutput
+from jaxserve.prompt_tokenizer import PromptTokenizer, token_bytes
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.tokenizer import chat_template_ids
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +51,7 @@ class EngineFailure(RuntimeError):
 @dataclasses.dataclass
 class _Add:
     request_id: str
-    prompt: str | list[int] | None
-    messages: list[dict] | None
+    prompt_ids: list[int]  # already tokenized, off the engine thread
     params: SamplingParams
     arrival_time: float
 
@@ -89,6 +88,7 @@ class RequestStream:
         self.params = params
         self.prompt_token_ids: list[int] = []
         self.token_texts: dict[int, str] = {}
+        self.token_bytes: dict[int, bytes] = {}  # the same tokens' raw bytes (a token can hold part of a character)
         self._engine = engine
         self._queue: asyncio.Queue = asyncio.Queue()
         self._accepted: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -137,6 +137,7 @@ class AsyncEngine:
         self._ready: asyncio.Future | None = None
         self._stopped: asyncio.Future | None = None
         self.engine = None  # touched only by the engine thread once it runs
+        self.prompts: PromptTokenizer | None = None  # tokenizes in worker threads, once the engine is ready
         self.info: dict[str, Any] = {}
         self.draining = False
         # asyncio-side view, only touched in the event loop thread
@@ -149,6 +150,7 @@ class AsyncEngine:
         self._last_token_time: dict[str, float] = {}
         self._engine_live: set[str] = set()  # request ids the engine holds
         self._token_text_cache: dict[int, str] = {}
+        self._token_bytes_cache: dict[int, bytes] = {}
 
     # Life cycle ---------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -199,6 +201,8 @@ class AsyncEngine:
         self._put(_STOP)
         await asyncio.shield(self._stopped)
         await asyncio.to_thread(self._thread.join, 30)
+        if self.prompts is not None:
+            self.prompts.close()
 
     # Requests -----------------------------------------------------------------------------------------------
     def _admission_check(self, num_seqs: int) -> None:
@@ -214,12 +218,15 @@ class AsyncEngine:
             would_wait = self._pending_seqs + self._sched["num_waiting"] + num_seqs - free_slots
             if would_wait > limit:
                 raise EngineOverloaded(f"the server is overloaded: more than max_waiting_requests={limit} "
+                                       "(--max-waiting-requests) "
                                        "sequences would be waiting; retry later")
 
     async def add_request(self, prompt: str | Sequence[int] | None, params: SamplingParams, *,
-                          messages: list[dict] | None = None, request_id: str | None = None) -> RequestStream:
+                          messages: list[dict] | None = None, add_generation_prompt: bool = True,
+                          request_id: str | None = None) -> RequestStream:
         """Queue a request (a text or token-id prompt, or chat ``messages``) and return its stream once the
-        engine has accepted it.
+        engine has accepted it. Text and chat templates are tokenized in ``self.prompts``' worker threads, never
+        in the engine thread.
 
         Raises:
           ValueError: naming the problem (empty prompt, ids outside the vocabulary, too long, bad template...).
@@ -228,13 +235,14 @@ class AsyncEngine:
         self._admission_check(params.n)
         if messages is None and (prompt is None or len(prompt) == 0):
             raise ValueError("prompt is empty")
+        ids = await self.prompts.encode(prompt, messages, add_generation_prompt)
+        self._admission_check(params.n)  # the queue (or the server's state) may have changed meanwhile
         rid = request_id or uuid.uuid4().hex
         stream = RequestStream(self, rid, params)
         self._live[rid] = stream
         self._idle.clear()
         self._pending_seqs += params.n
-        prompt = prompt if prompt is None or isinstance(prompt, str) else [int(t) for t in prompt]
-        self._put(_Add(rid, prompt, messages, params, time.monotonic()))
+        self._put(_Add(rid, ids, params, time.monotonic()))
         try:
             await asyncio.shield(stream._accepted)
         except asyncio.CancelledError:
@@ -259,17 +267,33 @@ class AsyncEngine:
         return await future
 
     async def tokenize(self, text: str) -> tuple[list[int], list[str]]:
-        """Token ids of ``text`` as a prompt, and each token decoded on its own."""
-        def run(engine):
-            _, ids = engine.tokenize(text)
-            return ids, [self._token_text(engine, t) for t in ids]
-        return await self.call(run)
+        """Token ids of ``text`` as a prompt, and each token decoded on its own (in a worker thread)."""
+        if not self.ready:
+            raise EngineNotReady("the engine is still starting up (loading and compiling the model)")
+        return await self.prompts.tokens(text)
+
+    async def tokenize_prompt(self, prompt: str | Sequence[int] | None, messages: list[dict] | None = None,
+                              add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a prompt or conversation as ``add_request`` would see them (in a worker thread)."""
+        if not self.ready:
+            raise EngineNotReady("the engine is still starting up (loading and compiling the model)")
+        return await self.prompts.encode(prompt, messages, add_generation_prompt, fit=False)
+
+    async def token_strings(self, ids: Sequence[int]) -> list[str]:
+        return await self.prompts.token_strings(ids)
+
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of token ids (in a worker thread); ValueError for ids outside the vocabulary."""
+        if not self.ready:
+            raise EngineNotReady("the engine is still starting up (loading and compiling the model)")
+        return await self.prompts.decode(ids)
 
     def _put(self, item) -> None:
         self._intake.put(item)
 
     # Engine thread ------------------------------------------------------------------------------------------
     def _thread_main(self) -> None:
+        started = time.monotonic()
         try:
             if self._factory is not None:
                 engine = self._factory(self.config)
@@ -278,8 +302,11 @@ class AsyncEngine:
 
                 engine = Engine(self.config)
             self.engine = engine
+            self.prompts = PromptTokenizer(engine.tokenizer, int(engine.max_model_len),
+                                           int(engine.model_config.vocab_size))
             self.info = engine.describe()
             self._stats = engine.stats()
+            _log_ready(self.info, time.monotonic() - started)
         except BaseException as e:  # noqa: BLE001 - reported to the event loop, which exits
             logger.exception("the engine failed to start")
             self._to_loop(self._set_future, self._ready, None, e)
@@ -335,17 +362,15 @@ class AsyncEngine:
     def _handle(self, engine, cmd, acks: list, outputs: list) -> None:
         if isinstance(cmd, _Add):
             try:
-                prompt = cmd.prompt
-                if cmd.messages is not None:
-                    prompt = chat_template_ids(engine.tokenizer, cmd.messages)
-                _, ids = engine.tokenize(prompt)
-                engine.add_request(cmd.request_id, ids, cmd.params, arrival_time=cmd.arrival_time)
+                ids = list(cmd.prompt_ids)  # tokenized (and templated) once, off this thread
+                engine.add_request(cmd.request_id, ids, cmd.params, arrival_time=cmd.arrival_time)  # checks ids
                 self._engine_live.add(cmd.request_id)
                 acks.append((cmd.request_id, ids))
             except Exception as e:  # noqa: BLE001 - ValueError for bad input; anything else is reported too
                 if not isinstance(e, ValueError):
                     logger.exception("adding request %s failed", cmd.request_id)
-                    e = EngineFailure(f"the engine could not add the request: {e}")
+                    e = EngineFailure(f"internal error: the engine could not add request {cmd.request_id}; the "
+                                      "server log has the details")
                 acks.append((cmd.request_id, e))
         elif isinstance(cmd, _Abort):
             ids = [cmd.request_id] if cmd.request_id is not None else list(self._engine_live)
@@ -363,9 +388,10 @@ class AsyncEngine:
     def _abort_one(self, engine, rid: str, reason: str) -> RequestOutput | BaseException | None:
         try:
             return engine.abort_request(rid, reason=reason)
-        except Exception as e:  # noqa: BLE001
+        except Exception:  # noqa: BLE001
             logger.exception("aborting request %s failed", rid)
-            return _Failed(rid, EngineFailure(f"the request could not be finished cleanly: {e}"))
+            return _Failed(rid, EngineFailure(f"internal error: request {rid} could not be finished cleanly; the "
+                                              "server log has the details"))
 
     def _step(self, engine) -> list:
         try:
@@ -385,6 +411,12 @@ class AsyncEngine:
                     outs.append(out)
             return outs
 
+    def _token_bytes(self, engine, token_id: int, text: str) -> bytes:
+        raw = self._token_bytes_cache.get(token_id)
+        if raw is None:
+            raw = self._token_bytes_cache[token_id] = token_bytes(engine.tokenizer, token_id, text)
+        return raw
+
     def _token_text(self, engine, token_id: int) -> str:
         text = self._token_text_cache.get(token_id)
         if text is None:
@@ -400,11 +432,12 @@ class AsyncEngine:
                 self._last_token_time.pop(out.request_id, None)
                 self._engine_live.discard(out.request_id)
                 continue
-            texts = {}
+            texts, raw = {}, {}
             for c in out.outputs:
                 for lp in c.delta_logprobs or ():
                     for t in lp:
                         texts[t] = self._token_text(engine, t)
+                        raw[t] = self._token_bytes(engine, t, texts[t])
             if self.metrics is not None:
                 try:
                     self.metrics.observe_tokens(out, now, self._last_token_time.get(out.request_id))
@@ -417,7 +450,7 @@ class AsyncEngine:
                 self._engine_live.discard(out.request_id)
             elif any(c.delta_token_ids for c in out.outputs):
                 self._last_token_time[out.request_id] = now
-            items.append((out.request_id, out, texts))
+            items.append((out.request_id, out, (texts, raw)))
         try:
             stats = engine.stats()
         except Exception:  # noqa: BLE001
@@ -447,8 +480,9 @@ class AsyncEngine:
             stream = self._live.get(rid)
             if stream is None:
                 continue
-            if texts:
-                stream.token_texts.update(texts)
+            if texts and texts[0]:
+                stream.token_texts.update(texts[0])
+                stream.token_bytes.update(texts[1])
             stream._queue.put_nowait(out)
             if isinstance(out, BaseException) or out.finished:
                 del self._live[rid]
@@ -471,6 +505,28 @@ class AsyncEngine:
             future.set_exception(error)
         else:
             future.set_result(result)
+
+
+def _log_ready(info: dict, seconds: float) -> None:
+    """One line: what was loaded, on which devices, and where the start-up time went."""
+    from jaxserve import compile_progress
+
+    warm = compile_progress.last_summary
+    try:
+        import jax
+
+        devices = f"{len(jax.devices())} {jax.default_backend()} device(s)"
+    except Exception:  # noqa: BLE001 - informational only
+        devices = "unknown devices"
+    if warm is None:
+        timing = f"in {seconds:.1f}s (no warm-up compile)"
+    else:
+        hits, misses = warm["cache_hits"], warm["cache_misses"]
+        cache = (f"compilation cache: {hits} hits, {misses} misses" if warm["cache_dir"]
+                 else "compilation cache off")
+        timing = (f"in {seconds:.1f}s: loading {max(seconds - warm['seconds'], 0):.1f}s, warm-up "
+                  f"{warm['seconds']:.1f}s ({cache})")
+    logger.info("engine ready: %s (%s) on %s %s", info.get("model_path"), info.get("dtype"), devices, timing)
 
 
 @dataclasses.dataclass

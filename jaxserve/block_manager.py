@@ -23,6 +23,15 @@ def hash_page(parent: bytes | None, token_ids: Seq[int]) -> bytes:
     return h.digest()
 
 
+def salt_key(cache_salt: str | None) -> bytes | None:
+    """The parent key of a sequence's first page: None without a salt, else one derived from the salt, so the
+    chain of every page (and so every cache hit) is private to the requests that share the salt."""
+    if cache_salt is None:
+        return None
+    return hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=16,
+                           person=b"jaxserve-salt").digest()
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -93,7 +102,8 @@ class BlockManager:
         hashes, ps = seq.page_hashes, self.page_size
         while len(hashes) < num_pages:
             i = len(hashes)
-            hashes.append(hash_page(hashes[-1] if hashes else None, seq.token_ids(i * ps, (i + 1) * ps)))
+            parent = hashes[-1] if hashes else salt_key(seq.sampling_params.cache_salt)
+            hashes.append(hash_page(parent, seq.token_ids(i * ps, (i + 1) * ps)))
         return hashes
 
     def match_prefix(self, seq: Sequence, share_with: Sequence | None = None) -> list[int]:

@@ -117,15 +117,20 @@ def _byte_of(char: str) -> int:
     return others[ord(char) - 256]
 
 
-def demo_model_path(cache_dir: str | Path | None = None) -> Path:
-    """The demo model's folder, written on first use under ``$JAXSERVE_CACHE`` or ``~/.cache/jaxserve``."""
+def demo_model_folder(cache_dir: str | Path | None = None) -> Path:
+    """Where the demo model lives (or will, once first used): under ``$JAXSERVE_CACHE`` or ``~/.cache/jaxserve``."""
     root = Path(cache_dir or os.environ.get("JAXSERVE_CACHE", Path.home() / ".cache" / "jaxserve"))
-    folder = root / f"demo-model-v{_VERSION}"
+    return root / f"demo-model-v{_VERSION}"
+
+
+def demo_model_path(cache_dir: str | Path | None = None) -> Path:
+    """The demo model's folder, written on first use (see ``demo_model_folder``)."""
+    folder = demo_model_folder(cache_dir)
     if not (folder / "model.safetensors").exists():
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
         write_random_checkpoint(tmp, DEMO_CONFIG, seed=0, std=0.08)
         byte_tokenizer().save_pretrained(tmp)
         (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": 257, "bos_token_id": 256}))
         tmp.replace(folder) if not folder.exists() else None
-    logger.warning("serving the built-in demo model: random weights, its output is meaningless")
+    logger.warning("using the built-in demo model in %s: random weights, its output is meaningless", folder)
     return folder

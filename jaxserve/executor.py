@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 import jax
 import numpy as np
 
-from jaxserve import compile_counter
+from jaxserve import compile_counter, compile_progress
 from jaxserve.attention import AttentionBackend
 from jaxserve.batch import MeshBatch, StepBatch, StepKind
 from jaxserve.engine_config import EngineConfig
@@ -219,11 +219,14 @@ class Executor:
     def warmup(self) -> None:
         """Compile every bucket shape of both steps and of the sampler now, so serving never compiles."""
         start = time.perf_counter()
+        shapes = self.shapes.all_shapes()
+        progress = compile_progress.start(len(shapes) + 4, self.config.compilation_cache_dir)
         out: StepOutput | None = None
-        for decode, num_tokens, num_seqs, pages in self.shapes.all_shapes():
+        for decode, num_tokens, num_seqs, pages in shapes:
             batch = MeshBatch.padding(self.num_replicas, num_tokens=num_tokens, max_seqs=num_seqs,
                                       pages_per_seq=pages)
             out = jax.block_until_ready(self.runner.run(StepKind.DECODE if decode else StepKind.PREFILL, batch))
+            progress.tick()
         logits = self.runner.local(out).logits
         # Serving passes the sampler a penalty state produced by jitted code; warm it on one as well.
         pad = np.full((1, self.max_model_len), -1, np.int32)
@@ -235,8 +238,9 @@ class Executor:
                                             penalty_rows=[0], logprobs_mode=self.config.logprobs_mode)
             for penalties in (None, self._penalties):
                 jax.block_until_ready(self._sample(logits, tensors, penalties))
-        logger.info("warm-up compiled the steps and the sampler in %.1fs (%d compilations)",
-                    time.perf_counter() - start, compile_counter.count())
+                progress.tick()
+        progress.finish()
+        logger.debug("warm-up compiled the steps and the sampler in %.1fs", time.perf_counter() - start)
 
     def describe(self) -> dict:
         """What the device side serves: model, pool and dtypes (plain values, for servers and logs)."""

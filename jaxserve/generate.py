@@ -13,20 +13,28 @@ import argparse
 import dataclasses
 import time
 
-from jaxserve.engine_args import add_engine_args, engine_config_from_args
-from jaxserve.llm import LLM
-from jaxserve.sampling_params import SamplingParams
-from sharding import multihost
+from jaxserve import logs
+from jaxserve.engine_args import engine_config_from_args
+from jaxserve.server.args import add_engine_args_with_demo_shapes, fill_demo_shapes
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
-    add_engine_args(parser)  # every engine option, named as serve's (--seed seeds sampling too)
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    # Every engine option, named as serve's (--seed seeds sampling too); the demo model gets serve's small shapes.
+    add_engine_args_with_demo_shapes(parser)
+    from sharding import multihost
+
     multihost.add_arguments(parser)
     args = parser.parse_args(argv)
+    fill_demo_shapes(args)
+    logs.setup(args.log_level)  # before jax and transformers are imported
+    from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
 
     start = time.perf_counter()
@@ -45,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         c = out.outputs[0]
         print(f"--- prompt: {out.prompt!r}\n{c.text!r}\n(finish: {c.finish_reason}, {len(c.token_ids)} tokens)")
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(f"load {loaded - start:.1f}s, generate {done - loaded:.1f}s ({tokens} tokens, first call compiles)")
+    print(f"load and compile {loaded - start:.1f}s, generate {done - loaded:.1f}s ({tokens} tokens)")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+
+_INT32_MAX = 2**31 - 1
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _int(value, lo: int, hi: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+
+
+def _float(value, lo: float = -math.inf, hi: float = math.inf) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and lo <= value <= hi)
 
 import numpy as np
 
@@ -13,6 +26,10 @@ class SamplingParams:
 
     temperature 0 means greedy. ``top_k`` 0 or -1 disables top-k. ``stop`` strings are matched on the
     detokenized text and removed from it. ``logprobs`` asks for the chosen token's logprob plus the top-n.
+    ``cache_salt`` is not a sampling knob but travels with the request here: prefix-cache pages are shared
+    only between requests with the same salt (vLLM's field of the same name), so tenants with different
+    salts cannot learn from cache hits what the others sent. Numbers must be finite and integers fit int32
+    (``seed``: int64).
     """
 
     n: int = 1
@@ -32,6 +49,7 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_salt: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -39,24 +57,27 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
         checks = [
-            ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
-            ("max_tokens", self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-             "must be an integer >= 1 or None"),
-            ("temperature", self.temperature >= 0.0, "must be >= 0"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= -1, "must be -1, 0 (disabled) or a positive integer"),
-            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
-            ("repetition_penalty", self.repetition_penalty > 0.0, "must be > 0"),
-            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
-            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
-            ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer or None"),
-            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-             "must be an integer in [0, 20] or None"),
-            ("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0, "must be an integer >= 0"),
+            ("n", _int(self.n, 1, _INT32_MAX), "must be an integer >= 1"),
+            ("max_tokens", self.max_tokens is None or _int(self.max_tokens, 1, _INT32_MAX),
+             "must be an integer in [1, 2**31) or None"),
+            ("temperature", _float(self.temperature, 0.0), "must be >= 0 and finite"),
+            ("top_p", _float(self.top_p) and 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", _int(self.top_k, -1, _INT32_MAX), "must be -1, 0 (disabled) or a positive integer"),
+            ("min_p", _float(self.min_p, 0.0, 1.0), "must be in [0, 1]"),
+            ("repetition_penalty", _float(self.repetition_penalty) and self.repetition_penalty > 0.0,
+             "must be > 0 and finite"),
+            ("presence_penalty", _float(self.presence_penalty, -2.0, 2.0), "must be in [-2, 2]"),
+            ("frequency_penalty", _float(self.frequency_penalty, -2.0, 2.0), "must be in [-2, 2]"),
+            ("seed", self.seed is None or _int(self.seed, *_INT64), "must be an integer in [-2**63, 2**63) or None"),
+            ("logprobs", self.logprobs is None or _int(self.logprobs, 0, 20), "must be an integer in [0, 20] or None"),
+            ("min_tokens", _int(self.min_tokens, 0, _INT32_MAX), "must be an integer in [0, 2**31)"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be non-negative token ids"),
+            ("stop_token_ids", all(0 <= t <= _INT32_MAX for t in self.stop_token_ids),
+             "must be token ids in [0, 2**31)"),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "must be a bool"),
             ("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool), "must be a bool"),
             ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "must be a bool"),
+            ("cache_salt", self.cache_salt is None or isinstance(self.cache_salt, str), "must be a string or None"),
         ]
         for field, ok, why in checks:
             if not ok:

@@ -7,17 +7,16 @@ a fresh machine. ``--help`` lists every option; docs/serving.md describes the en
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import sys
 
+from jaxserve import logs
 from jaxserve.server.args import parse_args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.setup(args.log_level)
     from jaxserve.server.app import serve  # after logging is set up: importing it loads jax and grpc
 
     code = asyncio.run(serve(args))

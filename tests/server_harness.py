@@ -93,6 +93,7 @@ class ServerProcess:
                 break
             m = re.search(r"jaxserve ready: .*http=(\S+) grpc=(\S+)", line)
             if m:
+                self.ready_line = line.strip()
                 return m.group(1), m.group(2)
         self.proc.kill()
         raise RuntimeError(f"server did not become ready; log:\n{self.log()}")

@@ -8,6 +8,7 @@ import pytest
 
 from jaxserve.block_manager import BlockManager, hash_page
 from jaxserve.page_pool import OutOfPages
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import Sequence, SequenceStatus
 
 PS = 4
@@ -246,3 +247,18 @@ def test_hash_is_stable_across_processes():
     assert there.stdout.strip() == here
     assert hash_page(None, [1, 2, 3, 4]) != hash_page(None, [1, 2, 3, 5])
     assert hash_page(b"x" * 16, [1, 2, 3, 4]) != hash_page(b"y" * 16, [1, 2, 3, 4])
+
+
+def test_cache_salt_keeps_prefix_pages_private_to_its_tenant():
+    bm = BlockManager(32, PS)
+    prompt = list(range(13))  # three full pages
+
+    def salted(rid, salt):
+        return Sequence(rid, prompt, SamplingParams(cache_salt=salt))
+
+    assert run_prefill(bm, salted("a1", "tenant-a")) == []
+    assert len(run_prefill(bm, salted("a2", "tenant-a"))) == 3  # the same tenant hits its own pages
+    assert run_prefill(bm, salted("b1", "tenant-b")) == []  # another salt: no hit, no timing difference
+    assert run_prefill(bm, seq_of(prompt, "unsalted")) == []  # nor for requests without a salt
+    assert len(run_prefill(bm, salted("b2", "tenant-b"))) == 3
+    assert len(run_prefill(bm, seq_of(prompt, "unsalted2"))) == 3

@@ -3,111 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
-import time
 
 import pytest
 
 from jaxserve.async_engine import AsyncEngine, EngineDraining, EngineNotReady, EngineOverloaded
 from jaxserve.engine_config import EngineConfig
 from jaxserve.metrics import ServerMetrics
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.prompt_tokenizer import INLINE_CHARS
 from jaxserve.sampling_params import SamplingParams
 
-
-class _Tokenizer:
-    chat_template = "{{ messages }}"
-
-    def decode(self, ids):
-        return "".join(f"<{i}>" for i in ids)
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
-        return [len(m["content"]) for m in messages]
-
-
-@dataclasses.dataclass
-class _Seq:
-    request_id: str
-
-
-@dataclasses.dataclass
-class _Req:
-    rid: str
-    ids: list[int]
-    params: SamplingParams
-    tokens: list[int] = dataclasses.field(default_factory=list)
-
-
-class FakeEngine:
-    """One token per request per step; ``fail_steps`` makes that many steps raise first."""
-
-    def __init__(self, config):
-        self.max_num_seqs = config.max_num_seqs
-        self.tokenizer = _Tokenizer()
-        self.model_config = type("Cfg", (), {"vocab_size": 100, "architecture": "Fake", "family": "fake"})()
-        self.max_model_len = 64
-        self.requests: dict[str, _Req] = {}
-        self.steps = 0
-        self.fail_steps = 0
-        self.paused = False  # while True, steps produce nothing: live requests neither advance nor finish
-        self.step_thread = None
-        self.scheduler = type("Sched", (), {})()
-        self.scheduler.running = []
-
-    def tokenize(self, prompt):
-        ids = [ord(c) % 100 for c in prompt] if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("prompt is empty")
-        if any(not 0 <= t < 100 for t in ids):
-            raise ValueError("prompt token id is outside the vocabulary [0, 100)")
-        return prompt if isinstance(prompt, str) else None, ids
-
-    def add_request(self, rid, ids, params, arrival_time=None):
-        self.requests[rid] = _Req(rid, ids, params)
-        self.scheduler.running = [_Seq(r) for r in self.requests]
-
-    def has_unfinished(self):
-        return bool(self.requests)
-
-    def _out(self, req, reason, new):
-        text = "".join(f"<{t}>" for t in req.tokens)
-        c = CompletionOutput(0, text, list(req.tokens), reason, None, None, "".join(f"<{t}>" for t in new), new)
-        m = RequestMetrics(0.0, 0.0, 0.0, 1.0 if reason else None)
-        return RequestOutput(req.rid, None, req.ids, [c], reason is not None, m)
-
-    def abort_request(self, rid, reason="abort"):
-        req = self.requests.pop(rid, None)
-        self.scheduler.running = [_Seq(r) for r in self.requests]
-        return None if req is None else self._out(req, reason, [])
-
-    def step(self):
-        self.step_thread = threading.current_thread()
-        self.steps += 1
-        if self.fail_steps:
-            self.fail_steps -= 1
-            raise RuntimeError("injected step failure")
-        if self.paused:
-            time.sleep(0.001)
-            return []
-        outs = []
-        for req in list(self.requests.values()):
-            req.tokens.append(len(req.tokens) + 1)
-            done = len(req.tokens) >= req.params.max_tokens
-            if done:
-                del self.requests[req.rid]
-            outs.append(self._out(req, "length" if done else None, [req.tokens[-1]]))
-        self.scheduler.running = [_Seq(r) for r in self.requests]
-        return outs
-
-    def describe(self):
-        return {"model_path": "", "architecture": "Fake", "family": "fake", "vocab_size": 100, "max_model_len": 64,
-                "num_layers": 0, "hidden_size": 0, "eos_token_ids": [], "page_size": 0, "num_pages": 0,
-                "has_chat_template": False, "dtype": "float32"}
-
-    def stats(self):
-        running = min(len(self.requests), self.max_num_seqs)
-        return {"num_running": running, "num_waiting": len(self.requests) - running, "steps": self.steps}
+from fake_engine import FakeEngine
 
 
 def run(coro):
@@ -221,12 +127,41 @@ def test_cancelled_add_is_aborted():
     run(main())
 
 
-def test_chat_messages_go_through_the_template_in_the_engine_thread():
+def test_chat_messages_go_through_the_template_off_the_engine_thread():
     async def main():
-        ae, _ = await _started()
+        ae, fake = await _started()
         stream = await ae.add_request(None, SamplingParams(max_tokens=1), messages=[{"role": "user", "content": "abc"}])
         await _collect(stream)
         assert stream.prompt_token_ids == [3]
+        assert fake.tokenizer.threads[-1] is threading.current_thread()  # short: right on the event loop
+        long = [{"role": "user", "content": "c" * (INLINE_CHARS + 1)}]
+        with pytest.raises(ValueError, match="outside the vocabulary"):  # the stand-in template: [len(content)]
+            await ae.add_request(None, SamplingParams(max_tokens=1), messages=long)
+        assert fake.tokenizer.threads[-1] not in (fake.step_thread, threading.current_thread())  # a worker
+        await ae.stop()
+
+    run(main())
+
+
+def test_a_slow_prompt_does_not_stop_the_engine_stepping():
+    """Tokenizing a near-limit prompt happens in a worker thread: the running stream keeps getting steps."""
+    async def main():
+        ae, fake = await _started()
+        running = await ae.add_request("a", SamplingParams(max_tokens=10_000_000))
+        await running.__anext__()
+        fake.tokenizer.encode_delay = 0.5
+        near_limit = "b" * ae.prompts.max_prompt_chars
+        with pytest.raises(ValueError, match="leaves no room for output"):  # tokenized, then too many tokens
+            await ae.add_request(near_limit, SamplingParams(max_tokens=1))
+        assert fake.tokenizer.steps_during_encode[-1] >= 5  # 0 when the engine thread did the tokenizing
+        assert fake.tokenizer.threads[-1] not in (fake.step_thread, threading.current_thread())
+        fake.tokenizer.encode_delay = 0.0
+        encodes = len(fake.tokenizer.steps_during_encode)
+        with pytest.raises(ValueError, match="cannot fit max_model_len=64"):  # refused before tokenizing
+            await ae.add_request(near_limit + "b", SamplingParams(max_tokens=1))
+        assert len(fake.tokenizer.steps_during_encode) == encodes
+        running.abort()
+        await _collect(running)
         await ae.stop()
 
     run(main())

@@ -15,7 +15,8 @@ FLAGS = ["--model", "--tokenizer", "--served-model-name", "--dtype", "--max-mode
          "--max-num-batched-tokens", "--page-size", "--num-pages", "--hbm-utilization", "--enable-prefix-caching",
          "--no-enable-prefix-caching", "--max-waiting-requests", "--compilation-cache-dir", "--attention-backend",
          "--mesh", "--seed", "--host", "--http-port", "--grpc-port", "--api-key", "--shutdown-grace-period",
-         "--max-request-bytes", "--log-level"]
+         "--max-request-bytes", "--log-level", "--max-n", "--max-prompts-per-request",
+         "--max-stop-strings", "--max-stop-string-chars", "--max-logprobs"]
 
 
 def test_help_documents_every_flag():
@@ -24,6 +25,7 @@ def test_help_documents_every_flag():
     assert out.returncode == 0, out.stderr
     for flag in FLAGS:
         assert flag in out.stdout, flag
+    assert "demo-model-v1" in out.stdout.replace("\n", "")  # where the demo model lives, for outside tools' --tokenizer
 
 
 def test_defaults_and_engine_config(monkeypatch):
@@ -32,8 +34,12 @@ def test_defaults_and_engine_config(monkeypatch):
     assert args.model is None and args.served_model_name == [DEMO_MODEL_NAME]
     assert args.host == "127.0.0.1" and args.api_key is None
     cfg = args.engine_config
-    assert cfg.model is None and cfg.enable_prefix_caching and cfg.max_waiting_requests is None
+    assert cfg.model is None and cfg.enable_prefix_caching
     assert (cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens) == (512, 8, 128)  # demo-sized
+    assert cfg.max_waiting_requests == 4 * 8  # bounded by default, sized from max_num_seqs
+    assert (args.limits.max_n, args.limits.max_prompts_per_request, args.limits.max_logprobs) == (16, 64, 20)
+    assert parse_args(["--max-waiting-requests", "0"]).engine_config.max_waiting_requests is None  # no limit
+    assert parse_args(["--mesh", "data=2", "--max-num-seqs", "4"]).engine_config.max_waiting_requests == 32
 
     monkeypatch.setenv("JAXSERVE_API_KEY", "from-env")
     args = parse_args(["--model", "some/model", "--max-num-seqs", "4", "--no-enable-prefix-caching",
@@ -50,6 +56,8 @@ def test_defaults_and_engine_config(monkeypatch):
     (["--http-port", "70000"], "--http-port"),
     (["--hbm-utilization", "1.5"], "hbm_utilization"),
     (["--dtype", "int8"], "invalid choice"),
+    (["--max-logprobs", "21"], "--max-logprobs=21"),
+    (["--max-n", "0"], "--max-n=0"),
 ])
 def test_bad_options_exit_with_a_message(capsys, argv, needle):
     with pytest.raises(SystemExit) as e:
@@ -73,3 +81,13 @@ def test_committed_stubs_match_the_proto(tmp_path):
 
     assert jaxserve_pb2.DESCRIPTOR.package == "jaxserve.v1"
     assert hasattr(jaxserve_pb2_grpc, "JaxServeStub")
+
+
+def test_the_demo_model_says_where_it_is_and_does_not_claim_to_serve(tmp_path, caplog):
+    from jaxserve.demo import demo_model_folder, demo_model_path
+
+    with caplog.at_level("WARNING", logger="jaxserve.demo"):
+        folder = demo_model_path(tmp_path)  # also what python -m jaxserve.generate logs
+    assert folder == demo_model_folder(tmp_path) and (folder / "tokenizer.json").exists()
+    message = caplog.records[-1].getMessage()
+    assert str(folder) in message and "serving" not in message

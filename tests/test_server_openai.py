@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 
 import httpx
 import openai
 import pytest
 
 from jaxserve.sampling_params import SamplingParams
-from server_harness import API_KEY, MAX_MODEL_LEN, MODEL_NAME, pages_idle, reference_llm, shared_server
+from server_harness import API_KEY, MAX_MODEL_LEN, MODEL_NAME, pages_idle, reference_llm, shared_server, tiny_model
 
 PROMPT = "The quick brown fox"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -56,6 +57,15 @@ def test_models_health_and_metrics_are_served(server, client):
                  "jaxserve_num_preemptions_total", 'jaxserve_requests_finished_total{finish_reason="stop"}',
                  "jaxserve_kv_pages_used", "jaxserve_intake_queue_length"):
         assert name in metrics.text, name
+
+
+def test_start_up_explains_itself(request, server):
+    assert server.ready_line.endswith(f"path={tiny_model(request)}")  # the folder outside tools can load
+    log = server.log_path.read_text()
+    assert "compiling " in log and "warm-up done: " in log and "compilation cache" in log
+    assert re.search(r"engine ready: .* in [0-9.]+s: loading [0-9.]+s, warm-up [0-9.]+s \(compilation cache: "
+                     r"\d+ hits, \d+ misses\)", log), log[-3000:]
+    assert "Unable to initialize backend" not in log and "PyTorch was not found" not in log
 
 
 def test_greedy_completion_matches_llm_generate(request, client):
@@ -140,8 +150,12 @@ def test_chat_logprobs(client):
     assert len(content) == 4
     if "\ufffd" not in "".join(t.token for t in content):
         assert "".join(t.token for t in content) == resp.choices[0].message.content
+    # each token's raw bytes, even one that holds part of a character (its text is then U+FFFD)
+    assert bytes(b for t in content for b in t.bytes).decode("utf-8", "replace") == resp.choices[0].message.content
     for t in content:
-        assert len(t.top_logprobs) == 2 and t.bytes == list(t.token.encode())
+        assert len(t.top_logprobs) == 2
+        if "\ufffd" not in t.token:
+            assert t.bytes == list(t.token.encode())
         assert t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-5)  # greedy: the most likely one
         assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
 
@@ -257,6 +271,47 @@ def test_bad_completion_requests_get_400_naming_the_problem(http, body, needle, 
 def test_bad_chat_requests_get_400(http, body, needle):
     err = _error(http.post("/v1/chat/completions", json={"model": MODEL_NAME, **body}), 400)
     assert needle in err["message"], err
+
+
+def test_lone_surrogates_get_400_not_500(http):
+    for path, raw, param in [
+        ("/v1/completions", '{"prompt": "a \\ud800 b", "max_tokens": 2}', "prompt"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}',
+         "messages"),
+    ]:
+        err = _error(http.post(path, content=raw, headers={"content-type": "application/json"}), 400)
+        assert "lone surrogate" in err["message"] and err["param"] == param, err
+        assert "template" not in err["message"] and "TypeError" not in err["message"]
+
+
+def test_cache_salt_keeps_prefix_cache_hits_within_a_tenant(http):
+    prompt = "Tenants share nothing they should not, not even a cached page of a prompt like this one " * 2
+
+    def cached(salt):
+        body = {"prompt": prompt, "max_tokens": 1, **({"cache_salt": salt} if salt else {})}
+        resp = http.post("/v1/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("tenant-a") == 0  # first sight of the prompt
+    assert cached("tenant-a") > 0  # the same tenant hits its own pages
+    assert cached("tenant-b") == 0  # another tenant does not: no hit, so no timing difference to observe
+    assert cached(None) == 0  # nor an unsalted request
+    assert cached("tenant-b") > 0 and cached(None) > 0
+
+
+def test_tokenize_and_detokenize_agree_with_generation(http):
+    tok = http.post("/tokenize", json={"model": MODEL_NAME, "prompt": PROMPT, "return_token_strs": True}).json()
+    gen = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}).json()
+    assert tok["count"] == len(tok["tokens"]) == gen["usage"]["prompt_tokens"]
+    assert tok["max_model_len"] == MAX_MODEL_LEN and len(tok["token_strs"]) == tok["count"]
+    by_ids = http.post("/v1/completions", json={"prompt": tok["tokens"], "max_tokens": 1}).json()
+    assert by_ids["usage"]["prompt_tokens"] == tok["count"]
+    text = http.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
+    assert PROMPT in text
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 1
+    assert "outside the vocabulary" in _error(http.post("/detokenize", json={"tokens": [10**6]}), 400)["message"]
 
 
 def test_malformed_and_oversized_bodies_get_400(server, http):

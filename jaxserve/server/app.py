@@ -84,7 +84,9 @@ async def serve(args: argparse.Namespace) -> int:
     engine = AsyncEngine(args.engine_config, metrics=metrics)
     metrics.attach_engine(engine.stats, engine.intake_length)
 
-    grpc_server = GrpcServer(engine, metrics, names, api_key=args.api_key, max_message_bytes=args.max_request_bytes)
+    limits = getattr(args, "limits", None)
+    grpc_server = GrpcServer(engine, metrics, names, api_key=args.api_key, max_message_bytes=args.max_request_bytes,
+                             limits=limits)
     try:
         grpc_port = grpc_server.bind(args.host, args.grpc_port)
         http_sock = _listen(args.host, args.http_port)
@@ -93,7 +95,8 @@ async def serve(args: argparse.Namespace) -> int:
                      args.grpc_port, e)
         return 1
     http_port = http_sock.getsockname()[1]
-    app = OpenAIServer(engine, metrics, names, api_key=args.api_key, max_body_bytes=args.max_request_bytes).app()
+    app = OpenAIServer(engine, metrics, names, api_key=args.api_key, max_body_bytes=args.max_request_bytes,
+                       limits=limits).app()
     http_server = _UvicornServer(uvicorn.Config(
         app, lifespan="off", log_config=None, access_log=False, timeout_keep_alive=5, timeout_graceful_shutdown=5))
 
@@ -122,7 +125,7 @@ async def serve(args: argparse.Namespace) -> int:
         await grpc_server.set_serving(True)
         metrics.ready.set(1)
         print(f"jaxserve ready: model={names[0]} http=http://{_url(args.host, http_port)} "
-              f"grpc={_url(args.host, grpc_port)}", flush=True)
+              f"grpc={_url(args.host, grpc_port)} path={engine.info.get('model_path', '')}", flush=True)
         await asyncio.wait({stopping, http_task}, return_when=asyncio.FIRST_COMPLETED)
     elif ready.done():
         logger.error("the engine failed to start: %s", ready.exception())

@@ -8,12 +8,31 @@ import os
 
 from jaxserve.engine_args import add_engine_args, engine_config_from_args
 from jaxserve.engine_config import EngineConfig
+from jaxserve.server.limits import RequestLimits
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.default is not dataclasses.MISSING}
 DEMO_MODEL_NAME = "jaxserve-demo"
 # The demo model exists to try the server on any machine: smaller shapes keep its first warm-up compile short
 # on a laptop CPU. They apply only to the options left unset.
 DEMO_ENGINE_DEFAULTS = {"max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 128}
+WAITING_PER_SEQ = 4  # the default waiting queue holds this many sequences per batch slot
+
+
+def add_engine_args_with_demo_shapes(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = (),
+                                     notes: dict | None = None) -> None:
+    """The engine flags, with the demo model's smaller shapes as defaults when no --model is given (call
+    ``fill_demo_shapes`` after parsing)."""
+    notes = dict(notes or {})
+    notes.update({name: f"default: {_DEFAULTS[name] or 'the model context length'}; {value} for the demo model"
+                  for name, value in DEMO_ENGINE_DEFAULTS.items()})
+    add_engine_args(parser, skip=skip, defaults={name: None for name in DEMO_ENGINE_DEFAULTS}, notes=notes)
+
+
+def fill_demo_shapes(args: argparse.Namespace) -> None:
+    """The shapes left unset: the demo model's without --model, else the engine's defaults."""
+    for name in DEMO_ENGINE_DEFAULTS:
+        if getattr(args, name) is None:
+            setattr(args, name, DEMO_ENGINE_DEFAULTS[name] if args.model is None else _DEFAULTS.get(name))
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -25,21 +44,29 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def demo_note() -> str:
+    from jaxserve.demo import demo_model_folder
+
+    return (f"With no --model, the built-in demo model (random weights) is served from {demo_model_folder()} "
+            "(written on first start); outside benchmark tools can use that folder as their --tokenizer. "
+            "The first start compiles every step shape (progress is logged); later starts load them from "
+            "--compilation-cache-dir.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jaxserve.serve",
         description="Serve one model from one engine over gRPC (jaxserve.v1.JaxServe, health, reflection) and an "
                     "OpenAI-compatible HTTP API, with Prometheus metrics at /metrics.",
         formatter_class=_HelpFormatter,
+        epilog=demo_note(),
     )
     m = p.add_argument_group("model")
     m.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in the 'model' field; the first is reported in responses. Default: "
                         f"--model as given ({DEMO_MODEL_NAME!r} for the demo model)")
-    demo = {name: None for name in DEMO_ENGINE_DEFAULTS}
-    notes = {name: f"default: {_DEFAULTS[name] or 'the model context length'}; {value} for the demo model"
-             for name, value in DEMO_ENGINE_DEFAULTS.items()}
-    add_engine_args(p, skip=("warmup",), defaults=demo, notes=notes)
+    notes = {"max_waiting_requests": f"default: {WAITING_PER_SEQ} x --max-num-seqs per data replica; 0: no limit"}
+    add_engine_args_with_demo_shapes(p, skip=("warmup",), notes=notes)
 
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address both servers listen on (0.0.0.0: every interface)")
@@ -54,6 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                    help="largest HTTP request body / gRPC message accepted")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    lim = p.add_argument_group("per-request limits (each refusal is a 400 / INVALID_ARGUMENT naming its flag)")
+    defaults = RequestLimits()
+    lim.add_argument("--max-n", type=int, default=defaults.max_n, help="most outputs per prompt (n, best_of)")
+    lim.add_argument("--max-prompts-per-request", type=int, default=defaults.max_prompts_per_request,
+                     help="most prompts in one completions batch")
+    lim.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings,
+                     help="most stop strings per request (stop token ids: 4 times as many)")
+    lim.add_argument("--max-stop-string-chars", type=int, default=defaults.max_stop_string_chars,
+                     help="longest stop string, in characters")
+    lim.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
+                     help="most top alternatives per token (logprobs, top_logprobs); at most 20")
     return p
 
 
@@ -64,9 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.api_key = os.environ.get("JAXSERVE_API_KEY") or None
     if args.served_model_name is None:
         args.served_model_name = [args.model if args.model is not None else DEMO_MODEL_NAME]
-    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-        if getattr(args, name) is None:
-            setattr(args, name, DEMO_ENGINE_DEFAULTS[name] if args.model is None else _DEFAULTS.get(name))
+    fill_demo_shapes(args)
     for name in ("http_port", "grpc_port"):
         if not 0 <= getattr(args, name) <= 65535:
             parser.error(f"--{name.replace('_', '-')} must be in [0, 65535]")
@@ -74,11 +111,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--shutdown-grace-period must be >= 0")
     if args.max_request_bytes < 1024:
         parser.error("--max-request-bytes must be >= 1024")
+    if args.max_waiting_requests is None:
+        replicas = _data_replicas(args.mesh)
+        args.max_waiting_requests = WAITING_PER_SEQ * args.max_num_seqs * replicas
+    elif args.max_waiting_requests == 0:
+        args.max_waiting_requests = None  # no limit
     try:
         args.engine_config = engine_config(args)
     except ValueError as e:
         parser.error(str(e))
+    try:
+        args.limits = RequestLimits(
+            max_n=args.max_n, max_prompts_per_request=args.max_prompts_per_request,
+            max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
+            max_logprobs=args.max_logprobs)
+    except ValueError as e:  # "max_n=0 must ..." -> "--max-n=0 must ..."
+        name, _, rest = str(e).partition("=")
+        parser.error(f"--{name.replace('_', '-')}={rest}")
     return args
+
+
+def _data_replicas(mesh: str | None) -> int:
+    from sharding.mesh import MeshConfig
+
+    try:
+        return MeshConfig.parse(mesh).data
+    except Exception:  # noqa: BLE001 - a malformed spec is reported by EngineConfig with its own message
+        return 1
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -19,6 +19,7 @@ from jaxserve.protos import jaxserve_pb2 as pb
 from jaxserve.protos import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.server.intake import (ChoiceTracker, RequestError, api_key_ok, from_engine_error, invalid,
                                    make_sampling_params, unauthenticated, usage_counts)
+from jaxserve.server.limits import RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -29,22 +30,47 @@ _OPTIONAL = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repet
              "frequency_penalty", "seed", "logprobs", "skip_special_tokens")
 
 
-def sampling_params_from_proto(p: pb.SamplingParams):
+class Undecodable:
+    """A request message that did not parse (e.g. a string field that is not valid UTF-8)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _lenient(message_type):
+    """A request deserializer that hands a message that does not parse to the handler as ``Undecodable``, so
+    the client gets INVALID_ARGUMENT naming the problem (gRPC itself would answer INTERNAL)."""
+    def deserialize(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError, or a UnicodeDecodeError
+            return Undecodable(e)
+    return deserialize
+
+
+def _check_decoded(request) -> None:
+    if isinstance(request, Undecodable):
+        raise invalid(f"the request message does not parse (strings must be valid UTF-8): "
+                      f"{str(request.error).splitlines()[0] if str(request.error) else type(request.error).__name__}")
+
+
+def sampling_params_from_proto(p: pb.SamplingParams, cache_salt: str | None = None):
     fields = {name: getattr(p, name) for name in _OPTIONAL if p.HasField(name)}
     fields.update(stop=tuple(p.stop) or None, stop_token_ids=tuple(p.stop_token_ids) or None,
                   ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
                   include_stop_str_in_output=p.include_stop_str_in_output)
     fields.setdefault("max_tokens", None)  # unset: until a stop condition or max_model_len
-    return make_sampling_params(**fields)
+    return make_sampling_params(cache_salt=cache_salt, **fields)
 
 
 class JaxServeServicer(pb_grpc.JaxServeServicer):
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str],
-                 api_key: str | None):
+                 api_key: str | None, limits: RequestLimits | None = None):
         self.engine = engine
         self.metrics = metrics
         self.names = served_model_names
         self.api_key = api_key
+        self.limits = limits or RequestLimits()
 
     async def _refuse(self, context: grpc.aio.ServicerContext, e: RequestError):
         self.metrics.rejected.labels("grpc", e.reason).inc()
@@ -58,9 +84,14 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         await self._authorize(context)
-        rid = request.request_id
         try:
-            params = sampling_params_from_proto(request.sampling_params)
+            _check_decoded(request)
+            rid = request.request_id
+            salt = request.cache_salt if request.HasField("cache_salt") else None
+            sp = request.sampling_params
+            self.limits.check(n=sp.n if sp.HasField("n") else 1, logprobs=sp.logprobs if sp.HasField("logprobs")
+                              else None, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids))
+            params = sampling_params_from_proto(sp, salt)
             kind = request.WhichOneof("prompt")
             if kind is None:
                 raise invalid("prompt is empty: set text or token_ids", "prompt")
@@ -101,6 +132,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext):
         await self._authorize(context)
         try:
+            _check_decoded(request)
             ids, tokens = await self.engine.tokenize(request.text)
         except Exception as e:  # noqa: BLE001
             await self._refuse(context, from_engine_error(e))
@@ -109,6 +141,8 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext):
         await self._authorize(context)
+        if isinstance(request, Undecodable):
+            await self._refuse(context, invalid("the request message does not parse"))
         if not self.engine.ready:
             await self._refuse(context, from_engine_error(EngineNotReady("the engine is still starting up")))
         info, cfg = self.engine.info, self.engine.config
@@ -125,11 +159,23 @@ class GrpcServer:
     """The grpc.aio server with JaxServe, health (NOT_SERVING until ``set_serving(True)``) and reflection."""
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str], *,
-                 api_key: str | None = None, max_message_bytes: int = 4 * 2**20):
+                 api_key: str | None = None, max_message_bytes: int = 4 * 2**20, limits: RequestLimits | None = None):
         self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
                                                ("grpc.so_reuseport", 0)])
-        pb_grpc.add_JaxServeServicer_to_server(
-            JaxServeServicer(engine, metrics, served_model_names, api_key), self.server)
+        servicer = JaxServeServicer(engine, metrics, served_model_names, api_key, limits)
+        handlers = {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                servicer.Generate, request_deserializer=_lenient(pb.GenerateRequest),
+                response_serializer=pb.GenerateResponse.SerializeToString),
+            "Tokenize": grpc.unary_unary_rpc_method_handler(
+                servicer.Tokenize, request_deserializer=_lenient(pb.TokenizeRequest),
+                response_serializer=pb.TokenizeResponse.SerializeToString),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                servicer.GetModelInfo, request_deserializer=_lenient(pb.GetModelInfoRequest),
+                response_serializer=pb.GetModelInfoResponse.SerializeToString),
+        }
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        self.server.add_registered_method_handlers(SERVICE_NAME, handlers)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import logging
 import re
+import uuid
 from typing import Any
 
 import grpc
@@ -17,6 +19,9 @@ import grpc
 from jaxserve.async_engine import EngineDraining, EngineFailure, EngineNotReady, EngineOverloaded
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+
+
+logger = logging.getLogger(__name__)
 
 
 class RequestError(Exception):
@@ -34,6 +39,15 @@ class RequestError(Exception):
 
     def to_openai(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+def internal_error(e: BaseException | None, what: str = "request") -> RequestError:
+    """A 500 / INTERNAL that shows the client an id and nothing of the failure; the log gets the one traceback
+    under that id."""
+    error_id = uuid.uuid4().hex[:16]
+    logger.error("internal error %s while handling a %s", error_id, what, exc_info=e)
+    return RequestError(f"internal error (id {error_id}); the server log has the details", status=500,
+                        code=grpc.StatusCode.INTERNAL, type="internal_error", reason="error")
 
 
 def invalid(message: str, param: str | None = None) -> RequestError:
@@ -73,8 +87,7 @@ def from_engine_error(e: BaseException) -> RequestError:
         match = _FIELD.match(message)
         param = match.group(1) if match else ("prompt" if "prompt" in message else None)
         return invalid(message.removeprefix("SamplingParams."), param)
-    return RequestError(f"internal error: {e}", status=500, code=grpc.StatusCode.INTERNAL, type="internal_error",
-                        reason="error")
+    return internal_error(e)
 
 
 def make_sampling_params(**fields: Any) -> SamplingParams:

@@ -23,8 +23,11 @@ from jaxserve.async_engine import AsyncEngine, RequestStream
 from jaxserve.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.outputs import RequestOutput
 from jaxserve.server.intake import (ChoiceTracker, RequestError, TokenLogprob, api_key_ok, check_model,
-                                   from_engine_error, invalid, token_logprobs, unauthenticated, usage_counts)
-from jaxserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest, parse
+                                   from_engine_error, internal_error, invalid, token_logprobs, unauthenticated,
+                                   usage_counts)
+from jaxserve.server.limits import RequestLimits
+from jaxserve.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                             TokenizeRequest, decode_json, parse)
 
 logger = logging.getLogger(__name__)
 
@@ -112,31 +115,87 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
             t.cancel()
 
 
+class _InternalErrors:
+    """ASGI middleware: an exception no handler took becomes a 500 that shows only an error id (the log gets
+    the traceback, once), instead of Starlette's handler-then-reraise, which logs it twice."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as e:  # noqa: BLE001 - the one place unexpected failures end up
+            err = internal_error(e, f"{scope.get('method')} {scope.get('path')} request")
+            self.metrics.rejected.labels("http", err.reason).inc()
+            if not started:
+                await JSONResponse(err.to_openai(), status_code=500)(scope, receive, send)
+
+
+def _body(model) -> dict:
+    """``openapi_extra`` declaring a JSON request body of ``model``'s schema (the handlers read the raw body)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
 class OpenAIServer:
     """Builds the FastAPI app over an ``AsyncEngine``."""
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str], *,
-                 api_key: str | None = None, max_body_bytes: int = 4 * 2**20):
+                 api_key: str | None = None, max_body_bytes: int = 4 * 2**20, limits: RequestLimits | None = None):
         self.engine = engine
         self.metrics = metrics
         self.names = served_model_names
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.limits = limits or RequestLimits()
         self.created = int(time.time())
 
     def app(self) -> FastAPI:
-        app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None, openapi_url=None)
+        app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
         app.add_exception_handler(RequestError, self._request_error)
         app.add_exception_handler(StarletteHTTPException, self._http_error)
-        app.add_exception_handler(Exception, self._internal_error)
+        app.add_middleware(_InternalErrors, metrics=self.metrics)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics_endpoint, methods=["GET"])
-        v1 = APIRouter(prefix="/v1", dependencies=[Depends(self._authorize)])
+        auth = [Depends(self._authorize)]
+        v1 = APIRouter(prefix="/v1", dependencies=auth)
         v1.add_api_route("/models", self.models, methods=["GET"])
-        v1.add_api_route("/completions", self.completions, methods=["POST"])
-        v1.add_api_route("/chat/completions", self.chat_completions, methods=["POST"])
+        v1.add_api_route("/completions", self.completions, methods=["POST"], openapi_extra=_body(CompletionRequest))
+        v1.add_api_route("/chat/completions", self.chat_completions, methods=["POST"],
+                         openapi_extra=_body(ChatCompletionRequest))
         app.include_router(v1)
+        tokens = APIRouter(dependencies=auth)
+        tokens.add_api_route("/tokenize", self.tokenize, methods=["POST"], openapi_extra=_body(TokenizeRequest))
+        tokens.add_api_route("/detokenize", self.detokenize, methods=["POST"], openapi_extra=_body(DetokenizeRequest))
+        app.include_router(tokens)
+        app.openapi = lambda: self._openapi(app)
         return app
+
+    def _openapi(self, app: FastAPI) -> dict:
+        """FastAPI's schema plus the request bodies the handlers parse themselves."""
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title="jaxserve", version="1", routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest):
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+            app.openapi_schema = schema
+        return app.openapi_schema
 
     # Errors -------------------------------------------------------------------------------------------------
     async def _request_error(self, request: Request, e: RequestError) -> JSONResponse:
@@ -149,11 +208,6 @@ class OpenAIServer:
                    405: f"method {request.method} is not allowed on {request.url.path}"}.get(e.status_code, e.detail)
         return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
                                        "code": e.status_code}}, status_code=e.status_code)
-
-    async def _internal_error(self, request: Request, e: Exception) -> JSONResponse:
-        logger.exception("request %s %s failed", request.method, request.url.path)
-        return JSONResponse({"error": {"message": f"internal error: {type(e).__name__}: {e}",
-                                       "type": "internal_error", "param": None, "code": 500}}, status_code=500)
 
     async def _authorize(self, request: Request) -> None:
         if not api_key_ok(request.headers.get("authorization"), self.api_key):
@@ -169,10 +223,7 @@ class OpenAIServer:
             if size > self.max_body_bytes:
                 raise invalid(f"the request body is over the limit of {self.max_body_bytes} bytes")
             chunks.append(chunk)
-        try:
-            return json.loads(b"".join(chunks))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise invalid(f"the request body is not valid JSON: {e}") from None
+        return decode_json(b"".join(chunks))
 
     # Plain endpoints ----------------------------------------------------------------------------------------
     async def health(self) -> Response:
@@ -192,14 +243,41 @@ class OpenAIServer:
              "root": info.get("model_path"), "max_model_len": info.get("max_model_len")}
             for name in self.names]})
 
+    # Tokens -------------------------------------------------------------------------------------------------
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """vLLM's ``/tokenize``: the token ids of a prompt (``prompt``) or of a conversation in the chat
+        template (``messages``), as generation would see them."""
+        req: TokenizeRequest = parse(TokenizeRequest, await self._read_json(request))
+        check_model(req.model, self.names)
+        messages = req.template_messages()
+        try:
+            ids = await self.engine.tokenize_prompt(req.prompt, messages, req.add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - mapped to the error response
+            raise from_engine_error(e) from None
+        body = {"count": len(ids), "max_model_len": self.engine.info.get("max_model_len"), "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = await self.engine.token_strings(ids)
+        return JSONResponse(body)
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        """vLLM's ``/detokenize``: the text of token ids."""
+        req: DetokenizeRequest = parse(DetokenizeRequest, await self._read_json(request))
+        check_model(req.model, self.names)
+        try:
+            text = await self.engine.detokenize(req.tokens)
+        except Exception as e:  # noqa: BLE001
+            raise from_engine_error(e) from None
+        return JSONResponse({"prompt": text})
+
     # Generation ---------------------------------------------------------------------------------------------
-    async def _start(self, prompts: list, params, messages=None) -> list[RequestStream]:
+    async def _start(self, prompts: list, params, messages=None, add_generation_prompt=True) -> list[RequestStream]:
         """Admit every prompt of the request, or none (the admitted ones are aborted if one fails)."""
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 try:
-                    streams.append(await self.engine.add_request(prompt, params, messages=messages))
+                    streams.append(await self.engine.add_request(prompt, params, messages=messages,
+                                                                 add_generation_prompt=add_generation_prompt))
                 except Exception as e:  # noqa: BLE001 - mapped to the error response
                     err = from_engine_error(e)
                     if len(prompts) > 1 and err.status == 400:
@@ -243,6 +321,10 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await self._read_json(request))
         check_model(req.model, self.names)
+        num_prompts = len(req.prompt) if isinstance(req.prompt, list) and req.prompt and not isinstance(
+            req.prompt[0], int) else 1
+        self.limits.check(n=req.n, best_of=req.best_of, logprobs=req.logprobs, stop=req.stop,
+                          stop_token_ids=req.stop_token_ids, num_prompts=num_prompts)
         params = req.sampling_params()
         prompts = req.prompts()
         streams = await self._start(prompts, params)
@@ -300,9 +382,11 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await self._read_json(request))
         check_model(req.model, self.names)
+        self.limits.check(n=req.n, logprobs=req.top_logprobs, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                          logprobs_field="top_logprobs")
         params = req.sampling_params()
         messages = req.template_messages()
-        streams = await self._start([None], params, messages)
+        streams = await self._start([None], params, messages, req.add_generation_prompt)
         stream = streams[0]
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self._model_name(req.model)
         num_top = params.logprobs
@@ -319,7 +403,7 @@ class OpenAIServer:
             logprobs = None
             if num_top is not None:
                 lps = token_logprobs(c.logprobs or [], c.token_ids, num_top)
-                logprobs = {"content": _chat_logprobs(lps, stream.token_texts)}
+                logprobs = {"content": _chat_logprobs(lps, stream)}
             choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
                             "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
@@ -345,7 +429,7 @@ class OpenAIServer:
                     final = out
                 for ev in tracker.events(out):
                     delta = {"content": ev.text} if ev.text or ev.finish_reason is None else {}
-                    logprobs = ({"content": _chat_logprobs(ev.logprobs, stream.token_texts)}
+                    logprobs = ({"content": _chat_logprobs(ev.logprobs, stream)}
                                 if ev.logprobs is not None else None)
                     choice = {"index": ev.index, "delta": delta, "logprobs": logprobs,
                               "finish_reason": ev.finish_reason}
@@ -371,14 +455,16 @@ def _completion_logprobs(lps: list[TokenLogprob], texts: dict[int, str], offset:
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}, offset
 
 
-def _chat_logprobs(lps: list[TokenLogprob], texts: dict[int, str]) -> list[dict]:
-    content = []
-    for lp in lps:
-        text = texts.get(lp.token_id, "")
-        content.append({"token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
-                        "top_logprobs": [{"token": texts.get(t, ""), "logprob": v,
-                                          "bytes": list(texts.get(t, "").encode())} for t, v in lp.top]})
-    return content
+def _chat_logprobs(lps: list[TokenLogprob], stream: RequestStream) -> list[dict]:
+    """OpenAI's chat logprobs; ``bytes`` are each token's own raw bytes (a token that holds part of a UTF-8
+    character shows its bytes, not the replacement character its text decodes to)."""
+    texts, raw = stream.token_texts, stream.token_bytes
+
+    def entry(token_id: int, logprob: float) -> dict:
+        text = texts.get(token_id, "")
+        return {"token": text, "logprob": logprob, "bytes": list(raw.get(token_id, text.encode()))}
+
+    return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 
 
 def _raise_if_failed(finals: list[RequestOutput]) -> None:

@@ -2,12 +2,53 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
 
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.prompt_tokenizer import first_invalid_char
 from jaxserve.server.intake import RequestError, invalid, make_sampling_params
+from jaxserve.server.limits import JSON_MAX_DEPTH
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def decode_json(body: bytes) -> Any:
+    """A request body as JSON, checked so that nothing past this point sees input it cannot handle: no NaN or
+    Infinity, nesting at most ``JSON_MAX_DEPTH`` deep, no string (key or value) that is not valid Unicode.
+    RequestError (400) naming the problem otherwise."""
+    try:
+        value = json.loads(body, parse_constant=_no_constant)
+    except RecursionError:
+        raise invalid(f"the request body is nested too deeply (the limit is {JSON_MAX_DEPTH} levels)") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise invalid(f"the request body is not valid JSON: {message}") from None
+    stack = [(value, 1, "")]
+    while stack:
+        v, depth, path = stack.pop()
+        if isinstance(v, str):
+            bad = first_invalid_char(v)
+            if bad is not None:
+                raise invalid(f"{path or 'body'}: not valid Unicode text (a lone surrogate at character {bad})",
+                              path.split(".")[0].split("[")[0] or None)
+        elif isinstance(v, (dict, list)):
+            if depth > JSON_MAX_DEPTH:
+                raise invalid(f"the request body is nested too deeply (the limit is {JSON_MAX_DEPTH} levels)")
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, item in items:
+                if isinstance(k, str):
+                    if first_invalid_char(k) is not None:
+                        raise invalid(f"{path or 'body'}: a key is not valid Unicode text (a lone surrogate)")
+                    sub = f"{path}.{k}" if path else k
+                else:
+                    sub = f"{path}[{k}]"
+                stack.append((item, depth + 1, sub))
+    return value
 
 
 class _Body(BaseModel):
@@ -15,7 +56,7 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _SamplingFields(_Body):
@@ -27,7 +68,7 @@ class _SamplingFields(_Body):
     frequency_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
@@ -35,11 +76,12 @@ class _SamplingFields(_Body):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    ignore_eos: bool | None = None
+    ignore_eos: StrictBool | None = None
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    cache_salt: str | None = None  # vLLM's: prefix-cache pages are shared only between requests with this salt
 
     def _check_common(self) -> None:
         if self.logit_bias:
@@ -55,7 +97,7 @@ class _SamplingFields(_Body):
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=tuple(stop) if stop else None,
             stop_token_ids=tuple(self.stop_token_ids) if self.stop_token_ids else None, ignore_eos=self.ignore_eos,
             logprobs=logprobs, min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
         )
 
     @property
@@ -67,7 +109,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: StrictBool = False
     best_of: int | None = None
     suffix: str | None = None
 
@@ -118,11 +160,11 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
 
     def sampling_params(self) -> SamplingParams:
         self._check_common()
@@ -142,6 +184,35 @@ class ChatCompletionRequest(_SamplingFields):
         return [m.as_template_input(i) for i, m in enumerate(self.messages)]
 
 
+class TokenizeRequest(_Body):
+    """vLLM's ``/tokenize`` body: a ``prompt`` (text or token ids), or chat ``messages``."""
+
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+    def template_messages(self) -> list[dict[str, str]] | None:
+        if (self.prompt is None) == (self.messages is None):
+            raise invalid("give exactly one of prompt and messages", "prompt")
+        if self.messages is None:
+            return None
+        if not self.messages:
+            raise invalid("messages is empty", "messages")
+        return [m.as_template_input(i) for i, m in enumerate(self.messages)]
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+def _union_tag(part) -> bool:
+    """Whether a pydantic error location part names a member of a union type ("str", "list[int]"), not a field."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
 def parse(model: type[_Body], body: Any) -> Any:
     """Validate a decoded JSON body; RequestError naming the first bad fields."""
     if not isinstance(body, dict):
@@ -152,7 +223,7 @@ def parse(model: type[_Body], body: Any) -> Any:
         errors = e.errors()
         parts = []
         for err in errors[:3]:
-            loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith(("list[", "str", "int"))) or "body"
+            loc = ".".join(str(x) for x in err["loc"] if not _union_tag(x)) or "body"
             parts.append(f"{loc}: {err['msg']}")
         param = str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else None
         raise RequestError("invalid request: " + "; ".join(parts), param=param) from None

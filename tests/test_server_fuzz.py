@@ -1,0 +1,65 @@
+"""The OpenAPI schema the HTTP server publishes, fuzzed with schemathesis against a live server on loopback
+(over the stand-in engine: the point is the server). Valid and invalid bodies for every operation: never a 5xx,
+never a hang, every error a JSON body with a message; a normal request succeeds afterwards."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+schemathesis = pytest.importorskip("schemathesis")
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from fake_server import FakeServer  # noqa: E402
+
+NUM_CASES = 300
+TIME_LIMIT = 60.0  # seconds of fuzzing at most; the cases left after it are generated but not sent
+REQUEST_TIMEOUT = 20.0  # a request that takes longer counts as a hang
+
+
+@pytest.fixture(scope="module")
+def server():
+    with FakeServer(max_num_seqs=4) as s:
+        yield s
+
+
+def test_fuzzing_the_published_schema_finds_no_5xx_and_no_hang(server):
+    schema = schemathesis.openapi.from_url(server.http + "/openapi.json")
+    operations = [op.ok() for op in schema.get_all_operations()]
+    paths = {op.path for op in operations}
+    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/models"} <= paths
+    strategy = st.one_of([op.as_strategy(mode) for op in operations
+                          for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)])
+    start = time.monotonic()
+    seen: dict[int, int] = {}
+    client = httpx.Client(base_url=server.http, timeout=REQUEST_TIMEOUT)
+
+    @settings(max_examples=NUM_CASES, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(case=strategy)
+    def fuzz(case):
+        if time.monotonic() - start > TIME_LIMIT:
+            return
+        kwargs = case.as_transport_kwargs(base_url=server.http)
+        try:
+            resp = client.request(kwargs["method"], kwargs["url"], headers=kwargs.get("headers"),
+                                  params=kwargs.get("params"), json=kwargs.get("json"),
+                                  content=kwargs.get("data") if isinstance(kwargs.get("data"), (bytes, str)) else None)
+        except httpx.TimeoutException:
+            raise AssertionError(f"no answer in {REQUEST_TIMEOUT}s: {case.method} {case.path} {case.body!r}")
+        seen[resp.status_code] = seen.get(resp.status_code, 0) + 1
+        assert resp.status_code < 500, (case.method, case.path, case.body, resp.text)
+        if resp.status_code >= 400:
+            body = resp.json()
+            assert isinstance(body["error"]["message"], str) and body["error"]["message"], body
+
+    with client:
+        fuzz()
+    assert sum(seen.values()) >= 50, seen  # the bound above is generous: most cases do get sent
+    assert seen.get(200, 0) and any(400 <= code < 500 for code in seen), seen
+    assert server.wait_idle(10)
+    resp = httpx.post(server.http + "/v1/completions", json={"prompt": "hello", "max_tokens": 3}, timeout=30)
+    assert resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"] == "length"
