@@ -26,26 +26,12 @@ from typing import Any
 from jaxserve.engine_config import EngineConfig
 from jaxserve.metrics import ServerMetrics
 from jaxserve.outputs import RequestOutput
+from jaxserve.request_stream import (EngineDraining, EngineFailure, EngineNotReady, EngineOverloaded,
+                                     RequestStream)
 from jaxserve.prompt_tokenizer import PromptTokenizer, token_bytes
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineNotReady(RuntimeError):
-    """The engine is still starting (loading, compiling) or failed to start."""
-
-
-class EngineDraining(RuntimeError):
-    """The server is shutting down and admits no new requests."""
-
-
-class EngineOverloaded(RuntimeError):
-    """Admitting the request would queue more than ``max_waiting_requests`` sequences."""
-
-
-class EngineFailure(RuntimeError):
-    """The engine could not finish a request cleanly (reported to that request only)."""
 
 
 @dataclasses.dataclass
@@ -73,48 +59,6 @@ _STOP = object()
 
 class _LoopClosed(Exception):
     """The event loop that owns the engine closed while the engine thread still ran."""
-
-
-class RequestStream:
-    """The outputs of one request, in order; the last one has ``finished=True``.
-
-    ``prompt_token_ids`` is set once the engine has accepted the request. ``token_texts`` maps every token id
-    seen in this request's logprobs to its text decoded on its own (filled before the output is delivered).
-    ``abort()`` finishes the request with reason "abort" and frees its pages before the engine's next step.
-    """
-
-    def __init__(self, engine: AsyncEngine, request_id: str, params: SamplingParams):
-        self.request_id = request_id
-        self.params = params
-        self.prompt_token_ids: list[int] = []
-        self.token_texts: dict[int, str] = {}
-        self.token_bytes: dict[int, bytes] = {}  # the same tokens' raw bytes (a token can hold part of a character)
-        self._engine = engine
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._accepted: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._done = False  # the consumer has received the final output (or an error)
-
-    @property
-    def finished(self) -> bool:
-        return self._done
-
-    def abort(self) -> None:
-        if not self._done:
-            self._engine.abort(self.request_id)
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        if item.finished:
-            self._done = True
-        return item
 
 
 class AsyncEngine:

@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from jaxserve.async_engine import AsyncEngine, EngineDraining, EngineNotReady, EngineOverloaded
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.request_stream import EngineDraining, EngineNotReady, EngineOverloaded
 from jaxserve.engine_config import EngineConfig
 from jaxserve.metrics import ServerMetrics
 from jaxserve.prompt_tokenizer import INLINE_CHARS

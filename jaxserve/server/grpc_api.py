@@ -13,7 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from jaxserve.async_engine import AsyncEngine, EngineNotReady
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.request_stream import EngineNotReady
 from jaxserve.metrics import ServerMetrics
 from jaxserve.protos import jaxserve_pb2 as pb
 from jaxserve.protos import jaxserve_pb2_grpc as pb_grpc

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from jaxserve.async_engine import EngineDraining, EngineFailure, EngineNotReady, EngineOverloaded
+from jaxserve.request_stream import EngineDraining, EngineFailure, EngineNotReady, EngineOverloaded
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 

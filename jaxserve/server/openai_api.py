@@ -19,7 +19,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxserve.async_engine import AsyncEngine, RequestStream
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.request_stream import RequestStream
 from jaxserve.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.outputs import RequestOutput
 from jaxserve.server.intake import (ChoiceTracker, RequestError, TokenLogprob, api_key_ok, check_model,
