@@ -10,37 +10,16 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 import time
 
-import jax
+from jaxserve import compile_counter
 
 logger = logging.getLogger("jaxserve.compile")
 
 LOG_EVERY_S = 5.0  # without a terminal: at most one progress line this often
 
-_EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": "lookups",
-           "/jax/compilation_cache/cache_hits": "hits"}
-_lock = threading.Lock()
-_counts = {"lookups": 0, "hits": 0}
-_installed = False
 _active: Progress | None = None
 last_summary: dict | None = None  # the latest finished warm-up's figures (seconds, shapes, hits, misses)
-
-
-def _listener(event: str, **_) -> None:
-    name = _EVENTS.get(event)
-    if name is not None:
-        with _lock:
-            _counts[name] += 1
-
-
-def _install() -> None:
-    global _installed
-    with _lock:
-        if not _installed:
-            jax.monitoring.register_event_listener(_listener)
-            _installed = True
 
 
 class Progress:
@@ -53,7 +32,7 @@ class Progress:
         self.done = 0
         self.start = time.monotonic()
         self._last_log = self.start
-        self._counts0 = dict(_counts)
+        self._counts0 = compile_counter.cache_counts()
         self._bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
@@ -81,8 +60,9 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
         seconds = time.monotonic() - self.start
-        lookups = _counts["lookups"] - self._counts0["lookups"]
-        hits = _counts["hits"] - self._counts0["hits"]
+        counts = compile_counter.cache_counts()
+        lookups = counts["lookups"] - self._counts0["lookups"]
+        hits = counts["hits"] - self._counts0["hits"]
         summary = {"seconds": seconds, "shapes": self.total, "cache_hits": hits, "cache_misses": lookups - hits,
                    "cache_dir": self.cache_dir}
         if not self.cache_dir:
@@ -104,7 +84,7 @@ class Progress:
 def start(total: int, cache_dir: str | None = None, what: str = "step shapes") -> Progress:
     """Begin reporting a warm-up of ``total`` shapes; ``tick()`` then advances it."""
     global _active
-    _install()
+    compile_counter.install()
     _active = Progress(total, cache_dir, what)
     return _active
 
