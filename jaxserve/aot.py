@@ -135,6 +135,9 @@ def topology_devices(name: str) -> list:
     # libtpu takes a machine-wide lock for the chips it drives; a described topology drives none, so several
     # compiling processes (tests, a sweep) may share the machine.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if not (Path("/dev/accel0").exists() or Path("/dev/vfio").exists()):  # no TPU here: quiet libtpu's probing
+        for var, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0")):
+            os.environ.setdefault(var, value)
     try:
         return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
     except Exception as e:  # libtpu's message is long; its first line says what it did not accept
@@ -279,7 +282,8 @@ class StepCompiler:
         rows = max(self.num_logit_rows, batch.max_seqs)  # a probe wider than max_num_seqs gets its own rows
         fn = jit_step(self.graphdef, rows, self.outs)
         start = time.perf_counter()
-        compiled = fn.trace(self.params, packed, self.kv_cache, batch.shape_fields(), attention, layout).lower().compile()
+        traced = fn.trace(self.params, packed, self.kv_cache, batch.shape_fields(), attention, layout)
+        compiled = traced.lower().compile()
         return Figures.of(compiled, time.perf_counter() - start)
 
     def sampler(self, max_model_len: int) -> list[Figures]:
@@ -440,7 +444,6 @@ def run(req: Request, log=None) -> dict:
                             "context_per_sequence": min(max_model_len, pages * req.page_size)}
 
     # Predictions ------------------------------------------------------------------------------------------
-    item = jnp.dtype(cache_dtype).itemsize
     kv_token_dev = bytes_per_token(cfg, cache_dtype, tensor)
     heads_dev = cfg.num_heads // tensor
 
@@ -463,7 +466,8 @@ def run(req: Request, log=None) -> dict:
         f = figures[probes[f"decode@{b}"]]
         p = predict(f, attn_flops_dev(b, context + 1), b * (context + 1) * kv_token_dev, b * kv_token_dev, b)
         p.update(batch=b, context=context, tokens_per_s=replicas * b / p["seconds"],
-                 tokens_per_s_xla_bytes=replicas * b / p["seconds_xla_bytes"], within_max_num_seqs=b <= req.max_num_seqs)
+                 tokens_per_s_xla_bytes=replicas * b / p["seconds_xla_bytes"],
+                 within_max_num_seqs=b <= req.max_num_seqs)
         decode[str(b)] = p
     f = figures[probes["prefill"]]
     chunks, ttft, ttft_xla, flops_total = _ceil(prompt_len, prompt_tokens), 0.0, 0.0, 0.0
@@ -474,7 +478,7 @@ def run(req: Request, log=None) -> dict:
         ttft, ttft_xla, flops_total = ttft + p["seconds"], ttft_xla + p["seconds_xla_bytes"], flops_total + p["flops"]
     prefill = {"prompt_tokens": prompt_len, "step_tokens": prompt_tokens, "steps": chunks, "ttft_s": ttft,
                "ttft_s_xla_bytes": ttft_xla, "flops": flops_total, "collectives": f.collectives,
-               "mfu_at_ttft": flops_total / (ttft * peak_flops)}
+               "compute_bound": p["compute_bound"]}
 
     return {
         "model": req.model, "architecture": cfg.architecture, "params_b": cfg.num_params / 1e9,
@@ -534,19 +538,24 @@ def format_report(r: dict) -> str:
     for n, c in r["capacity_at_max_num_seqs"].items():
         lines.append(f"| at max_num_seqs {n} | {c['pages_per_sequence']:,} pages = "
                      f"{c['context_per_sequence']:,} tokens of context per sequence |")
+    exact = r["compiled"]["exact"]  # XLA's bytes-accessed does not extrapolate over layers: shown when compiled
+    xla = lambda v: f" ({v})" if exact else ""  # noqa: E731
     lines += ["", f"Predicted at {chip['name']} peaks ({chip['peak_flops'] / 1e12:.0f} TFLOP/s bf16, "
               f"{chip['hbm_bytes_per_s'] / 1e9:.0f} GB/s per chip): roofline from the compiler's FLOPs and the step's "
-              "minimum HBM traffic; in brackets, with XLA's bytes-accessed instead (an upper estimate).", "",
-              "| step | FLOPs/device | min bytes/device | predicted step | tokens/s |", "| --- | --- | --- | --- | --- |"]
+              "minimum HBM traffic (weights once, K/V, logits); collectives not included"
+              + ("; in brackets, with XLA's bytes-accessed instead (an upper estimate)." if exact else "."), "",
+              "| step | FLOPs/device | min bytes/device | predicted step | tokens/s | bound |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    bound = lambda d: "compute" if d["compute_bound"] else "HBM"  # noqa: E731
     for b, d in r["decode"].items():
+        step_ms, step_xla = f"{d['seconds'] * 1e3:.2f} ms", xla(f"{d['seconds_xla_bytes'] * 1e3:.2f}")
+        rate, rate_xla = f"{d['tokens_per_s']:,.0f}", xla(f"{d['tokens_per_s_xla_bytes']:,.0f}")
         lines.append(f"| decode batch {b}, context {d['context']:,} | {d['flops'] / 1e9:.1f} G | "
-                     f"{d['min_bytes'] / 1e9:.2f} GB | {d['seconds'] * 1e3:.2f} ms "
-                     f"({d['seconds_xla_bytes'] * 1e3:.2f}) | {d['tokens_per_s']:,.0f} "
-                     f"({d['tokens_per_s_xla_bytes']:,.0f}) |")
+                     f"{d['min_bytes'] / 1e9:.2f} GB | {step_ms}{step_xla} | {rate}{rate_xla} | {bound(d)} |")
     p = r["prefill"]
+    ttft, ttft_xla = f"TTFT {p['ttft_s'] * 1e3:.1f} ms", xla(f"{p['ttft_s_xla_bytes'] * 1e3:.1f}")
     lines.append(f"| prefill {p['prompt_tokens']:,} tokens ({p['steps']} step(s) of {p['step_tokens']}) | "
-                 f"{p['flops'] / 1e12:.2f} T | | TTFT {p['ttft_s'] * 1e3:.1f} ms ({p['ttft_s_xla_bytes'] * 1e3:.1f}) | "
-                 f"MFU {p['mfu_at_ttft']:.0%} |")
+                 f"{p['flops'] / 1e12:.2f} T | | {ttft}{ttft_xla} | | {bound(p)} |")
     lines.append("")
     first = next(iter(r["decode"].values()))
     lines.append(f"Collectives per decode step (batch {first['batch']}): "

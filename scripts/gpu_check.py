@@ -222,7 +222,8 @@ def random_engine(hf: dict, folder: Path, *, max_num_seqs: int, max_num_batched_
     engine_module.load_model = load_random
     try:
         return engine_module.Engine(EngineConfig(
-            model=str(folder), dtype="bfloat16", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            model=str(folder), dtype="bfloat16", max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, num_pages=num_pages, warmup=False, compilation_cache_dir=None,
             enable_prefix_caching=False))
     finally:

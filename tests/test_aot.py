@@ -51,8 +51,9 @@ def test_shapes_are_the_runners_buckets():
                                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=64))
     runner = ModelRunner(DecoderLM(cfg, jnp.float32), cfg, CacheConfig(16, 64), make_mesh(), max_num_seqs=12,
                          max_num_batched_tokens=100, max_model_len=600)
-    expected = [("prefill", t, runner.prefill_seqs(t), p) for t in runner.token_buckets() for p in runner.page_buckets()]
-    expected += [("decode", n, n, p) for n in runner.decode_buckets() for p in runner.page_buckets()]
+    pages = runner.page_buckets()
+    expected = [("prefill", t, runner.prefill_seqs(t), p) for t in runner.token_buckets() for p in pages]
+    expected += [("decode", n, n, p) for n in runner.decode_buckets() for p in pages]
     assert aot.Shapes(12, 100, -(-600 // 16)).warmup() == expected
     assert len(expected) == 4 * 3 + 5 * 3
 
