@@ -278,7 +278,7 @@ class AsyncEngine:
 
                 engine = Engine(self.config)
             self.engine = engine
-            self.info = self._describe(engine)
+            self.info = engine.describe()
             self._stats = engine.stats()
         except BaseException as e:  # noqa: BLE001 - reported to the event loop, which exits
             logger.exception("the engine failed to start")
@@ -305,25 +305,6 @@ class AsyncEngine:
             if self._loop.is_closed():
                 return False
             raise
-
-    @staticmethod
-    def _describe(engine) -> dict[str, Any]:
-        cfg = engine.model_config
-        cache = getattr(engine, "cache_config", None)
-        return {
-            "model_path": str(getattr(engine, "model_path", "")),
-            "architecture": getattr(cfg, "architecture", ""),
-            "family": getattr(cfg, "family", ""),
-            "vocab_size": int(cfg.vocab_size),
-            "max_model_len": int(engine.max_model_len),
-            "num_layers": int(getattr(cfg, "num_layers", 0)),
-            "hidden_size": int(getattr(cfg, "hidden_size", 0)),
-            "eos_token_ids": [int(t) for t in getattr(engine, "eos_token_ids", ())],
-            "page_size": int(getattr(cache, "page_size", 0) or 0),
-            "num_pages": int(getattr(cache, "num_pages", 0) or 0),
-            "has_chat_template": bool(getattr(engine.tokenizer, "chat_template", None)),
-            "dtype": _kv_dtype(engine),
-        }
 
     def _take(self, block: bool) -> list:
         items = []
@@ -490,16 +471,6 @@ class AsyncEngine:
             future.set_exception(error)
         else:
             future.set_result(result)
-
-
-def _kv_dtype(engine) -> str:
-    """The dtype the model runs in (that of its KV cache), or the configured one if it cannot be seen."""
-    try:
-        import jax
-
-        return str(jax.tree.leaves(engine.runner.kv_cache)[0].dtype)
-    except Exception:  # noqa: BLE001 - informational only
-        return str(getattr(getattr(engine, "config", None), "dtype", ""))
 
 
 @dataclasses.dataclass

@@ -16,6 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxserve.engine_config import ATTENTION_BACKENDS
 from pallas_kernels import ragged_paged_attention as rpa
 
 
@@ -30,7 +31,7 @@ class AttentionMetadata:
     num_seqs: jax.Array  # i32[1]
 
 
-BACKENDS = ("reference", "pallas_tpu", "pallas_gpu")
+BACKENDS = tuple(b for b in ATTENTION_BACKENDS if b != "auto")
 
 
 @dataclasses.dataclass(frozen=True)

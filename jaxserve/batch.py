@@ -1,26 +1,40 @@
-"""What crosses from the host loop to the compiled steps: one frozen dataclass of NumPy arrays."""
+"""What crosses from the host to the compiled steps: the step kind and the padded ragged batch.
+
+A ``StepBatch`` is one data replica's share of a step; a ``MeshBatch`` lays ``R`` of them side by side in
+one bucket shape. Both carry the attention metadata as one ``AttentionMetadata`` (the kernels' type, in the
+kernels' field order). ``MeshBatch.pack`` is the one int32 array that crosses to the device per step, and
+also what process 0 sends its followers on a multi-host run.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import numpy as np
+
+from jaxserve.attention import AttentionMetadata
+
+
+class StepKind(enum.IntEnum):
+    """Which compiled step a batch runs: a prefill step carries prompt chunks (and decodes along with them); a
+    decode step has exactly one row per sequence slot."""
+
+    PREFILL = 1
+    DECODE = 2
 
 
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
-    """A padded ragged batch for ``prefill_step`` / ``decode_step``.
+    """A padded ragged batch of one data replica.
 
-    Rows ``cu_q_lens[s] : cu_q_lens[s + 1]`` of ``token_ids`` are sequence ``s``'s new tokens (a prompt chunk,
-    or one token when decoding); their K/V are written at positions ``kv_lens[s] - q_len .. kv_lens[s] - 1``.
-    Padding rows and slots carry zeros (``cu_q_lens`` stays flat past ``num_seqs``).
+    Rows ``md.cu_q_lens[s] : md.cu_q_lens[s + 1]`` of ``token_ids`` are sequence ``s``'s new tokens (a prompt
+    chunk, or one token when decoding); their K/V are written at positions ``md.kv_lens[s] - q_len ..
+    md.kv_lens[s] - 1``. Padding rows and slots carry zeros (``cu_q_lens`` stays flat past ``num_seqs``).
     """
 
     token_ids: np.ndarray  # i32[T]
-    cu_q_lens: np.ndarray  # i32[S + 1]
-    kv_lens: np.ndarray  # i32[S]
-    page_indices: np.ndarray  # i32[S, P]
-    num_seqs: np.ndarray  # i32[1]
+    md: AttentionMetadata  # NumPy: cu_q_lens i32[S + 1], kv_lens i32[S], page_indices i32[S, P], num_seqs i32[1]
     logits_indices: np.ndarray  # i32[S]  row whose logits each sequence needs (its last new token)
 
     @property
@@ -29,19 +43,11 @@ class StepBatch:
 
     @property
     def max_seqs(self) -> int:
-        return int(self.kv_lens.shape[0])
+        return int(self.md.kv_lens.shape[0])
 
     @classmethod
-    def build(
-        cls,
-        chunks: list[list[int]],
-        kv_lens: list[int],
-        page_tables: list[list[int]],
-        *,
-        num_tokens: int,
-        max_seqs: int,
-        pages_per_seq: int,
-    ) -> "StepBatch":
+    def build(cls, chunks: list[list[int]], kv_lens: list[int], page_tables: list[list[int]], *, num_tokens: int,
+              max_seqs: int, pages_per_seq: int) -> "StepBatch":
         """Pack per-sequence new tokens, cache lengths (after this step) and page tables into padded arrays.
 
         Raises:
@@ -69,4 +75,95 @@ class StepBatch:
             pages[s, : len(table)] = table
             logits_indices[s] = offset - 1
         cu[n + 1 :] = offset
-        return cls(token_ids, cu, kv, pages, np.array([n], np.int32), logits_indices)
+        return cls(token_ids, AttentionMetadata(cu, kv, pages, np.array([n], np.int32)), logits_indices)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshBatch:
+    """One step's batch for R data replicas: R ``StepBatch`` es of one bucket shape, side by side.
+
+    Replica ``r``'s token rows are ``r*T .. (r+1)*T - 1`` of ``token_ids``; its metadata is block ``r`` of each
+    ``md`` field (a leading replica axis) and its page ids are local to its page block. ``logits_indices`` lists,
+    in the caller's entry order, the row (of all R*T) whose logits each sequence needs; its length R*S is the
+    logits' row count.
+    """
+
+    token_ids: np.ndarray  # i32[R * T]
+    md: AttentionMetadata  # cu_q_lens i32[R, S + 1], kv_lens i32[R, S], page_indices i32[R, S, P], num_seqs i32[R, 1]
+    logits_indices: np.ndarray  # i32[R * S]
+
+    @property
+    def num_replicas(self) -> int:
+        return int(self.md.kv_lens.shape[0])
+
+    @property
+    def tokens_per_replica(self) -> int:
+        return int(self.token_ids.shape[0]) // self.num_replicas
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def max_seqs(self) -> int:
+        """Logits rows (R * S)."""
+        return int(self.logits_indices.shape[0])
+
+    def replica(self, r: int) -> StepBatch:
+        """Replica ``r``'s block (its ``logits_indices`` are not kept: zeros)."""
+        t = self.tokens_per_replica
+        md = AttentionMetadata(*(a[r] for a in _fields(self.md)))
+        return StepBatch(self.token_ids[r * t : (r + 1) * t], md, np.zeros(self.md.kv_lens.shape[1], np.int32))
+
+    @classmethod
+    def stack(cls, batches: list[StepBatch], entries: list[tuple[int, int]] | None = None) -> "MeshBatch":
+        """Side by side; ``entries[i] = (replica, slot)`` of the i-th sequence in the caller's order (default:
+        replica 0's slots in order)."""
+        t, s = batches[0].num_tokens, batches[0].max_seqs
+        if any(b.num_tokens != t or b.max_seqs != s or b.md.page_indices.shape != batches[0].md.page_indices.shape
+               for b in batches):
+            raise ValueError("replica batches must share one bucket shape")
+        if entries is None:
+            entries = [(0, j) for j in range(int(batches[0].md.num_seqs[0]))]
+        logits = np.zeros(len(batches) * s, np.int32)
+        for i, (r, j) in enumerate(entries):
+            logits[i] = r * t + batches[r].logits_indices[j]
+        md = AttentionMetadata(*(np.stack(fs) for fs in zip(*(_fields(b.md) for b in batches))))
+        return cls(np.concatenate([b.token_ids for b in batches]), md, logits)
+
+    @classmethod
+    def padding(cls, replicas: int, *, num_tokens: int, max_seqs: int, pages_per_seq: int) -> "MeshBatch":
+        """An all-padding batch (writes nothing): for compiling a shape."""
+        empty = StepBatch.build([], [], [], num_tokens=num_tokens, max_seqs=max_seqs, pages_per_seq=pages_per_seq)
+        return cls.stack([empty] * replicas)
+
+    # The wire format: header fields (R, T, S, P) and one int32 payload, the arrays in field order.
+    def shape_fields(self) -> tuple[int, int, int, int]:
+        return (self.num_replicas, self.tokens_per_replica, int(self.md.kv_lens.shape[1]),
+                int(self.md.page_indices.shape[2]))
+
+    def pack(self) -> np.ndarray:
+        arrays = (self.token_ids, *_fields(self.md), self.logits_indices)
+        return np.concatenate([np.asarray(a, np.int32).reshape(-1) for a in arrays])
+
+    @staticmethod
+    def field_shapes(fields: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The shapes of the packed arrays, in field order, for header fields (R, T, S, P)."""
+        r, t, s, p = fields[:4]
+        return [(r * t,), (r, s + 1), (r, s), (r, s, p), (r, 1), (r * s,)]
+
+    @classmethod
+    def unpack(cls, fields: tuple[int, ...], payload) -> "MeshBatch":
+        """The inverse of ``pack`` (``payload`` a NumPy array, or a jax array inside a compiled step)."""
+        arrays, offset = [], 0
+        for shape in cls.field_shapes(fields):
+            n = int(np.prod(shape))
+            arrays.append(payload[offset : offset + n].reshape(shape))
+            offset += n
+        if offset != payload.shape[0]:
+            raise ValueError(f"step payload of {payload.shape[0]} ints does not match shape {fields[:4]}")
+        return cls(arrays[0], AttentionMetadata(*arrays[1:5]), arrays[5])
+
+
+def _fields(md: AttentionMetadata) -> tuple:
+    return tuple(getattr(md, f.name) for f in dataclasses.fields(md))

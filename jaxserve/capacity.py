@@ -14,7 +14,7 @@ import argparse
 from jaxserve.checkpoint import resolve_model_path
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import bytes_per_token
-from sharding import MeshConfig
+from sharding.mesh import MeshConfig
 from sharding.rules import check_tensor_parallel
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -1,9 +1,10 @@
-"""The continuous-batching engine: one host loop around the two compiled steps.
+"""The continuous-batching engine: the host loop around the device's one entry point.
 
-Each ``step()``: the scheduler plans (admissions, chunked prefill, decodes, preemption), the runner runs one
-compiled call (a decode call when every sequence has exactly one new token, else one mixed prefill call that
-carries the decodes too), the sampler picks tokens on device, one device-to-host copy brings them back, the
-scheduler records them and frees finished pages, and the detokenizer turns them into text deltas.
+Each ``step()``: the scheduler plans (admissions, chunked prefill, decodes, preemption), the executor runs the
+plan on the device and hands back a ``StepResult`` of NumPy arrays, the scheduler records the tokens and frees
+finished pages, and the detokenizer turns them into text deltas. This module is host bookkeeping only (requests,
+tokenization, scheduler, detokenizers, outputs) and imports no jax: the executor, which does, is built on
+start-up.
 """
 
 from __future__ import annotations
@@ -14,26 +15,16 @@ import logging
 import time
 from collections.abc import Sequence as Seq
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from jaxserve import compile_counter
-from jaxserve.attention import AttentionBackend
+from jaxserve.checkpoint import resolve_model_path
+from jaxserve.config import ModelConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.engine_config import EngineConfig
-from jaxserve.kv_cache import CacheConfig, bytes_per_token
-from jaxserve.loader import load_model
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxserve.penalty_state import PenaltyState
 from jaxserve.replicas import ReplicatedScheduler
-from jaxserve.runner import ModelRunner
-from jaxserve.sampler import SamplingTensors, sample, sequence_seed
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import SchedulerConfig
 from jaxserve.sequence import Sequence
+from jaxserve.step_result import StepFailed, StepResult
 from jaxserve.tokenizer import chat_template_ids, eos_token_ids, load_tokenizer
-from sharding import make_mesh, multihost
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +39,7 @@ class _Request:
     detoks: list[IncrementalDetokenizer]
     metrics: RequestMetrics
     logprobs: list[list[dict[int, float]] | None]
+    error: str | None = None
 
 
 class Engine:
@@ -58,82 +50,31 @@ class Engine:
     0 drives the engine; the others call ``follow()``.
     """
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, *, executor_factory=None):
         self.config = config
-        compile_counter.install()
-        # JAX's compilation cache is process-wide: each engine sets it to its own option, on or off.
-        jax.config.update("jax_enable_compilation_cache", bool(config.compilation_cache_dir))
-        if config.compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-        model_path = config.model
-        if model_path is None:
+        if config.model is None:
             from jaxserve.demo import demo_model_path
 
             model_path = str(demo_model_path())
-        self.mesh = make_mesh(config.mesh, num_devices=config.num_devices)
-        self.num_replicas = int(self.mesh.shape["data"])
-        self.is_leader = multihost.is_leader()
-        model, self.model_config, folder = load_model(model_path, config.dtype, self.mesh)
-        cfg = self.model_config
-        self.model_path = model_path
+        else:
+            model_path = config.model
+        # The tokenizer first: a checkpoint without a usable one fails before anything is compiled.
+        folder = resolve_model_path(model_path)
+        cfg = ModelConfig.from_pretrained(folder)
         self.tokenizer = load_tokenizer(config.tokenizer or folder)
         self.eos_token_ids = eos_token_ids(folder, cfg, self.tokenizer)
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        backend = AttentionBackend.resolve(config.attention_backend)
-        cache_dtype = backend.cache_dtype(model.embed_tokens.embedding.get_value().dtype)
-        num_pages = config.num_pages or self._auto_num_pages(cache_dtype)
-        if num_pages % self.num_replicas:
-            raise ValueError(f"num_pages={num_pages} must be a multiple of the mesh's data={self.num_replicas} "
-                             "(each data replica owns an equal block of pages)")
-        self.cache_config = CacheConfig(config.page_size, num_pages)
-        self.runner = ModelRunner(
-            model, cfg, self.cache_config, self.mesh,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, backend=backend,
-            debug_checks=config.debug_checks,
-        )
-        self.scheduler = ReplicatedScheduler(SchedulerConfig(
-            num_pages=self.runner.pages_per_replica, page_size=config.page_size, max_model_len=self.max_model_len,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_prefix_caching=config.enable_prefix_caching, enable_chunked_prefill=config.enable_chunked_prefill,
-        ), self.num_replicas)
-        self._sample = jax.jit(sample)
-        self._reset_rows = jax.jit(PenaltyState.reset_rows)
-        # Sampling runs on process 0, on one device, over the step's (replicated) logits. The penalty state lives
-        # there from the start: the sampler's outputs do, and a differently placed input would recompile.
-        max_running = config.max_num_seqs * self.num_replicas
-        self._penalties = jax.device_put(PenaltyState.create(max_running + 1, cfg.vocab_size),
-                                         self.runner.sample_device)
-        self._free_rows = list(range(max_running, 0, -1))
-        self._rows: dict[int, int] = {}  # seq_id -> penalty row
-        self._seeds: dict[int, int] = {}  # seq_id -> sequence seed
+        if executor_factory is None:
+            from jaxserve.executor import Executor  # the device side: loads jax
+
+            executor_factory = Executor
+        self.executor = executor_factory(config, model_path=str(folder), eos_token_ids=self.eos_token_ids)
+        self.model_path = model_path
+        self.model_config = self.executor.model_config
+        self.max_model_len = self.executor.max_model_len
+        self.scheduler = ReplicatedScheduler(self.executor.scheduler_config, self.executor.num_replicas)
         self._requests: dict[str, _Request] = {}
         self._counter = itertools.count()
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
-        if config.warmup and self.is_leader:
-            self.warmup()  # on a multi-process run the followers compile the same shapes as they follow
-
-    def _auto_num_pages(self, dtype) -> int:
-        """Total pages (all replicas) of a ``dtype`` pool: each replica's block as large as one device's budget
-        allows."""
-        cfg, page_size, replicas = self.model_config, self.config.page_size, self.num_replicas
-        device = jax.local_devices()[0]
-        stats = device.memory_stats() if device.platform != "cpu" else None
-        if stats and "bytes_limit" in stats:
-            budget = stats["bytes_limit"] * self.config.hbm_utilization - stats.get("bytes_in_use", 0)
-            per_page = bytes_per_token(cfg, dtype, int(self.mesh.shape["tensor"])) * page_size
-        else:  # CPU: cpu_kv_cache_gib is the whole pool, all replicas together
-            budget = self.config.cpu_kv_cache_gib * 2**30 / replicas
-            per_page = bytes_per_token(cfg, dtype) * page_size
-        wanted = self.config.max_num_seqs * -(-self.max_model_len // page_size)
-        pages = int(min(wanted, budget // per_page))
-        if jax.process_count() > 1:  # every process must build the same cache shape: process 0's
-            pages = int(multihost.broadcast_ints([pages])[0])
-        if pages * page_size < self.max_model_len:
-            raise ValueError(f"the KV budget holds {pages} pages of {page_size} tokens per replica, fewer than "
-                             f"max_model_len={self.max_model_len}; lower max_model_len or raise the memory budget")
-        return pages * replicas
 
     # Requests -----------------------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
@@ -144,12 +85,9 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
-        index = next(self._counter)
-        seq = Sequence(request_id, ids, params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time)
+        seq = Sequence(request_id, ids, params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
+                       request_index=next(self._counter))
         seqs = self.scheduler.add(seq)
-        for s in seqs:
-            self._seeds[s.seq_id] = sequence_seed(params, engine_seed=self.config.seed, request_index=index,
-                                                  sample_index=s.index)
         detoks = [IncrementalDetokenizer.for_request(self.tokenizer, ids, params) for _ in seqs]
         self._requests[request_id] = _Request(
             request_id, text, ids, params, seqs, detoks, RequestMetrics(seq.arrival_time),
@@ -176,14 +114,16 @@ class Engine:
         """Token ids of a conversation formatted with the checkpoint's chat template."""
         return chat_template_ids(self.tokenizer, messages, add_generation_prompt)
 
-    def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
-        """Finish a request with ``reason`` ("abort", or "error" after a failed step) and free its pages now;
-        None if it is not live."""
+    def abort_request(self, request_id: str, reason: str = "abort", *,
+                      error: str | None = None) -> RequestOutput | None:
+        """Finish a request with ``reason`` ("abort", or "error" after a failed step, with ``error`` saying why)
+        and free its pages now; None if it is not live."""
         req = self._requests.get(request_id)
         if req is None:
             return None
         for seq in self.scheduler.get_request(request_id):
             self.scheduler.finish(seq, reason)
+        req.error = error
         return self._finish_request(req, [s for s in req.seqs])
 
     def has_unfinished(self) -> bool:
@@ -195,10 +135,13 @@ class Engine:
 
     # One step -----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; returns an output for each request that produced tokens or finished."""
+        """Run one scheduled batch; returns an output for each request that produced tokens or finished.
+
+        A step that fails ends the requests in it (reason "error", ``RequestOutput.error`` saying why) and
+        returns their pages; every other request carries on.
+        """
         plan = self.scheduler.schedule()
-        for seq in plan.preempted:
-            self._release_row(seq)
+        self.executor.release(plan.preempted, finished=False)
         if plan.is_empty:
             return self._collect(self.scheduler.update(plan, []).finished, [])
         now = time.monotonic()
@@ -206,68 +149,23 @@ class Engine:
             req = self._requests.get(e.seq.request_id)
             if req is not None and req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-        # One compiled call and one device-to-host copy per step.
-        got = jax.device_get(self._launch(plan.scheduled, plan.replicas))
-        tokens: list[int] = []
-        logprobs: dict[int, dict[int, float]] = {}
-        for slot, e in enumerate(plan.scheduled):
-            token = int(got[0][slot])
-            tokens.append(token)
-            n = e.seq.sampling_params.logprobs
-            if len(got) > 1 and n is not None and e.needs_sample:
-                top = {int(i): float(v) for i, v in zip(got[2][slot][:n], got[3][slot][:n])}
-                logprobs[e.seq.seq_id] = {token: float(got[1][slot]), **top}
-        result = self.scheduler.update(plan, tokens)
+        try:
+            result = self.executor.execute(plan)
+        except StepFailed as e:
+            return self._fail_step(plan, e)
+        tokens = [int(t) for t in result.token_ids]
+        update = self.scheduler.update(plan, tokens)
         self.stats_counters["steps"] += 1
-        return self._collect(result.finished, result.updated, logprobs)
+        return self._collect(update.finished, update.updated, _logprobs(plan.scheduled, result))
 
-    def _launch(self, group: list, replicas: list[int]) -> tuple:
-        """Dispatch the step and its sampling; returns the device arrays to fetch, one row per entry.
-
-        ``group`` holds the scheduled entries, ``replicas`` each one's data replica. A decode call when every
-        sequence has one new token, else a prefill call that carries the decodes along.
-        """
-        decode = all(len(e.token_ids) == 1 for e in group)
-        batch = self.runner.make_batch([e.token_ids for e in group], [e.kv_len for e in group],
-                                       [e.page_table for e in group], decode=decode, replicas=replicas)
-        step_out = self.runner.local(self.runner.decode_step(batch) if decode else self.runner.prefill_step(batch))
-        rows = [self._penalty_row(e.seq) for e in group]
-        if not any(rows) and all(_plain_greedy(e.seq) for e in group):
-            # Greedy batches take the argmax the step already computed: no sampler call at all.
-            return (step_out.greedy_ids,)
-        tensors = SamplingTensors.build(
-            [e.seq.sampling_params for e in group], num_slots=self.runner.num_logit_rows,
-            seeds=[self._seeds[e.seq.seq_id] for e in group],
-            num_generated=[e.seq.num_output_tokens for e in group], eos_token_ids=self.eos_token_ids,
-            penalty_rows=rows, commit=[e.needs_sample for e in group], logprobs_mode=self.config.logprobs_mode,
-        )
-        use_penalties = any(rows)
-        out = self._sample(step_out.logits, tensors, self._penalties if use_penalties else None)
-        if use_penalties:
-            self._penalties = out.penalty_state
-        if tensors.num_top_logprobs or any(e.seq.sampling_params.logprobs is not None for e in group):
-            return (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)
-        return (out.token_ids,)
-
-    def _penalty_row(self, seq: Sequence) -> int:
-        p = seq.sampling_params
-        if p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty:
-            return 0
-        row = self._rows.get(seq.seq_id)
-        if row is None:
-            row = self._rows[seq.seq_id] = self._free_rows.pop()
-            width = self.max_model_len
-            prompt = np.full((1, width), -1, np.int32)
-            prompt[0, : seq.num_prompt_tokens] = seq.prompt_token_ids
-            output = np.full((1, width), -1, np.int32)
-            output[0, : seq.num_output_tokens] = seq.output_token_ids
-            self._penalties = self._reset_rows(self._penalties, np.array([row], np.int32), prompt, output)
-        return row
-
-    def _release_row(self, seq: Sequence) -> None:
-        row = self._rows.pop(seq.seq_id, None)
-        if row is not None:
-            self._free_rows.append(row)
+    def _fail_step(self, plan, error: StepFailed) -> list[RequestOutput]:
+        affected = list(dict.fromkeys(e.seq.request_id for e in plan.scheduled))
+        logger.error("a step of %d requests failed; they finish with reason 'error'", len(affected), exc_info=error)
+        message = f"the step running this request failed: {error}"
+        outputs = [out for rid in affected if (out := self.abort_request(rid, "error", error=message)) is not None]
+        if error.cache_lost:  # every other sequence's KV went with the cache: recompute it from its tokens
+            self.executor.release(self.scheduler.drop_cache(), finished=False)
+        return outputs
 
     def _collect(self, finished: list[Sequence], updated: list[Sequence],
                  logprobs: dict[int, dict[int, float]] | None = None) -> list[RequestOutput]:
@@ -309,8 +207,7 @@ class Engine:
             tail = req.detoks[seq.index].finish() if not req.detoks[seq.index].finished else ""
             ids, text = deltas.get(seq.index, ([], ""))
             deltas[seq.index] = (ids, text + tail)
-            self._release_row(seq)
-            self._seeds.pop(seq.seq_id, None)
+        self.executor.release(seqs)
         req.metrics.finished_time = time.monotonic()
         req.metrics.num_cached_tokens = req.seqs[0].num_cached_tokens
         req.metrics.num_preemptions = sum(s.num_preemptions for s in req.seqs)
@@ -327,48 +224,44 @@ class Engine:
                 seq.stop_reason, list(lps) if lps is not None else None, text, ids,
                 lps[len(lps) - len(ids):] if lps is not None else None,
             ))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, completions, finished, req.metrics)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, completions, finished, req.metrics,
+                             req.error if finished else None)
 
     # Multi-process ------------------------------------------------------------------------------------------
     def follow(self) -> None:
         """On a process other than 0: run the steps process 0 plans until it calls ``close``."""
-        self.runner.follow()
+        self.executor.follow()
 
     def close(self) -> None:
         """Release the follower processes of a multi-process run (no-op otherwise)."""
-        self.runner.close()
+        self.executor.close()
 
-    # Start-up -----------------------------------------------------------------------------------------------
-    def warmup(self) -> None:
-        """Compile every bucket shape of both steps and of the sampler now, so serving never compiles."""
-        start = time.perf_counter()
-        logits = self.runner.warmup().logits
-        # Serving passes the sampler a penalty state produced by jitted code; warm it on one as well.
-        pad = np.full((1, self.max_model_len), -1, np.int32)
-        self._penalties = self._reset_rows(self._penalties, np.zeros(1, np.int32), pad, pad)
-        # The sampler is warmed on the runner's own logits: same shape *and* sharding as when serving.
-        for logprobs in (None, 1):
-            params = [SamplingParams(temperature=1.0, logprobs=logprobs)]
-            tensors = SamplingTensors.build(params, num_slots=self.runner.num_logit_rows, seeds=[0], num_generated=[0],
-                                            penalty_rows=[0], logprobs_mode=self.config.logprobs_mode)
-            for penalties in (None, self._penalties):
-                jax.block_until_ready(self._sample(logits, tensors, penalties))
-        logger.info("warm-up compiled the steps and the sampler in %.1fs (%d compilations)",
-                    time.perf_counter() - start, compile_counter.count())
-
-    @staticmethod
-    def num_compiles() -> int:
-        """XLA compilations in this process so far (constant while serving after warm-up)."""
-        return compile_counter.count()
-
+    # Introspection ------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
         s = dict(self.scheduler.stats())
         s.update(self.stats_counters)
-        s["num_pages"] = self.cache_config.num_pages
+        s["num_pages"] = self.executor.cache_config.num_pages
         return s
 
+    def describe(self) -> dict:
+        """What this engine serves (model, limits, pool, dtype, tokenizer facts), as plain values."""
+        info = dict(self.executor.describe())
+        info["model_path"] = str(self.model_path)
+        info["max_model_len"] = int(self.max_model_len)
+        info["eos_token_ids"] = [int(t) for t in self.eos_token_ids]
+        info["has_chat_template"] = bool(getattr(self.tokenizer, "chat_template", None))
+        return info
 
-def _plain_greedy(seq: Sequence) -> bool:
-    """True when the argmax of the raw logits is exactly what the sampler would pick and report."""
-    p = seq.sampling_params
-    return p.greedy and p.logprobs is None and seq.num_output_tokens >= p.min_tokens
+
+def _logprobs(entries, result: StepResult) -> dict[int, dict[int, float]]:
+    """seq_id -> {sampled token: its logprob, then the top-n}, for the sequences that asked and sampled."""
+    if result.logprobs is None:
+        return {}
+    out = {}
+    for slot, e in enumerate(entries):
+        n = e.seq.sampling_params.logprobs
+        if n is not None and e.needs_sample:
+            token = int(result.token_ids[slot])
+            top = {int(i): float(v) for i, v in zip(result.top_ids[slot][:n], result.top_logprobs[slot][:n])}
+            out[e.seq.seq_id] = {token: float(result.logprobs[slot]), **top}
+    return out

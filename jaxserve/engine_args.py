@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import typing
 
-from jaxserve.engine_config import EngineConfig
+from jaxserve.engine_config import ATTENTION_BACKENDS, DTYPES, LOGPROBS_MODES, EngineConfig
 
 HELP = {
     "model": "Hugging Face folder, orbax folder from scripts/convert_checkpoint.py, or hub id "
@@ -26,6 +26,8 @@ HELP = {
     "max_num_batched_tokens": "tokens per step (prompt chunks plus decodes); longer prompts are chunked",
     "enable_prefix_caching": "reuse the KV pages of repeated prompt prefixes",
     "enable_chunked_prefill": "split long prompts across steps so running sequences keep decoding",
+    "long_prefill_token_threshold": "most prompt tokens one sequence may take in a step, so a long prompt leaves "
+                                    "room for others (0: no cap)",
     "max_waiting_requests": "queued requests beyond which new ones are refused as overloaded (default: no limit)",
     "compilation_cache_dir": "directory of the persistent XLA compilation cache ('' to disable)",
     "attention_backend": "ragged paged attention implementation: auto, reference, pallas_tpu or pallas_gpu",
@@ -39,11 +41,7 @@ HELP = {
 }
 
 
-CHOICES = {
-    "dtype": ("auto", "float32", "bfloat16", "float16"),
-    "attention_backend": ("auto", "reference", "pallas_tpu", "pallas_gpu"),
-    "logprobs_mode": ("processed", "raw"),
-}
+CHOICES = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "logprobs_mode": LOGPROBS_MODES}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = (),

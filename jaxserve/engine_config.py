@@ -5,6 +5,24 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sharding.mesh import MeshConfig
+
+if TYPE_CHECKING:
+    from jaxserve.scheduler_config import SchedulerConfig
+
+
+# The choices of the options that have a fixed set, defined here once (flags, validation and the modules that
+# act on them all read these).
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+LOGPROBS_MODES = ("processed", "raw")
+
+
+def pages_per_seq(max_model_len: int, page_size: int) -> int:
+    """Page-table width that holds a ``max_model_len`` sequence."""
+    return -(-max_model_len // page_size)
 
 
 def default_compilation_cache_dir() -> str:
@@ -32,6 +50,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # cap on one prompt's chunk per step (0: off)
     max_waiting_requests: int | None = None  # the server answers "overloaded" past this many queued requests
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
     attention_backend: str = "auto"
@@ -59,8 +78,31 @@ class EngineConfig:
             raise ValueError(f"max_waiting_requests={self.max_waiting_requests} must be >= 1")
         if self.num_devices is not None and (not isinstance(self.num_devices, int) or self.num_devices < 1):
             raise ValueError(f"num_devices={self.num_devices!r} must be a positive integer")
-        from sharding.mesh import MeshConfig
-
         MeshConfig.parse(self.mesh)  # a malformed spec fails here, naming the part it cannot read
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype={self.dtype!r} must be 'auto', 'float32', 'bfloat16' or 'float16'")
+        for name, choices in (("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS),
+                              ("logprobs_mode", LOGPROBS_MODES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(map(repr, choices))}")
+        # The scheduler's own checks, on what is known before the model is: a bad combination fails here.
+        t = self.long_prefill_token_threshold
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"long_prefill_token_threshold={t!r} must be an integer >= 0")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                             f"max_num_seqs={self.max_num_seqs}")
+
+    def pages_per_seq(self, max_model_len: int) -> int:
+        """Page-table width that holds a ``max_model_len`` sequence at this config's page size."""
+        return pages_per_seq(max_model_len, self.page_size)
+
+    def scheduler_config(self, *, num_pages: int, max_model_len: int) -> "SchedulerConfig":
+        """The scheduler's limits, once the model (``max_model_len``) and the pool (``num_pages`` per data
+        replica) are known."""
+        from jaxserve.scheduler_config import SchedulerConfig
+
+        return SchedulerConfig(
+            num_pages=num_pages, page_size=self.page_size, max_model_len=max_model_len,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_prefix_caching=self.enable_prefix_caching, enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+        )

@@ -10,8 +10,10 @@ schedules, samples and prints, the others run the same compiled steps and exit w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
+from jaxserve.engine_args import add_engine_args, engine_config_from_args
 from jaxserve.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 from sharding import multihost
@@ -19,35 +21,21 @@ from sharding import multihost
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", help="Hugging Face folder, orbax folder or hub id (default: the demo model)")
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--mesh", default=None,
-                        help='e.g. "data=2,tensor=4"; must use every device unless --num-devices (default: one device)')
-    parser.add_argument("--num-devices", type=int, default=None, help="use only the first N devices for --mesh")
+    add_engine_args(parser)  # every engine option, named as serve's (--seed seeds sampling too)
     multihost.add_arguments(parser)
     args = parser.parse_args(argv)
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
 
-    model = args.model
-    if model is None:
-        from jaxserve.demo import demo_model_path
-
-        model = str(demo_model_path())
     start = time.perf_counter()
-    llm = LLM(model, dtype=args.dtype, page_size=args.page_size, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, mesh=args.mesh, num_devices=args.num_devices)
+    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
     if not multihost.is_leader():
         llm.engine.follow()
         return
     loaded = time.perf_counter()
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     try:
         outputs = llm.generate(args.prompt or ["Hello, my name is"], params)
     finally:

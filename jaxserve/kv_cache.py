@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
-from sharding import logical_sharding
+from sharding.rules import logical_sharding
 from sharding.rules import cache_heads
 
 CACHE_AXES = ("cache_kv_heads", "cache_pages", "page_size", "head_dim")
@@ -25,17 +25,25 @@ CACHE_AXES = ("cache_kv_heads", "cache_pages", "page_size", "head_dim")
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """Page size and count of the pool (all data replicas together); the dtype is the attention backend's choice
-    for the model's (`AttentionBackend.cache_dtype`)."""
+    """Page size and count of the pool (all data replicas together, an equal block each); the dtype is the
+    attention backend's choice for the model's (`AttentionBackend.cache_dtype`)."""
 
     page_size: int = 16
     num_pages: int = 512
+    num_replicas: int = 1  # the mesh's data axis
 
     def __post_init__(self):
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size} must be a power of two")
         if self.num_pages < 2:
             raise ValueError(f"num_pages={self.num_pages} must be >= 2")
+        if self.num_pages % self.num_replicas:
+            raise ValueError(f"num_pages={self.num_pages} must be a multiple of the mesh's data={self.num_replicas} "
+                             "(each data replica owns an equal block of pages)")
+
+    @property
+    def pages_per_replica(self) -> int:
+        return self.num_pages // self.num_replicas
 
 
 def bytes_per_token(cfg: ModelConfig, dtype, tensor: int = 1) -> int:
@@ -49,8 +57,6 @@ def bytes_per_token(cfg: ModelConfig, dtype, tensor: int = 1) -> int:
 def cache_sharding(cfg: ModelConfig, cache: CacheConfig, mesh: Mesh):
     shape = (cache_heads(cfg.num_kv_heads, int(mesh.shape["tensor"])), cache.num_pages, cache.page_size,
              cfg.head_dim)
-    if cache.num_pages % mesh.shape["data"]:
-        raise ValueError(f"num_pages={cache.num_pages} must be a multiple of the mesh's data={mesh.shape['data']}")
     return shape, logical_sharding(CACHE_AXES, shape, mesh)
 
 

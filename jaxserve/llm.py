@@ -17,19 +17,13 @@ class LLM:
     Args:
       model: a local Hugging Face folder (safetensors), an orbax folder from ``scripts/convert_checkpoint.py``,
         or a hub id; None for the built-in demo model.
-      dtype: "float32", "bfloat16" or "auto" (the checkpoint's).
-      page_size, num_pages, max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
-      compilation_cache_dir, attention_backend, mesh, seed, ...: engine options (see ``EngineConfig``).
-      tokenizer: a tokenizer folder or id, if not the model's.
+      **engine_options: any ``EngineConfig`` field (``dtype``, ``tokenizer``, ``page_size``, ``num_pages``,
+        ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``, ``long_prefill_token_threshold``,
+        ``enable_prefix_caching``, ``attention_backend``, ``mesh``, ``seed``, ...), with its defaults.
     """
 
-    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
-                 page_size: int = 16, num_pages: int | None = None, max_model_len: int | None = None,
-                 max_num_seqs: int = 32, **engine_options):
-        self.engine = Engine(EngineConfig(
-            model=model, tokenizer=tokenizer, dtype=dtype, page_size=page_size, num_pages=num_pages,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs, **engine_options,
-        ))
+    def __init__(self, model: str | None = None, **engine_options):
+        self.engine = Engine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
 

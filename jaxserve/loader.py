@@ -19,10 +19,12 @@ from jax.sharding import Mesh
 from jaxserve.checkpoint import read_checkpoint, resolve_model_path
 from jaxserve.config import ModelConfig
 from jaxserve.models import DecoderLM
-from sharding import logical_sharding, make_mesh
+from jaxserve import engine_config
+from sharding.mesh import make_mesh, place
+from sharding.rules import logical_sharding
 from sharding.rules import DEFAULT_RULES, model_rules
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = {name: jnp.dtype(name) for name in engine_config.DTYPES if name != "auto"}
 ORBAX_DIR = "params"
 # Buffers some checkpoints carry that are derived, not learned.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -56,13 +58,6 @@ def param_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
         path: logical_sharding(var.logical_axes, var.get_value().shape, mesh, rules)
         for path, var in nnx.to_flat_state(state)
     }
-
-
-def place(host: np.ndarray, sharding) -> jax.Array:
-    """A host array onto a sharding; each process copies only the shards its devices hold (multi-host safe)."""
-    if jax.process_count() == 1:
-        return jax.device_put(host, sharding)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def load_model(

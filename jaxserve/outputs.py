@@ -44,6 +44,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     metrics: RequestMetrics | None = None
+    error: str | None = None  # why a request finished with reason "error" (a failed step), for logs and callers
 
     @property
     def num_prompt_tokens(self) -> int:

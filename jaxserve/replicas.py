@@ -83,9 +83,6 @@ class ReplicatedScheduler:
     def has_unfinished(self) -> bool:
         return any(r.has_unfinished() for r in self.replicas)
 
-    def replica_of(self, request_id: str) -> int | None:
-        return self._replica_of.get(request_id)
-
     def get_request(self, request_id: str) -> list[Sequence]:
         r = self._replica_of.get(request_id)
         return [] if r is None else self.replicas[r].get_request(request_id)
@@ -107,14 +104,6 @@ class ReplicatedScheduler:
         self._replica_of[seq.request_id] = target
         return seqs
 
-    def abort(self, request_id: str) -> list[Sequence]:
-        r = self._replica_of.get(request_id)
-        if r is None:
-            return []
-        seqs = self.replicas[r].abort(request_id)
-        self._forget(request_id)
-        return seqs
-
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         r = self._replica_of.get(seq.request_id)
         if r is None:
@@ -126,6 +115,10 @@ class ReplicatedScheduler:
         r = self._replica_of.get(request_id)
         if r is not None and not self.replicas[r].get_request(request_id):
             del self._replica_of[request_id]
+
+    def drop_cache(self) -> list[Sequence]:
+        """Every replica's ``Scheduler.drop_cache``; returns the sequences sent back to recompute."""
+        return [seq for r in self.replicas for seq in r.drop_cache()]
 
     # ---- one step -----------------------------------------------------------------------------------------
     def schedule(self) -> ReplicatedPlan:

@@ -30,27 +30,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.engine_config import LOGPROBS_MODES
 from jaxserve.penalty_state import PenaltyState
 from jaxserve.sampling_params import SamplingParams
 
 # Temperatures below this are treated as greedy: dividing by them overflows f32 long before it changes argmax.
 GREEDY_EPS = 1e-5
 MAX_TOP_LOGPROBS = 20
-LOGPROBS_MODES = ("processed", "raw")
 _MASK64 = (1 << 64) - 1
-
-
-def sequence_seed(params: SamplingParams, *, engine_seed: int, request_index: int, sample_index: int = 0) -> int:
-    """The 64-bit seed a sequence keeps for its whole life.
-
-    A request's own ``seed`` is used as is, offset by ``sample_index`` so the ``n`` samples of one request
-    differ; otherwise the seed comes from the engine seed and the request's arrival counter, so runs of the
-    engine are reproducible but requests do not share streams.
-    """
-    if params.seed is not None:
-        return (params.seed + sample_index) & _MASK64
-    words = np.random.SeedSequence([engine_seed & _MASK64, request_index, sample_index]).generate_state(2)
-    return (int(words[0]) << 32) | int(words[1])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -63,3 +65,19 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def sequence_seed(params: SamplingParams, *, engine_seed: int, request_index: int, sample_index: int = 0) -> int:
+    """The 64-bit seed a sequence keeps for its whole life.
+
+    A request's own ``seed`` is used as is, offset by ``sample_index`` so the ``n`` samples of one request
+    differ; otherwise the seed comes from the engine seed and the request's arrival counter, so runs of the
+    engine are reproducible but requests do not share streams.
+    """
+    if params.seed is not None:
+        return (params.seed + sample_index) & _MASK64
+    words = np.random.SeedSequence([engine_seed & _MASK64, request_index, sample_index]).generate_state(2)
+    return (int(words[0]) << 32) | int(words[1])

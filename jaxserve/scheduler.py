@@ -6,7 +6,6 @@ import dataclasses
 from collections import deque
 from collections.abc import Sequence as Seq
 
-from jaxserve.batch import StepBatch
 from jaxserve.block_manager import BlockManager
 from jaxserve.scheduler_config import SchedulerConfig
 from jaxserve.sequence import Sequence, SequenceStatus
@@ -44,17 +43,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-    def to_step_batch(self, *, num_tokens: int, max_seqs: int, pages_per_seq: int) -> StepBatch:
-        """Pack the plan into the padded arrays the device step consumes."""
-        return StepBatch.build(
-            [s.token_ids for s in self.scheduled],
-            [s.kv_len for s in self.scheduled],
-            [s.page_table for s in self.scheduled],
-            num_tokens=num_tokens,
-            max_seqs=max_seqs,
-            pages_per_seq=pages_per_seq,
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,13 +130,6 @@ class Scheduler:
         self.waiting.extend(seqs)
         return list(seqs)
 
-    def abort(self, request_id: str) -> list[Sequence]:
-        """Finish every live sequence of a request with reason ``abort``, in any state; returns them."""
-        seqs = self.get_request(request_id)
-        for seq in seqs:
-            self.finish(seq, "abort")
-        return seqs
-
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Finish a sequence for a reason found elsewhere (e.g. a stop string) and release its pages.
 
@@ -167,6 +148,16 @@ class Scheduler:
             siblings.remove(seq)
             if not siblings:
                 del self._requests[seq.request_id]
+
+    def drop_cache(self) -> list[Sequence]:
+        """The KV cache's contents are gone (a failed step took it): every running sequence goes back to the
+        front of the queue to recompute its tokens, and the prefix cache forgets every page. Returns them."""
+        victims = list(reversed(self.running))  # newest first, as preemption takes them
+        for seq in victims:
+            self.running.remove(seq)
+            self._preempt(seq)
+        self.block_manager.reset_prefix_cache()
+        return victims
 
     # ---- one step -----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.engine_config import pages_per_seq
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
@@ -59,4 +61,4 @@ class SchedulerConfig:
     @property
     def pages_per_seq(self) -> int:
         """Page-table width that holds a max_model_len sequence."""
-        return -(-self.max_model_len // self.page_size)
+        return pages_per_seq(self.max_model_len, self.page_size)

@@ -57,6 +57,7 @@ class Sequence:
         eos_token_ids: int | Iterable[int] = (),
         arrival_time: float | None = None,
         index: int = 0,
+        request_index: int = 0,
     ):
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
@@ -66,6 +67,7 @@ class Sequence:
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
         self.index = index  # which of the request's n outputs this is
+        self.request_index = request_index  # the engine's arrival counter: seeds unseeded sampling
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -106,11 +108,6 @@ class Sequence:
         return len(self._token_ids) - self.num_computed_tokens
 
     @property
-    def all_token_ids(self) -> list[int]:
-        """A copy of prompt + output token ids."""
-        return list(self._token_ids)
-
-    @property
     def last_token(self) -> int:
         return self._token_ids[-1]
 
@@ -146,6 +143,7 @@ class Sequence:
             eos_token_ids=self.eos_token_ids,
             arrival_time=self.arrival_time,
             index=index,
+            request_index=self.request_index,
         )
         sib.leader = self
         return sib

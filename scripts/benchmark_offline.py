@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxserve.batch import StepKind  # noqa: E402
 from jaxserve.demo import DEMO_CONFIG, byte_tokenizer, write_random_checkpoint  # noqa: E402
 from jaxserve.engine import Engine  # noqa: E402
 from jaxserve.engine_args import add_engine_args, engine_config_from_args  # noqa: E402
@@ -96,8 +97,9 @@ def probe_decode(engine: Engine, batch: int, context: int, steps: int = 16) -> d
     ids = [engine.add_request(f"probe{batch}-{i}", rng.integers(3, min(1000, vocab), context).tolist(), params)
            for i in range(batch)]
     seen = []
-    real = engine.runner.decode_step
-    engine.runner.decode_step = lambda b: (seen.append(b), real(b))[1]
+    runner = engine.executor.runner
+    real = runner.run
+    runner.run = lambda kind, b: (kind == StepKind.DECODE and seen.append(b), real(kind, b))[1]
     started: set[str] = set()
     walls, devices = [], []
     try:
@@ -108,10 +110,10 @@ def probe_decode(engine: Engine, batch: int, context: int, steps: int = 16) -> d
             engine.step()
             walls.append(time.perf_counter() - start)
             start = time.perf_counter()
-            jax.block_until_ready(real(seen[-1]))
+            jax.block_until_ready(real(StepKind.DECODE, seen[-1]))
             devices.append(time.perf_counter() - start)
     finally:
-        engine.runner.decode_step = real
+        runner.run = real
         for rid in ids:
             engine.abort_request(rid)
     return {"batch": batch, "context": context, "step_s": float(np.median(walls)),
@@ -153,11 +155,11 @@ def main() -> None:
     startup = time.perf_counter() - start
     cfg = engine.model_config
     w = workload(args, cfg.vocab_size)
-    itemsize = engine.runner.params["embed_tokens"]["embedding"].get_value().dtype.itemsize
+    itemsize = engine.executor.runner.params["embed_tokens"]["embedding"].get_value().dtype.itemsize
     dev = jax.devices()[0]
     print(f"device {dev.platform} ({dev.device_kind}), {len(jax.devices())} devices; model {cfg.architecture} "
           f"{cfg.num_params / 1e6:.1f}M params, itemsize {itemsize}; start-up (load + warm-up) {startup:.1f}s")
-    peak_flops, peak_bw = measure_peaks(engine.runner.params["embed_tokens"]["embedding"].get_value().dtype)
+    peak_flops, peak_bw = measure_peaks(engine.executor.runner.params["embed_tokens"]["embedding"].get_value().dtype)
     print(f"measured peaks: {peak_flops / 1e9:.0f} GFLOP/s matmul, {peak_bw / 1e9:.1f} GB/s memory")
 
     res = run_jaxserve(engine, w)

@@ -49,7 +49,7 @@ def run_one(args, mesh: str) -> dict:
     import numpy as np
 
     from jaxserve import LLM, SamplingParams
-    from sharding import MeshConfig
+    from sharding.mesh import MeshConfig
 
     devices = MeshConfig.parse(mesh).num_devices
     start = time.perf_counter()

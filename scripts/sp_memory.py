@@ -38,14 +38,14 @@ def measure(hf: dict, prompt_len: int, sequence: int, tensor: int, dtype_name: s
     import numpy as np
 
     from jaxserve.attention import AttentionBackend
-    from jaxserve.batch import StepBatch
+    from jaxserve.batch import MeshBatch, StepBatch
     from jaxserve.config import ModelConfig
     from jaxserve.kv_cache import CacheConfig, cache_sharding
     from jaxserve.loader import DTYPES, abstract_model, param_shardings
-    from jaxserve.runner import MeshBatch, StepOutput, jit_step
+    from jaxserve.runner import StepOutput, jit_step
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
-    from sharding import make_mesh
+    from sharding.mesh import make_mesh
     from sharding.attention import ShardedAttention
     from sharding.layout import StepLayout
     from sharding.rules import model_rules

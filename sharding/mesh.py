@@ -9,10 +9,13 @@ the single-device default: the first device.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-import jax
 import numpy as np
-from jax.sharding import Mesh
+
+if TYPE_CHECKING:  # jax is imported where a mesh is built: parsing a spec (e.g. for --help) needs none
+    import jax
+    from jax.sharding import Mesh
 
 AXES = ("data", "sequence", "tensor")
 
@@ -77,6 +80,9 @@ def make_mesh(config: MeshConfig | str | None = None, devices: list | None = Non
     Raises:
       ValueError: if the axis sizes do not multiply to exactly the number of devices in use.
     """
+    import jax
+    from jax.sharding import Mesh
+
     default = config is None or (isinstance(config, str) and not config.strip())
     config = MeshConfig.parse(config)
     available = list(devices) if devices is not None else jax.devices()
@@ -104,3 +110,12 @@ def make_mesh(config: MeshConfig | str | None = None, devices: list | None = Non
 def mesh_config(mesh: Mesh) -> MeshConfig:
     """The axis sizes of a mesh made by ``make_mesh``."""
     return MeshConfig(**{a: int(mesh.shape[a]) for a in AXES})
+
+
+def place(host: np.ndarray, sharding) -> "jax.Array":
+    """A host array onto a sharding; each process copies only the shards its devices hold (multi-host safe)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return jax.device_put(host, sharding)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

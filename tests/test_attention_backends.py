@@ -3,9 +3,9 @@
 import jax.numpy as jnp
 import pytest
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM, SamplingParams, compile_counter
 from jaxserve.attention import AttentionBackend
-from tiny import build_tiny_model, train_tokenizer
+from tiny import FAMILIES, build_tiny_model, train_tokenizer
 
 
 def test_auto_resolves_per_platform():
@@ -33,7 +33,7 @@ def test_bfloat16_engine_on_cpu_keeps_an_fp32_pool(tmp_path):
     path = build_tiny_model("llama", tmp_path / "m", tokenizer=train_tokenizer(), num_hidden_layers=1)
     llm = LLM(str(path), dtype="bfloat16", page_size=4, max_num_seqs=2, max_num_batched_tokens=32,
               max_model_len=48, warmup=False, compilation_cache_dir=None)
-    assert all(k.dtype == jnp.float32 and v.dtype == jnp.float32 for k, v in llm.engine.runner.kv_cache)
+    assert all(k.dtype == jnp.float32 and v.dtype == jnp.float32 for k, v in llm.engine.executor.runner.kv_cache)
     out = llm.generate([[5, 17, 99, 23]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
 
@@ -49,3 +49,33 @@ def test_every_backend_same_greedy_tokens(tmp_path):
         results[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert results["pallas_tpu"] == results["reference"]
     assert results["pallas_gpu"] == results["reference"]
+
+
+@pytest.fixture(scope="module")
+def one_layer_models(tmp_path_factory):
+    tokenizer = train_tokenizer()
+    root = tmp_path_factory.mktemp("families")
+    return {f: build_tiny_model(f, root / f, tokenizer=tokenizer, num_hidden_layers=1) for f in FAMILIES}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_backend_warms_up_and_serves_without_compiling(one_layer_models, family, dtype):
+    """Each backend through the engine as a user starts it: warm-up on, so every bucket of both steps is
+    compiled at the default page size (16), including the one-row decode bucket; serving then compiles
+    nothing. In fp32 every backend gives the reference's tokens (in bf16 the CPU reference keeps an fp32 pool,
+    the kernels a bf16 one, so only fp32 can be compared exactly)."""
+    prompts = [list(range(5, 23)), [7, 7, 3]]  # 18 tokens: two prompt chunks of a 16-token budget, a page edge
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    results = {}
+    for backend in ("reference", "pallas_tpu", "pallas_gpu"):
+        llm = LLM(str(one_layer_models[family]), dtype=dtype, attention_backend=backend, max_num_seqs=1,
+                  max_num_batched_tokens=16, max_model_len=64, compilation_cache_dir=None)
+        assert llm.engine.config.page_size == 16
+        before = compile_counter.count()
+        results[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert compile_counter.count() == before, f"{backend} compiled while serving"
+        assert all(len(ids) == 4 for ids in results[backend])
+    if dtype == "float32":
+        assert results["pallas_tpu"] == results["reference"]
+        assert results["pallas_gpu"] == results["reference"]

@@ -5,7 +5,7 @@ import pytest
 from jaxserve.capacity import capacity, main
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import bytes_per_token
-from sharding import MeshConfig
+from sharding.mesh import MeshConfig
 from tiny import build_tiny_model
 
 

@@ -5,7 +5,7 @@ import pytest
 
 import jax.numpy as jnp
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM, SamplingParams, compile_counter
 from jaxserve.engine import Engine
 from jaxserve.engine_config import EngineConfig
 from tiny import build_tiny_model, hf_greedy, hf_model, train_tokenizer
@@ -78,7 +78,8 @@ def test_nan_poisoned_free_pages_change_nothing(engine):
     clean = run(engine, arrivals)
     bm = engine.scheduler.block_manager
     bm.reset_prefix_cache()
-    engine.runner.kv_cache = [(jnp.full_like(k, jnp.nan), jnp.full_like(v, jnp.nan)) for k, v in engine.runner.kv_cache]
+    runner = engine.executor.runner
+    runner.kv_cache = [(jnp.full_like(k, jnp.nan), jnp.full_like(v, jnp.nan)) for k, v in runner.kv_cache]
     arrivals = [[(rid + "-again", p, sp) for rid, p, sp in wave] for wave in arrivals]
     poisoned = run(engine, arrivals)
     for rid, out in clean.items():
@@ -86,7 +87,7 @@ def test_nan_poisoned_free_pages_change_nothing(engine):
 
 
 def test_no_compiles_after_warmup(engine):
-    compiled = engine.num_compiles()
+    compiled = compile_counter.count()
     rng = np.random.default_rng(2)
     arrivals = random_workload(rng, engine.model_config.vocab_size, n=10)
     arrivals[3].append(("sampled", [5, 6, 7], SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, top_k=20,
@@ -95,7 +96,7 @@ def test_no_compiles_after_warmup(engine):
                                                                    presence_penalty=0.5, stop=["ab"], min_tokens=2)))
     arrivals[6].append(("greedy-lp", [4, 4, 4], SamplingParams(max_tokens=5, temperature=0.0, logprobs=0)))
     run(engine, arrivals)
-    assert engine.num_compiles() == compiled
+    assert compile_counter.count() == compiled
 
 
 def test_seeded_sampling_independent_of_batch_mates(engine):
@@ -186,9 +187,9 @@ def test_llm_chat_uses_the_template(model_dir):
 def test_decodes_ride_in_the_prompt_step(engine, hf, monkeypatch):
     """A step with decodes and a prompt chunk is one compiled call, on every attention backend."""
     calls = []
-    for name in ("prefill_step", "decode_step"):
-        real = getattr(engine.runner, name)
-        monkeypatch.setattr(engine.runner, name, lambda batch, real=real, name=name: calls.append(name) or real(batch))
+    runner = engine.executor.runner
+    real = runner.run
+    monkeypatch.setattr(runner, "run", lambda kind, batch: calls.append(kind.name.lower() + "_step") or real(kind, batch))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.add_request("first", [5, 6, 7, 8, 9], params)
     engine.step()

@@ -100,6 +100,17 @@ def test_write_kv_matches_reference_page_by_page(dtype, page_size, lengths):
     assert len(touched) >= 5
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_write_kv_fewer_rows_than_a_page(dtype):
+    """A step with fewer rows than a page (one decode row, page_size 16): no copy longer than what was staged is
+    traced (the smallest decode bucket used to fail to trace at warm-up)."""
+    rng = np.random.default_rng(8)
+    batch, _, _ = build_batch(rng, [1], [9], page_size=16, dtype=dtype, pad_tokens=0, pad_slots=0)
+    new_k, new_v = new_rows(rng, batch)
+    assert new_k.shape[0] == 1
+    assert_write_matches(lambda *a: write_kv_tpu(*a, interpret=True), batch, new_k, new_v)
+
+
 def test_write_kv_under_tpu_simulator_has_no_races():
     rng = np.random.default_rng(6)
     batch, _, _ = build_batch(rng, [2, 11, 1], [6, 20, 4], page_size=16, dtype="bfloat16")

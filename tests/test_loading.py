@@ -122,7 +122,7 @@ def test_convert_to_orbax_and_load(llama, tmp_path):
     assert (dst / "params").is_dir() and not list(dst.glob("*.safetensors"))
     a = LLM(str(llama), page_size=4, max_num_seqs=1, warmup=False, compilation_cache_dir=None).generate(PROMPT, GREEDY)[0].outputs[0].token_ids
     llm = LLM(str(dst), page_size=4, max_num_seqs=1, dtype="bfloat16", warmup=False, compilation_cache_dir=None)
-    assert llm.engine.runner.params["norm"]["weight"].get_value().dtype == np.dtype("bfloat16")
+    assert llm.engine.executor.runner.params["norm"]["weight"].get_value().dtype == np.dtype("bfloat16")
     b = LLM(str(dst), page_size=4, max_num_seqs=1, warmup=False, compilation_cache_dir=None).generate(PROMPT, GREEDY)[0].outputs[0].token_ids
     assert a == b
 

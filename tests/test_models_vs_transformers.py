@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.batch import StepKind
 from tiny import FAMILIES, build_tiny_model, hf_greedy, hf_last_logits, hf_model, train_tokenizer
 
 PAGE = 4
@@ -38,8 +39,8 @@ def jax_last_logits(llm: LLM, prompt: list[int]) -> np.ndarray:
     llm.engine.scheduler.block_manager.reset_prefix_cache()
     pages = pool.allocate(-(-len(prompt) // PAGE))
     try:
-        batch = llm.engine.runner.make_batch([prompt], [len(prompt)], [pages], decode=False)
-        return np.asarray(llm.engine.runner.prefill_step(batch).logits)[0]
+        batch = llm.engine.executor.make_batch([prompt], [len(prompt)], [pages], kind=StepKind.PREFILL)
+        return np.asarray(llm.engine.executor.runner.run(StepKind.PREFILL, batch).logits)[0]
     finally:
         pool.free(pages)
 
@@ -81,7 +82,7 @@ def test_bfloat16_logits_close(name, tmp_path, tokenizer):
     path = build_tiny_model(name, tmp_path / name, tokenizer=tokenizer)
     llm = LLM(str(path), dtype="bfloat16", page_size=PAGE, max_num_seqs=2, max_num_batched_tokens=32,
               warmup=False, compilation_cache_dir=None)
-    assert llm.engine.runner.params["embed_tokens"]["embedding"].get_value().dtype == np.dtype("bfloat16")
+    assert llm.engine.executor.runner.params["embed_tokens"]["embedding"].get_value().dtype == np.dtype("bfloat16")
     hf = hf_model(path, torch.float32)
     for prompt in prompts(llm.model_config.vocab_size)[1:3]:
         want = hf_last_logits(hf, prompt)

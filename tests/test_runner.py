@@ -2,6 +2,7 @@
 
 import pytest
 
+from jaxserve.batch import StepKind
 from jaxserve.demo import DEMO_CONFIG, byte_tokenizer, write_random_checkpoint
 from jaxserve.engine import Engine
 from jaxserve.engine_config import EngineConfig
@@ -23,9 +24,9 @@ def engine(tmp_path_factory):
 
 @pytest.mark.parametrize("decode", [True, False])
 def test_steps_do_not_copy_the_kv_pool(engine, decode):
-    runner = engine.runner
-    batch = runner.make_batch([[5]] if decode else [[5, 6, 7]], [200], [list(range(13))], decode=decode)
-    hlo = runner.lower(batch, decode=decode).compile().as_text()
+    kind = StepKind.DECODE if decode else StepKind.PREFILL
+    batch = engine.executor.make_batch([[5]] if decode else [[5, 6, 7]], [200], [list(range(13))], kind=kind)
+    hlo = engine.executor.runner.lower(kind, batch).compile().as_text()
     pool = f"[4,{NUM_PAGES},16,64]"
     copies = [line.strip()[:120] for line in hlo.splitlines() if " copy(" in line and pool in line]
     assert not copies, copies

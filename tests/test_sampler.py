@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from jaxserve.penalty_state import PenaltyState
-from jaxserve.sampler import SamplingTensors, argmax, sample, sequence_seed
+from jaxserve.sampler import SamplingTensors, argmax, sample
+from jaxserve.sampling_params import sequence_seed
 from jaxserve.sampling_params import SamplingParams as SP
 
 V = 16

@@ -100,6 +100,11 @@ class FakeEngine:
         self.scheduler.running = [_Seq(r) for r in self.requests]
         return outs
 
+    def describe(self):
+        return {"model_path": "", "architecture": "Fake", "family": "fake", "vocab_size": 100, "max_model_len": 64,
+                "num_layers": 0, "hidden_size": 0, "eos_token_ids": [], "page_size": 0, "num_pages": 0,
+                "has_chat_template": False, "dtype": "float32"}
+
     def stats(self):
         running = min(len(self.requests), self.max_num_seqs)
         return {"num_running": running, "num_waiting": len(self.requests) - running, "steps": self.steps}

@@ -12,13 +12,15 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM, SamplingParams, compile_counter
+from jaxserve.batch import StepKind
 from jaxserve.attention import AttentionBackend, AttentionMetadata
 from jaxserve.engine_config import EngineConfig
 from jaxserve.replicas import ReplicatedScheduler
 from jaxserve.scheduler import SchedulerConfig
 from jaxserve.sequence import Sequence
-from sharding import MeshConfig, make_mesh, multihost
+from sharding import multihost
+from sharding.mesh import MeshConfig, make_mesh
 from sharding.attention import window_metadata
 from tiny import FAMILIES, build_tiny_model, train_tokenizer
 
@@ -104,7 +106,7 @@ def test_tensor_parallel_placement_and_kv_head_replication(models):
     """tensor=4 with 2 KV heads: q heads/MLP/vocab split 4 ways, K/V projections replicated, and the cache
     stores each KV head twice, shard d holding head d // 2, never gathered."""
     llm = make_llm(models.path("mistral"), "tensor=4")
-    params = llm.engine.runner.params
+    params = llm.engine.executor.runner.params
     layer = params["layers"][0]
     get = lambda v: v.get_value()  # noqa: E731
     assert spec_of(get(layer["self_attn"]["q_proj"]["weight"])) == P(None, "tensor")
@@ -132,17 +134,20 @@ def test_tensor_parallel_placement_and_kv_head_replication(models):
 
 def test_data_parallel_pages_and_sequence_split(models):
     llm = make_llm(models.path("mistral"), ALL_AXES)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
+    executor = llm.engine.executor
     k_pages = runner.kv_cache[0][0]
     # 2 KV heads over tensor=2; pages in two replica blocks; replicated over sequence.
     assert spec_of(k_pages) == P("tensor", "data", None, None)
     assert {s.data.shape for s in k_pages.addressable_shards} == {(1, 32, 4, 8)}
     assert [r.block_manager.num_pages for r in llm.engine.scheduler.replicas] == [32, 32]
-    prefill = runner.make_batch([[5] * 12, [6] * 3], [12, 3], [[0, 1, 2], [0]], decode=False, replicas=[0, 1])
+    prefill = executor.make_batch([[5] * 12, [6] * 3], [12, 3], [[0, 1, 2], [0]], kind=StepKind.PREFILL,
+                                 replicas=[0, 1])
     assert prefill.num_replicas == 2 and prefill.tokens_per_replica == 16
-    assert runner.layout_for(multihost.PREFILL, prefill).split_sequence
-    decode = runner.make_batch([[5], [6], [7]], [21, 4, 9], [[0], [1], [2]], decode=True, replicas=[1, 0, 1])
-    assert not runner.layout_for(multihost.DECODE, decode).split_sequence
+    assert runner.layout_for(StepKind.PREFILL, prefill).split_sequence
+    decode = executor.make_batch([[5], [6], [7]], [21, 4, 9], [[0], [1], [2]], kind=StepKind.DECODE,
+                                replicas=[1, 0, 1])
+    assert not runner.layout_for(StepKind.DECODE, decode).split_sequence
     # Logits rows follow the caller's order: entry i's row lies in its replica's block.
     assert decode.logits_indices[:3].tolist() == [2 + 0, 0, 2 + 1]
 
@@ -224,23 +229,28 @@ def test_kv_heads_and_tensor_must_divide_one_another():
 
 
 # ---- the host side of data parallelism ---------------------------------------------------------------------------
+def replica_of(sched: ReplicatedScheduler, request_id: str) -> int | None:
+    return next((i for i, r in enumerate(sched.replicas) if r.get_request(request_id)), None)
+
+
 def test_replicated_scheduler_places_and_collects_per_replica():
     sched = ReplicatedScheduler(SchedulerConfig(num_pages=16, page_size=4, max_model_len=32, max_num_seqs=2,
                                                 max_num_batched_tokens=16), 2)
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     seqs = [sched.add(Sequence(str(i), [3 + i] * (5 + i), params))[0] for i in range(3)]
-    assert [sched.replica_of(str(i)) for i in range(3)] == [0, 1, 0]
+    assert [replica_of(sched, str(i)) for i in range(3)] == [0, 1, 0]
     plan = sched.schedule()
     assert plan.replicas == [0, 0, 1] and [e.seq for e in plan.scheduled] == [seqs[0], seqs[2], seqs[1]]
     assert plan.scheduled[2].page_table == [0, 1]  # replica 1's pages are numbered from 0 in its own block
     result = sched.update(plan, [7, 8, 9])
     assert [s.last_token for s in result.updated] == [7, 8, 9]
-    sched.abort("1")
-    assert sched.replica_of("1") is None and sched.replicas[1].block_manager.num_free_pages == 16
+    for s in sched.get_request("1"):
+        sched.finish(s, "abort")
+    assert replica_of(sched, "1") is None and sched.replicas[1].block_manager.num_free_pages == 16
     while sched.has_unfinished():
         plan = sched.schedule()
         sched.update(plan, [1] * len(plan.scheduled))
-    assert sched.stats()["num_running"] == 0 and sched.replica_of("0") is None
+    assert sched.stats()["num_running"] == 0 and replica_of(sched, "0") is None
     with pytest.raises(AttributeError, match="one block manager per replica"):
         sched.block_manager
 
@@ -249,6 +259,6 @@ def test_nothing_compiles_after_warmup_on_a_mesh(models):
     llm = LLM(str(models.path("mistral")), dtype="float32", page_size=4, max_num_seqs=2, max_num_batched_tokens=16,
               max_model_len=32, num_pages=32, mesh=ALL_AXES, num_devices=8, warmup=True,
               compilation_cache_dir=None)
-    compiled = llm.engine.num_compiles()
+    compiled = compile_counter.count()
     llm.generate([[5, 6, 7], list(range(3, 23)), [9]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-    assert llm.engine.num_compiles() == compiled
+    assert compile_counter.count() == compiled

@@ -15,7 +15,6 @@ from flax import nnx
 from jaxserve.attention import AttentionBackend, AttentionMetadata
 from jaxserve.config import ModelConfig
 from jaxserve.models import layers
-from pallas_kernels.ragged_paged_attention import token_layout
 from sharding.layout import StepLayout
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages) [KVH, num_pages, page_size, D]
@@ -126,47 +125,33 @@ class DecoderLM(nnx.Module):
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, axes=("embed", "vocab"))
         )
 
-    def __call__(self, token_ids, md: AttentionMetadata, kv_cache: KVCache, logits_indices, backend,
-                 layout: StepLayout | None = None):
-        return forward(self, token_ids, md, kv_cache, logits_indices, backend, layout)
-
 
 def forward(
     model: DecoderLM,
     token_ids: jax.Array,  # i32[R * T]
-    md: AttentionMetadata,
+    positions: jax.Array,  # i32[R * T]  each row's absolute position (0 for padding rows)
+    md: AttentionMetadata,  # every field with a leading replica axis R
     kv_cache: KVCache,
     logits_indices: jax.Array,  # i32[N]
-    backend,
+    attention,
     layout: StepLayout | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """Run the decoder over a ragged batch, writing its K/V into the cache.
+    """Run the decoder over ``R`` data replicas' ragged batches side by side, writing their K/V into the cache.
 
-    Two forms of batch:
-      - one ragged batch: ``md`` fields as in the kernel contract, ``backend`` an ``AttentionBackend``;
-      - ``R`` data replicas' batches side by side: rows ``r*T .. (r+1)*T - 1`` of ``token_ids`` are replica
-        ``r``'s, every ``md`` field has a leading axis R, and ``backend`` is a ``sharding.ShardedAttention``
-        (which takes the stacked metadata). ``logits_indices`` are rows of the whole array.
-    ``layout`` (the mesh and rules of the step) pins activation shardings; None runs unconstrained.
+    Rows ``r*T .. (r+1)*T - 1`` of ``token_ids`` are replica ``r``'s; ``attention`` is a
+    ``ShardedAttention`` (it takes the stacked metadata and hands each shard its replica's block).
+    ``logits_indices`` are rows of the whole array. ``layout`` (the mesh and rules of the step) pins activation
+    shardings; None runs unconstrained.
 
     Returns:
       (logits f32[N, vocab] at the ``logits_indices`` rows, gathered over the mesh; the updated cache).
     """
     cfg = model.cfg
-    if md.cu_q_lens.ndim == 2:
-        num_replicas = md.cu_q_lens.shape[0]
-        rows = token_ids.shape[0] // num_replicas
-        _, positions, _ = jax.vmap(lambda cu, kv, n: token_layout(cu, kv, n, rows))(
-            md.cu_q_lens, md.kv_lens, md.num_seqs)
-        positions = positions.reshape(-1)
-    else:
-        _, positions, _ = token_layout(md.cu_q_lens, md.kv_lens, md.num_seqs, token_ids.shape[0])
-    positions = _constrain(positions, layout, "tokens")
     inv_freq = jnp.asarray(np.array(cfg.rope.inv_freq(cfg.head_dim), np.float32))
     x = _constrain(model.embed_tokens(_constrain(token_ids, layout, "tokens")), layout, "tokens", "act_embed")
     new_cache = []
     for layer, (k_pages, v_pages) in zip(model.layers, kv_cache, strict=True):
-        x, k_pages, v_pages = layer(x, positions, inv_freq, k_pages, v_pages, md, backend, layout)
+        x, k_pages, v_pages = layer(x, positions, inv_freq, k_pages, v_pages, md, attention, layout)
         new_cache.append((k_pages, v_pages))
     x = model.norm(x[logits_indices])
     head = model.embed_tokens.embedding[...].T if model.lm_head is None else model.lm_head.weight[...]

@@ -29,9 +29,11 @@ from pallas_kernels.kv_cache_update.staging import ROW_TILE, rows_per_word, stag
 from pallas_kernels.ragged_paged_attention.validation import maybe_check_batch
 
 
-def _chunk_sizes(page_size: int, word: int) -> list[int]:
+def _chunk_sizes(page_size: int, word: int, staged_rows: int) -> list[int]:
+    """Power-of-two copy sizes from one packed word up to a page, none longer than the staging array: a run
+    never holds more rows than were staged, and a copy longer than its source cannot even be traced."""
     sizes, size = [], word
-    while size <= page_size:
+    while size <= min(page_size, staged_rows):
         sizes.append(size)
         size *= 2
     return sizes
@@ -106,7 +108,7 @@ def _write_kv_tpu(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_le
     word = rows_per_word(k_pages.dtype)
     runs, staged_k, staged_v = staged_runs(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens,
                                            num_seqs)
-    chunk_sizes = tuple(_chunk_sizes(page_size, word))
+    chunk_sizes = tuple(_chunk_sizes(page_size, word, staged_k.shape[1]))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         functools.partial(_kernel, runs_per_block=runs_per_block, chunk_sizes=chunk_sizes, aligned=word > 1),

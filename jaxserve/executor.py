@@ -1,0 +1,261 @@
+"""Everything that touches the device, behind one call: ``Executor.execute(plan) -> StepResult``.
+
+The executor loads the model onto the mesh, sizes and owns the KV pool, compiles every step shape (and the
+sampler) at start-up, and per step: packs the plan into one ``MeshBatch``, runs the compiled prefill or decode
+step, samples on device (or takes the step's own argmax when every sequence is plain greedy), and brings the
+results back with one device-to-host copy as NumPy arrays. Penalty rows and per-sequence seeds live here too.
+The host loop (``jaxserve.engine``) sees only plans going in and ``StepResult`` s coming out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+import jax
+import numpy as np
+
+from jaxserve import compile_counter
+from jaxserve.attention import AttentionBackend
+from jaxserve.batch import MeshBatch, StepBatch, StepKind
+from jaxserve.engine_config import EngineConfig
+from jaxserve.kv_cache import CacheConfig, bytes_per_token
+from jaxserve.loader import load_model
+from jaxserve.penalty_state import PenaltyState
+from jaxserve.runner import ModelRunner, StepOutput
+from jaxserve.sampler import SamplingTensors, sample
+from jaxserve.sampling_params import SamplingParams, sequence_seed
+from jaxserve.sequence import Sequence
+from jaxserve.shapes import StepShapes
+from jaxserve.step_result import StepFailed, StepResult
+from sharding import multihost
+from sharding.mesh import make_mesh
+
+logger = logging.getLogger(__name__)
+
+
+class Executor:
+    """The device side of one engine: model, KV pool, compiled steps, sampler.
+
+    On a mesh with ``data`` > 1 each data replica owns a block of pages and a share of every step;
+    ``max_num_seqs`` and ``max_num_batched_tokens`` apply per replica. On a multi-process run only process 0
+    calls ``execute``; the others call ``follow``.
+    """
+
+    def __init__(self, config: EngineConfig, *, model_path: str, eos_token_ids: tuple[int, ...] = ()):
+        self.config = config
+        compile_counter.install()
+        # JAX's compilation cache is process-wide: each engine sets it to its own option, on or off.
+        jax.config.update("jax_enable_compilation_cache", bool(config.compilation_cache_dir))
+        if config.compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        self.model_path = model_path
+        self.eos_token_ids = tuple(eos_token_ids)  # banned before a request's min_tokens
+        self.mesh = make_mesh(config.mesh, num_devices=config.num_devices)
+        self.num_replicas = int(self.mesh.shape["data"])
+        self.is_leader = multihost.is_leader()
+        model, self.model_config, self.folder = load_model(self.model_path, config.dtype, self.mesh)
+        cfg = self.model_config
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        backend = AttentionBackend.resolve(config.attention_backend)
+        self.cache_dtype = backend.cache_dtype(model.embed_tokens.embedding.get_value().dtype)
+        num_pages = config.num_pages or self._auto_num_pages()
+        self.cache_config = CacheConfig(config.page_size, num_pages, self.num_replicas)
+        self.scheduler_config = config.scheduler_config(num_pages=self.cache_config.pages_per_replica,
+                                                        max_model_len=self.max_model_len)
+        self.shapes = StepShapes(config.max_num_seqs, config.max_num_batched_tokens,
+                                 self.scheduler_config.pages_per_seq)
+        max_running = config.max_num_seqs * self.num_replicas
+        self.runner = ModelRunner(model, cfg, self.cache_config, self.mesh, cache_dtype=self.cache_dtype,
+                                  num_logit_rows=max_running, backend=backend, debug_checks=config.debug_checks)
+        self._sample = jax.jit(sample)
+        self._reset_rows = jax.jit(PenaltyState.reset_rows)
+        # Sampling runs on process 0, on one device, over the step's (replicated) logits. The penalty state lives
+        # there from the start: the sampler's outputs do, and a differently placed input would recompile.
+        self._penalties = jax.device_put(PenaltyState.create(max_running + 1, cfg.vocab_size),
+                                         self.runner.sample_device)
+        self._free_rows = list(range(max_running, 0, -1))
+        self._rows: dict[int, int] = {}  # seq_id -> penalty row
+        self._seeds: dict[int, int] = {}  # seq_id -> sequence seed
+        # Test hook: called with each plan before it runs; whatever it raises is a failed step.
+        self.fault: Callable[[object], None] | None = None
+        if config.warmup and self.is_leader:
+            self.warmup()  # on a multi-process run the followers compile the same shapes as they follow
+
+    def _auto_num_pages(self) -> int:
+        """Total pages (all replicas) of the pool: each replica's block as large as one device's budget allows."""
+        cfg, config, replicas = self.model_config, self.config, self.num_replicas
+        page_size = config.page_size
+        device = jax.local_devices()[0]
+        stats = device.memory_stats() if device.platform != "cpu" else None
+        if stats and "bytes_limit" in stats:
+            budget = stats["bytes_limit"] * config.hbm_utilization - stats.get("bytes_in_use", 0)
+            per_page = bytes_per_token(cfg, self.cache_dtype, int(self.mesh.shape["tensor"])) * page_size
+        else:  # CPU: cpu_kv_cache_gib is the whole pool, all replicas together
+            budget = config.cpu_kv_cache_gib * 2**30 / replicas
+            per_page = bytes_per_token(cfg, self.cache_dtype) * page_size
+        wanted = config.max_num_seqs * config.pages_per_seq(self.max_model_len)
+        pages = int(min(wanted, budget // per_page))
+        if jax.process_count() > 1:  # every process must build the same cache shape: process 0's
+            pages = int(multihost.broadcast_ints([pages])[0])
+        if pages * page_size < self.max_model_len:
+            raise ValueError(f"the KV budget holds {pages} pages of {page_size} tokens per replica, fewer than "
+                             f"max_model_len={self.max_model_len}; lower max_model_len or raise the memory budget")
+        return pages * replicas
+
+    # One step -----------------------------------------------------------------------------------------------
+    def execute(self, plan) -> StepResult:
+        """Run a scheduled plan (``plan.scheduled`` entries, ``plan.replicas`` their data replicas).
+
+        A decode step when every sequence has one new token, else a prefill step that carries the decodes along.
+
+        Raises:
+          StepFailed: the step raised; the plan's sequences got no token.
+        """
+        try:
+            if self.fault is not None:
+                self.fault(plan)
+            return self._execute(plan.scheduled, plan.replicas)
+        except Exception as e:
+            lost = self.runner.cache_lost()
+            if lost:
+                self.runner.reset_cache(self.cache_dtype)
+            raise StepFailed(f"{type(e).__name__}: {e}", cache_lost=lost) from e
+
+    def _execute(self, entries, replicas: list[int]) -> StepResult:
+        kind = StepKind.DECODE if all(len(e.token_ids) == 1 for e in entries) else StepKind.PREFILL
+        batch = self.make_batch([e.token_ids for e in entries], [e.kv_len for e in entries],
+                                [e.page_table for e in entries], kind=kind, replicas=replicas)
+        out = self.runner.local(self.runner.run(kind, batch))
+        n = len(entries)
+        rows = [self._penalty_row(e.seq) for e in entries]
+        if not any(rows) and all(_plain_greedy(e.seq) for e in entries):
+            # Greedy batches take the argmax the step already computed: no sampler call at all.
+            return StepResult(np.asarray(jax.device_get(out.greedy_ids))[:n])
+        tensors = SamplingTensors.build(
+            [e.seq.sampling_params for e in entries], num_slots=self.runner.num_logit_rows,
+            seeds=[self._seed(e.seq) for e in entries], num_generated=[e.seq.num_output_tokens for e in entries],
+            eos_token_ids=self.eos_token_ids, penalty_rows=rows, commit=[e.needs_sample for e in entries],
+            logprobs_mode=self.config.logprobs_mode,
+        )
+        use_penalties = any(rows)
+        sampled = self._sample(out.logits, tensors, self._penalties if use_penalties else None)
+        if use_penalties:
+            self._penalties = sampled.penalty_state
+        if not any(e.seq.sampling_params.logprobs is not None for e in entries):
+            return StepResult(np.asarray(jax.device_get(sampled.token_ids))[:n])
+        got = jax.device_get((sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs))
+        return StepResult(*(np.asarray(a)[:n] for a in got))
+
+    def make_batch(self, chunks: list[list[int]], kv_lens: list[int], page_tables: list[list[int]], *,
+                   kind: StepKind, replicas: list[int] | None = None) -> MeshBatch:
+        """Pad one step's sequences to bucket shapes (decode: one row per sequence slot).
+
+        ``replicas[i]`` is the data replica of sequence ``i`` (default: all on replica 0); its page table holds
+        that replica's local page ids. The logits rows come back in the order of ``chunks``.
+        """
+        replicas = [0] * len(chunks) if replicas is None else list(replicas)
+        if len(replicas) != len(chunks) or any(not 0 <= r < self.num_replicas for r in replicas):
+            raise ValueError(f"replicas={replicas} must give each of {len(chunks)} sequences a replica in "
+                             f"[0, {self.num_replicas})")
+        groups = [[i for i, r in enumerate(replicas) if r == g] for g in range(self.num_replicas)]
+        shapes = self.shapes
+        if kind == StepKind.DECODE:
+            num_seqs = num_tokens = shapes.seq_bucket(max(map(len, groups)))
+        else:
+            num_tokens = shapes.token_bucket(max(sum(len(chunks[i]) for i in g) for g in groups))
+            num_seqs = shapes.prefill_seqs(num_tokens)
+        pages = shapes.page_bucket(max(map(len, page_tables), default=1))
+        batches = [StepBatch.build([chunks[i] for i in g], [kv_lens[i] for i in g], [page_tables[i] for i in g],
+                                   num_tokens=num_tokens, max_seqs=num_seqs, pages_per_seq=pages) for g in groups]
+        slot = {i: (g, j) for g, members in enumerate(groups) for j, i in enumerate(members)}
+        return MeshBatch.stack(batches, [slot[i] for i in range(len(chunks))])
+
+    # Per-sequence device state ------------------------------------------------------------------------------
+    def _seed(self, seq: Sequence) -> int:
+        seed = self._seeds.get(seq.seq_id)
+        if seed is None:
+            seed = self._seeds[seq.seq_id] = sequence_seed(seq.sampling_params, engine_seed=self.config.seed,
+                                                           request_index=seq.request_index, sample_index=seq.index)
+        return seed
+
+    def _penalty_row(self, seq: Sequence) -> int:
+        p = seq.sampling_params
+        if p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty:
+            return 0
+        row = self._rows.get(seq.seq_id)
+        if row is None:
+            row = self._rows[seq.seq_id] = self._free_rows.pop()
+            width = self.max_model_len
+            prompt = np.full((1, width), -1, np.int32)
+            prompt[0, : seq.num_prompt_tokens] = seq.prompt_token_ids
+            output = np.full((1, width), -1, np.int32)
+            output[0, : seq.num_output_tokens] = seq.output_token_ids
+            self._penalties = self._reset_rows(self._penalties, np.array([row], np.int32), prompt, output)
+        return row
+
+    def release(self, seqs: Iterable[Sequence], *, finished: bool = True) -> None:
+        """Give back what sequences hold here: their penalty rows (rebuilt from their tokens if they run again)
+        and, once they have finished, their seeds (a preempted sequence keeps its seed)."""
+        for seq in seqs:
+            row = self._rows.pop(seq.seq_id, None)
+            if row is not None:
+                self._free_rows.append(row)
+            if finished:
+                self._seeds.pop(seq.seq_id, None)
+
+    # Multi-process ------------------------------------------------------------------------------------------
+    def follow(self) -> None:
+        """On a process other than 0: run the steps process 0 plans until it calls ``close``."""
+        self.runner.follow()
+
+    def close(self) -> None:
+        """Release the follower processes of a multi-process run (no-op otherwise)."""
+        self.runner.close()
+
+    # Start-up -----------------------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Compile every bucket shape of both steps and of the sampler now, so serving never compiles."""
+        start = time.perf_counter()
+        out: StepOutput | None = None
+        for decode, num_tokens, num_seqs, pages in self.shapes.all_shapes():
+            batch = MeshBatch.padding(self.num_replicas, num_tokens=num_tokens, max_seqs=num_seqs,
+                                      pages_per_seq=pages)
+            out = jax.block_until_ready(self.runner.run(StepKind.DECODE if decode else StepKind.PREFILL, batch))
+        logits = self.runner.local(out).logits
+        # Serving passes the sampler a penalty state produced by jitted code; warm it on one as well.
+        pad = np.full((1, self.max_model_len), -1, np.int32)
+        self._penalties = self._reset_rows(self._penalties, np.zeros(1, np.int32), pad, pad)
+        # The sampler is warmed on the runner's own logits: same shape *and* sharding as when serving.
+        for logprobs in (None, 1):
+            params = [SamplingParams(temperature=1.0, logprobs=logprobs)]
+            tensors = SamplingTensors.build(params, num_slots=self.runner.num_logit_rows, seeds=[0], num_generated=[0],
+                                            penalty_rows=[0], logprobs_mode=self.config.logprobs_mode)
+            for penalties in (None, self._penalties):
+                jax.block_until_ready(self._sample(logits, tensors, penalties))
+        logger.info("warm-up compiled the steps and the sampler in %.1fs (%d compilations)",
+                    time.perf_counter() - start, compile_counter.count())
+
+    def describe(self) -> dict:
+        """What the device side serves: model, pool and dtypes (plain values, for servers and logs)."""
+        cfg = self.model_config
+        return {
+            "model_path": str(self.model_path),
+            "architecture": cfg.architecture,
+            "family": cfg.family,
+            "vocab_size": int(cfg.vocab_size),
+            "max_model_len": int(self.max_model_len),
+            "num_layers": int(cfg.num_layers),
+            "hidden_size": int(cfg.hidden_size),
+            "page_size": int(self.cache_config.page_size),
+            "num_pages": int(self.cache_config.num_pages),
+            "dtype": str(np.dtype(self.cache_dtype)),
+        }
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """True when the argmax of the raw logits is exactly what the sampler would pick and report."""
+    p = seq.sampling_params
+    return p.greedy and p.logprobs is None and seq.num_output_tokens >= p.min_tokens

@@ -1,0 +1,64 @@
+"""The padded shapes a step is compiled for: token, slot and page-table buckets (host-only, no jax).
+
+Shapes grow in powers of two so a handful of compilations serve every batch. ``max_num_seqs`` and
+``max_num_batched_tokens`` bound one data replica's share of a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def bucket(n: int, minimum: int, maximum: int, growth: int = 2) -> int:
+    """The smallest ``minimum * growth**k`` >= n, capped at ``maximum``."""
+    size = minimum
+    while size < n:
+        size *= growth
+    return min(size, maximum)
+
+
+def ladder(bucket_of, start: int) -> list[int]:
+    """All values a bucket function takes, from ``start`` up to its cap."""
+    sizes = [bucket_of(start)]
+    while bucket_of(sizes[-1] + 1) != sizes[-1]:
+        sizes.append(bucket_of(sizes[-1] + 1))
+    return sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShapes:
+    """Bucket ladders of one engine: prefill steps by token count, decode steps by slot count, both by
+    page-table width."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    pages_per_seq: int  # page-table width that holds a max_model_len sequence
+
+    def token_bucket(self, n: int) -> int:
+        return bucket(n, 16, max(16, self.max_num_batched_tokens))
+
+    def seq_bucket(self, n: int) -> int:
+        return bucket(n, 1, self.max_num_seqs)
+
+    def page_bucket(self, n: int) -> int:
+        return bucket(n, 16, max(16, self.pages_per_seq))
+
+    def prefill_seqs(self, num_tokens: int) -> int:
+        """A prefill's slot count, a function of its token bucket: padding slots cost a few metadata entries and
+        LM-head rows, and the shape count stays one per token bucket."""
+        return min(self.max_num_seqs, num_tokens)
+
+    def token_buckets(self) -> list[int]:
+        return ladder(self.token_bucket, 16)
+
+    def decode_buckets(self) -> list[int]:
+        return ladder(self.seq_bucket, 1)
+
+    def page_buckets(self) -> list[int]:
+        return ladder(self.page_bucket, 16)
+
+    def all_shapes(self) -> list[tuple[bool, int, int, int]]:
+        """Every compiled shape as (decode, tokens, slots, pages per sequence), prefill first."""
+        steps = [(False, t, self.prefill_seqs(t)) for t in self.token_buckets()]
+        steps += [(True, n, n) for n in self.decode_buckets()]
+        return [(decode, t, s, p) for decode, t, s in steps for p in self.page_buckets()]
