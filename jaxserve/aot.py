@@ -45,16 +45,18 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jaxserve.attention import AttentionBackend
+from jaxserve.batch import MeshBatch, StepKind
 from jaxserve.config import ModelConfig
 from jaxserve.engine_args import add_engine_args
 from jaxserve.kv_cache import CacheConfig, bytes_per_token, cache_sharding
 from jaxserve.loader import abstract_model, param_shardings, resolve_dtype
 from jaxserve.penalty_state import PenaltyState
 from jaxserve.roofline import attention_flops
-from jaxserve.runner import MeshBatch, StepOutput, bucket, jit_step
+from jaxserve.runner import StepOutput, jit_step
 from jaxserve.sampler import SamplingTensors, sample
 from jaxserve.sampling_params import SamplingParams
-from sharding import MeshConfig, make_mesh
+from jaxserve.shapes import StepShapes
+from sharding.mesh import MeshConfig, make_mesh
 from sharding.attention import ShardedAttention
 from sharding.layout import StepLayout
 from sharding.rules import model_rules
@@ -169,44 +171,9 @@ def chip_of(devices: list, topology: str) -> tuple[Chip, int]:
     return CHIPS[kind], max(1, len(devices) // chips)
 
 
-@dataclasses.dataclass(frozen=True)
-class Shapes:
-    """The engine's bucket ladders (``ModelRunner``'s rules), per data replica."""
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_pages_per_seq: int
-
-    @staticmethod
-    def _ladder(bucket_of, start: int) -> list[int]:
-        sizes = [bucket_of(start)]
-        while bucket_of(sizes[-1] + 1) != sizes[-1]:
-            sizes.append(bucket_of(sizes[-1] + 1))
-        return sizes
-
-    def token_bucket(self, n: int) -> int:
-        return bucket(n, 16, max(16, self.max_num_batched_tokens))
-
-    def page_bucket(self, n: int) -> int:
-        return bucket(n, 16, max(16, self.max_pages_per_seq))
-
-    def prefill_seqs(self, tokens: int) -> int:
-        return min(self.max_num_seqs, tokens)
-
-    def token_buckets(self) -> list[int]:
-        return self._ladder(self.token_bucket, 16)
-
-    def decode_buckets(self) -> list[int]:
-        return self._ladder(lambda n: bucket(n, 1, self.max_num_seqs), 1)
-
-    def page_buckets(self) -> list[int]:
-        return self._ladder(self.page_bucket, 16)
-
-    def warmup(self) -> list[tuple[str, int, int, int]]:
-        """Every (kind, tokens, slots, pages) the engine's warm-up compiles, in its order."""
-        prefill = [("prefill", t, self.prefill_seqs(t)) for t in self.token_buckets()]
-        decode = [("decode", n, n) for n in self.decode_buckets()]
-        return [(k, t, s, p) for k, t, s in prefill + decode for p in self.page_buckets()]
+def warmup_shapes(shapes: StepShapes) -> list[tuple[str, int, int, int]]:
+    """Every (kind, tokens, slots, pages per sequence) the engine's warm-up compiles, in its order."""
+    return [("decode" if decode else "prefill", t, s, p) for decode, t, s, p in shapes.all_shapes()]
 
 
 # Compiling ------------------------------------------------------------------------------------------------------
@@ -259,7 +226,7 @@ class StepCompiler:
         self.num_replicas = int(mesh.shape["data"])
         self.sequence = int(mesh.shape["sequence"])
         self.cache_dtype = backend.cache_dtype(dtype, "tpu")
-        self.cache = CacheConfig(page_size, num_pages)
+        self.cache = CacheConfig(page_size, num_pages, self.num_replicas)
         self.rules = model_rules(cfg.num_heads, cfg.num_kv_heads, mesh)
         self.graphdef, abstract = abstract_model(cfg, dtype)
         shardings = param_shardings(abstract, mesh, self.rules)
@@ -278,9 +245,11 @@ class StepCompiler:
     def step(self, kind: str, tokens: int, slots: int, pages: int) -> Figures:
         """Compile one bucket of ``prefill_step`` or ``decode_step`` as ``ModelRunner`` would."""
         batch = MeshBatch.padding(self.num_replicas, num_tokens=tokens, max_seqs=slots, pages_per_seq=pages)
-        split = kind == "prefill" and self.sequence > 1 and tokens % self.sequence == 0
+        step_kind = StepKind.DECODE if kind == "decode" else StepKind.PREFILL
+        # As ModelRunner.layout_for: prefill rows split over `sequence` when the axis divides them.
+        split = step_kind == StepKind.PREFILL and self.sequence > 1 and tokens % self.sequence == 0
         layout = StepLayout.create(self.mesh, self.rules, split_sequence=split)
-        attention = ShardedAttention(dataclasses.replace(self.backend, decode=kind == "decode"), layout,
+        attention = ShardedAttention(dataclasses.replace(self.backend, decode=step_kind == StepKind.DECODE), layout,
                                      self.cfg.num_kv_heads)
         packed = jax.ShapeDtypeStruct(batch.pack().shape, jnp.int32, sharding=self.replicated)
         rows = max(self.num_logit_rows, batch.max_seqs)  # a probe wider than max_num_seqs gets its own rows
@@ -380,7 +349,7 @@ def run(req: Request, log=None) -> dict:
     cache_dtype = backend.cache_dtype(dtype, "tpu")
     replicas, tensor = mesh_cfg.data, mesh_cfg.tensor
     max_model_len = min(req.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    shapes = Shapes(req.max_num_seqs, req.max_num_batched_tokens, _ceil(max_model_len, req.page_size))
+    shapes = StepShapes(req.max_num_seqs, req.max_num_batched_tokens, _ceil(max_model_len, req.page_size))
     page_bytes = bytes_per_token(cfg, cache_dtype, tensor) * req.page_size
     pages_per_seq = _ceil(max_model_len, req.page_size)
 
@@ -406,7 +375,7 @@ def run(req: Request, log=None) -> dict:
     prompt_pages = shapes.page_bucket(_ceil(prompt_len, req.page_size))
     probes = {f"decode@{b}": ("decode", b, b, probe_pages) for b in req.decode_batches}
     probes["prefill"] = ("prefill", prompt_tokens, shapes.prefill_seqs(prompt_tokens), prompt_pages)
-    todo = list(dict.fromkeys((shapes.warmup() if req.buckets == "all" else []) + list(probes.values())))
+    todo = list(dict.fromkeys((warmup_shapes(shapes) if req.buckets == "all" else []) + list(probes.values())))
     layers_compiled = (2, 3) if req.sample_layers and cfg.num_layers > 3 else (cfg.num_layers,)
     if req.sample_layers and len(set(cfg.sliding_windows)) > 1:
         raise AotError("--sample-layers needs every layer alike; this model mixes sliding-window and full layers")

@@ -189,7 +189,7 @@ def random_engine(hf: dict, folder: Path, *, max_num_seqs: int, max_num_batched_
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxserve import engine as engine_module
+    from jaxserve import executor as executor_module
     from jaxserve.config import ModelConfig
     from jaxserve.demo import byte_tokenizer
     from jaxserve.engine_config import EngineConfig
@@ -218,16 +218,18 @@ def random_engine(hf: dict, folder: Path, *, max_num_seqs: int, max_num_batched_
             var.set_value(makers[spec](jax.random.key(i)))
         return nnx.merge(graphdef, nnx.from_flat_state(flat)), cfg, Path(model_path)
 
-    real = engine_module.load_model
-    engine_module.load_model = load_random
+    from jaxserve.engine import Engine
+
+    real = executor_module.load_model
+    executor_module.load_model = load_random
     try:
-        return engine_module.Engine(EngineConfig(
+        return Engine(EngineConfig(
             model=str(folder), dtype="bfloat16", max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, num_pages=num_pages, warmup=False, compilation_cache_dir=None,
             enable_prefix_caching=False))
     finally:
-        engine_module.load_model = real
+        executor_module.load_model = real
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -256,7 +258,10 @@ def model_timings(dry_run: bool, workdir: Path) -> Section:
     pages_needed = w.batch * -(-(w.prompt_len + w.output_len) // page) + 2 * -(-max_len // page)
     engine = random_engine(hf, workdir / "model", max_num_seqs=w.batch, max_num_batched_tokens=w.prompt,
                            max_model_len=max_len, num_pages=pages_needed)
-    cfg, runner = engine.model_config, engine.runner
+    from jaxserve.batch import StepKind
+
+    cfg, executor = engine.model_config, engine.executor
+    runner = executor.runner
     dev = jax.devices()[0]
     peak_flops, peak_bw = measure_peaks(jnp.bfloat16, read_mib=64 if dry_run else 1024,
                                         matmul_n=512 if dry_run else 8192)
@@ -272,8 +277,8 @@ def model_timings(dry_run: bool, workdir: Path) -> Section:
     # Decode at batch 1: one sequence with decode_context tokens of (garbage) cache, its pages at the top.
     ctx = w.decode_context
     pages = list(range(pages_needed - 1, pages_needed - 1 - (-(-(ctx + 1) // page)), -1))
-    batch = runner.make_batch([[5]], [ctx + 1], [pages], decode=True)
-    t_decode = _median_time(lambda: runner.decode_step(batch).greedy_ids, 5 if dry_run else 20)
+    batch = executor.make_batch([[5]], [ctx + 1], [pages], kind=StepKind.DECODE)
+    t_decode = _median_time(lambda: runner.run(StepKind.DECODE, batch).greedy_ids, 5 if dry_run else 20)
     bound = decode_cost(cfg, 2, 1, ctx).bytes / peak_bw
     results["decode_b1"] = {"seconds": t_decode, "bound_seconds": bound}
     lines.append(f"| decode, batch 1, context {ctx} | {t_decode * 1e3:.2f} ms | HBM bound "
@@ -283,8 +288,8 @@ def model_timings(dry_run: bool, workdir: Path) -> Section:
     # One prefill of a whole prompt in a single step.
     pages = list(range(-(-w.prompt // page)))
     prompt = np.random.default_rng(0).integers(3, cfg.vocab_size, w.prompt).tolist()
-    batch = runner.make_batch([prompt], [w.prompt], [pages], decode=False)
-    t_prefill = _median_time(lambda: runner.prefill_step(batch).greedy_ids, 3 if dry_run else 5)
+    batch = executor.make_batch([prompt], [w.prompt], [pages], kind=StepKind.PREFILL)
+    t_prefill = _median_time(lambda: runner.run(StepKind.PREFILL, batch).greedy_ids, 3 if dry_run else 5)
     flops = prefill_cost(cfg, 2, w.prompt).flops
     results["prefill"] = {"seconds": t_prefill, "flops": flops, "mfu": flops / t_prefill / peak_flops}
     lines.append(f"| prefill, one {w.prompt}-token prompt | {t_prefill * 1e3:.1f} ms | {flops / 1e12:.1f} TFLOP | "

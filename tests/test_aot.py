@@ -12,11 +12,13 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve import aot
+from jaxserve.batch import StepKind
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import CacheConfig
-from jaxserve.models import DecoderLM
-from jaxserve.runner import ModelRunner
-from sharding import make_mesh
+from jaxserve.demo import demo_model_path
+from jaxserve.engine_config import EngineConfig
+from jaxserve.executor import Executor
+from jaxserve.runner import StepOutput
+from jaxserve.shapes import StepShapes
 
 TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 1024,
@@ -45,17 +47,23 @@ def _request(folder, **kw):
     return aot.Request(**dict(base, **kw))
 
 
-def test_shapes_are_the_runners_buckets():
-    """aot compiles exactly what ModelRunner.warmup compiles (same ladders, same slot counts)."""
-    cfg = ModelConfig.from_hf_dict(dict(TINY, num_hidden_layers=1, hidden_size=64, intermediate_size=64,
-                                        num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=64))
-    runner = ModelRunner(DecoderLM(cfg, jnp.float32), cfg, CacheConfig(16, 64), make_mesh(), max_num_seqs=12,
-                         max_num_batched_tokens=100, max_model_len=600)
-    pages = runner.page_buckets()
-    expected = [("prefill", t, runner.prefill_seqs(t), p) for t in runner.token_buckets() for p in pages]
-    expected += [("decode", n, n, p) for n in runner.decode_buckets() for p in pages]
-    assert aot.Shapes(12, 100, -(-600 // 16)).warmup() == expected
-    assert len(expected) == 4 * 3 + 5 * 3
+def test_compiles_what_the_engine_warms_up(monkeypatch):
+    """aot's shape list is the executor's warm-up, call for call (its steps recorded instead of run)."""
+    config = EngineConfig(max_num_seqs=12, max_num_batched_tokens=100, max_model_len=600, num_pages=64,
+                          warmup=False, compilation_cache_dir=None)
+    executor = Executor(config, model_path=str(demo_model_path()))
+    seen = []
+
+    def run(kind, batch):
+        _, tokens, slots, pages = batch.shape_fields()
+        seen.append(("decode" if kind == StepKind.DECODE else "prefill", tokens, slots, pages))
+        rows, vocab = executor.runner.num_logit_rows, executor.model_config.vocab_size
+        return StepOutput(jnp.zeros((rows, vocab), jnp.float32), jnp.zeros((rows,), jnp.int32))
+
+    monkeypatch.setattr(executor.runner, "run", run)
+    executor.warmup()
+    assert executor.shapes == StepShapes(12, 100, -(-600 // 16))  # what aot.run builds from the same options
+    assert seen == aot.warmup_shapes(executor.shapes) and len(seen) == 4 * 3 + 5 * 3
 
 
 def test_compiles_every_bucket_for_v5e_2x2_tensor4(tiny_folder):
@@ -63,7 +71,7 @@ def test_compiles_every_bucket_for_v5e_2x2_tensor4(tiny_folder):
     _needs_libtpu()
     r = aot.run(_request(tiny_folder))
     assert r["device_kind"] == "TPU v5 lite" and r["mesh"] == "data=1,sequence=1,tensor=4"
-    assert r["compiled"]["step_shapes"] == len(aot.Shapes(4, 32, 16).warmup())  # the probes are among the buckets
+    assert r["compiled"]["step_shapes"] == len(StepShapes(4, 32, 16).all_shapes())  # the probes are among them
     assert r["compiled"]["sampler_executables"] == 5 and r["compiled"]["exact"]
     m = r["memory_per_device"]
     # Weights per device: q/o/MLP/vocab split four ways; the 2 KV heads are replicated over tensor=4.
