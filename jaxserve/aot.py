@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from jaxserve.attention import AttentionBackend
+from jaxserve.attention import AttentionBackend, ShardedAttention
 from jaxserve.batch import MeshBatch, StepKind
 from jaxserve.config import ModelConfig
 from jaxserve.engine_args import add_engine_args
@@ -57,7 +57,6 @@ from jaxserve.sampler import SamplingTensors, sample
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.shapes import StepShapes
 from sharding.mesh import MeshConfig, make_mesh
-from sharding.attention import ShardedAttention
 from sharding.layout import StepLayout
 from sharding.rules import model_rules
 

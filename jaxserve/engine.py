@@ -160,7 +160,7 @@ class Engine:
 
     def _fail_step(self, plan, error: StepFailed) -> list[RequestOutput]:
         affected = list(dict.fromkeys(e.seq.request_id for e in plan.scheduled))
-        logger.error("a step of %d requests failed; they finish with reason 'error'", len(affected), exc_info=error)
+        logger.error("a step failed; its requests %s finish with reason 'error'", ", ".join(affected), exc_info=error)
         message = f"the step running this request failed: {error}"
         outputs = [out for rid in affected if (out := self.abort_request(rid, "error", error=message)) is not None]
         if error.cache_lost:  # every other sequence's KV went with the cache: recompute it from its tokens

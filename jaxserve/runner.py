@@ -16,8 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.attention import AttentionBackend
-from sharding.attention import ShardedAttention
+from jaxserve.attention import AttentionBackend, ShardedAttention
 from jaxserve.batch import MeshBatch, StepKind
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import CacheConfig, init_kv_cache
@@ -68,8 +67,7 @@ def device_inputs(batch: MeshBatch, layout: StepLayout):
     rows = lambda a: pin(a, ("replicas",) + (None,) * (a.ndim - 1))  # noqa: E731
     md = jax.tree.map(rows, batch.md)
     per_replica = batch.tokens_per_replica
-    _, positions, _ = jax.vmap(lambda cu, kv, n: token_layout(cu, kv, n, per_replica))(
-        md.cu_q_lens, md.kv_lens, md.num_seqs)
+    _, positions, _ = jax.vmap(lambda m: token_layout(m, per_replica))(md)
     return (pin(batch.token_ids, ("tokens",)), pin(positions.reshape(-1), ("tokens",)), md, batch.logits_indices)
 
 
@@ -150,9 +148,8 @@ class ModelRunner:
     def _run(self, kind: StepKind, batch: MeshBatch, payload: np.ndarray) -> StepOutput:
         if self.debug_checks:
             for r in range(batch.num_replicas):
-                md = batch.replica(r).md
-                check_values(batch.tokens_per_replica, self.cache_cfg.pages_per_replica, self.cache_cfg.page_size,
-                             md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
+                check_values(batch.replica(r).md, num_tokens=batch.tokens_per_replica,
+                             num_pages=self.cache_cfg.pages_per_replica, page_size=self.cache_cfg.page_size)
         fn, args = self._call_args(kind, batch, payload)
         out, self.kv_cache = fn(*args)
         return out

@@ -24,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels.ragged_paged_attention import (  # noqa: E402
-    ragged_paged_attention, ragged_paged_attention_gpu, ragged_paged_attention_tpu)
+    AttentionMetadata, ragged_paged_attention, ragged_paged_attention_gpu, ragged_paged_attention_tpu)
 from pallas_kernels.ragged_paged_attention.block_sizes import BlockSizes, candidates, mode_for  # noqa: E402
 
 
@@ -68,10 +68,12 @@ def make_batch(shape: Shape, args, rng):
         q=jax.random.normal(k1, (tokens, args.num_q_heads, args.head_dim), dtype),
         k_pages=jax.random.normal(k2, pool, dtype),
         v_pages=jax.random.normal(k3, pool, dtype),
-        kv_lens=jnp.full((shape.batch,), shape.context, jnp.int32),
-        page_indices=jnp.asarray(pages, jnp.int32),
-        cu_q_lens=jnp.arange(shape.batch + 1, dtype=jnp.int32) * shape.q_len,
-        num_seqs=jnp.array([shape.batch], jnp.int32),
+        md=AttentionMetadata(
+            cu_q_lens=jnp.arange(shape.batch + 1, dtype=jnp.int32) * shape.q_len,
+            kv_lens=jnp.full((shape.batch,), shape.context, jnp.int32),
+            page_indices=jnp.asarray(pages, jnp.int32),
+            num_seqs=jnp.array([shape.batch], jnp.int32),
+        ),
     )
 
 

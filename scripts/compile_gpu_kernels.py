@@ -31,19 +31,20 @@ def dump(out_dir: str) -> None:
     from jax._src.lib import triton as triton_lib
     from jax._src.lib.mlir import ir
 
-    from pallas_kernels.ragged_paged_attention import ragged_paged_attention_gpu, write_kv_gpu
+    from pallas_kernels.kv_cache_update import write_kv_gpu
+    from pallas_kernels.ragged_paged_attention import AttentionMetadata, ragged_paged_attention_gpu
 
     sds, i32 = jax.ShapeDtypeStruct, jnp.int32
     os.makedirs(out_dir, exist_ok=True)
     cases = []
     for dtype in ("bfloat16", "float32"):
         for tokens, slots, window, cap in ((8, 8, None, None), (256, 8, 64, 30.0), (64, 64, None, None)):
-            shapes = (sds((tokens, 32, 128), dtype), sds((8, 512, 16, 128), dtype), sds((8, 512, 16, 128), dtype),
-                      sds((slots,), i32), sds((slots, 64), i32), sds((slots + 1,), i32), sds((1,), i32))
+            md = AttentionMetadata(sds((slots + 1,), i32), sds((slots,), i32), sds((slots, 64), i32), sds((1,), i32))
+            shapes = (sds((tokens, 32, 128), dtype), sds((8, 512, 16, 128), dtype), sds((8, 512, 16, 128), dtype), md)
             fn = jax.jit(lambda *a, w=window, c=cap: ragged_paged_attention_gpu(*a, sm_scale=0.088, sliding_window=w,
                                                                                 soft_cap=c))
             cases.append((f"attention_{dtype}_t{tokens}_s{slots}", fn, shapes))
-        write_shapes = (shapes[1], shapes[2], sds((256, 8, 128), dtype), sds((256, 8, 128), dtype), *shapes[3:])
+        write_shapes = (shapes[1], shapes[2], sds((256, 8, 128), dtype), sds((256, 8, 128), dtype), shapes[3])
         cases.append((f"write_kv_{dtype}", jax.jit(write_kv_gpu), write_shapes))
 
     def triton_calls(op):

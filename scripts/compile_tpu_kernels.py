@@ -26,7 +26,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention_tpu, write_kv_tpu  # noqa: E402
+from pallas_kernels.kv_cache_update import write_kv_tpu  # noqa: E402
+from pallas_kernels.ragged_paged_attention import AttentionMetadata, ragged_paged_attention_tpu  # noqa: E402
 
 
 def main() -> None:
@@ -51,13 +52,14 @@ def main() -> None:
             # (tokens, slots, group, window, soft cap): decode, a prefill chunk, a large mixed batch.
             for tokens, slots, group, window, cap in ((8, 8, 4, None, None), (512, 8, 8, 256, 30.0),
                                                       (128, 64, 1, None, None)):
-                meta = (sds((slots,), i32), sds((slots, 32), i32), sds((slots + 1,), i32), sds((1,), i32))
+                md = AttentionMetadata(sds((slots + 1,), i32), sds((slots,), i32), sds((slots, 32), i32),
+                                       sds((1,), i32))
                 q = sds((tokens, 8 * group, head_dim), dtype)
                 attend = jax.jit(lambda *a, w=window, c=cap: ragged_paged_attention_tpu(
                     *a, sm_scale=head_dim**-0.5, sliding_window=w, soft_cap=c))
                 new = sds((tokens, 8, head_dim), dtype)
-                for name, fn, operands in (("attention", attend, (q, pool, pool, *meta)),
-                                           ("write_kv", jax.jit(write_kv_tpu), (pool, pool, new, new, *meta))):
+                for name, fn, operands in (("attention", attend, (q, pool, pool, md)),
+                                           ("write_kv", jax.jit(write_kv_tpu), (pool, pool, new, new, md))):
                     label = (f"{device.device_kind:12s} {name:9s} {dtype:8s} page {page_size:3d} "
                              f"head_dim {head_dim:3d} T={tokens} S={slots} group={group}")
                     try:

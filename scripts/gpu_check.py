@@ -62,7 +62,7 @@ def environment(dry_run: bool) -> Section:
     import jax.numpy as jnp
     import jaxlib
 
-    from pallas_kernels.ragged_paged_attention import ragged_paged_attention_gpu
+    from pallas_kernels.ragged_paged_attention import AttentionMetadata, ragged_paged_attention_gpu
 
     dev = jax.devices()[0]
     lines = [f"- jax {jax.__version__}, jaxlib {jaxlib.__version__}, Python {platform.python_version()}",
@@ -71,8 +71,10 @@ def environment(dry_run: bool) -> Section:
     if cc:
         lines.append(f"- compute capability {cc}")
     sds = jax.ShapeDtypeStruct
+    md = AttentionMetadata(cu_q_lens=sds((9,), jnp.int32), kv_lens=sds((8,), jnp.int32),
+                           page_indices=sds((8, 8), jnp.int32), num_seqs=sds((1,), jnp.int32))
     shapes = (sds((8, 32, 128), jnp.bfloat16), sds((8, 64, 16, 128), jnp.bfloat16), sds((8, 64, 16, 128), jnp.bfloat16),
-              sds((8,), jnp.int32), sds((8, 8), jnp.int32), sds((9,), jnp.int32), sds((1,), jnp.int32))
+              md)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         text = jax.jit(lambda *a: ragged_paged_attention_gpu(*a, sm_scale=0.088)).trace(*shapes).lower(

@@ -37,7 +37,7 @@ def measure(hf: dict, prompt_len: int, sequence: int, tensor: int, dtype_name: s
     import jax
     import numpy as np
 
-    from jaxserve.attention import AttentionBackend
+    from jaxserve.attention import AttentionBackend, ShardedAttention
     from jaxserve.batch import MeshBatch, StepBatch
     from jaxserve.config import ModelConfig
     from jaxserve.kv_cache import CacheConfig, cache_sharding
@@ -46,7 +46,6 @@ def measure(hf: dict, prompt_len: int, sequence: int, tensor: int, dtype_name: s
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
     from sharding.mesh import make_mesh
-    from sharding.attention import ShardedAttention
     from sharding.layout import StepLayout
     from sharding.rules import model_rules
 

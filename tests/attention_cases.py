@@ -13,9 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_kv
+from pallas_kernels.ragged_paged_attention import AttentionMetadata, ragged_paged_attention, write_kv
 
-META = ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")
 TOLERANCE = {"float32": dict(rtol=2e-5, atol=2e-5), "bfloat16": dict(rtol=2e-2, atol=2e-2)}
 
 # (q_lens, kv_lens); every list has a zero-length entry and kv lengths on and next to page edges (page_size 4).
@@ -38,7 +37,8 @@ CONFIGS = [
 
 def build_batch(rng, q_lens, kv_lens, *, num_kv_heads=2, group=2, head_dim=64, page_size=4, dtype="float32",
                 pad_tokens=3, pad_slots=2, spare_pages=6, extra_page_slots=2):
-    """A batch as a dict of NumPy arrays, plus each live sequence's keys/values ([kv_len, KVH, D] lists)."""
+    """A batch as a dict of NumPy arrays (q, k_pages, v_pages and the metadata fields), plus each live sequence's
+    keys/values ([kv_len, KVH, D] lists)."""
     num_live = len(q_lens)
     slots = num_live + pad_slots
     needed = [-(-kv // page_size) for kv in kv_lens]
@@ -69,7 +69,7 @@ def build_batch(rng, q_lens, kv_lens, *, num_kv_heads=2, group=2, head_dim=64, p
     q[cu[num_live] :] = np.nan
     kv = rng.integers(10**6, 2 * 10**6, slots).astype(np.int32)
     kv[:num_live] = kv_lens
-    batch = dict(q=q, k_pages=k_pages, v_pages=v_pages, kv_lens=kv, page_indices=page_indices, cu_q_lens=cu,
+    batch = dict(q=q, k_pages=k_pages, v_pages=v_pages, cu_q_lens=cu, kv_lens=kv, page_indices=page_indices,
                  num_seqs=np.array([num_live], np.int32))
     for name in ("q", "k_pages", "v_pages"):
         batch[name] = np.asarray(jnp.asarray(batch[name], dtype))
@@ -105,15 +105,20 @@ def random_batch(rng, *, slots=8, tokens=40, pages_per_seq=12, num_pages=100, pa
     return batch
 
 
+def metadata(batch, to=jnp.asarray):
+    """The batch's ``AttentionMetadata`` (device arrays; ``to=np.asarray`` for the host's NumPy form)."""
+    return AttentionMetadata(*(to(batch[n]) for n in ("cu_q_lens", "kv_lens", "page_indices", "num_seqs")))
+
+
 def device_args(batch):
-    return {k: jnp.asarray(v) for k, v in batch.items()}
+    """The batch as the kernels' leading arguments: ``dict(q, k_pages, v_pages, md)`` of device arrays."""
+    return dict({k: jnp.asarray(batch[k]) for k in ("q", "k_pages", "v_pages")}, md=metadata(batch))
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
-def reference_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                        sliding_window=None, soft_cap=None):
-    return ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
-                                  sliding_window=sliding_window, soft_cap=soft_cap)
+def reference_attention(q, k_pages, v_pages, md, *, sm_scale, sliding_window=None, soft_cap=None):
+    return ragged_paged_attention(q, k_pages, v_pages, md, sm_scale=sm_scale, sliding_window=sliding_window,
+                                  soft_cap=soft_cap)
 
 
 def assert_matches_reference(out, batch, *, sm_scale, sliding_window=None, soft_cap=None, ref=None):
@@ -148,10 +153,9 @@ def assert_write_matches(write_fn, batch, new_k, new_v):
     other page must be byte-identical (NaN poison included) before and after.
     """
     args = device_args(batch)
-    meta = [args[n] for n in META]
     k_before, v_before = batch["k_pages"], batch["v_pages"]
-    got = write_fn(args["k_pages"], args["v_pages"], jnp.asarray(new_k), jnp.asarray(new_v), *meta)
-    want = write_kv(args["k_pages"], args["v_pages"], jnp.asarray(new_k), jnp.asarray(new_v), *meta)
+    got = write_fn(args["k_pages"], args["v_pages"], jnp.asarray(new_k), jnp.asarray(new_v), args["md"])
+    want = write_kv(args["k_pages"], args["v_pages"], jnp.asarray(new_k), jnp.asarray(new_v), args["md"])
     page_size = k_before.shape[2]
     touched = set()
     cu, kv_lens, pages = batch["cu_q_lens"], batch["kv_lens"], batch["page_indices"]

@@ -5,16 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_cases import build_batch, random_batch, random_lengths
+from attention_cases import build_batch, device_args, metadata, random_batch, random_lengths
 from pallas_kernels.kv_cache_update import layout
-from pallas_kernels.ragged_paged_attention import BlockSizes, check_batch, get_block_sizes
+from pallas_kernels.ragged_paged_attention import AttentionMetadata, BlockSizes, check_values, get_block_sizes
 from pallas_kernels.ragged_paged_attention.block_sizes import candidates
 from pallas_kernels.ragged_paged_attention import schedule
 
 # Jitted once per static configuration: eager dispatch of these small graphs is what would be slow.
-q_block_work = jax.jit(schedule.q_block_work, static_argnums=(2, 3))
-q_tiles = jax.jit(schedule.q_tiles, static_argnums=(2, 3))
-page_runs = jax.jit(layout.page_runs, static_argnums=(4, 5))
+q_block_work = jax.jit(schedule.q_block_work, static_argnums=(1, 2))
+q_tiles = jax.jit(schedule.q_tiles, static_argnums=(1, 2))
+page_runs = jax.jit(layout.page_runs, static_argnums=(1, 2))
 
 
 def random_metadata(rng, slots=9, tokens=48):
@@ -28,12 +28,19 @@ def random_metadata(rng, slots=9, tokens=48):
     return cu, np.array([live], np.int32), tokens
 
 
+def query_metadata(cu, num_seqs):
+    """Metadata with the given query layout (all the work lists read); kv_lens and page tables are zeros."""
+    slots = cu.shape[0] - 1
+    return AttentionMetadata(jnp.asarray(cu), jnp.zeros(slots, jnp.int32), jnp.zeros((slots, 1), jnp.int32),
+                             jnp.asarray(num_seqs))
+
+
 @pytest.mark.parametrize("block_q", [1, 3, 8])
 def test_q_block_work_lists_each_sequence_in_each_block_it_touches(block_q):
     rng = np.random.default_rng(block_q)
     for _ in range(20):
         cu, num_seqs, tokens = random_metadata(rng)
-        start, seqs = map(np.asarray, q_block_work(jnp.asarray(cu), jnp.asarray(num_seqs), tokens, block_q))
+        start, seqs = map(np.asarray, q_block_work(query_metadata(cu, num_seqs), tokens, block_q))
         for b in range(-(-tokens // block_q)):
             lo, hi = b * block_q, (b + 1) * block_q
             want = [s for s in range(num_seqs[0]) if cu[s] < hi and cu[s + 1] > lo and cu[s + 1] > cu[s]]
@@ -45,7 +52,7 @@ def test_q_tiles_cover_every_row_once_without_straddling(block_q):
     rng = np.random.default_rng(10 + block_q)
     for _ in range(20):
         cu, num_seqs, tokens = random_metadata(rng)
-        seq, row, length = map(np.asarray, q_tiles(jnp.asarray(cu), jnp.asarray(num_seqs), tokens, block_q))
+        seq, row, length = map(np.asarray, q_tiles(query_metadata(cu, num_seqs), tokens, block_q))
         owner = np.full(tokens, -2)
         for s, r, n in zip(seq, row, length):
             assert 0 <= n <= block_q
@@ -65,8 +72,7 @@ def test_page_runs_rebuild_every_slot():
         batch = random_batch(rng, page_size=page_size)
         live, kv_lens = int(batch["num_seqs"][0]), batch["kv_lens"]
         q_lens = np.diff(batch["cu_q_lens"])
-        meta = [jnp.asarray(batch[n]) for n in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")]
-        runs = [np.asarray(a) for a in page_runs(*meta, batch["q"].shape[0], page_size)]
+        runs = [np.asarray(a) for a in page_runs(metadata(batch), batch["q"].shape[0], page_size)]
         got = {}
         for row, page, offset, n in zip(*runs):
             assert 0 <= n and offset + n <= page_size
@@ -95,11 +101,12 @@ def test_block_size_table_default_and_override():
         assert sweep[0] == get_block_sizes(backend, 128, 16, jnp.bfloat16, "decode") and len(set(sweep)) == len(sweep)
 
 
-def test_check_batch_accepts_a_valid_batch():
+def test_check_values_accepts_a_valid_batch():
     rng = np.random.default_rng(4)
     batch, _, _ = build_batch(rng, [3, 0, 1], [7, 2, 9])
-    check_batch(batch["q"].shape[0], batch["k_pages"].shape, batch["kv_lens"], batch["page_indices"],
-                batch["cu_q_lens"], batch["num_seqs"])
+    _, num_pages, page_size, _ = batch["k_pages"].shape
+    check_values(metadata(batch, np.asarray), num_tokens=batch["q"].shape[0], num_pages=num_pages,
+                 page_size=page_size)
 
 
 def test_kernels_adapt_table_entries_to_the_call():
@@ -142,10 +149,9 @@ def test_staged_runs_copy_pages_in_few_aligned_chunks(dtype):
     rng = np.random.default_rng(6)
     page_size = 16
     batch, _, _ = build_batch(rng, [1, 32, 13, 1, 20], [9, 32, 16, 30, 37], page_size=page_size, dtype=dtype)
-    args = {k: jnp.asarray(v) for k, v in batch.items()}
+    args = device_args(batch)
     new_k, new_v = args["q"][:, :2], args["q"][:, :2]  # [T, KVH=2, D]
-    runs, staged_k, _ = jax.jit(staged_runs)(args["k_pages"], args["v_pages"], new_k, new_v,
-                                             *[args[n] for n in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")])
+    runs, staged_k, _ = jax.jit(staged_runs)(args["k_pages"], args["v_pages"], new_k, new_v, args["md"])
     src, _, slot, size = map(np.asarray, runs)
     word = rows_per_word(dtype)
     assert staged_k.shape[1] <= 3 * batch["q"].shape[0] + 8

@@ -1,5 +1,7 @@
 """The Pallas TPU kernels (attention and KV write) against the reference, in interpret mode on CPU."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,9 +10,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
 
-from attention_cases import (CONFIGS, META, MIXED, assert_matches_reference, assert_write_matches, build_batch,
+from attention_cases import (CONFIGS, MIXED, assert_matches_reference, assert_write_matches, build_batch,
                              device_args, new_rows, random_batch)
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention_tpu, write_kv_tpu
+from pallas_kernels.kv_cache_update import write_kv_tpu
+from pallas_kernels.ragged_paged_attention import AttentionMetadata, ragged_paged_attention_tpu
 
 SMALL_BLOCKS = dict(block_q=4, block_kv=8)
 
@@ -120,42 +123,12 @@ def test_write_kv_under_tpu_simulator_has_no_races():
     assert tpu_interpreter.races is not None and not tpu_interpreter.races.races_found
 
 
-def test_debug_checks_reject_foreign_pages_before_any_read():
-    rng = np.random.default_rng(8)
-    batch, _, _ = build_batch(rng, [2, 1], [6, 3])
-    bad = dict(batch, page_indices=batch["page_indices"].copy())
-    bad["page_indices"][1, 0] = batch["k_pages"].shape[1]
-    with pytest.raises(ValueError, match="page index"):
-        ragged_paged_attention_tpu(**device_args(bad), sm_scale=1.0, debug_checks=True, interpret=True)
-    too_long = dict(batch, kv_lens=batch["kv_lens"].copy())
-    too_long["kv_lens"][0] = 10**4
-    new_k, new_v = new_rows(rng, batch)
-    args = device_args(too_long)
-    with pytest.raises(ValueError, match="kv_len=10000"):
-        write_kv_tpu(args["k_pages"], args["v_pages"], new_k, new_v, *[args[n] for n in META], debug_checks=True,
-                     interpret=True)
-
-
-def test_debug_checks_run_inside_jit():
-    rng = np.random.default_rng(9)
-    batch, _, _ = build_batch(rng, [2, 1], [6, 3])
-    bad = dict(batch, page_indices=batch["page_indices"].copy())
-    bad["page_indices"][0, 1] = -1
-
-    @jax.jit
-    def step(args):
-        return ragged_paged_attention_tpu(**args, sm_scale=1.0, debug_checks=True, block_sizes=SMALL_BLOCKS,
-                                          interpret=True)
-
-    with pytest.raises(Exception, match="page index -1"):
-        jax.block_until_ready(step(device_args(bad)))
-
-
 def test_shape_and_dtype_checks_at_trace_time():
     rng = np.random.default_rng(10)
     args = device_args(build_batch(rng, [2, 1], [6, 3])[0])
+    md = dataclasses.replace(args["md"], kv_lens=args["md"].kv_lens.astype(jnp.int16))
     with pytest.raises(ValueError, match="kv_lens must be int32"):
-        ragged_paged_attention_tpu(**dict(args, kv_lens=args["kv_lens"].astype(jnp.int16)), sm_scale=1.0)
+        ragged_paged_attention_tpu(**dict(args, md=md), sm_scale=1.0)
     with pytest.raises(ValueError, match="block_kv"):
         ragged_paged_attention_tpu(**args, sm_scale=1.0, block_sizes=dict(block_kv=6))
 
@@ -166,12 +139,12 @@ def test_lowers_to_mosaic_at_serving_shapes(window, soft_cap):
     sds = jax.ShapeDtypeStruct
     bf16, i32 = jnp.bfloat16, jnp.int32
     for tokens, slots in ((8, 8), (256, 8)):
-        shapes = (sds((tokens, 32, 128), bf16), sds((8, 512, 16, 128), bf16), sds((8, 512, 16, 128), bf16),
-                  sds((slots,), i32), sds((slots, 64), i32), sds((slots + 1,), i32), sds((1,), i32))
+        md = AttentionMetadata(sds((slots + 1,), i32), sds((slots,), i32), sds((slots, 64), i32), sds((1,), i32))
+        shapes = (sds((tokens, 32, 128), bf16), sds((8, 512, 16, 128), bf16), sds((8, 512, 16, 128), bf16), md)
         fn = jax.jit(lambda *a: ragged_paged_attention_tpu(*a, sm_scale=0.088, sliding_window=window,
                                                            soft_cap=soft_cap))
         assert "tpu_custom_call" in fn.trace(*shapes).lower(lowering_platforms=("tpu",)).as_text()
-    write_shapes = (shapes[1], shapes[2], sds((256, 8, 128), bf16), sds((256, 8, 128), bf16), *shapes[3:])
+    write_shapes = (shapes[1], shapes[2], sds((256, 8, 128), bf16), sds((256, 8, 128), bf16), shapes[3])
     assert "tpu_custom_call" in jax.jit(write_kv_tpu).trace(*write_shapes).lower(
         lowering_platforms=("tpu",)).as_text()
 
@@ -188,9 +161,9 @@ def test_compiles_with_mosaic_for_v5e(dtype):
     sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=SingleDeviceSharding(device))
     pool = sds((8, 256, 16, 128), dtype)
     for tokens, slots in ((8, 8), (256, 8)):
-        meta = (sds((slots,), jnp.int32), sds((slots, 32), jnp.int32), sds((slots + 1,), jnp.int32),
-                sds((1,), jnp.int32))
+        md = AttentionMetadata(sds((slots + 1,), jnp.int32), sds((slots,), jnp.int32), sds((slots, 32), jnp.int32),
+                               sds((1,), jnp.int32))
         attend = jax.jit(lambda *a: ragged_paged_attention_tpu(*a, sm_scale=0.088, sliding_window=128, soft_cap=30.0))
-        attend.trace(sds((tokens, 32, 128), dtype), pool, pool, *meta).lower().compile()
+        attend.trace(sds((tokens, 32, 128), dtype), pool, pool, md).lower().compile()
         new = sds((tokens, 8, 128), dtype)
-        jax.jit(write_kv_tpu).trace(pool, pool, new, new, *meta).lower().compile()
+        jax.jit(write_kv_tpu).trace(pool, pool, new, new, md).lower().compile()

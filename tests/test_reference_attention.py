@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_cases import build_batch
+from attention_cases import build_batch, device_args, metadata
 
 from pallas_kernels.ragged_paged_attention import cpu as cpu_attention
-from pallas_kernels.ragged_paged_attention import (check_values, ragged_paged_attention, ragged_paged_attention_chunks,
-                                                  ragged_paged_attention_rows, write_kv)
+from pallas_kernels.ragged_paged_attention import (AttentionMetadata, check_values, ragged_paged_attention,
+                                                  ragged_paged_attention_chunks, ragged_paged_attention_rows, write_kv)
 
 
 def dense_attention(q, k, v, scale, window=None, soft_cap=None):
@@ -44,8 +44,8 @@ def test_reference_matches_dense(window, soft_cap):
     kv_lens = [1, 5, 9, 8, 17, 4, 12]  # page edges: 4, 8 and 17 = 4*4+1
     case, keys, values = make_case(rng, q_lens, kv_lens)
     scale = 0.3
-    out = np.asarray(ragged_paged_attention(**{k: jnp.asarray(v) for k, v in case.items()}, sm_scale=scale,
-                                            sliding_window=window, soft_cap=soft_cap))
+    out = np.asarray(ragged_paged_attention(**device_args(case), sm_scale=scale, sliding_window=window,
+                                            soft_cap=soft_cap))
     assert np.all(np.isfinite(out))
     cu = case["cu_q_lens"]
     for s in range(len(q_lens)):
@@ -63,7 +63,7 @@ def test_write_kv_touches_only_its_slots():
     new_k = rng.standard_normal((total, 2, 16)).astype(np.float32)
     new_v = rng.standard_normal((total, 2, 16)).astype(np.float32)
     k_after, v_after = write_kv(jnp.asarray(k_before), jnp.asarray(k_before), jnp.asarray(new_k), jnp.asarray(new_v),
-                                *(jnp.asarray(case[n]) for n in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs")))
+                                metadata(case))
     k_after, v_after = np.asarray(k_after), np.asarray(v_after)
     expected_k, expected_v = k_before.copy(), k_before.copy()
     cu = case["cu_q_lens"]
@@ -80,17 +80,29 @@ def test_write_kv_touches_only_its_slots():
 def test_check_values_rejects_foreign_pages_and_overlong_kv():
     rng = np.random.default_rng(2)
     case, _, _ = make_case(rng, [2, 1], [6, 3])
-    args = lambda c: (c["q"].shape[0], c["k_pages"].shape[1], 4, c["kv_lens"], c["page_indices"], c["cu_q_lens"],
-                      c["num_seqs"])
-    check_values(*args(case))
+    check = lambda c: check_values(metadata(c, np.asarray), num_tokens=c["q"].shape[0],  # noqa: E731
+                                   num_pages=c["k_pages"].shape[1], page_size=4)
+    check(case)
     bad = dict(case, page_indices=case["page_indices"].copy())
     bad["page_indices"][0, 1] = case["k_pages"].shape[1]
     with pytest.raises(ValueError, match=f"page index {case['k_pages'].shape[1]}"):
-        check_values(*args(bad))
+        check(bad)
     bad = dict(case, kv_lens=case["kv_lens"].copy())
     bad["kv_lens"][1] = 100
     with pytest.raises(ValueError, match="kv_len=100"):
-        check_values(*args(bad))
+        check(bad)
+
+
+@pytest.mark.parametrize("slot,value", [((1, 0), -2), ((0, 1), -1)])
+def test_check_values_rejects_negative_page_indices(slot, value):
+    """Page indices below the pool are as foreign as those past it."""
+    rng = np.random.default_rng(8)
+    case, _, _ = make_case(rng, [2, 1], [6, 3])
+    bad = dict(case, page_indices=case["page_indices"].copy())
+    bad["page_indices"][slot] = value
+    with pytest.raises(ValueError, match=f"page index {value}"):
+        check_values(metadata(bad, np.asarray), num_tokens=bad["q"].shape[0], num_pages=bad["k_pages"].shape[1],
+                     page_size=4)
 
 
 def chunk_rows(case, q_lens, kv_lens):
@@ -124,13 +136,12 @@ def test_cpu_paths_match_reference(lengths, window, soft_cap):
     rng = np.random.default_rng(4)
     q_lens, kv_lens = lengths
     case, _, _ = make_case(rng, q_lens, kv_lens)
-    args = {k: jnp.asarray(v) for k, v in case.items()}
+    args = device_args(case)
     kw = dict(sm_scale=0.3, sliding_window=window, soft_cap=soft_cap)
     want = np.asarray(ragged_paged_attention(**args, **kw))
     np.testing.assert_allclose(np.asarray(ragged_paged_attention_rows(**args, **kw)), want, rtol=2e-5, atol=2e-5)
     k, v = chunk_rows(case, q_lens, kv_lens)
-    pages = {n: args[n] for n in ("k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")}
-    got = np.asarray(ragged_paged_attention_chunks(args["q"], k, v, **pages, **kw))
+    got = np.asarray(ragged_paged_attention_chunks(args["q"], k, v, args["k_pages"], args["v_pages"], args["md"], **kw))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
@@ -143,11 +154,11 @@ def test_chunk_path_blocks_and_long_context(budget, monkeypatch):
     rng = np.random.default_rng(5)
     q_lens, kv_lens = [150, 1, 90, 30], [170, 70, 90, 100]
     case, _, _ = make_case(rng, q_lens, kv_lens, page_size=8, pad_tokens=20)
-    args = {k: jnp.asarray(v) for k, v in case.items()}
+    args = device_args(case)
     want = np.asarray(ragged_paged_attention(**args, sm_scale=0.2))
     k, v = chunk_rows(case, q_lens, kv_lens)
-    pages = {n: args[n] for n in ("k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")}
-    got = np.asarray(ragged_paged_attention_chunks(args["q"], k, v, **pages, sm_scale=0.2))
+    got = np.asarray(ragged_paged_attention_chunks(args["q"], k, v, args["k_pages"], args["v_pages"], args["md"],
+                                                   sm_scale=0.2))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(np.asarray(ragged_paged_attention_rows(**args, sm_scale=0.2)), want, rtol=2e-5,
                                atol=2e-5)
@@ -156,11 +167,11 @@ def test_chunk_path_blocks_and_long_context(budget, monkeypatch):
 def test_chunk_path_checks_its_rows():
     rng = np.random.default_rng(6)
     case, _, _ = make_case(rng, [2, 1], [6, 3])
-    args = {k: jnp.asarray(v) for k, v in case.items()}
+    args = device_args(case)
     k, _ = chunk_rows(case, [2, 1], [6, 3])
     with pytest.raises(ValueError, match="k and v must be"):
-        ragged_paged_attention_chunks(args["q"], k[:-1], k[:-1], *(args[n] for n in (
-            "k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")), sm_scale=0.3)
+        ragged_paged_attention_chunks(args["q"], k[:-1], k[:-1], args["k_pages"], args["v_pages"], args["md"],
+                                      sm_scale=0.3)
 
 
 def test_chunk_path_scores_stay_within_budget():
@@ -171,8 +182,9 @@ def test_chunk_path_scores_stay_within_budget():
     shapes = [jax.ShapeDtypeStruct(s, d) for s, d in [
         ((rows, heads, head_dim), f32), ((rows, kv_heads, head_dim), f32), ((rows, kv_heads, head_dim), f32),
         ((kv_heads, slots * pages_per_seq, page_size, head_dim), f32),
-        ((kv_heads, slots * pages_per_seq, page_size, head_dim), f32),
-        ((slots,), i32), ((slots, pages_per_seq), i32), ((slots + 1,), i32), ((1,), i32)]]
+        ((kv_heads, slots * pages_per_seq, page_size, head_dim), f32)]]
+    shapes.append(AttentionMetadata(*(jax.ShapeDtypeStruct(s, i32) for s in [
+        (slots + 1,), (slots,), (slots, pages_per_seq), (1,)])))
     fn = jax.jit(lambda *a: ragged_paged_attention_chunks(*a, sm_scale=0.125))
     temp = fn.lower(*shapes).compile().memory_analysis().temp_size_in_bytes
     assert temp < 1.5 * 2**30, f"{temp / 2**30:.1f} GiB of scratch"

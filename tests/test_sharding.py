@@ -13,15 +13,14 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxserve import LLM, SamplingParams, compile_counter
+from jaxserve.attention import AttentionBackend, AttentionMetadata, window_metadata
 from jaxserve.batch import StepKind
-from jaxserve.attention import AttentionBackend, AttentionMetadata
 from jaxserve.engine_config import EngineConfig
 from jaxserve.replicas import ReplicatedScheduler
 from jaxserve.scheduler import SchedulerConfig
 from jaxserve.sequence import Sequence
 from sharding import multihost
 from sharding.mesh import MeshConfig, make_mesh
-from sharding.attention import window_metadata
 from tiny import FAMILIES, build_tiny_model, train_tokenizer
 
 PROMPT_LENS = [1, 7, 19, 40]  # page size 4: page edges; 19 and 40 > max_num_batched_tokens = 16 (chunked)
@@ -121,7 +120,7 @@ def test_tensor_parallel_placement_and_kv_head_replication(models):
     assert {s.data.shape for s in q.addressable_shards} == {(64, 16)}  # 8 heads x 8 dims / 4
 
     llm.generate(prompts(llm.model_config.vocab_size)[:2], GREEDY)
-    k_pages = llm.engine.runner.kv_cache[0][0]
+    k_pages = llm.engine.executor.runner.kv_cache[0][0]
     assert k_pages.shape == (4, 64, 4, 8) and spec_of(k_pages) == P("tensor", None, None, None)
     shards = sorted(k_pages.addressable_shards, key=lambda s: s.index[0].start)
     assert [s.data.shape for s in shards] == [(1, 64, 4, 8)] * 4

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import grpc
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -253,6 +254,7 @@ class OpenAIServer:
         finals = await self._until_disconnect(request, self._final_outputs(streams), streams)
         if finals is None:
             return Response(status_code=499)
+        _raise_if_failed(finals)
         choices = []
         for k, (stream, out) in enumerate(zip(streams, finals)):
             for c in out.outputs:
@@ -310,6 +312,7 @@ class OpenAIServer:
         finals = await self._until_disconnect(request, self._final_outputs(streams), streams)
         if finals is None:
             return Response(status_code=499)
+        _raise_if_failed(finals)
         out = finals[0]
         choices = []
         for c in out.outputs:
@@ -376,3 +379,13 @@ def _chat_logprobs(lps: list[TokenLogprob], texts: dict[int, str]) -> list[dict]
                         "top_logprobs": [{"token": texts.get(t, ""), "logprob": v,
                                           "bytes": list(texts.get(t, "").encode())} for t, v in lp.top]})
     return content
+
+
+def _raise_if_failed(finals: list[RequestOutput]) -> None:
+    """A request whose step failed on the engine is a 500 naming it (the log has the cause; the client gets no
+    internal text)."""
+    failed = [out.request_id for out in finals if out.error is not None]
+    if failed:
+        raise RequestError(f"internal error: generation failed for request {', '.join(failed)}; the server log has "
+                           "the details", status=500, code=grpc.StatusCode.INTERNAL, type="internal_error",
+                           reason="error")

@@ -22,7 +22,7 @@ except ImportError:  # pragma: no cover - depends on the jax release
     plgpu = None
 
 from pallas_kernels.kv_cache_update.layout import check_write_shapes, token_slots
-from pallas_kernels.ragged_paged_attention.validation import maybe_check_batch
+from pallas_kernels.metadata import AttentionMetadata
 
 
 def _kernel(
@@ -58,11 +58,10 @@ def _kernel(
 
 
 @functools.partial(jax.jit, static_argnames=("block_tokens", "interpret"))
-def _write_kv_gpu(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens, num_seqs, *, block_tokens,
-                  interpret):
+def _write_kv_gpu(k_pages, v_pages, new_k, new_v, md: AttentionMetadata, *, block_tokens, interpret):
     num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
     num_tokens = new_k.shape[0]
-    page, offset, valid = token_slots(kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens, page_size)
+    page, offset, valid = token_slots(md, num_tokens, page_size)
     pool_shape = jax.ShapeDtypeStruct((num_kv_heads * num_pages * page_size, head_dim), k_pages.dtype)
     k_out, v_out = pl.pallas_call(
         functools.partial(_kernel, block_tokens=block_tokens, num_kv_heads=num_kv_heads,
@@ -83,24 +82,19 @@ def write_kv_gpu(
     v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
     new_k: jax.Array,  # [T, num_kv_heads, head_dim]
     new_v: jax.Array,  # [T, num_kv_heads, head_dim]
-    kv_lens: jax.Array,  # i32[S]
-    page_indices: jax.Array,  # i32[S, P]
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[1]
+    md: AttentionMetadata,
     *,
     block_tokens: int = 32,
     interpret: bool = False,
-    debug_checks: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``reference.write_kv`` as a Pallas GPU (Triton) kernel.
 
     Args:
       k_pages, v_pages: one layer's page pool; donate them in the caller's jit for an in-place update.
       new_k, new_v: this step's K/V per query row; padding rows are not written.
-      kv_lens, page_indices, cu_q_lens, num_seqs: the ragged-batch metadata.
+      md: the ragged-batch metadata (``pallas_kernels.metadata``).
       block_tokens: rows per program (a power of two).
       interpret: run in the CPU interpreter.
-      debug_checks: validate the metadata values first (``validation.check_batch``).
 
     Returns:
       The updated (k_pages, v_pages).
@@ -110,6 +104,4 @@ def write_kv_gpu(
     check_write_shapes(k_pages, v_pages, new_k, new_v)
     if block_tokens < 1 or block_tokens & (block_tokens - 1):
         raise ValueError(f"block_tokens must be a power of two, got {block_tokens}")
-    maybe_check_batch(debug_checks, new_k.shape[0], k_pages.shape, kv_lens, page_indices, cu_q_lens, num_seqs)
-    return _write_kv_gpu(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens, num_seqs,
-                         block_tokens=block_tokens, interpret=interpret)
+    return _write_kv_gpu(k_pages, v_pages, new_k, new_v, md, block_tokens=block_tokens, interpret=interpret)

@@ -5,30 +5,24 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention.metadata import token_layout
+from pallas_kernels.metadata import AttentionMetadata, token_layout
 
 
 def token_slots(
-    kv_lens: jax.Array,  # i32[S]
-    page_indices: jax.Array,  # i32[S, P]
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[1]
+    md: AttentionMetadata,
     num_tokens: int,
     page_size: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(page i32[T], offset i32[T], valid bool[T]) of each query row's K/V slot; padding rows are not valid."""
-    seq_ids, positions, valid = token_layout(cu_q_lens, kv_lens, num_seqs, num_tokens)
-    pages_per_seq = page_indices.shape[1]
+    seq_ids, positions, valid = token_layout(md, num_tokens)
+    pages_per_seq = md.page_indices.shape[1]
     page_slot = jnp.clip(positions // page_size, 0, pages_per_seq - 1)
-    page = jnp.where(valid, page_indices[seq_ids, page_slot], 0)
+    page = jnp.where(valid, md.page_indices[seq_ids, page_slot], 0)
     return page, jnp.where(valid, positions % page_size, 0), valid
 
 
 def page_runs(
-    kv_lens: jax.Array,  # i32[S]
-    page_indices: jax.Array,  # i32[S, P]
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[1]
+    md: AttentionMetadata,
     num_tokens: int,
     page_size: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -41,11 +35,11 @@ def page_runs(
       (row, page, offset, length), each i32[T]: run r copies rows ``row[r] : row[r] + length[r]`` into
       ``page[r]`` at ``offset[r]``; runs past the last one have length 0.
     """
-    page, offset, valid = token_slots(kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens, page_size)
+    page, offset, valid = token_slots(md, num_tokens, page_size)
     rows = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq_ids, _, _ = token_layout(cu_q_lens, kv_lens, num_seqs, num_tokens)
-    is_start = valid & ((offset == 0) | (rows == cu_q_lens[seq_ids]))
-    total = cu_q_lens[num_seqs[0]]
+    seq_ids, _, _ = token_layout(md, num_tokens)
+    is_start = valid & ((offset == 0) | (rows == md.cu_q_lens[seq_ids]))
+    total = md.cu_q_lens[md.num_seqs[0]]
     starts = jnp.nonzero(is_start, size=num_tokens, fill_value=total)[0].astype(jnp.int32)
     ends = jnp.concatenate([starts[1:], total[None]])
     first = jnp.minimum(starts, num_tokens - 1)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kv_cache_update.layout import page_runs
+from pallas_kernels.metadata import AttentionMetadata
 
 ROW_TILE = 8  # rows of a Mosaic HBM tile along the page_size dimension
 
@@ -40,10 +41,7 @@ def staged_runs(
     v_pages: jax.Array,  # [KVH, num_pages, page_size, D]
     new_k: jax.Array,  # [T, KVH, D]
     new_v: jax.Array,  # [T, KVH, D]
-    kv_lens: jax.Array,  # i32[S]
-    page_indices: jax.Array,  # i32[S, P]
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[1]
+    md: AttentionMetadata,
 ) -> tuple[tuple[jax.Array, ...], jax.Array, jax.Array]:
     """The copies the TPU write kernel makes, and the staged rows they copy from.
 
@@ -54,7 +52,7 @@ def staged_runs(
     num_tokens = new_k.shape[0]
     page_size = k_pages.shape[2]
     word = rows_per_word(k_pages.dtype)
-    row, page, offset, length = page_runs(kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens, page_size)
+    row, page, offset, length = page_runs(md, num_tokens, page_size)
     new_k = new_k.astype(k_pages.dtype)
     new_v = new_v.astype(v_pages.dtype)
     if word == 1:

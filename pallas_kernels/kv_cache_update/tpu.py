@@ -26,7 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kv_cache_update.layout import check_write_shapes
 from pallas_kernels.kv_cache_update.staging import ROW_TILE, rows_per_word, staged_runs
-from pallas_kernels.ragged_paged_attention.validation import maybe_check_batch
+from pallas_kernels.metadata import AttentionMetadata
 
 
 def _chunk_sizes(page_size: int, word: int, staged_rows: int) -> list[int]:
@@ -101,13 +101,11 @@ def _kernel(
 
 
 @functools.partial(jax.jit, static_argnames=("runs_per_block", "interpret"))
-def _write_kv_tpu(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens, num_seqs, *, runs_per_block,
-                  interpret):
+def _write_kv_tpu(k_pages, v_pages, new_k, new_v, md: AttentionMetadata, *, runs_per_block, interpret):
     num_tokens = new_k.shape[0]
     page_size = k_pages.shape[2]
     word = rows_per_word(k_pages.dtype)
-    runs, staged_k, staged_v = staged_runs(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens,
-                                           num_seqs)
+    runs, staged_k, staged_v = staged_runs(k_pages, v_pages, new_k, new_v, md)
     chunk_sizes = tuple(_chunk_sizes(page_size, word, staged_k.shape[1]))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
@@ -133,30 +131,23 @@ def write_kv_tpu(
     v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
     new_k: jax.Array,  # [T, num_kv_heads, head_dim]
     new_v: jax.Array,  # [T, num_kv_heads, head_dim]
-    kv_lens: jax.Array,  # i32[S]
-    page_indices: jax.Array,  # i32[S, P]
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[1]
+    md: AttentionMetadata,
     *,
     runs_per_block: int = 64,
     interpret: bool | pltpu.InterpretParams = False,
-    debug_checks: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``reference.write_kv`` as a Pallas Mosaic TPU kernel.
 
     Args:
       k_pages, v_pages: one layer's page pool; donate them in the caller's jit for an in-place update.
       new_k, new_v: this step's K/V per query row; padding rows are not written.
-      kv_lens, page_indices, cu_q_lens, num_seqs: the ragged-batch metadata.
+      md: the ragged-batch metadata (``pallas_kernels.metadata``).
       runs_per_block: page runs issued per grid step.
       interpret: True or ``pltpu.InterpretParams`` to run on CPU.
-      debug_checks: validate the metadata values first (``validation.check_batch``).
 
     Returns:
       The updated (k_pages, v_pages).
     """
     check_write_shapes(k_pages, v_pages, new_k, new_v)
-    maybe_check_batch(debug_checks, new_k.shape[0], k_pages.shape, kv_lens, page_indices, cu_q_lens, num_seqs)
-    return _write_kv_tpu(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens, num_seqs,
-                         runs_per_block=runs_per_block, interpret=interpret)
+    return _write_kv_tpu(k_pages, v_pages, new_k, new_v, md, runs_per_block=runs_per_block, interpret=interpret)
 

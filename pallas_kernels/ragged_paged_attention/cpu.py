@@ -29,7 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention.metadata import check_shapes, token_layout
+from pallas_kernels.metadata import AttentionMetadata, check_shapes, token_layout
 
 _ROW_BLOCK = 128  # query rows per span of the in-chunk part while there are few spans
 _MAX_ROW_SPANS = 8  # spans of the in-chunk part written out (more rows: longer spans, blocked)
@@ -109,10 +109,7 @@ def ragged_paged_attention_rows(
     q: jax.Array,  # [T, num_q_heads, head_dim]
     k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
     v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
-    kv_lens: jax.Array,  # i32[S]
-    page_indices: jax.Array,  # i32[S, P]
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[1]
+    md: AttentionMetadata,
     *,
     sm_scale: float,
     sliding_window: int | None = None,
@@ -124,17 +121,18 @@ def ragged_paged_attention_rows(
     K/V stays in cache instead of a [rows, whole page table] copy going out to memory and back, and the walk
     stops at the batch's longest row instead of running to the end of the page-table bucket.
     """
-    check_shapes(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    check_shapes(q, k_pages, v_pages, md)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
     group = num_q_heads // num_kv_heads
-    seq_ids, positions, valid = token_layout(cu_q_lens, kv_lens, num_seqs, num_tokens)
+    seq_ids, positions, valid = token_layout(md, num_tokens)
     # Keys a row may see: [first, last], both inclusive (last = its own position, within its kv_len).
-    last = jnp.where(valid, jnp.minimum(positions, kv_lens[seq_ids] - 1), -1)
+    last = jnp.where(valid, jnp.minimum(positions, md.kv_lens[seq_ids] - 1), -1)
     first = jnp.zeros_like(last) if sliding_window is None else jnp.maximum(positions - sliding_window + 1, 0)
     qh = _zero_unless(valid[:, None, None], q).reshape(num_tokens, num_kv_heads, group, head_dim)
     qh = (qh.swapaxes(0, 1) * sm_scale).astype(jnp.float32)  # [KVH, T, G, D]
-    parts = _walk(qh, k_pages, v_pages, page_indices[seq_ids], first, last, valid, num_seqs, soft_cap=soft_cap)
+    parts = _walk(qh, k_pages, v_pages, md.page_indices[seq_ids], first, last, valid, md.num_seqs,
+                  soft_cap=soft_cap)
     return _normalise(parts).swapaxes(0, 1).reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
@@ -180,10 +178,7 @@ def ragged_paged_attention_chunks(
     v: jax.Array,  # [T, num_kv_heads, head_dim]
     k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
     v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
-    kv_lens: jax.Array,  # i32[S]
-    page_indices: jax.Array,  # i32[S, P]
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[1]
+    md: AttentionMetadata,
     *,
     sm_scale: float,
     sliding_window: int | None = None,
@@ -193,14 +188,15 @@ def ragged_paged_attention_chunks(
     one row per query row. The pages must hold every sequence's context before its chunk (the chunk's own
     rows are read from ``k``/``v``, so whether they are written yet does not matter). Result as the reference.
     """
-    check_shapes(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    check_shapes(q, k_pages, v_pages, md)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape:
         raise ValueError(f"k and v must be [{num_tokens}, {num_kv_heads}, {head_dim}] like q's rows, got "
                          f"{k.shape} and {v.shape}")
     group = num_q_heads // num_kv_heads
-    seq_ids, positions, valid = token_layout(cu_q_lens, kv_lens, num_seqs, num_tokens)
+    num_seqs = md.num_seqs
+    seq_ids, positions, valid = token_layout(md, num_tokens)
     # Head-major operands (see _dense_block).
     real = valid[:, None, None]
     qh = _zero_unless(real, q).reshape(num_tokens, num_kv_heads, group, head_dim)
@@ -242,15 +238,14 @@ def ragged_paged_attention_chunks(
     own = tuple(jnp.concatenate(x, axis=1) for x in zip(*parts))  # [KVH, T, G(, D)]
 
     # (b) Cached context, sequence by sequence, only for sequences that have any.
-    context = _context_part(qh, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
-                            sliding_window=sliding_window, soft_cap=soft_cap)
+    context = _context_part(qh, k_pages, v_pages, md, sm_scale=sm_scale, sliding_window=sliding_window,
+                            soft_cap=soft_cap)
 
     out = _normalise(_merge(own, context))
     return out.swapaxes(0, 1).reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
-def _context_part(qh, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, sliding_window,
-                  soft_cap):
+def _context_part(qh, k_pages, v_pages, md: AttentionMetadata, *, sm_scale, sliding_window, soft_cap):
     """Each row over its sequence's context before the chunk: (peak, unnormalised out, sum), [KVH, T, G(, D)].
 
     Sequences with one row in the step (decode rows riding with prompt chunks) walk their pages together, as
@@ -259,6 +254,7 @@ def _context_part(qh, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_se
     padded so every block is in bounds). Sequences without context cost nothing.
     """
     num_kv_heads, t, group, head_dim = qh.shape
+    cu_q_lens, kv_lens, page_indices, num_seqs = md.cu_q_lens, md.kv_lens, md.page_indices, md.num_seqs
     page_size = k_pages.shape[2]
     span = page_indices.shape[1] * page_size
     block = max(1, min(t, _SCORE_BUDGET_BYTES // (3 * 4 * num_kv_heads * group * span)))

@@ -39,12 +39,11 @@ try:  # Deprecated from jax 0.11, to be removed later.
 except ImportError:  # pragma: no cover - depends on the jax release
     plgpu = None
 
+from pallas_kernels.metadata import AttentionMetadata, check_shapes
 from pallas_kernels.ragged_paged_attention.block_sizes import (
     GPU_MAX_ROWS, BlockSizes, get_block_sizes, mode_for)
 from pallas_kernels.ragged_paged_attention.kernel_ops import div_by, matmul, rem_by
-from pallas_kernels.ragged_paged_attention.metadata import check_shapes
 from pallas_kernels.ragged_paged_attention.schedule import q_tiles
-from pallas_kernels.ragged_paged_attention.validation import maybe_check_batch
 
 # Enough programs to fill an H100 (132 SMs) a few times over before a decode batch is split further.
 _TARGET_PROGRAMS = 4 * 132
@@ -55,9 +54,9 @@ def _kernel(
     tile_seq_ref,  # i32[NT]
     tile_row_ref,  # i32[NT]
     tile_len_ref,  # i32[NT]
+    cu_q_lens_ref,  # i32[S + 1]
     kv_lens_ref,  # i32[S]
     pages_ref,  # i32[S * P]
-    cu_q_lens_ref,  # i32[S + 1]
     q_ref,  # [T * Hq, D]
     k_ref,  # [KVH * num_pages * page_size, D]
     v_ref,  # [KVH * num_pages * page_size, D]
@@ -180,15 +179,15 @@ def resolve_block_sizes(q_shape, k_pages_shape, dtype, num_slots, pages_per_seq,
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "sizes", "interpret"))
-def _ragged_paged_attention_gpu(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                                sliding_window, soft_cap, sizes: BlockSizes, interpret):
+def _ragged_paged_attention_gpu(q, k_pages, v_pages, md: AttentionMetadata, *, sm_scale, sliding_window, soft_cap,
+                                sizes: BlockSizes, interpret):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
-    pages_per_seq = page_indices.shape[1]
+    pages_per_seq = md.page_indices.shape[1]
     group = num_q_heads // num_kv_heads
     rows = max(16, pl.next_power_of_2(sizes.block_q * group))
     splits = sizes.num_splits
-    tile_seq, tile_row, tile_len = q_tiles(cu_q_lens, num_seqs, num_tokens, sizes.block_q)
+    tile_seq, tile_row, tile_len = q_tiles(md, num_tokens, sizes.block_q)
     flat_rows = num_tokens * num_q_heads
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((flat_rows, head_dim), q.dtype)]
@@ -207,7 +206,7 @@ def _ragged_paged_attention_gpu(q, k_pages, v_pages, kv_lens, page_indices, cu_q
         compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=sizes.num_stages),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(tile_seq, tile_row, tile_len, kv_lens, page_indices.reshape(-1), cu_q_lens,
+    )(tile_seq, tile_row, tile_len, md.cu_q_lens, md.kv_lens, md.page_indices.reshape(-1),
       q.reshape(flat_rows, head_dim), k_pages.reshape(-1, head_dim), v_pages.reshape(-1, head_dim))
     out = outs[0] if splits == 1 else _merge_splits(*outs).astype(q.dtype)
     return out.reshape(num_tokens, num_q_heads, head_dim)
@@ -217,17 +216,13 @@ def ragged_paged_attention_gpu(
     q: jax.Array,  # [T, num_q_heads, head_dim]
     k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
     v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
-    kv_lens: jax.Array,  # i32[S]
-    page_indices: jax.Array,  # i32[S, P]
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[1]
+    md: AttentionMetadata,
     *,
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     block_sizes: BlockSizes | dict | None = None,
     interpret: bool = False,
-    debug_checks: bool = False,
 ) -> jax.Array:
     """Ragged paged attention (mixed decode and prefill) as one Pallas GPU (Triton) kernel.
 
@@ -235,27 +230,25 @@ def ragged_paged_attention_gpu(
     (see ``pallas_kernels.kv_cache_update.write_kv_gpu``).
 
     Args:
-      q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs: as in the reference.
+      q, k_pages, v_pages, md: as in the reference.
       sm_scale, sliding_window, soft_cap: as in the reference.
       block_sizes: a ``BlockSizes`` or a dict of fields overriding the ``block_sizes`` table entry
         (``num_splits=0`` chooses the split count from the grid size).
       interpret: run in the CPU interpreter.
-      debug_checks: validate the metadata values (``validation.check_batch``) before reading any page.
 
     Returns:
       [T, num_q_heads, head_dim] in q's dtype; padding rows are zeros.
     """
     if plgpu is None:  # pragma: no cover
         raise RuntimeError("this jax release has no Pallas Triton backend (jax.experimental.pallas.triton)")
-    check_shapes(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    check_shapes(q, k_pages, v_pages, md)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
-    maybe_check_batch(debug_checks, q.shape[0], k_pages.shape, kv_lens, page_indices, cu_q_lens, num_seqs)
-    sizes = resolve_block_sizes(q.shape, k_pages.shape, k_pages.dtype, kv_lens.shape[0], page_indices.shape[1],
-                                block_sizes)
+    sizes = resolve_block_sizes(q.shape, k_pages.shape, k_pages.dtype, md.kv_lens.shape[0],
+                                md.page_indices.shape[1], block_sizes)
     return _ragged_paged_attention_gpu(
-        q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=float(sm_scale),
+        q, k_pages, v_pages, md, sm_scale=float(sm_scale),
         sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap), sizes=sizes,
         interpret=interpret)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention.metadata import check_shapes, token_layout
+from pallas_kernels.metadata import AttentionMetadata, check_shapes, token_layout
 
 _GATHER_BUDGET_BYTES = 256 * 1024 * 1024
 
@@ -30,10 +30,7 @@ def ragged_paged_attention(
     q: jax.Array,  # [T, num_q_heads, head_dim]
     k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
     v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
-    kv_lens: jax.Array,  # i32[S]
-    page_indices: jax.Array,  # i32[S, P]
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[1]
+    md: AttentionMetadata,
     *,
     sm_scale: float,
     sliding_window: int | None = None,
@@ -44,7 +41,7 @@ def ragged_paged_attention(
     Args:
       q: queries of every row (padding rows are ignored and come back as zeros).
       k_pages, v_pages: the page pool of one layer; must already hold this step's K/V.
-      kv_lens, page_indices, cu_q_lens, num_seqs: the ragged-batch metadata (see ``metadata``).
+      md: the ragged-batch metadata (see ``pallas_kernels.metadata``).
       sm_scale: multiplier of q·k before the softmax.
       sliding_window: if set, a row at position p sees only keys at positions > p - sliding_window.
       soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap) before masking.
@@ -52,13 +49,14 @@ def ragged_paged_attention(
     Returns:
       [T, num_q_heads, head_dim] in q's dtype.
     """
-    check_shapes(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    check_shapes(q, k_pages, v_pages, md)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
+    kv_lens, page_indices = md.kv_lens, md.page_indices
     pages_per_seq = page_indices.shape[1]
     span = pages_per_seq * page_size
     group = num_q_heads // num_kv_heads
-    seq_ids, positions, valid = token_layout(cu_q_lens, kv_lens, num_seqs, num_tokens)
+    seq_ids, positions, valid = token_layout(md, num_tokens)
     key_pos = jnp.arange(span, dtype=jnp.int32)
 
     def one_row(args):
@@ -87,10 +85,7 @@ def write_kv(
     v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
     new_k: jax.Array,  # [T, num_kv_heads, head_dim]
     new_v: jax.Array,  # [T, num_kv_heads, head_dim]
-    kv_lens: jax.Array,  # i32[S]
-    page_indices: jax.Array,  # i32[S, P]
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[1]
+    md: AttentionMetadata,
 ) -> tuple[jax.Array, jax.Array]:
     """Write each real row's K/V into its page slot; padding rows write nothing.
 
@@ -98,9 +93,9 @@ def write_kv(
       The updated (k_pages, v_pages); donate the inputs so XLA updates them in place.
     """
     num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
-    seq_ids, positions, valid = token_layout(cu_q_lens, kv_lens, num_seqs, new_k.shape[0])
+    seq_ids, positions, valid = token_layout(md, new_k.shape[0])
     # Padding rows point one past the pool, and mode="drop" discards them.
-    page = jnp.where(valid, page_indices[seq_ids, positions // page_size], num_pages)
+    page = jnp.where(valid, md.page_indices[seq_ids, positions // page_size], num_pages)
     offset = positions % page_size
 
     def put(pages, new):

@@ -3,7 +3,8 @@
 Both kernels need to know, per program, which sequence(s) it serves. Computing that once per call in the
 wrapper (O(num_slots + num_blocks) integer work, fused by XLA) keeps the kernels free of searches and lets a
 program skip zero-length sequences without a scan. Every array here has a static size derived from the
-padded shapes, so one jitted step serves any mix of lengths.
+padded shapes, so one jitted step serves any mix of lengths. They take the batch's ``AttentionMetadata`` and
+read only its ``cu_q_lens`` and ``num_seqs``.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.metadata import AttentionMetadata
 
-def _live_query_ranges(
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[1]
-) -> tuple[jax.Array, jax.Array]:
+
+def _live_query_ranges(md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
     """(start i32[S], end i32[S]) query rows per slot; padding slots get an empty range at cu_q_lens[num_seqs]."""
+    cu_q_lens, num_seqs = md.cu_q_lens, md.num_seqs
     num_slots = cu_q_lens.shape[0] - 1
     n = num_seqs[0]
     live = jnp.arange(num_slots, dtype=jnp.int32) < n
@@ -27,8 +28,7 @@ def _live_query_ranges(
 
 
 def q_block_work(
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[1]
+    md: AttentionMetadata,
     num_tokens: int,
     block_q: int,
 ) -> tuple[jax.Array, jax.Array]:
@@ -38,9 +38,9 @@ def q_block_work(
       (block_start i32[nb + 1], work_seq i32[nb + S]): block b serves sequences
       ``work_seq[block_start[b] : block_start[b + 1]]``, in row order, each with at least one row in the block.
     """
-    num_slots = cu_q_lens.shape[0] - 1
+    num_slots = md.cu_q_lens.shape[0] - 1
     num_blocks = -(-num_tokens // block_q)
-    start, end = _live_query_ranges(cu_q_lens, num_seqs)
+    start, end = _live_query_ranges(md)
     nonempty = end > start
     first = start // block_q
     count = jnp.where(nonempty, (end - 1) // block_q - first + 1, 0)
@@ -56,8 +56,7 @@ def q_block_work(
 
 
 def q_tiles(
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[1]
+    md: AttentionMetadata,
     num_tokens: int,
     block_q: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -70,8 +69,9 @@ def q_tiles(
       (tile_seq, tile_row, tile_len), each i32[max_tiles]: the owning slot (-1 for padding), first row and row
       count; unused tiles have length 0.
     """
+    cu_q_lens, num_seqs = md.cu_q_lens, md.num_seqs
     num_slots = cu_q_lens.shape[0] - 1
-    start, end = _live_query_ranges(cu_q_lens, num_seqs)
+    start, end = _live_query_ranges(md)
     end_of_live = cu_q_lens[num_seqs[0]]
     seg_start = jnp.concatenate([start, end_of_live[None]])
     seg_end = jnp.concatenate([end, jnp.full((1,), num_tokens, jnp.int32)])

@@ -42,20 +42,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.metadata import AttentionMetadata, check_shapes
 from pallas_kernels.ragged_paged_attention.block_sizes import (
     TPU_MAX_ROWS, BlockSizes, get_block_sizes, mode_for)
 from pallas_kernels.ragged_paged_attention.kernel_ops import div_by, matmul
-from pallas_kernels.ragged_paged_attention.metadata import check_shapes
 from pallas_kernels.ragged_paged_attention.schedule import q_block_work
-from pallas_kernels.ragged_paged_attention.validation import maybe_check_batch
 
 _LANES = 128
 
 
 def _kernel(
+    cu_q_lens_ref,  # SMEM i32[S + 1]
     kv_lens_ref,  # SMEM i32[S]
     pages_ref,  # SMEM i32[S * P]
-    cu_q_lens_ref,  # SMEM i32[S + 1]
     num_seqs_ref,  # SMEM i32[1]
     block_start_ref,  # SMEM i32[nb + 1]
     work_seq_ref,  # SMEM i32[nb + S]
@@ -228,11 +227,11 @@ def resolve_block_sizes(q_shape, k_pages_shape, dtype, num_slots, override=None)
 
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "sizes", "interpret", "vmem_limit_bytes"))
-def _ragged_paged_attention_tpu(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                                sliding_window, soft_cap, sizes: BlockSizes, interpret, vmem_limit_bytes):
+def _ragged_paged_attention_tpu(q, k_pages, v_pages, md: AttentionMetadata, *, sm_scale, sliding_window, soft_cap,
+                                sizes: BlockSizes, interpret, vmem_limit_bytes):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, _, _ = k_pages.shape
-    num_slots, pages_per_seq = page_indices.shape
+    num_slots, pages_per_seq = md.page_indices.shape
     group = num_q_heads // num_kv_heads
     block_q, heads = sizes.block_q, sizes.kv_heads_per_block
     num_blocks = -(-num_tokens // block_q)
@@ -242,7 +241,7 @@ def _ragged_paged_attention_tpu(q, k_pages, v_pages, kv_lens, page_indices, cu_q
     q_heads_major = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0)))
     q_heads_major = q_heads_major.reshape(padded, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     q_heads_major = q_heads_major.reshape(num_kv_heads, padded * group, head_dim)
-    block_start, work_seq = q_block_work(cu_q_lens, num_seqs, num_tokens, block_q)
+    block_start, work_seq = q_block_work(md, num_tokens, block_q)
 
     q_spec = pl.BlockSpec((heads, rows, head_dim), lambda h, b, *_: (h, b, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -270,8 +269,8 @@ def _ragged_paged_attention_tpu(q, k_pages, v_pages, kv_lens, page_indices, cu_q
             dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=vmem_limit_bytes),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
-    )(kv_lens, page_indices.reshape(-1), cu_q_lens, num_seqs, block_start, work_seq, q_heads_major, k_pages,
-      v_pages)
+    )(md.cu_q_lens, md.kv_lens, md.page_indices.reshape(-1), md.num_seqs, block_start, work_seq, q_heads_major,
+      k_pages, v_pages)
     out = out.reshape(num_kv_heads, padded, group, head_dim).transpose(1, 0, 2, 3)
     return out.reshape(padded, num_q_heads, head_dim)[:num_tokens]
 
@@ -280,17 +279,13 @@ def ragged_paged_attention_tpu(
     q: jax.Array,  # [T, num_q_heads, head_dim]
     k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
     v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
-    kv_lens: jax.Array,  # i32[S]
-    page_indices: jax.Array,  # i32[S, P]
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[1]
+    md: AttentionMetadata,
     *,
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     block_sizes: BlockSizes | dict | None = None,
     interpret: bool | pltpu.InterpretParams = False,
-    debug_checks: bool = False,
     vmem_limit_bytes: int | None = None,
 ) -> jax.Array:
     """Ragged paged attention (mixed decode and prefill) as one Pallas Mosaic TPU kernel.
@@ -299,25 +294,23 @@ def ragged_paged_attention_tpu(
     (see ``pallas_kernels.kv_cache_update.write_kv_tpu``).
 
     Args:
-      q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs: as in the reference.
+      q, k_pages, v_pages, md: as in the reference.
       sm_scale, sliding_window, soft_cap: as in the reference.
       block_sizes: a ``BlockSizes`` or a dict of fields overriding the ``block_sizes`` table entry.
       interpret: run on CPU: True for the plain interpreter, or ``pltpu.InterpretParams`` for the TPU
         simulator (DMA timing, race detection).
-      debug_checks: validate the metadata values (``validation.check_batch``) before reading any page.
       vmem_limit_bytes: passed to Mosaic.
 
     Returns:
       [T, num_q_heads, head_dim] in q's dtype; padding rows are zeros.
     """
-    check_shapes(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    check_shapes(q, k_pages, v_pages, md)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
-    maybe_check_batch(debug_checks, q.shape[0], k_pages.shape, kv_lens, page_indices, cu_q_lens, num_seqs)
-    sizes = resolve_block_sizes(q.shape, k_pages.shape, k_pages.dtype, kv_lens.shape[0], block_sizes)
+    sizes = resolve_block_sizes(q.shape, k_pages.shape, k_pages.dtype, md.kv_lens.shape[0], block_sizes)
     return _ragged_paged_attention_tpu(
-        q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=float(sm_scale),
+        q, k_pages, v_pages, md, sm_scale=float(sm_scale),
         sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap), sizes=sizes,
         interpret=interpret, vmem_limit_bytes=vmem_limit_bytes)

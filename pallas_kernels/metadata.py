@@ -1,6 +1,7 @@
-"""The ragged-batch contract shared by every ragged paged-attention implementation.
+"""The ragged-batch contract shared by every ragged paged-attention implementation and KV-write kernel.
 
-A step processes ``T`` (padded) query tokens that belong to up to ``S`` sequences:
+A step processes ``T`` (padded) query tokens that belong to up to ``S`` sequences, described by one
+``AttentionMetadata``:
 
 - ``cu_q_lens: i32[S + 1]``  sequence ``s`` owns query rows ``cu_q_lens[s] : cu_q_lens[s + 1]``; rows at or
   beyond ``cu_q_lens[num_seqs]`` are padding.
@@ -12,28 +13,43 @@ A step processes ``T`` (padded) query tokens that belong to up to ``S`` sequence
 
 KV pages live in ``k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim]`` (one pair per layer);
 the leading KV-head axis is the one tensor parallelism shards.
+
+This module imports nothing from the kernels, so the attention package and ``kv_cache_update`` both build on it.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
-def token_layout(
-    cu_q_lens: jax.Array,  # i32[S + 1]
-    kv_lens: jax.Array,  # i32[S]
-    num_seqs: jax.Array,  # i32[1]
-    num_tokens: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """The ragged-batch description every attention implementation and KV write reads (see the module doc).
+
+    A pytree of its four arrays, in this field order everywhere: device arrays inside a step, NumPy arrays on
+    the host (``check_values``), or with a leading replica axis on a mesh (every field stacked).
+    """
+
+    cu_q_lens: jax.Array  # i32[S + 1]
+    kv_lens: jax.Array  # i32[S]
+    page_indices: jax.Array  # i32[S, P]
+    num_seqs: jax.Array  # i32[1]
+
+
+def token_layout(md: AttentionMetadata, num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per query row: its sequence slot, its absolute position, and whether it is a real token.
 
     Returns:
       (seq_ids i32[T], positions i32[T], valid bool[T]); padding rows get seq 0, position 0, valid False.
     """
+    cu_q_lens, kv_lens = md.cu_q_lens, md.kv_lens
     rows = jnp.arange(num_tokens, dtype=jnp.int32)
-    valid = rows < cu_q_lens[num_seqs[0]]
+    valid = rows < cu_q_lens[md.num_seqs[0]]
     # The sequence that owns row t is the number of sequence ends at or before t.
     seq_ids = jnp.searchsorted(cu_q_lens[1:], rows, side="right").astype(jnp.int32)
     seq_ids = jnp.where(valid, jnp.minimum(seq_ids, kv_lens.shape[0] - 1), 0)
@@ -42,7 +58,7 @@ def token_layout(
     return seq_ids, jnp.where(valid, positions, 0), valid
 
 
-def check_shapes(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> None:
+def check_shapes(q, k_pages, v_pages, md: AttentionMetadata) -> None:
     """Trace-time checks of shapes and dtypes; raises ValueError naming the argument."""
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
@@ -58,12 +74,13 @@ def check_shapes(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs
         raise ValueError(f"num_q_heads {q.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
     if k_pages.dtype != v_pages.dtype:
         raise ValueError(f"k_pages dtype {k_pages.dtype} != v_pages dtype {v_pages.dtype}")
+    kv_lens, page_indices = md.kv_lens, md.page_indices
     num_slots = kv_lens.shape[0] if kv_lens.ndim == 1 else -1
     expected = {
+        "cu_q_lens": (md.cu_q_lens, (num_slots + 1,)),
         "kv_lens": (kv_lens, (num_slots,)),
         "page_indices": (page_indices, (num_slots, page_indices.shape[-1] if page_indices.ndim == 2 else -1)),
-        "cu_q_lens": (cu_q_lens, (num_slots + 1,)),
-        "num_seqs": (num_seqs, (1,)),
+        "num_seqs": (md.num_seqs, (1,)),
     }
     for name, (arr, shape) in expected.items():
         if tuple(arr.shape) != shape:
@@ -72,18 +89,19 @@ def check_shapes(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs
             raise ValueError(f"{name} must be int32, got {arr.dtype}")
 
 
-def check_values(
-    num_tokens: int,
-    num_pages: int,
-    page_size: int,
-    kv_lens: np.ndarray,
-    page_indices: np.ndarray,
-    cu_q_lens: np.ndarray,
-    num_seqs: np.ndarray,
-) -> None:
-    """Host-side value checks (the debug switch): raise ValueError instead of reading a foreign page."""
-    kv_lens, page_indices = np.asarray(kv_lens), np.asarray(page_indices)
-    cu_q_lens, n = np.asarray(cu_q_lens), int(np.asarray(num_seqs)[0])
+def check_values(md: AttentionMetadata, *, num_tokens: int, num_pages: int, page_size: int) -> None:
+    """Host-side value checks of a batch before a kernel reads pages through it (the engine's ``debug_checks``).
+
+    The kernels trust the metadata: an out-of-range page index or a kv_len beyond the sequence's pages would
+    make them read (or, for the KV write, overwrite) another request's page. Raises ValueError instead.
+
+    Args:
+      md: the batch's metadata, as NumPy (or concrete device) arrays.
+      num_tokens: padded query rows of the step (q.shape[0]).
+      num_pages, page_size: of one layer's page pool (``k_pages.shape[1:3]``).
+    """
+    kv_lens, page_indices = np.asarray(md.kv_lens), np.asarray(md.page_indices)
+    cu_q_lens, n = np.asarray(md.cu_q_lens), int(np.asarray(md.num_seqs)[0])
     if not 0 <= n <= kv_lens.shape[0]:
         raise ValueError(f"num_seqs={n} outside [0, {kv_lens.shape[0]}]")
     if cu_q_lens[0] != 0 or np.any(np.diff(cu_q_lens[: n + 1]) < 0):
