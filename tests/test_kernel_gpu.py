@@ -1,4 +1,5 @@
-"""The Pallas GPU (Triton) kernels (attention and KV write) against the reference, in interpret mode on CPU."""
+"""The Pallas GPU (Triton) kernels (attention and KV write) against the reference: in interpret mode on CPU,
+compiled for the device on a GPU (``JAX_PLATFORMS=cuda``, as scripts/gpu_check.py runs them)."""
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from pallas_kernels.ragged_paged_attention.gpu import resolve_block_sizes
 
 # block_q 2 makes multi-token tiles; 3 splits divide the key blocks unevenly and leave some splits empty.
 SMALL_BLOCKS = dict(block_q=2, block_kv=16, num_splits=3)
+INTERPRET = jax.default_backend() != "gpu"
 
 
 @pytest.mark.parametrize("lengths,group,head_dim,dtype,window,soft_cap", CONFIGS)
@@ -20,7 +22,7 @@ def test_attention_matches_reference(lengths, group, head_dim, dtype, window, so
     rng = np.random.default_rng(group * 1000 + head_dim)
     batch, _, _ = build_batch(rng, *lengths, group=group, head_dim=head_dim, dtype=dtype)
     out = ragged_paged_attention_gpu(**device_args(batch), sm_scale=head_dim**-0.5, sliding_window=window,
-                                     soft_cap=soft_cap, block_sizes=SMALL_BLOCKS, interpret=True)
+                                     soft_cap=soft_cap, block_sizes=SMALL_BLOCKS, interpret=INTERPRET)
     assert out.dtype == jnp.dtype(dtype)
     assert_matches_reference(out, batch, sm_scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
 
@@ -36,7 +38,7 @@ def test_attention_block_sizes(blocks):
     page_size = 4 if blocks else 16
     batch, _, _ = build_batch(rng, *MIXED, num_kv_heads=2, group=1, head_dim=64, page_size=page_size)
     out = ragged_paged_attention_gpu(**device_args(batch), sm_scale=0.125, sliding_window=9, block_sizes=blocks,
-                                     interpret=True)
+                                     interpret=INTERPRET)
     assert_matches_reference(out, batch, sm_scale=0.125, sliding_window=9)
 
 
@@ -47,7 +49,7 @@ def test_attention_random_batches():
     for _ in range(6):
         batch = random_batch(rng, group=8)
         out = ragged_paged_attention_gpu(**device_args(batch), sm_scale=0.2, sliding_window=13,
-                                         block_sizes=dict(block_q=2, block_kv=16, num_splits=2), interpret=True)
+                                         block_sizes=dict(block_q=2, block_kv=16, num_splits=2), interpret=INTERPRET)
         assert_matches_reference(out, batch, sm_scale=0.2, sliding_window=13)
 
 
@@ -66,7 +68,8 @@ def test_write_kv_matches_reference_page_by_page():
     rng = np.random.default_rng(5)
     batch, _, _ = build_batch(rng, [3, 1, 0, 8, 7, 1], [3, 9, 4, 12, 15, 8], page_size=4, dtype="bfloat16")
     new_k, new_v = new_rows(rng, batch)
-    touched = assert_write_matches(lambda *a: write_kv_gpu(*a, block_tokens=8, interpret=True), batch, new_k, new_v)
+    write = lambda *a: write_kv_gpu(*a, block_tokens=8, interpret=INTERPRET)  # noqa: E731
+    touched = assert_write_matches(write, batch, new_k, new_v)
     assert len(touched) >= 7
 
 
@@ -76,9 +79,9 @@ def test_write_then_attend_decode_step():
     batch, _, _ = build_batch(rng, *DECODE, group=4, head_dim=64)
     new_k, new_v = new_rows(rng, batch)
     args = device_args(batch)
-    k_pages, v_pages = write_kv_gpu(args["k_pages"], args["v_pages"], new_k, new_v, args["md"], interpret=True)
+    k_pages, v_pages = write_kv_gpu(args["k_pages"], args["v_pages"], new_k, new_v, args["md"], interpret=INTERPRET)
     stepped = dict(batch, k_pages=np.asarray(k_pages), v_pages=np.asarray(v_pages))
-    out = ragged_paged_attention_gpu(**device_args(stepped), sm_scale=0.125, interpret=True)
+    out = ragged_paged_attention_gpu(**device_args(stepped), sm_scale=0.125, interpret=INTERPRET)
     assert_matches_reference(out, stepped, sm_scale=0.125)
 
 

@@ -1,0 +1,132 @@
+"""jaxserve.aot: the serving steps compiled for a described TPU topology by libtpu (no TPU needed).
+
+libtpu comes with the test extra on x86-64 Linux; there a missing libtpu fails these tests rather than skipping
+them, so a CI that lost it cannot pass silently.
+"""
+
+import json
+import platform
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+from jaxserve import aot
+from jaxserve.batch import StepKind
+from jaxserve.config import ModelConfig
+from jaxserve.demo import demo_model_path
+from jaxserve.engine_config import EngineConfig
+from jaxserve.executor import Executor
+from jaxserve.runner import StepOutput
+from jaxserve.shapes import StepShapes
+
+TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 1024,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16"}
+
+
+def _needs_libtpu():
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        if sys.platform == "linux" and platform.machine() == "x86_64":
+            pytest.fail("libtpu is missing: pip install -e '.[test]' installs the one matching jax")
+        pytest.skip("libtpu has no build for this platform")
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-aot")
+    (folder / "config.json").write_text(json.dumps(TINY))
+    return folder
+
+
+def _request(folder, **kw):
+    base = dict(model=str(folder), topology="v5e:2x2", mesh="tensor=4", dtype="bfloat16", max_num_seqs=4,
+                max_num_batched_tokens=32, decode_batches=(1, 4), report_seqs=(2, 8))
+    return aot.Request(**dict(base, **kw))
+
+
+def test_compiles_what_the_engine_warms_up(monkeypatch):
+    """aot's shape list is the executor's warm-up, call for call (its steps recorded instead of run)."""
+    config = EngineConfig(max_num_seqs=12, max_num_batched_tokens=100, max_model_len=600, num_pages=64,
+                          warmup=False, compilation_cache_dir=None)
+    executor = Executor(config, model_path=str(demo_model_path()))
+    seen = []
+
+    def run(kind, batch):
+        _, tokens, slots, pages = batch.shape_fields()
+        seen.append(("decode" if kind == StepKind.DECODE else "prefill", tokens, slots, pages))
+        rows, vocab = executor.runner.num_logit_rows, executor.model_config.vocab_size
+        return StepOutput(jnp.zeros((rows, vocab), jnp.float32), jnp.zeros((rows,), jnp.int32))
+
+    monkeypatch.setattr(executor.runner, "run", run)
+    executor.warmup()
+    assert executor.shapes == StepShapes(12, 100, -(-600 // 16))  # what aot.run builds from the same options
+    assert seen == aot.warmup_shapes(executor.shapes) and len(seen) == 4 * 3 + 5 * 3
+
+
+def test_compiles_every_bucket_for_v5e_2x2_tensor4(tiny_folder):
+    """Every bucket of both steps and the sampler, Pallas TPU kernels included, compiled by libtpu for v5e:2x2."""
+    _needs_libtpu()
+    r = aot.run(_request(tiny_folder))
+    assert r["device_kind"] == "TPU v5 lite" and r["mesh"] == "data=1,sequence=1,tensor=4"
+    assert r["compiled"]["step_shapes"] == len(StepShapes(4, 32, 16).all_shapes())  # the probes are among them
+    assert r["compiled"]["sampler_executables"] == 5 and r["compiled"]["exact"]
+    m = r["memory_per_device"]
+    # Weights per device: q/o/MLP/vocab split four ways; the 2 KV heads are replicated over tensor=4.
+    cfg = ModelConfig.from_hf_dict(TINY)
+    h, d = cfg.hidden_size, cfg.head_dim
+    per_layer = (2 * h * 4 * d + 3 * h * cfg.intermediate_size) // 4 + 2 * h * 2 * d + 2 * h
+    assert m["weights"] == 2 * (2 * per_layer + 2 * cfg.vocab_size * h // 4 + h)
+    assert m["fits"] and m["pool_pages"] == 4 * 16  # capped at max_num_seqs full-length sequences
+    assert 0 < m["step_temp_max"] < 64 * 2**20
+    for step in r["steps"]:  # the donated pool is aliased, never copied
+        assert step["alias"] == m["kv_bytes_per_page"] * m["pool_pages"]
+    assert r["decode"]["1"]["collectives"] == {"all-reduce": 5, "all-gather": 1}  # 2 per layer + embedding; logits
+    assert r["decode"]["4"]["tokens_per_s"] > r["decode"]["1"]["tokens_per_s"] > 0
+    assert r["prefill"]["steps"] == 8 and r["prefill"]["prompt_tokens"] == 256  # 256-token prompt, 32-token chunks
+    assert "| fits | yes" in aot.format_report(r)
+
+
+def test_does_not_fit_says_by_how_much(tiny_folder):
+    _needs_libtpu()
+    r = aot.run(_request(tiny_folder, buckets="probes", hbm_utilization=0.0002, decode_batches=(1,)))
+    m = r["memory_per_device"]
+    assert not m["fits"] and m["short_by"] > 0
+    assert "NO, short by" in aot.format_report(r)
+
+
+def test_sampled_layers_extrapolate_flops_and_arguments(tiny_folder):
+    """Compiling 2 and 3 layers and extrapolating to 4 gives the full compile's FLOPs and argument bytes."""
+    _needs_libtpu()
+    folder = tiny_folder.parent / "tiny-aot-4"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(dict(TINY, num_hidden_layers=4)))
+    kw = dict(buckets="probes", decode_batches=(4,))
+    full, sampled = aot.run(_request(folder, **kw)), aot.run(_request(folder, sample_layers=True, **kw))
+    assert sampled["compiled"]["layers_compiled"] == [2, 3] and not sampled["compiled"]["exact"]
+    for a, b in zip(full["steps"], sampled["steps"], strict=True):
+        assert b["flops"] == pytest.approx(a["flops"], rel=1e-4)
+        assert b["argument"] == pytest.approx(a["argument"], rel=1e-9)
+    assert sampled["memory_per_device"]["weights"] == full["memory_per_device"]["weights"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "llama-3.2-1b", "--topology", "v9z:2x2"], "topology 'v9z:2x2' is not one the installed libtpu"),
+    (["--model", "llama-3.2-1b", "--topology", "v5e:2x2", "--mesh", "tensor=8"], "needs 8 devices"),
+    (["--model", "llama-3.2-1b", "--topology", "v5e:2x2", "--mesh", "tensor=3"], "tensor=3"),
+    (["--model", "no-such-model", "--topology", "v5e:2x2"], "neither a preset"),
+])
+def test_bad_requests_are_one_line_errors(argv, message, capsys):
+    _needs_libtpu()
+    assert aot.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and message in err[-1]
+
+
+def test_presets_are_the_published_shapes():
+    sizes = {name: ModelConfig.from_hf_dict(hf).num_params / 1e9 for name, hf in aot.PRESETS.items()}
+    expected = {"llama-3.2-1b": 1.24, "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55, "qwen3-8b": 8.19,
+                "qwen3-32b": 32.76, "mistral-7b": 7.25}
+    assert sizes == pytest.approx(expected, abs=0.01)
