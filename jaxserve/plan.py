@@ -131,15 +131,19 @@ class StepFeatures:
     new_tokens: int  # rows that are real
     keys_read: int  # sum over sequences of the keys attention reads (the KV length after the step)
     prompt_pairs: float  # query-key pairs of the prompt chunks (causal): the quadratic part of prefill
+    padded_keys: int = 0  # key slots of the compiled shape: sequence slots x page-table width (bucketed) x page
 
     def vector(self) -> list[float]:
-        return [1.0, float(self.padded_tokens), float(self.keys_read), float(self.prompt_pairs)]
+        return [1.0, float(self.padded_tokens), float(self.padded_keys), float(self.prompt_pairs)]
 
 
-FEATURES = ("constant_s", "per_padded_token_s", "per_key_read_s", "per_prompt_pair_s")
+# The linear model's features. Key slots, not keys: a compiled step walks its page-table bucket on the CPU
+# path, so its cost follows the bucket (the roofline models, for kernels that walk only real pages, use keys).
+FEATURES = ("constant_s", "per_padded_token_s", "per_padded_key_s", "per_prompt_pair_s")
 
 
-def step_features(plan: SchedulerOutput, shapes: StepShapes, transferred: frozenset[int] = frozenset()) -> StepFeatures:
+def step_features(plan: SchedulerOutput, shapes: StepShapes, page_size: int,
+                  transferred: frozenset[int] = frozenset()) -> StepFeatures:
     """The features of one planned step. ``transferred``: sequence ids whose prompt KV arrived from elsewhere
     (disaggregation): their first step reads the cache and decodes one token instead of computing the prompt."""
     decode, new, keys, pairs = True, 0, 0, 0.0
@@ -153,7 +157,9 @@ def step_features(plan: SchedulerOutput, shapes: StepShapes, transferred: frozen
             decode = False
             pairs += n * (e.kv_len - n) + n * (n + 1) / 2
     padded = shapes.seq_bucket(len(plan.scheduled)) if decode else shapes.token_bucket(new)
-    return StepFeatures(decode, padded, new, keys, pairs)
+    slots = padded if decode else shapes.prefill_seqs(padded)
+    width = shapes.page_bucket(max((len(e.page_table) for e in plan.scheduled), default=1))
+    return StepFeatures(decode, padded, new, keys, pairs, slots * width * page_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,8 +176,11 @@ class LinearStepModel:
         return max(0.0, float(np.dot(c, f.vector())))
 
     @classmethod
-    def fit(cls, samples: Seq[tuple[StepFeatures, float]], source: str = "calibrated") -> "LinearStepModel":
-        """Non-negative least squares per kind, on relative error (short and long steps count alike)."""
+    def fit(cls, samples: Seq[tuple[StepFeatures, float]], source: str = "calibrated",
+            trim: float = 3.0) -> "LinearStepModel":
+        """Non-negative least squares per kind on relative error (short and long steps count alike), then once
+        more without the steps whose relative residual is over ``trim`` times the median one (a step that met a
+        busy moment of the machine says nothing about the model)."""
         from scipy.optimize import nnls
 
         coeffs = {}
@@ -181,8 +190,14 @@ class LinearStepModel:
                 raise ValueError(f"calibration has {len(rows)} {'decode' if kind else 'prompt'} steps; need >= 2")
             a = np.array([r for r, _ in rows])
             y = np.array([s for _, s in rows])
-            w = 1.0 / np.maximum(y, 1e-6)
-            c, _ = nnls(a * w[:, None], y * w)
+            keep = np.ones(len(y), bool)
+            for _ in range(2):
+                w = 1.0 / np.maximum(y[keep], 1e-6)
+                c, _ = nnls(a[keep] * w[:, None], y[keep] * w)
+                residual = np.abs(a @ c - y) / np.maximum(y, 1e-6)
+                keep = residual <= trim * max(float(np.median(residual)), 1e-3)
+                if keep.sum() < 2:
+                    break
             coeffs[kind] = tuple(float(x) for x in c)
         return cls(coeffs[True], coeffs[False], source)
 
@@ -306,6 +321,7 @@ class _Instance:
 
     def __init__(self, name: str, scheduler: Scheduler, shapes: StepShapes, model, chips: int):
         self.name, self.scheduler, self.shapes, self.model, self.chips = name, scheduler, shapes, model, chips
+        self.page_size = scheduler.config.page_size
         self.busy = False
         self.transferred: set[int] = set()
         self.busy_s = 0.0
@@ -376,7 +392,7 @@ def simulate(requests: Seq[PlannedRequest], deployment: Deployment, model, engin
         if plan.is_empty:
             idle.add(k)
             return
-        seconds = inst.model.seconds(step_features(plan, inst.shapes, frozenset(inst.transferred)))
+        seconds = inst.model.seconds(step_features(plan, inst.shapes, inst.page_size, frozenset(inst.transferred)))
         inst.busy_s += seconds
         inst.steps += 1
         idle.discard(k)
@@ -522,7 +538,7 @@ class _RecordingScheduler:
         return getattr(self._inner, name)
 
 
-def calibrate(engine, *, contexts: Seq[int] = (), decode_steps: int = 4, seed: int = 0,
+def calibrate(engine, *, contexts: Seq[int] = (), decode_steps: int = 8, seed: int = 0,
               log=print) -> tuple[LinearStepModel, list[tuple[StepFeatures, float]]]:
     """Time the engine's own steps over its buckets and fit a ``LinearStepModel``.
 
@@ -557,7 +573,7 @@ def calibrate(engine, *, contexts: Seq[int] = (), decode_steps: int = 4, seed: i
                     seconds = time.perf_counter() - t0
                     plan = recorder.plans[-1]
                     if not plan.is_empty:
-                        samples.append((step_features(plan, shapes), seconds))
+                        samples.append((step_features(plan, shapes, engine.config.page_size), seconds))
                 log(f"calibrate: context {c}, {b} sequences: {len(samples)} steps timed")
     finally:
         engine.scheduler = recorder._inner
@@ -576,7 +592,7 @@ def _calibrate_main(argv: list[str]) -> int:
                                 description="Time the engine's steps on this machine and fit a step-time model.")
     p.add_argument("--out", required=True, help="where to write the step-time model (JSON)")
     p.add_argument("--contexts", default="", help="prompt lengths to calibrate at, e.g. 64,256 (default: two)")
-    p.add_argument("--decode-steps", type=int, default=4)
+    p.add_argument("--decode-steps", type=int, default=8)
     add_engine_args(p)
     args = p.parse_args(argv)
     engine = Engine(engine_config_from_args(args))
@@ -636,6 +652,8 @@ def _simulate_main(argv: list[str]) -> int:
     s.add_argument("--kv-bytes-per-token", type=float, default=None, help="for KV transfers (default: the model's)")
     s.add_argument("--transfer-gb-s", type=float, default=50.0, help="prefill -> decode KV bandwidth, GB/s")
     s.add_argument("--chip-hour-usd", type=float, default=None)
+    s.add_argument("--search", action=argparse.BooleanOptionalAction, default=True,
+                   help="search each deployment's largest rate that meets the SLOs")
     s.add_argument("--search-duration-s", type=float, default=60.0,
                    help="the largest-rate search runs at least this many seconds of arrivals at each rate, so an "
                         "overloaded deployment's queue has time to show (default: 60)")
@@ -709,7 +727,7 @@ def _simulate_main(argv: list[str]) -> int:
     rates = [float(r) for r in args.rates.split(",") if r]
     results = [run(d, r) for d in deployments for r in rates]
     best = []
-    for d in deployments:
+    for d in deployments if args.search else ():
         hi = args.max_rate or _rate_ceiling(model, engine, workload(1.0, 0.0), n_inst)
         cache: dict[float, Result] = {}
 
@@ -757,7 +775,7 @@ def _rate_ceiling(model, engine: EngineShape, base: Seq[PlannedRequest], instanc
     out = float(np.mean([r.output_len for r in base]))
     shapes = engine.shapes()
     b = engine.max_num_seqs
-    f = StepFeatures(True, shapes.seq_bucket(b), b, b, 0.0)
+    f = StepFeatures(True, shapes.seq_bucket(b), b, b, 0.0, shapes.seq_bucket(b) * engine.page_size)
     return 2.0 * instances * b / max(model.seconds(f), 1e-9) / out
 
 
@@ -774,6 +792,8 @@ def format_report(r: dict) -> str:
                          f"{x['ttft_p50_ms']:.0f} / {x['ttft_p99_ms']:.0f} | {x['tpot_p50_ms']:.1f} / "
                          f"{x['tpot_p99_ms']:.1f} | {x['itl_p50_ms']:.1f} / {x['itl_p99_ms']:.1f} |")
         lines.append("")
+    if not r["best"]:
+        return "\n".join(lines)
     lines.append("| deployment | largest rate meeting the SLOs | per chip | output tok/s there | USD per 1M output tokens |")
     lines.append("| --- | --- | --- | --- | --- |")
     for b in r["best"]:

@@ -129,8 +129,8 @@ def test_linear_fit_recovers_known_coefficients():
     for _ in range(40):
         for decode in (True, False):
             padded = int(rng.choice([16, 32, 64, 128, 256]))
-            f = StepFeatures(decode, padded, padded, int(rng.integers(100, 5000)),
-                             0.0 if decode else float(rng.integers(1000, 50000)))
+            f = StepFeatures(decode, padded, padded, 0, 0.0 if decode else float(rng.integers(1000, 50000)),
+                             int(rng.integers(100, 5000)))
             samples.append((f, truth.seconds(f)))
     fit = LinearStepModel.fit(samples)
     np.testing.assert_allclose(fit.decode, truth.decode, rtol=1e-4, atol=1e-12)
@@ -186,3 +186,25 @@ def test_calibrate_times_the_engines_own_steps(tmp_path):
     assert all(s > 0 for _, s in samples)
     assert all(c >= 0 for c in model.decode + model.prompt)
     assert engine.scheduler.__class__.__name__ == "ReplicatedScheduler"  # the engine's own scheduler is back
+
+
+def test_step_features_follow_the_compiled_shape():
+    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.sequence import Sequence
+
+    eng = EngineShape(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_pages=256, page_size=4)
+    sched, shapes = eng.scheduler(), eng.shapes()
+    for i, n in enumerate((19, 39, 7)):
+        sched.add(Sequence(str(i), [1] * n, SamplingParams(max_tokens=4, ignore_eos=True)))
+    prompt = sched.schedule()
+    f = plan.step_features(prompt, shapes, eng.page_size)
+    assert not f.decode and f.new_tokens == 19 + 39 + 6  # the budget of 64 cuts the third prompt at 6 tokens
+    assert f.padded_tokens == 64 and f.keys_read == 64
+    assert f.prompt_pairs == 19 * 20 / 2 + 39 * 40 / 2 + 6 * 7 / 2
+    sched.update(prompt, [0, 0, 0])
+    sched.update(sched.schedule(), [0, 0, 0])  # the third prompt's last token beside two decodes
+    decode = sched.schedule()
+    f = plan.step_features(decode, shapes, eng.page_size)
+    # Three decodes (KV 21, 41, 8 tokens): 4 slots (bucket) x the page-table bucket of 16 pages x 4 tokens.
+    assert f.decode and f.padded_tokens == 4 and f.keys_read == 21 + 41 + 8
+    assert f.padded_keys == 4 * 16 * 4
