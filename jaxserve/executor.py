@@ -58,7 +58,7 @@ class Executor:
         self.is_leader = multihost.is_leader()
         model, self.model_config, self.folder = load_model(self.model_path, config.dtype, self.mesh)
         cfg = self.model_config
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_model_len = min(config.max_model_len or cfg.max_context, cfg.max_context)
         backend = AttentionBackend.resolve(config.attention_backend)
         self.cache_dtype = backend.cache_dtype(model.embed_tokens.embedding.get_value().dtype)
         num_pages = config.num_pages or self._auto_num_pages()

@@ -20,7 +20,7 @@ from jaxserve.attention import AttentionBackend, ShardedAttention
 from jaxserve.batch import MeshBatch, StepKind
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import CacheConfig, init_kv_cache
-from jaxserve.models import DecoderLM, forward
+from jaxserve.models.decoder import DecoderLM, forward
 from jaxserve.sampler import argmax
 from pallas_kernels.ragged_paged_attention import check_values, token_layout
 from sharding import multihost
