@@ -36,6 +36,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# A page-table entry whose page was released because every layer's window has passed it (``release_behind``).
+RELEASED = -1
+
+
 class BlockManager:
     """Hands out KV pages to sequences and keeps computed full pages for reuse.
 
@@ -49,12 +53,20 @@ class BlockManager:
     keyed by ``hash_page`` chained over all pages before it, so a hit means the whole prefix matches.
     Sequences only ever write at or after ``num_computed_tokens``, which always lies past their shared pages,
     so shared pages are never written.
+
+    With ``attention_window`` (every layer of the model attends to at most that many tokens back), a running
+    sequence's pages that no query of it can see any more are released as it goes (``release_behind``): their
+    table entries become ``RELEASED``, and the page returns to the pool, or stays cached if registered.
     """
 
-    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True,
+                 attention_window: int | None = None):
         if page_size < 1:
             raise ValueError(f"page_size={page_size} must be >= 1")
+        if attention_window is not None and attention_window < 1:
+            raise ValueError(f"attention_window={attention_window} must be >= 1")
         self.page_size = page_size
+        self.attention_window = attention_window
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = PagePool(num_pages)
         self._refcount = [0] * num_pages
@@ -63,6 +75,8 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest release first
         self._holders: dict[int, Sequence] = {}  # seq_id -> sequence holding a page table
         self._num_registered: dict[int, int] = {}  # seq_id -> leading pages already offered to the cache
+        self._num_released: dict[int, int] = {}  # seq_id -> leading pages released behind the window
+        self.num_released_pages = 0  # pages released behind the window, over the manager's life
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found cached
         self.num_evictions = 0
@@ -123,7 +137,7 @@ class BlockManager:
                 pages.append(page)
         if share_with is not None and share_with.status is SequenceStatus.RUNNING:
             n = min(limit, seq.num_prompt_tokens // self.page_size, share_with.num_computed_tokens // self.page_size)
-            if n > len(pages):
+            if n > len(pages) and RELEASED not in share_with.page_table[:n]:
                 pages = share_with.page_table[:n]
         return pages
 
@@ -185,15 +199,52 @@ class BlockManager:
         # Release the tail first so that, among equally old pages, eviction takes a sequence's tail before
         # its head: heads (system prompts) are the likelier future hits.
         for page in reversed(seq.page_table):
-            self._refcount[page] -= 1
-            if self._refcount[page] == 0:
-                if self._hash_of[page] is not None:
-                    self._evictable[page] = None
-                else:
-                    self.pool.free([page])
+            if page != RELEASED:
+                self._release(page)
         seq.page_table = []
         self._holders.pop(seq.seq_id, None)
         self._num_registered.pop(seq.seq_id, None)
+        self._num_released.pop(seq.seq_id, None)
+
+    def _release(self, page: int) -> None:
+        self._refcount[page] -= 1
+        if self._refcount[page] == 0:
+            if self._hash_of[page] is not None:
+                self._evictable[page] = None
+            else:
+                self.pool.free([page])
+
+    def release_behind(self, seq: Sequence) -> int:
+        """Release the pages of ``seq`` that lie wholly before the attention window of its next query.
+
+        The next query is at position ``num_computed_tokens`` and sees keys after ``position - window``, so
+        it and every later query skip page ``i`` once ``(i + 1) * page_size <= position - window + 1``.
+        A no-op without ``attention_window``. Returns the number of pages released now.
+        """
+        if self.attention_window is None or seq.seq_id not in self._holders:
+            return 0
+        first_needed = max(seq.num_computed_tokens - self.attention_window + 1, 0) // self.page_size
+        start = self._num_released.get(seq.seq_id, 0)
+        end = min(first_needed, len(seq.page_table))
+        for i in range(start, end):
+            self._release(seq.page_table[i])
+            seq.page_table[i] = RELEASED
+        if end > start:
+            self._num_released[seq.seq_id] = end
+            self.num_released_pages += end - start
+        return max(end - start, 0)
+
+    def pages_held(self, seq: Sequence) -> int:
+        """Pages ``seq`` references now (its table less the entries released behind the window)."""
+        return sum(1 for p in seq.page_table if p != RELEASED)
+
+    @staticmethod
+    def readable_table(page_table: list[int]) -> list[int]:
+        """A page table the kernels can take: released entries point at the sequence's first held page.
+        Attention never reads them (they lie before every query's window; the reference reads and masks them)
+        and writes land only at positions past them."""
+        fill = next((p for p in page_table if p != RELEASED), 0)
+        return [fill if p == RELEASED else p for p in page_table]
 
     def register(self, seq: Sequence) -> None:
         """Offer ``seq``'s newly full, computed pages to the prefix cache."""
@@ -230,6 +281,7 @@ class BlockManager:
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "cache_evictions": self.num_evictions,
+            "pages_released_behind_window": self.num_released_pages,
         }
 
     # ---- checking -----------------------------------------------------------------------------------------
@@ -238,11 +290,19 @@ class BlockManager:
         holders = self._holders.values()
         counts = [0] * self.num_pages
         for seq in holders:
-            if len(set(seq.page_table)) != len(seq.page_table):
+            held = [p for p in seq.page_table if p != RELEASED]
+            if len(set(held)) != len(held):
                 raise AssertionError(f"{seq} holds a page twice: {seq.page_table}")
             if seq.num_computed_tokens > len(seq.page_table) * self.page_size:
                 raise AssertionError(f"{seq} has more computed tokens than page slots")
-            for page in seq.page_table:
+            released = self._num_released.get(seq.seq_id, 0)
+            if any(p == RELEASED for p in seq.page_table[released:]) or RELEASED in held:
+                raise AssertionError(f"{seq}: released entries are not exactly its first {released}")
+            if self.attention_window is None and released:
+                raise AssertionError(f"{seq} released pages without an attention window")
+            if released * self.page_size > max(seq.num_computed_tokens - (self.attention_window or 0) + 1, 0):
+                raise AssertionError(f"{seq} released a page its next query can still see")
+            for page in held:
                 counts[page] += 1
         for page in range(self.num_pages):
             free, used, idle = self.pool.is_free(page), self._refcount[page] > 0, page in self._evictable

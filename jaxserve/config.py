@@ -82,6 +82,14 @@ class ModelConfig:
         return self.rope
 
     @property
+    def attention_window(self) -> int | None:
+        """The widest window when every layer is windowed (the KV older than it is never read again); None
+        when some layer attends to the whole sequence."""
+        if not self.sliding_windows or any(w is None for w in self.sliding_windows):
+            return None
+        return max(self.sliding_windows)
+
+    @property
     def max_context(self) -> int:
         """The longest sequence the model is configured for (rope scaling may stretch the configured one)."""
         return max(self.rope.context_length(self.max_position_embeddings), self.max_position_embeddings)

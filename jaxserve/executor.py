@@ -9,6 +9,7 @@ The host loop (``jaxserve.engine``) sees only plans going in and ``StepResult`` 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -63,8 +64,9 @@ class Executor:
         self.cache_dtype = backend.cache_dtype(model.embed_tokens.embedding.get_value().dtype)
         num_pages = config.num_pages or self._auto_num_pages()
         self.cache_config = CacheConfig(config.page_size, num_pages, self.num_replicas)
-        self.scheduler_config = config.scheduler_config(num_pages=self.cache_config.pages_per_replica,
-                                                        max_model_len=self.max_model_len)
+        self.scheduler_config = dataclasses.replace(
+            config.scheduler_config(num_pages=self.cache_config.pages_per_replica, max_model_len=self.max_model_len),
+            attention_window=cfg.attention_window)
         self.shapes = StepShapes(config.max_num_seqs, config.max_num_batched_tokens,
                                  self.scheduler_config.pages_per_seq)
         max_running = config.max_num_seqs * self.num_replicas

@@ -71,7 +71,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.block_manager = BlockManager(
-            config.num_pages, config.page_size, enable_prefix_caching=config.enable_prefix_caching
+            config.num_pages, config.page_size, enable_prefix_caching=config.enable_prefix_caching,
+            attention_window=config.attention_window,
         )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preemption takes from the end
@@ -180,6 +181,7 @@ class Scheduler:
                     i += 1
                     continue
             kv_len = seq.num_computed_tokens + n
+            bm.release_behind(seq)  # pages every layer's window has passed come back before any new one
             while not bm.can_grow(seq, kv_len):
                 victim = self.running[-1]
                 if victim is seq and i == 0:
@@ -214,6 +216,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             bm.admit(seq, prefix, computed + n)
+            bm.release_behind(seq)  # prefix pages already outside the window are not held
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             plan.append(self._entry(seq, n, computed + n))
@@ -260,7 +263,8 @@ class Scheduler:
 
     def _entry(self, seq: Sequence, n: int, kv_len: int) -> ScheduledSequence:
         tokens = seq.token_ids(kv_len - n, kv_len)
-        return ScheduledSequence(seq, tokens, kv_len, list(seq.page_table), kv_len == seq.num_tokens)
+        return ScheduledSequence(seq, tokens, kv_len, BlockManager.readable_table(seq.page_table),
+                                 kv_len == seq.num_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
