@@ -90,6 +90,15 @@ class ModelConfig:
         return max(self.sliding_windows)
 
     @property
+    def local_window(self) -> int | None:
+        """The widest window when windowed and global layers are interleaved (the windowed layers then get
+        their own page pool, ``jaxserve/window_pool.py``); None when all or none of the layers are windowed."""
+        windows = [w for w in self.sliding_windows if w is not None]
+        if not windows or len(windows) == len(self.sliding_windows):
+            return None
+        return max(windows)
+
+    @property
     def max_context(self) -> int:
         """The longest sequence the model is configured for (rope scaling may stretch the configured one)."""
         return max(self.rope.context_length(self.max_position_embeddings), self.max_position_embeddings)

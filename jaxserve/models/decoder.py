@@ -8,6 +8,8 @@ file, never copies of the code.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -152,13 +154,15 @@ def forward(
     logits_indices: jax.Array,  # i32[N]
     attention,
     layout: StepLayout | None = None,
+    local_pool: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """Run the decoder over ``R`` data replicas' ragged batches side by side, writing their K/V into the cache.
 
     Rows ``r*T .. (r+1)*T - 1`` of ``token_ids`` are replica ``r``'s; ``attention`` is a
     ``ShardedAttention`` (it takes the stacked metadata and hands each shard its replica's block).
     ``logits_indices`` are rows of the whole array. ``layout`` (the mesh and rules of the step) pins activation
-    shardings; None runs unconstrained.
+    shardings; None runs unconstrained. With ``local_pool`` the windowed layers keep their pages in a pool of
+    their own: each page-table row is the global table followed by the windowed one, of equal widths.
 
     Returns:
       (logits f32[N, vocab] at the ``logits_indices`` rows, gathered over the mesh; the updated cache).
@@ -170,10 +174,16 @@ def forward(
         rope = cfg.layer_rope(i)
         if rope not in tables:
             tables[rope] = layers.rope_tables(positions, rope, cfg.head_dim)
+    md_global = md_local = md
+    if local_pool:
+        width = md.page_indices.shape[-1] // 2
+        md_global = dataclasses.replace(md, page_indices=md.page_indices[..., :width])
+        md_local = dataclasses.replace(md, page_indices=md.page_indices[..., width:])
     x = _constrain(model.embed_tokens(_constrain(token_ids, layout, "tokens")), layout, "tokens", "act_embed")
     new_cache = []
     for i, (layer, (k_pages, v_pages)) in enumerate(zip(model.layers, kv_cache, strict=True)):
-        x, k_pages, v_pages = layer(x, tables[cfg.layer_rope(i)], k_pages, v_pages, md, attention, layout)
+        layer_md = md_local if cfg.sliding_windows[i] is not None else md_global
+        x, k_pages, v_pages = layer(x, tables[cfg.layer_rope(i)], k_pages, v_pages, layer_md, attention, layout)
         new_cache.append((k_pages, v_pages))
     x = model.norm(x[logits_indices])
     head = model.embed_tokens.embedding[...].T if model.lm_head is None else model.lm_head.weight[...]
