@@ -34,3 +34,18 @@ def test_random_arrivals_with_preemption_and_prefix_hits_match_transformers(fami
     for wave in arrivals:
         for rid, prompt, params in wave:
             assert results[rid].outputs[0].token_ids == hf_greedy(hf, prompt, params.max_tokens), rid
+
+
+def test_windowed_pool_warms_up_and_serves_without_compiling(tmp_path):
+    """The two-table page rows are part of every compiled shape: warm-up compiles them all, serving nothing."""
+    from jaxserve import LLM, SamplingParams, compile_counter
+
+    path = build_tiny_model("gemma2", tmp_path / "g", tokenizer=train_tokenizer(), sliding_window=5)
+    llm = LLM(str(path), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, compilation_cache_dir=None)
+    assert llm.engine.executor.runner.local_pool
+    before = compile_counter.count()
+    prompts = [list(range(5, 23)), [7, 7, 3]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    assert compile_counter.count() == before, "compiled while serving"
+    hf = hf_model(path)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 20) for p in prompts]
