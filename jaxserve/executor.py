@@ -65,9 +65,10 @@ class Executor:
         self.cache_dtype = backend.cache_dtype(model.embed_tokens.embedding.get_value().dtype)
         num_pages = config.num_pages or self._auto_num_pages()
         # A model interleaving windowed and global layers: the windowed layers get a pool of their own, as large
-        # as the windows of max_num_seqs sequences need (jaxserve/window_pool.py).
-        local = 0 if cfg.local_window is None else window_pages_needed(
-            cfg.local_window, config.page_size, config.max_num_seqs, config.max_num_batched_tokens)
+        # as the windows of max_num_seqs sequences need (jaxserve/window_pool.py), and never larger than the
+        # global pool (a sequence's windowed table never holds more pages than its global one).
+        local = 0 if cfg.local_window is None else min(num_pages // self.num_replicas, window_pages_needed(
+            cfg.local_window, config.page_size, config.max_num_seqs, config.max_num_batched_tokens))
         self.cache_config = CacheConfig(config.page_size, num_pages, self.num_replicas,
                                         num_local_pages=local * self.num_replicas)
         self.scheduler_config = dataclasses.replace(
