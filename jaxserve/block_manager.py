@@ -36,6 +36,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# A page-table entry whose page was released because every layer's window has passed it (``release_behind``).
+RELEASED = -1
+
+
 class BlockManager:
     """Hands out KV pages to sequences and keeps computed full pages for reuse.
 
@@ -49,12 +53,21 @@ class BlockManager:
     keyed by ``hash_page`` chained over all pages before it, so a hit means the whole prefix matches.
     Sequences only ever write at or after ``num_computed_tokens``, which always lies past their shared pages,
     so shared pages are never written.
+
+    With ``attention_window`` (every layer of the model attends to at most that many tokens back), a running
+    sequence's pages that no query of it can see any more are released as it goes (``release_behind``): their
+    table entries become ``RELEASED``, and the page returns to the pool, or stays cached if registered.
     """
 
-    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True,
+                 attention_window: int | None = None, table: str = "page_table"):
         if page_size < 1:
             raise ValueError(f"page_size={page_size} must be >= 1")
+        if attention_window is not None and attention_window < 1:
+            raise ValueError(f"attention_window={attention_window} must be >= 1")
         self.page_size = page_size
+        self.attention_window = attention_window
+        self.table = table  # the Sequence attribute holding this manager's page table (a second pool: its own)
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = PagePool(num_pages)
         self._refcount = [0] * num_pages
@@ -63,9 +76,14 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest release first
         self._holders: dict[int, Sequence] = {}  # seq_id -> sequence holding a page table
         self._num_registered: dict[int, int] = {}  # seq_id -> leading pages already offered to the cache
+        self._num_released: dict[int, int] = {}  # seq_id -> leading pages released behind the window
+        self.num_released_pages = 0  # pages released behind the window, over the manager's life
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found cached
         self.num_evictions = 0
+
+    def _t(self, seq: Sequence) -> list[int]:
+        return getattr(seq, self.table)
 
     # ---- counts -------------------------------------------------------------------------------------------
     @property
@@ -123,8 +141,8 @@ class BlockManager:
                 pages.append(page)
         if share_with is not None and share_with.status is SequenceStatus.RUNNING:
             n = min(limit, seq.num_prompt_tokens // self.page_size, share_with.num_computed_tokens // self.page_size)
-            if n > len(pages):
-                pages = share_with.page_table[:n]
+            if n > len(pages) and RELEASED not in self._t(share_with)[:n]:
+                pages = self._t(share_with)[:n]
         return pages
 
     def can_allocate(self, num_new_pages: int, reuse: Seq[int] = ()) -> bool:
@@ -138,7 +156,7 @@ class BlockManager:
         Sets ``num_computed_tokens`` and ``num_cached_tokens`` to the tokens the prefix covers.
         Raises OutOfPages (taking nothing) if the fresh pages are not available.
         """
-        if seq.page_table or seq.seq_id in self._holders:
+        if self._t(seq) or seq.seq_id in self._holders:
             raise ValueError(f"{seq} already holds pages")
         if not self.can_allocate(self.pages_for(num_tokens) - len(prefix_pages), prefix_pages):
             raise OutOfPages(f"cannot admit {seq} with {num_tokens} tokens of KV")
@@ -146,7 +164,7 @@ class BlockManager:
             if self._refcount[page] == 0:
                 del self._evictable[page]
             self._refcount[page] += 1
-        seq.page_table = list(prefix_pages)
+        setattr(seq, self.table, list(prefix_pages))
         self._holders[seq.seq_id] = seq
         self._num_registered[seq.seq_id] = len(prefix_pages)
         seq.num_computed_tokens = seq.num_cached_tokens = len(prefix_pages) * self.page_size
@@ -156,19 +174,19 @@ class BlockManager:
         self.grow(seq, num_tokens)
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.pages_for(num_tokens) - len(seq.page_table) <= self.num_free_pages
+        return self.pages_for(num_tokens) - len(self._t(seq)) <= self.num_free_pages
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Add pages to ``seq``'s table until it holds ``num_tokens`` tokens of KV; raises OutOfPages."""
         if seq.seq_id not in self._holders:
             raise ValueError(f"{seq} was not admitted")
-        need = self.pages_for(num_tokens) - len(seq.page_table)
+        need = self.pages_for(num_tokens) - len(self._t(seq))
         if need > self.num_free_pages:
             raise OutOfPages(f"{seq} needs {need} more pages, {self.num_free_pages} available")
         for _ in range(need):
             page = self._take_page()
             self._refcount[page] = 1
-            seq.page_table.append(page)
+            self._t(seq).append(page)
 
     def _take_page(self) -> int:
         if self.pool.num_free:
@@ -184,28 +202,65 @@ class BlockManager:
         """Drop ``seq``'s references; its registered pages stay cached until evicted, the rest return to the pool."""
         # Release the tail first so that, among equally old pages, eviction takes a sequence's tail before
         # its head: heads (system prompts) are the likelier future hits.
-        for page in reversed(seq.page_table):
-            self._refcount[page] -= 1
-            if self._refcount[page] == 0:
-                if self._hash_of[page] is not None:
-                    self._evictable[page] = None
-                else:
-                    self.pool.free([page])
-        seq.page_table = []
+        for page in reversed(self._t(seq)):
+            if page != RELEASED:
+                self._release(page)
+        setattr(seq, self.table, [])
         self._holders.pop(seq.seq_id, None)
         self._num_registered.pop(seq.seq_id, None)
+        self._num_released.pop(seq.seq_id, None)
+
+    def _release(self, page: int) -> None:
+        self._refcount[page] -= 1
+        if self._refcount[page] == 0:
+            if self._hash_of[page] is not None:
+                self._evictable[page] = None
+            else:
+                self.pool.free([page])
+
+    def release_behind(self, seq: Sequence) -> int:
+        """Release the pages of ``seq`` that lie wholly before the attention window of its next query.
+
+        The next query is at position ``num_computed_tokens`` and sees keys after ``position - window``, so
+        it and every later query skip page ``i`` once ``(i + 1) * page_size <= position - window + 1``.
+        A no-op without ``attention_window``. Returns the number of pages released now.
+        """
+        if self.attention_window is None or seq.seq_id not in self._holders:
+            return 0
+        first_needed = max(seq.num_computed_tokens - self.attention_window + 1, 0) // self.page_size
+        start = self._num_released.get(seq.seq_id, 0)
+        end = min(first_needed, len(self._t(seq)))
+        for i in range(start, end):
+            self._release(self._t(seq)[i])
+            self._t(seq)[i] = RELEASED
+        if end > start:
+            self._num_released[seq.seq_id] = end
+            self.num_released_pages += end - start
+        return max(end - start, 0)
+
+    def pages_held(self, seq: Sequence) -> int:
+        """Pages ``seq`` references now (its table less the entries released behind the window)."""
+        return sum(1 for p in self._t(seq) if p != RELEASED)
+
+    @staticmethod
+    def readable_table(page_table: list[int]) -> list[int]:
+        """A page table the kernels can take: released entries point at the sequence's first held page.
+        Attention never reads them (they lie before every query's window; the reference reads and masks them)
+        and writes land only at positions past them."""
+        fill = next((p for p in page_table if p != RELEASED), 0)
+        return [fill if p == RELEASED else p for p in page_table]
 
     def register(self, seq: Sequence) -> None:
         """Offer ``seq``'s newly full, computed pages to the prefix cache."""
         if not self.enable_prefix_caching or seq.seq_id not in self._holders:
             return
         start = self._num_registered[seq.seq_id]
-        end = min(seq.num_computed_tokens // self.page_size, len(seq.page_table))
+        end = min(seq.num_computed_tokens // self.page_size, len(self._t(seq)))
         if end <= start:
             return
         hashes = self._hashes(seq, end)
         for i in range(start, end):
-            page, h = seq.page_table[i], hashes[i]
+            page, h = self._t(seq)[i], hashes[i]
             # Another sequence may have computed the same content into its own page first; keep that one
             # and let this copy return to the pool when released.
             if h not in self._page_of:
@@ -230,6 +285,7 @@ class BlockManager:
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "cache_evictions": self.num_evictions,
+            "pages_released_behind_window": self.num_released_pages,
         }
 
     # ---- checking -----------------------------------------------------------------------------------------
@@ -238,11 +294,19 @@ class BlockManager:
         holders = self._holders.values()
         counts = [0] * self.num_pages
         for seq in holders:
-            if len(set(seq.page_table)) != len(seq.page_table):
-                raise AssertionError(f"{seq} holds a page twice: {seq.page_table}")
-            if seq.num_computed_tokens > len(seq.page_table) * self.page_size:
+            held = [p for p in self._t(seq) if p != RELEASED]
+            if len(set(held)) != len(held):
+                raise AssertionError(f"{seq} holds a page twice: {self._t(seq)}")
+            if seq.num_computed_tokens > len(self._t(seq)) * self.page_size:
                 raise AssertionError(f"{seq} has more computed tokens than page slots")
-            for page in seq.page_table:
+            released = self._num_released.get(seq.seq_id, 0)
+            if any(p == RELEASED for p in self._t(seq)[released:]) or RELEASED in held:
+                raise AssertionError(f"{seq}: released entries are not exactly its first {released}")
+            if self.attention_window is None and released:
+                raise AssertionError(f"{seq} released pages without an attention window")
+            if released * self.page_size > max(seq.num_computed_tokens - (self.attention_window or 0) + 1, 0):
+                raise AssertionError(f"{seq} released a page its next query can still see")
+            for page in held:
                 counts[page] += 1
         for page in range(self.num_pages):
             free, used, idle = self.pool.is_free(page), self._refcount[page] > 0, page in self._evictable
@@ -260,5 +324,5 @@ class BlockManager:
         for seq in holders:
             # Only full computed pages may be shared: writes land at num_computed_tokens and beyond.
             first_writable = seq.num_computed_tokens // self.page_size
-            if any(self._refcount[p] > 1 for p in seq.page_table[first_writable:]):
+            if any(self._refcount[p] > 1 for p in self._t(seq)[first_writable:]):
                 raise AssertionError(f"{seq} shares a page it may still write")

@@ -1,60 +1,21 @@
-"""Model configuration read from a Hugging Face ``config.json``: the shape of the network and its switches."""
+"""Model configuration read from a Hugging Face ``config.json``: the shape of the network and its switches.
+
+The shape every family shares is read here; each family's switches come from its file in ``jaxserve/models/``
+(through ``jaxserve.models.registry``). Host-only: no jax.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
-# Architecture name -> family switches. Families share one decoder; these are the only differences.
-_FAMILIES: dict[str, dict[str, Any]] = {
-    "LlamaForCausalLM": dict(family="llama", qkv_bias=None, qk_norm=False),
-    "MistralForCausalLM": dict(family="mistral", qkv_bias=False, qk_norm=False),
-    "Qwen2ForCausalLM": dict(family="qwen2", qkv_bias=True, qk_norm=False),
-    "Qwen3ForCausalLM": dict(family="qwen3", qkv_bias=None, qk_norm=True),
-}
-SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
+from jaxserve.models.registry import SUPPORTED_ARCHITECTURES, family_for
+from jaxserve.models.rope import RopeConfig
 
-
-@dataclasses.dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters; ``kind`` is "default" or "llama3"."""
-
-    theta: float = 10000.0
-    kind: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    def __post_init__(self):
-        if self.kind not in ("default", "llama3"):
-            raise ValueError(f"rope type {self.kind!r} is not supported (supported: 'default', 'llama3')")
-        if self.theta <= 0:
-            raise ValueError(f"rope_theta={self.theta} must be > 0")
-
-    def inv_freq(self, rotary_dim: int) -> list[float]:
-        """Inverse frequencies of the rotary pairs (llama3 scaling applied)."""
-        inv = [1.0 / self.theta ** (i / rotary_dim) for i in range(0, rotary_dim, 2)]
-        if self.kind == "default":
-            return inv
-        low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
-        high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
-        out = []
-        for f in inv:
-            wavelen = 2 * math.pi / f
-            if wavelen < high_wavelen:
-                out.append(f)
-            elif wavelen > low_wavelen:
-                out.append(f / self.factor)
-            else:
-                smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
-                    self.high_freq_factor - self.low_freq_factor
-                )
-                out.append((1 - smooth) * f / self.factor + smooth * f)
-        return out
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+__all__ = ["ModelConfig", "RopeConfig", "SUPPORTED_ARCHITECTURES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +37,16 @@ class ModelConfig:
     qkv_bias: bool = False  # bias on q/k/v projections
     o_bias: bool = False  # bias on the output projection (Llama attention_bias)
     mlp_bias: bool = False
-    qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3, Gemma 3)
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full attention
+    hidden_act: str = "silu"  # the gated MLP's activation: SwiGLU (silu) or GeGLU (gelu_pytorch_tanh)
+    norm_offset: float = 0.0  # RMSNorms scale by (norm_offset + w), in fp32 when nonzero (Gemma: 1)
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size), rounded to the model dtype (Gemma)
+    sandwich_norms: bool = False  # norms after attention and around the MLP too (Gemma 2/3)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its ** -0.5 instead of head_dim ** -0.5
+    attn_soft_cap: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax (Gemma 2)
+    final_soft_cap: float | None = None  # the same on the logits (Gemma 2)
+    sliding_rope: RopeConfig | None = None  # rope of the windowed layers when it differs (Gemma 3's local base)
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -92,26 +61,67 @@ class ModelConfig:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if len(self.sliding_windows) != self.num_layers:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden activation {self.hidden_act!r} is not supported (supported: "
+                             f"{', '.join(map(repr, ACTIVATIONS))})")
+        for name in ("attn_soft_cap", "final_soft_cap", "query_pre_attn_scalar"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be > 0")
+        if any(w is not None and w < 1 for w in self.sliding_windows):
+            raise ValueError(f"sliding windows {self.sliding_windows} must be >= 1")
+
+    @property
+    def sm_scale(self) -> float:
+        """The multiplier of q·k before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        """The rope of one layer: ``sliding_rope`` for windowed layers when set, else ``rope``."""
+        if self.sliding_rope is not None and self.sliding_windows[layer] is not None:
+            return self.sliding_rope
+        return self.rope
+
+    @property
+    def attention_window(self) -> int | None:
+        """The widest window when every layer is windowed (the KV older than it is never read again); None
+        when some layer attends to the whole sequence."""
+        if not self.sliding_windows or any(w is None for w in self.sliding_windows):
+            return None
+        return max(self.sliding_windows)
+
+    @property
+    def local_window(self) -> int | None:
+        """The widest window when windowed and global layers are interleaved (the windowed layers then get
+        their own page pool, ``jaxserve/window_pool.py``); None when all or none of the layers are windowed."""
+        windows = [w for w in self.sliding_windows if w is not None]
+        if not windows or len(windows) == len(self.sliding_windows):
+            return None
+        return max(windows)
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence the model is configured for (rope scaling may stretch the configured one)."""
+        return max(self.rope.context_length(self.max_position_embeddings), self.max_position_embeddings)
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
-        archs = hf.get("architectures") or []
-        arch = next((a for a in archs if a in _FAMILIES), None)
-        if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs or hf.get('model_type')!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        fam = _FAMILIES[arch]
+        """From a ``config.json`` dict; an unsupported architecture, rope type or switch is refused (ValueError
+        naming it and what is supported)."""
+        arch, family = family_for(hf.get("architectures") or [], hf.get("model_type"))
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         layers = hf["num_hidden_layers"]
         eos = hf.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-        attention_bias = bool(hf.get("attention_bias", False))
-        return cls(
+        fields = family.config(hf)
+        if "rope" not in fields:
+            fields["rope"] = RopeConfig.from_hf(
+                hf.get("rope_parameters") or hf.get("rope_scaling"), theta=hf.get("rope_theta"),
+                max_position_embeddings=hf.get("max_position_embeddings", 4096), head_dim=head_dim,
+                original_max_position_embeddings=hf.get("original_max_position_embeddings"))
+        shared = dict(
             architecture=arch,
-            family=fam["family"],
+            family=family.name,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
@@ -120,18 +130,13 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope=_rope_from_hf(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=attention_bias if fam["qkv_bias"] is None else fam["qkv_bias"],
-            o_bias=attention_bias if fam["family"] == "llama" else False,
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=fam["qk_norm"],
-            sliding_windows=_sliding_windows_from_hf(hf, fam["family"], layers),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos,
             torch_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
         )
+        return cls(**{**shared, **fields})
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
@@ -143,37 +148,5 @@ class ModelConfig:
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         mlp = 3 * self.hidden_size * self.intermediate_size
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + self.hidden_size
-
-
-def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
-    # transformers >= 5 writes `rope_parameters` (theta inside); older checkpoints have `rope_theta` plus
-    # an optional `rope_scaling` dict whose type key is `rope_type` or the older `type`.
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind == "llama3":
-        return RopeConfig(
-            theta=theta,
-            kind=kind,
-            factor=params["factor"],
-            low_freq_factor=params["low_freq_factor"],
-            high_freq_factor=params["high_freq_factor"],
-            original_max_position_embeddings=params["original_max_position_embeddings"],
-        )
-    return RopeConfig(theta=theta, kind=kind)
-
-
-def _sliding_windows_from_hf(hf: dict[str, Any], family: str, layers: int) -> tuple[int | None, ...]:
-    window = hf.get("sliding_window")
-    if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
-        window = None
-    if window is None:
-        return (None,) * layers
-    types = hf.get("layer_types")
-    if types:
-        return tuple(window if t == "sliding_attention" else None for t in types)
-    if family in ("qwen2", "qwen3"):
-        first = hf.get("max_window_layers", layers)
-        return tuple(window if i >= first else None for i in range(layers))
-    return (window,) * layers
+        norms = (4 if self.sandwich_norms else 2) * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+        return self.num_layers * (attn + mlp + norms) + embed + self.hidden_size

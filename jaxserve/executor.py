@@ -9,6 +9,7 @@ The host loop (``jaxserve.engine``) sees only plans going in and ``StepResult`` 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -29,6 +30,7 @@ from jaxserve.sampling_params import SamplingParams, sequence_seed
 from jaxserve.sequence import Sequence
 from jaxserve.shapes import StepShapes
 from jaxserve.step_result import StepFailed, StepResult
+from jaxserve.window_pool import window_pages_needed
 from sharding import multihost
 from sharding.mesh import make_mesh
 
@@ -58,13 +60,20 @@ class Executor:
         self.is_leader = multihost.is_leader()
         model, self.model_config, self.folder = load_model(self.model_path, config.dtype, self.mesh)
         cfg = self.model_config
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_model_len = min(config.max_model_len or cfg.max_context, cfg.max_context)
         backend = AttentionBackend.resolve(config.attention_backend)
         self.cache_dtype = backend.cache_dtype(model.embed_tokens.embedding.get_value().dtype)
         num_pages = config.num_pages or self._auto_num_pages()
-        self.cache_config = CacheConfig(config.page_size, num_pages, self.num_replicas)
-        self.scheduler_config = config.scheduler_config(num_pages=self.cache_config.pages_per_replica,
-                                                        max_model_len=self.max_model_len)
+        # A model interleaving windowed and global layers: the windowed layers get a pool of their own, as large
+        # as the windows of max_num_seqs sequences need (jaxserve/window_pool.py), and never larger than the
+        # global pool (a sequence's windowed table never holds more pages than its global one).
+        local = 0 if cfg.local_window is None else min(num_pages // self.num_replicas, window_pages_needed(
+            cfg.local_window, config.page_size, config.max_num_seqs, config.max_num_batched_tokens))
+        self.cache_config = CacheConfig(config.page_size, num_pages, self.num_replicas,
+                                        num_local_pages=local * self.num_replicas)
+        self.scheduler_config = dataclasses.replace(
+            config.scheduler_config(num_pages=self.cache_config.pages_per_replica, max_model_len=self.max_model_len),
+            attention_window=cfg.attention_window, local_window=cfg.local_window, local_pages=local)
         self.shapes = StepShapes(config.max_num_seqs, config.max_num_batched_tokens,
                                  self.scheduler_config.pages_per_seq)
         max_running = config.max_num_seqs * self.num_replicas
@@ -127,7 +136,8 @@ class Executor:
     def _execute(self, entries, replicas: list[int]) -> StepResult:
         kind = StepKind.DECODE if all(len(e.token_ids) == 1 for e in entries) else StepKind.PREFILL
         batch = self.make_batch([e.token_ids for e in entries], [e.kv_len for e in entries],
-                                [e.page_table for e in entries], kind=kind, replicas=replicas)
+                                [e.page_table for e in entries], kind=kind, replicas=replicas,
+                                local_page_tables=[e.local_page_table for e in entries])
         out = self.runner.local(self.runner.run(kind, batch))
         n = len(entries)
         rows = [self._penalty_row(e.seq) for e in entries]
@@ -150,11 +160,14 @@ class Executor:
         return StepResult(*(np.asarray(a)[:n] for a in got))
 
     def make_batch(self, chunks: list[list[int]], kv_lens: list[int], page_tables: list[list[int]], *,
-                   kind: StepKind, replicas: list[int] | None = None) -> MeshBatch:
+                   kind: StepKind, replicas: list[int] | None = None,
+                   local_page_tables: list[list[int]] | None = None) -> MeshBatch:
         """Pad one step's sequences to bucket shapes (decode: one row per sequence slot).
 
         ``replicas[i]`` is the data replica of sequence ``i`` (default: all on replica 0); its page table holds
-        that replica's local page ids. The logits rows come back in the order of ``chunks``.
+        that replica's local page ids. The logits rows come back in the order of ``chunks``. With a windowed
+        pool, ``local_page_tables`` are the windowed layers' tables; each row of the batch's page table is then
+        the global table padded to the page bucket, followed by the windowed one.
         """
         replicas = [0] * len(chunks) if replicas is None else list(replicas)
         if len(replicas) != len(chunks) or any(not 0 <= r < self.num_replicas for r in replicas):
@@ -168,6 +181,12 @@ class Executor:
             num_tokens = shapes.token_bucket(max(sum(len(chunks[i]) for i in g) for g in groups))
             num_seqs = shapes.prefill_seqs(num_tokens)
         pages = shapes.page_bucket(max(map(len, page_tables), default=1))
+        if self.runner.local_pool:
+            if local_page_tables is None or len(local_page_tables) != len(page_tables):
+                raise ValueError("a model with a windowed page pool needs local_page_tables for every sequence")
+            page_tables = [list(t) + [0] * (pages - len(t)) + list(lt)
+                           for t, lt in zip(page_tables, local_page_tables, strict=True)]
+            pages *= 2
         batches = [StepBatch.build([chunks[i] for i in g], [kv_lens[i] for i in g], [page_tables[i] for i in g],
                                    num_tokens=num_tokens, max_seqs=num_seqs, pages_per_seq=pages) for g in groups]
         slot = {i: (g, j) for g, members in enumerate(groups) for j, i in enumerate(members)}
@@ -224,7 +243,7 @@ class Executor:
         out: StepOutput | None = None
         for decode, num_tokens, num_seqs, pages in shapes:
             batch = MeshBatch.padding(self.num_replicas, num_tokens=num_tokens, max_seqs=num_seqs,
-                                      pages_per_seq=pages)
+                                      pages_per_seq=pages * (2 if self.runner.local_pool else 1))
             out = jax.block_until_ready(self.runner.run(StepKind.DECODE if decode else StepKind.PREFILL, batch))
             progress.tick()
         logits = self.runner.local(out).logits

@@ -31,12 +31,16 @@ class CacheConfig:
     page_size: int = 16
     num_pages: int = 512
     num_replicas: int = 1  # the mesh's data axis
+    num_local_pages: int = 0  # the windowed layers' own pool (all replicas), for models interleaving them; 0: none
 
     def __post_init__(self):
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size} must be a power of two")
         if self.num_pages < 2:
             raise ValueError(f"num_pages={self.num_pages} must be >= 2")
+        if self.num_local_pages % self.num_replicas:
+            raise ValueError(f"num_local_pages={self.num_local_pages} must be a multiple of the mesh's "
+                             f"data={self.num_replicas}")
         if self.num_pages % self.num_replicas:
             raise ValueError(f"num_pages={self.num_pages} must be a multiple of the mesh's data={self.num_replicas} "
                              "(each data replica owns an equal block of pages)")
@@ -54,14 +58,24 @@ def bytes_per_token(cfg: ModelConfig, dtype, tensor: int = 1) -> int:
     return 2 * cfg.num_layers * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
-def cache_sharding(cfg: ModelConfig, cache: CacheConfig, mesh: Mesh):
-    shape = (cache_heads(cfg.num_kv_heads, int(mesh.shape["tensor"])), cache.num_pages, cache.page_size,
-             cfg.head_dim)
+def cache_sharding(cfg: ModelConfig, cache: CacheConfig, mesh: Mesh, num_pages: int | None = None):
+    shape = (cache_heads(cfg.num_kv_heads, int(mesh.shape["tensor"])), num_pages or cache.num_pages,
+             cache.page_size, cfg.head_dim)
     return shape, logical_sharding(CACHE_AXES, shape, mesh)
 
 
+def uses_local_pool(cfg: ModelConfig, cache: CacheConfig, layer: int) -> bool:
+    """Whether ``layer`` keeps its pages in the windowed layers' own pool."""
+    return bool(cache.num_local_pages) and cfg.sliding_windows[layer] is not None
+
+
 def init_kv_cache(cfg: ModelConfig, cache: CacheConfig, dtype, mesh: Mesh) -> list[tuple[jax.Array, jax.Array]]:
-    """Zeroed pages, created directly in their sharding (never materialised on one device first)."""
-    shape, sharding = cache_sharding(cfg, cache, mesh)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+    """Zeroed pages, created directly in their sharding (never materialised on one device first); windowed
+    layers get ``num_local_pages`` pages when the cache has a windowed pool."""
+    out = []
+    for layer in range(cfg.num_layers):
+        local = uses_local_pool(cfg, cache, layer)
+        shape, sharding = cache_sharding(cfg, cache, mesh, cache.num_local_pages if local else None)
+        zeros = jax.jit(lambda shape=shape: jnp.zeros(shape, dtype), out_shardings=sharding)
+        out.append((zeros(), zeros()))
+    return out

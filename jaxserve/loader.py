@@ -18,7 +18,8 @@ from jax.sharding import Mesh
 
 from jaxserve.checkpoint import read_checkpoint, resolve_model_path
 from jaxserve.config import ModelConfig
-from jaxserve.models import DecoderLM
+from jaxserve.models import registry
+from jaxserve.models.decoder import DecoderLM
 from jaxserve import engine_config
 from sharding.mesh import make_mesh, place
 from sharding.rules import logical_sharding
@@ -38,14 +39,9 @@ def resolve_dtype(dtype: str, cfg: ModelConfig):
     return DTYPES[name]
 
 
-def hf_name(path: tuple) -> str:
-    """Our parameter path -> the Hugging Face tensor name."""
-    parts = [str(p) for p in path]
-    if parts == ["embed_tokens", "embedding"]:
-        return "model.embed_tokens.weight"
-    if parts[0] == "lm_head":
-        return "lm_head.weight"
-    return "model." + ".".join(parts)
+def hf_name(path: tuple, cfg: ModelConfig) -> str:
+    """Our parameter path -> the Hugging Face tensor name (the family file's mapping)."""
+    return registry.family(cfg.architecture).hf_name(path)
 
 
 def abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
@@ -85,7 +81,7 @@ def load_model(
 
 def _load_safetensors(folder: Path, cfg: ModelConfig, abstract: nnx.State, shardings: dict) -> nnx.State:
     flat = dict(nnx.to_flat_state(abstract))
-    wanted = {hf_name(path): path for path in flat}
+    wanted = {hf_name(path, cfg): path for path in flat}
     placed: dict = {}
     unexpected = []
     for name, array in read_checkpoint(folder):
@@ -105,7 +101,7 @@ def _load_safetensors(folder: Path, cfg: ModelConfig, abstract: nnx.State, shard
             )
         host = np.ascontiguousarray(array.astype(target.dtype, copy=False))
         placed[path] = place(host, shardings[path])
-    missing = sorted(hf_name(p) for p in flat if p not in placed)
+    missing = sorted(hf_name(p, cfg) for p in flat if p not in placed)
     if missing or unexpected:
         raise ValueError(
             f"checkpoint in {folder} does not match {cfg.architecture}: "

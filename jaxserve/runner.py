@@ -20,7 +20,7 @@ from jaxserve.attention import AttentionBackend, ShardedAttention
 from jaxserve.batch import MeshBatch, StepKind
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import CacheConfig, init_kv_cache
-from jaxserve.models import DecoderLM, forward
+from jaxserve.models.decoder import DecoderLM, forward
 from jaxserve.sampler import argmax
 from pallas_kernels.ragged_paged_attention import check_values, token_layout
 from sharding import multihost
@@ -38,7 +38,7 @@ class StepOutput:
     greedy_ids: jax.Array  # i32[R * S]  argmax of each sequence's logits: the whole sampler for greedy batches
 
 
-def jit_step(graphdef: nnx.GraphDef, num_rows: int, out_shardings=None):
+def jit_step(graphdef: nnx.GraphDef, num_rows: int, out_shardings=None, local_pool: bool = False):
     """The compiled step: (params, packed, kv_cache, fields, attention, layout) -> (StepOutput, kv_cache), the
     cache donated, ``fields`` (the batch's shape, ``MeshBatch.shape_fields``), ``attention`` and ``layout`` static.
 
@@ -51,7 +51,7 @@ def jit_step(graphdef: nnx.GraphDef, num_rows: int, out_shardings=None):
     def step(params, packed, kv_cache, fields, attention, layout):
         token_ids, positions, md, logits_indices = device_inputs(MeshBatch.unpack(fields, packed), layout)
         logits, kv_cache = forward(nnx.merge(graphdef, params), token_ids, positions, md, kv_cache, logits_indices,
-                                   attention, layout)
+                                   attention, layout, local_pool=local_pool)
         padded = jnp.pad(logits, ((0, num_rows - logits.shape[0]), (0, 0)))
         return StepOutput(padded, argmax(logits)), kv_cache
 
@@ -97,7 +97,8 @@ class ModelRunner:
         outs = (StepOutput(replicated, replicated), jax.tree.map(lambda a: a.sharding, self.kv_cache))
         self.num_logit_rows = num_logit_rows
         # One jit object per kind, so prefill and decode shapes are compiled and cached separately.
-        self._steps = {kind: jit_step(self.graphdef, num_logit_rows, outs) for kind in StepKind}
+        self.local_pool = bool(cache.num_local_pages)  # page tables carry the windowed pool's table after the global
+        self._steps = {kind: jit_step(self.graphdef, num_logit_rows, outs, self.local_pool) for kind in StepKind}
 
     def run(self, kind: StepKind, batch: MeshBatch) -> StepOutput:
         """Run one step (on process 0 of a multi-process run, the followers run it too)."""
@@ -148,8 +149,17 @@ class ModelRunner:
     def _run(self, kind: StepKind, batch: MeshBatch, payload: np.ndarray) -> StepOutput:
         if self.debug_checks:
             for r in range(batch.num_replicas):
-                check_values(batch.replica(r).md, num_tokens=batch.tokens_per_replica,
-                             num_pages=self.cache_cfg.pages_per_replica, page_size=self.cache_cfg.page_size)
+                md = batch.replica(r).md
+                pools = [(md, self.cache_cfg.pages_per_replica)]
+                if self.local_pool:
+                    width = md.page_indices.shape[1] // 2
+                    pools = [(dataclasses.replace(md, page_indices=md.page_indices[:, :width]),
+                              self.cache_cfg.pages_per_replica),
+                             (dataclasses.replace(md, page_indices=md.page_indices[:, width:]),
+                              self.cache_cfg.num_local_pages // self.cache_cfg.num_replicas)]
+                for pool_md, pages in pools:
+                    check_values(pool_md, num_tokens=batch.tokens_per_replica, num_pages=pages,
+                                 page_size=self.cache_cfg.page_size)
         fn, args = self._call_args(kind, batch, payload)
         out, self.kv_cache = fn(*args)
         return out

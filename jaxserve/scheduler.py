@@ -9,6 +9,7 @@ from collections.abc import Sequence as Seq
 from jaxserve.block_manager import BlockManager
 from jaxserve.scheduler_config import SchedulerConfig
 from jaxserve.sequence import Sequence, SequenceStatus
+from jaxserve.window_pool import WindowedBlockManager
 
 __all__ = ["ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "UpdateResult"]
 
@@ -22,6 +23,7 @@ class ScheduledSequence:
     kv_len: int  # tokens in the cache after this step
     page_table: list[int]  # snapshot of seq.page_table, covering kv_len tokens
     needs_sample: bool  # the step reaches the end of the sequence's tokens, so its last row's logits are sampled
+    local_page_table: list[int] = dataclasses.field(default_factory=list)  # the windowed layers' pool, if any
 
     @property
     def num_new_tokens(self) -> int:
@@ -70,9 +72,15 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.block_manager = BlockManager(
-            config.num_pages, config.page_size, enable_prefix_caching=config.enable_prefix_caching
-        )
+        if config.local_pages:
+            self.block_manager = WindowedBlockManager(
+                config.num_pages, config.local_pages, config.page_size, window=config.local_window,
+                enable_prefix_caching=config.enable_prefix_caching)
+        else:
+            self.block_manager = BlockManager(
+                config.num_pages, config.page_size, enable_prefix_caching=config.enable_prefix_caching,
+                attention_window=config.attention_window,
+            )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preemption takes from the end
         self._requests: dict[str, list[Sequence]] = {}  # live request id -> its sequences
@@ -180,6 +188,7 @@ class Scheduler:
                     i += 1
                     continue
             kv_len = seq.num_computed_tokens + n
+            bm.release_behind(seq)  # pages every layer's window has passed come back before any new one
             while not bm.can_grow(seq, kv_len):
                 victim = self.running[-1]
                 if victim is seq and i == 0:
@@ -214,6 +223,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             bm.admit(seq, prefix, computed + n)
+            bm.release_behind(seq)  # prefix pages already outside the window are not held
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             plan.append(self._entry(seq, n, computed + n))
@@ -260,7 +270,8 @@ class Scheduler:
 
     def _entry(self, seq: Sequence, n: int, kv_len: int) -> ScheduledSequence:
         tokens = seq.token_ids(kv_len - n, kv_len)
-        return ScheduledSequence(seq, tokens, kv_len, list(seq.page_table), kv_len == seq.num_tokens)
+        return ScheduledSequence(seq, tokens, kv_len, BlockManager.readable_table(seq.page_table),
+                                 kv_len == seq.num_tokens, BlockManager.readable_table(seq.local_page_table))
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

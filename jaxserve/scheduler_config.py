@@ -24,6 +24,13 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    # Every layer attends to at most this many tokens back (a model whose layers are all windowed): pages
+    # behind it are released while a sequence runs. None: some layer sees the whole sequence.
+    attention_window: int | None = None
+    # A model interleaving windowed and global layers: the windowed layers' own pool of `local_pages` pages,
+    # recycled behind `local_window` (jaxserve/window_pool.py). 0 pages: one pool for every layer.
+    local_window: int | None = None
+    local_pages: int = 0
 
     def __post_init__(self):
         positive = ("num_pages", "page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
@@ -37,6 +44,12 @@ class SchedulerConfig:
         t = self.long_prefill_token_threshold
         if not isinstance(t, int) or isinstance(t, bool) or t < 0:
             raise ValueError(f"SchedulerConfig.long_prefill_token_threshold={t!r} must be an integer >= 0")
+        w = self.attention_window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ValueError(f"SchedulerConfig.attention_window={w!r} must be None or an integer >= 1")
+        if (self.local_window is None) != (self.local_pages == 0) or self.local_pages < 0:
+            raise ValueError(f"SchedulerConfig.local_window={self.local_window!r} and local_pages={self.local_pages!r} "
+                             "must be set together")
         if self.max_model_len < 2:
             raise ValueError(f"SchedulerConfig.max_model_len={self.max_model_len} must be >= 2 (prompt and output)")
         # One sequence of max_model_len tokens must fit alone, or it could never finish.

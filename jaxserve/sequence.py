@@ -78,6 +78,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
         self.page_table: list[int] = []
+        self.local_page_table: list[int] = []  # the windowed layers' own pool, for models that interleave them
         self.page_hashes: list[bytes] = []  # chained hash of each full page; depends on tokens and cache_salt only
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix reused at the latest admission

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from jaxserve.block_manager import BlockManager, hash_page
+from jaxserve.block_manager import RELEASED, BlockManager, hash_page
 from jaxserve.page_pool import OutOfPages
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import Sequence, SequenceStatus
@@ -262,3 +262,54 @@ def test_cache_salt_keeps_prefix_pages_private_to_its_tenant():
     assert run_prefill(bm, seq_of(prompt, "unsalted")) == []  # nor for requests without a salt
     assert len(run_prefill(bm, salted("b2", "tenant-b"))) == 3
     assert len(run_prefill(bm, seq_of(prompt, "unsalted2"))) == 3
+
+
+# ---- pages behind the attention window ------------------------------------------------------------------
+def test_pages_behind_the_window_are_released_as_the_sequence_runs():
+    bm = BlockManager(16, PS, enable_prefix_caching=False, attention_window=6)
+    a = seq_of(range(3, 13), "a")  # 10 tokens: pages 0..2
+    run_prefill(bm, a)
+    # The next query is at position 10 and sees keys 5..10: page 0 (0..3) is behind, page 1 (4..7) is not.
+    assert bm.release_behind(a) == 1
+    assert a.page_table[0] == RELEASED and bm.pages_held(a) == 2 and bm.num_free_pages == 14
+    assert bm.release_behind(a) == 0  # idempotent
+    for _ in range(6):  # decode six tokens: the query moves to 16 and sees 11..16, so page 1 goes too
+        a.append_token(5)
+        bm.grow(a, a.num_tokens)
+        a.num_computed_tokens = a.num_tokens
+        bm.release_behind(a)
+        bm.check_invariants()
+    assert a.page_table[:2] == [RELEASED, RELEASED] and RELEASED not in a.page_table[2:]
+    assert bm.pages_held(a) == 2
+    table = BlockManager.readable_table(a.page_table)
+    assert RELEASED not in table and table[:2] == [a.page_table[2]] * 2  # the kernels get a page id it holds
+    bm.free(a)
+    bm.check_invariants()
+    assert bm.num_free_pages == 16 and bm.pool.num_free == 16
+
+
+def test_released_pages_stay_cached_and_a_sibling_never_shares_a_released_entry():
+    bm = BlockManager(16, PS, attention_window=3)
+    a = seq_of(list(range(3, 15)), "a")  # 12 tokens, three full pages, registered
+    run_prefill(bm, a)
+    assert bm.release_behind(a) == 2  # query at 12 sees 10..12: pages 0 and 1 are behind
+    assert bm.num_cached_pages == 3 and bm.refcount(a.page_table[2]) == 1
+    b = seq_of(list(range(3, 15)) + [9], "b")  # the same prefix: released pages are still cache hits
+    prefix = bm.match_prefix(b)
+    assert len(prefix) == 3 and bm.refcount(prefix[0]) == 0
+    sibling = seq_of(list(range(3, 15)) + [1], "a")
+    sibling.status = SequenceStatus.WAITING
+    a.status = SequenceStatus.RUNNING
+    bm.enable_prefix_caching = False  # sharing with the running leader only: its released pages are gone
+    assert bm.match_prefix(sibling, share_with=a) == []
+    bm.free(a)
+    bm.check_invariants()
+
+
+def test_no_window_releases_nothing():
+    bm = BlockManager(16, PS)
+    a = seq_of(range(3, 40), "a")
+    run_prefill(bm, a)
+    assert bm.release_behind(a) == 0 and RELEASED not in a.page_table
+    with pytest.raises(ValueError, match="attention_window=0"):
+        BlockManager(16, PS, attention_window=0)

@@ -35,14 +35,18 @@ def prompts(vocab: int) -> list[list[int]]:
 
 def jax_last_logits(llm: LLM, prompt: list[int]) -> np.ndarray:
     """Prefill logits straight from the runner, on pages borrowed from the idle engine's pool."""
-    pool = llm.engine.scheduler.block_manager.pool
-    llm.engine.scheduler.block_manager.reset_prefix_cache()
-    pages = pool.allocate(-(-len(prompt) // PAGE))
+    bm = llm.engine.scheduler.block_manager
+    bm.reset_prefix_cache()
+    local_pool = llm.engine.executor.runner.local_pool  # Gemma: the windowed layers' own pool
+    pools = [bm.full.pool, bm.windowed.pool] if local_pool else [bm.pool]
+    tables = [pool.allocate(-(-len(prompt) // PAGE)) for pool in pools]
     try:
-        batch = llm.engine.executor.make_batch([prompt], [len(prompt)], [pages], kind=StepKind.PREFILL)
+        batch = llm.engine.executor.make_batch([prompt], [len(prompt)], tables[:1], kind=StepKind.PREFILL,
+                                               local_page_tables=tables[1:] or None)
         return np.asarray(llm.engine.executor.runner.run(StepKind.PREFILL, batch).logits)[0]
     finally:
-        pool.free(pages)
+        for pool, table in zip(pools, tables):
+            pool.free(table)
 
 
 def test_prefill_logits_match(family):

@@ -18,6 +18,7 @@ import pytest
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerConfig
 from jaxserve.sequence import Sequence, SequenceStatus
+from jaxserve.window_pool import window_pages_needed
 
 EOS = 0
 VOCAB = 40
@@ -444,3 +445,55 @@ def test_host_core_imports_without_jax():
     code = f"import sys, {modules}; assert not [m for m in sys.modules if m.split('.')[0] == 'jax'], 'jax'"
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("window, caching, local", [(2, True, False), (6, False, False), (9, True, False),
+                                                    (6, True, True), (3, False, True)])
+def test_windowed_model_releases_pages_behind_the_window_and_stays_exact(seed, window, caching, local):
+    """Every layer windowed: a running sequence holds only the pages its next query can see (plus the chunk's);
+    the fake model reads the previous token's KV, so a page released too early, or a released entry handed to
+    the kernels as anything but a page the sequence holds, changes the tokens. Preemption, prefix caching,
+    siblings and aborts as in the unwindowed random test. ``local``: windowed and global layers interleaved,
+    the windowed ones in a pool of their own (the fake model reads the global table; the windowed pool's tables
+    are checked for what they hold and where writes land)."""
+    rng = random.Random(seed)
+    extra = dict(local_window=window, local_pages=window_pages_needed(window, 4, 6, 24)) if local else \
+        dict(attention_window=window)
+    cfg = make_config(num_pages=12 if not local else 16, page_size=4, max_model_len=40, max_num_seqs=6,
+                      max_num_batched_tokens=24, enable_prefix_caching=caching, **extra)
+    sched = Scheduler(cfg)
+    model = FakeModel(sched)
+    bm = sched.block_manager.windowed if local else sched.block_manager
+    systems = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(3, 14))] for _ in range(3)]
+    pending, requests, steps = 30, [], 0
+    while pending or sched.has_unfinished():
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            if pending:
+                pending -= 1
+                prompt = rng.choice(systems + [[]]) + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 12))]
+                params = dict(max_tokens=rng.randrange(1, 40 - len(prompt) + 1), n=rng.choice([1, 1, 2]),
+                              ignore_eos=rng.random() < 0.5)
+                requests.extend(sched.add(seq(f"r{pending}", prompt, **params)))
+        running_before = list(sched.running)
+        out = sched.schedule()
+        check_step(sched, out, running_before)
+        for e in out.scheduled:
+            table = e.local_page_table if local else e.page_table
+            assert bm.pages_held(e.seq) <= -(-(window - 1 + e.num_new_tokens) // 4) + 1
+            assert len(table) == len(e.page_table)
+            for pos in range(e.num_computed_before, e.kv_len):  # writes land in pages the sequence alone holds
+                assert bm.refcount(table[pos // 4]) == 1 and not bm.is_cached(table[pos // 4])
+        sched.update(out, model.run(out))
+        sched.block_manager.check_invariants()
+        if rng.random() < 0.03 and sched.running:
+            abort(sched, rng.choice(sched.running).request_id)
+        steps += 1
+        assert steps < 5000
+    assert bm.num_released_pages > 0
+    for s in requests:
+        if s.finish_reason != "abort":
+            assert (s.output_token_ids, s.finish_reason) == reference(s.prompt_token_ids, s.sampling_params,
+                                                                      cfg.max_model_len, s.index), s
+    for pool in {bm, sched.block_manager.full if local else bm}:
+        assert pool.num_used_pages == 0 and pool.num_free_pages == pool.num_pages

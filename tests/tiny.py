@@ -6,8 +6,9 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -54,6 +55,16 @@ FAMILIES = {
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(
         num_attention_heads=8, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)),
+    # Gemma: windowed and global layers interleaved (window 5 and 6: many pages fall out of it), soft caps low
+    # enough to bite, query_pre_attn_scalar != head_dim, head_dim != hidden / heads.
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=5,
+        attn_logit_softcapping=5.0, final_logit_softcapping=10.0)),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=1, head_dim=24, query_pre_attn_scalar=24, sliding_window=6,
+        sliding_window_pattern=2, tie_word_embeddings=False,
+        rope_parameters=dict(full_attention=dict(rope_type="linear", factor=2.0, rope_theta=10000.0),
+                             sliding_attention=dict(rope_type="default", rope_theta=100.0)))),
 }
 
 

@@ -1,15 +1,17 @@
-"""The decoder shared by every supported family (Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3).
+"""The decoder shared by every supported family (the family files beside this one list them).
 
 Flax NNX modules hold the parameters with their logical sharding axes; each ``__call__`` is a thin call into
-the pure functions of ``layers``. Family differences are switches on ``ModelConfig`` (biases, q/k norm,
-sliding windows, tied embeddings, rope scaling), never copies of the code.
+the pure functions of ``layers``. Family differences are switches on ``ModelConfig`` (biases, q/k norm, norm
+offset and placement, activation, embedding scale, soft caps, per-layer windows and rope), set by each family's
+file, never copies of the code.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxserve.attention import AttentionBackend, AttentionMetadata
@@ -31,20 +33,24 @@ def _param(shape, dtype, axes) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype, axes=("norm",)):
+    def __init__(self, dim: int, cfg: ModelConfig, dtype, axes=("norm",)):
         self.weight = _param((dim,), dtype, axes)
-        self.eps = eps
+        self.eps, self.offset = cfg.rms_norm_eps, cfg.norm_offset
 
     def __call__(self, x):
-        return layers.rms_norm(x, self.weight[...], self.eps)
+        return layers.rms_norm(x, self.weight[...], self.eps, self.offset)
 
 
 class Embed(nnx.Module):
-    def __init__(self, vocab: int, dim: int, dtype):
+    def __init__(self, vocab: int, dim: int, dtype, scale: bool = False):
         self.embedding = _param((vocab, dim), dtype, ("vocab", "embed"))
+        self.scale = scale
 
     def __call__(self, token_ids):
-        return self.embedding[...][token_ids]
+        x = self.embedding[...][token_ids]
+        if self.scale:  # sqrt(hidden) rounded to the model's dtype first, as the checkpoints were trained
+            x = x * jnp.asarray(x.shape[-1] ** 0.5, x.dtype)
+        return x
 
 
 class Linear(nnx.Module):
@@ -63,11 +69,11 @@ class Attention(nnx.Module):
         self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, axes=("embed", "kv_heads"))
         self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, axes=("embed", "kv_heads"))
         self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_bias, dtype=dtype, axes=("q_heads", "embed"))
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, ("head_dim",)) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, ("head_dim",)) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(d, cfg, dtype, ("head_dim",)) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg, dtype, ("head_dim",)) if cfg.qk_norm else None
         self.cfg, self.sliding_window = cfg, cfg.sliding_windows[layer]
 
-    def __call__(self, x, positions, inv_freq, k_pages, v_pages, md: AttentionMetadata, backend: AttentionBackend,
+    def __call__(self, x, rope_table, k_pages, v_pages, md: AttentionMetadata, backend: AttentionBackend,
                  layout: StepLayout | None = None):
         cfg, t = self.cfg, x.shape[0]
         q = _constrain(self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim), layout, "tokens", "act_heads", None)
@@ -77,9 +83,10 @@ class Attention(nnx.Module):
                        None)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = layers.rope(q, positions, inv_freq), layers.rope(k, positions, inv_freq)
+        q, k = layers.rope(q, *rope_table), layers.rope(k, *rope_table)
         out, k_pages, v_pages = backend(
-            q, k, v, k_pages, v_pages, md, sm_scale=cfg.head_dim**-0.5, sliding_window=self.sliding_window
+            q, k, v, k_pages, v_pages, md, sm_scale=cfg.sm_scale, sliding_window=self.sliding_window,
+            soft_cap=cfg.attn_soft_cap,
         )
         return self.o_proj(out.reshape(t, cfg.num_heads * cfg.head_dim)), k_pages, v_pages
 
@@ -90,25 +97,37 @@ class MLP(nnx.Module):
         self.gate_proj = Linear(h, m, bias=b, dtype=dtype, axes=("embed", "mlp"))
         self.up_proj = Linear(h, m, bias=b, dtype=dtype, axes=("embed", "mlp"))
         self.down_proj = Linear(m, h, bias=b, dtype=dtype, axes=("mlp", "embed"))
+        self.act = cfg.hidden_act
 
     def __call__(self, x, layout: StepLayout | None = None):
-        hidden = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+        hidden = layers.ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x)
         return self.down_proj(_constrain(hidden, layout, "tokens", "act_mlp"))
 
 
 class DecoderLayer(nnx.Module):
+    """Pre-norm residual blocks. With ``sandwich_norms`` (Gemma) ``post_attention_layernorm`` normalises the
+    attention output and the MLP has its own norms before and after; otherwise ``post_attention_layernorm`` is
+    the MLP's input norm (the checkpoints' names, kept as they are)."""
+
     def __init__(self, cfg: ModelConfig, layer: int, dtype):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg, dtype)
         self.self_attn = Attention(cfg, layer, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(h, cfg, dtype)
+        self.pre_feedforward_layernorm = RMSNorm(h, cfg, dtype) if cfg.sandwich_norms else None
+        self.post_feedforward_layernorm = RMSNorm(h, cfg, dtype) if cfg.sandwich_norms else None
         self.mlp = MLP(cfg, dtype)
 
-    def __call__(self, x, positions, inv_freq, k_pages, v_pages, md, backend, layout: StepLayout | None = None):
+    def __call__(self, x, rope_table, k_pages, v_pages, md, backend, layout: StepLayout | None = None):
         attn, k_pages, v_pages = self.self_attn(
-            self.input_layernorm(x), positions, inv_freq, k_pages, v_pages, md, backend, layout
+            self.input_layernorm(x), rope_table, k_pages, v_pages, md, backend, layout
         )
-        x = _constrain(x + attn, layout, "tokens", "act_embed")
-        x = x + self.mlp(self.post_attention_layernorm(x), layout)
+        if self.pre_feedforward_layernorm is None:
+            x = _constrain(x + attn, layout, "tokens", "act_embed")
+            x = x + self.mlp(self.post_attention_layernorm(x), layout)
+        else:
+            x = _constrain(x + self.post_attention_layernorm(attn), layout, "tokens", "act_embed")
+            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), layout))
         return _constrain(x, layout, "tokens", "act_embed"), k_pages, v_pages
 
 
@@ -117,9 +136,9 @@ class DecoderLM(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32):
         self.cfg = cfg
-        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype, scale=cfg.embed_scale)
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg, dtype)
         self.lm_head = (
             None if cfg.tie_word_embeddings
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, axes=("embed", "vocab"))
@@ -135,26 +154,39 @@ def forward(
     logits_indices: jax.Array,  # i32[N]
     attention,
     layout: StepLayout | None = None,
+    local_pool: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """Run the decoder over ``R`` data replicas' ragged batches side by side, writing their K/V into the cache.
 
     Rows ``r*T .. (r+1)*T - 1`` of ``token_ids`` are replica ``r``'s; ``attention`` is a
     ``ShardedAttention`` (it takes the stacked metadata and hands each shard its replica's block).
     ``logits_indices`` are rows of the whole array. ``layout`` (the mesh and rules of the step) pins activation
-    shardings; None runs unconstrained.
+    shardings; None runs unconstrained. With ``local_pool`` the windowed layers keep their pages in a pool of
+    their own: each page-table row is the global table followed by the windowed one, of equal widths.
 
     Returns:
       (logits f32[N, vocab] at the ``logits_indices`` rows, gathered over the mesh; the updated cache).
     """
     cfg = model.cfg
-    inv_freq = jnp.asarray(np.array(cfg.rope.inv_freq(cfg.head_dim), np.float32))
+    # One cos/sin table per distinct rope (Gemma 3: global and local), shared by the layers that use it.
+    tables = {}
+    for i in range(cfg.num_layers):
+        rope = cfg.layer_rope(i)
+        if rope not in tables:
+            tables[rope] = layers.rope_tables(positions, rope, cfg.head_dim)
+    md_global = md_local = md
+    if local_pool:
+        width = md.page_indices.shape[-1] // 2
+        md_global = dataclasses.replace(md, page_indices=md.page_indices[..., :width])
+        md_local = dataclasses.replace(md, page_indices=md.page_indices[..., width:])
     x = _constrain(model.embed_tokens(_constrain(token_ids, layout, "tokens")), layout, "tokens", "act_embed")
     new_cache = []
-    for layer, (k_pages, v_pages) in zip(model.layers, kv_cache, strict=True):
-        x, k_pages, v_pages = layer(x, positions, inv_freq, k_pages, v_pages, md, attention, layout)
+    for i, (layer, (k_pages, v_pages)) in enumerate(zip(model.layers, kv_cache, strict=True)):
+        layer_md = md_local if cfg.sliding_windows[i] is not None else md_global
+        x, k_pages, v_pages = layer(x, tables[cfg.layer_rope(i)], k_pages, v_pages, layer_md, attention, layout)
         new_cache.append((k_pages, v_pages))
     x = model.norm(x[logits_indices])
     head = model.embed_tokens.embedding[...].T if model.lm_head is None else model.lm_head.weight[...]
     # Each tensor shard computes its vocab slice; then the [N, vocab] logits (not the head) are gathered.
-    logits = _constrain(layers.matmul_f32(x, head), layout, "slots", "act_vocab")
+    logits = layers.soft_cap(_constrain(layers.matmul_f32(x, head), layout, "slots", "act_vocab"), cfg.final_soft_cap)
     return _constrain(logits, layout, "slots", "logits_vocab"), new_cache

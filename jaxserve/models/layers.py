@@ -4,13 +4,33 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.models.rope import RopeConfig
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis, computed in fp32 and cast back before the weight (as transformers does)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm over the last axis, computed in fp32, rounded as transformers does.
+
+    With ``offset`` 0 (Llama, Qwen, Mistral) the normalised value is cast back before the weight multiplies
+    it; with an offset (Gemma's ``1 + w``) the scaling is done in fp32 too and the product cast back.
+    """
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (xf * (offset + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * xf.astype(x.dtype)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """``cap * tanh(x / cap)`` (Gemma 2's logit soft-capping); ``x`` itself when ``cap`` is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
 
 
 def matmul_f32(x: jax.Array, weight: jax.Array) -> jax.Array:
@@ -31,17 +51,39 @@ def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> ja
     return (y if bias is None else y + bias).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+def rope_tables(positions: jax.Array, rope: RopeConfig, head_dim: int) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of every row's rotation, times the rope's attention factor (yarn, longrope).
+
+    Args:
+      positions: i32[T]
+    Returns:
+      (cos, sin), each f32[T, head_dim] in the rotate-half layout (the frequencies repeated twice).
+    """
+    pos = positions.astype(jnp.float32)
+    if rope.kind == "dynamic":  # the base grows with the sequence a row ends (see jaxserve.models.rope)
+        mpe = float(rope.max_position_embeddings)
+        seq = jnp.maximum(pos + 1.0, mpe)
+        base = rope.theta * ((rope.factor * seq / mpe) - (rope.factor - 1)) ** (head_dim / (head_dim - 2))
+        exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+        inv = 1.0 / base[:, None] ** exponents[None, :]
+    elif rope.kind == "longrope":  # long factors for rows past the original context
+        short, long = jnp.asarray(rope.inv_freq(head_dim)), jnp.asarray(rope.long_inv_freq(head_dim))
+        inv = jnp.where((pos + 1.0 > rope.original_max_position_embeddings)[:, None], long[None], short[None])
+    else:
+        inv = jnp.asarray(np.asarray(rope.inv_freq(head_dim), np.float32))[None, :]
+    angles = pos[:, None] * inv  # [T, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles) * rope.attention_factor, jnp.sin(angles) * rope.attention_factor
+
+
+def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotary embedding in the rotate-half layout Hugging Face checkpoints use.
 
     Args:
       x: [T, heads, head_dim]
-      positions: i32[T]
-      inv_freq: f32[head_dim // 2]
+      cos, sin: f32[T, head_dim] from ``rope_tables`` (cast to x's dtype first, as transformers does)
     """
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, None, :].astype(x.dtype)
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, None, :].astype(x.dtype)
+    cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
