@@ -14,6 +14,10 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": dict(family="mistral", qkv_bias=False, qk_norm=False),
     "Qwen2ForCausalLM": dict(family="qwen2", qkv_bias=True, qk_norm=False),
     "Qwen3ForCausalLM": dict(family="qwen3", qkv_bias=None, qk_norm=True),
+    # Mixture-of-Experts families: the same decoder, with an MoE block in place of the MLP (``MoeConfig``).
+    "MixtralForCausalLM": dict(family="mixtral", qkv_bias=False, qk_norm=False),
+    "Qwen2MoeForCausalLM": dict(family="qwen2_moe", qkv_bias="qkv_bias", qk_norm=False),
+    "Qwen3MoeForCausalLM": dict(family="qwen3_moe", qkv_bias=None, qk_norm=True, o_bias=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 
@@ -58,6 +62,47 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """A Mixture-of-Experts MLP: ``top_k`` of ``num_experts`` SwiGLU experts per token, softmax router.
+
+    ``norm_topk_prob`` renormalises the chosen experts' probabilities to sum to 1 (always for Mixtral).
+    ``shared_expert_size`` > 0 adds Qwen2-MoE's shared expert, a dense SwiGLU MLP of that width scaled by a
+    sigmoid gate. ``sparse_layers[i]`` says whether layer ``i`` has the MoE block (else the dense MLP of
+    ``ModelConfig.intermediate_size``), from ``decoder_sparse_step`` and ``mlp_only_layers``.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[bool, ...]
+    shared_expert_size: int = 0
+
+    def __post_init__(self):
+        for name in ("num_experts", "top_k", "intermediate_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MoeConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.top_k} exceeds num_experts={self.num_experts}")
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], family: str, layers: int) -> "MoeConfig":
+        experts = hf.get("num_local_experts") or hf.get("num_experts")
+        if family == "mixtral":
+            return cls(experts, hf["num_experts_per_tok"], hf["intermediate_size"], True, (True,) * layers)
+        step, dense = hf.get("decoder_sparse_step", 1) or 1, set(hf.get("mlp_only_layers") or ())
+        return cls(experts, hf["num_experts_per_tok"], hf["moe_intermediate_size"], bool(hf.get("norm_topk_prob")),
+                   tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
+                   hf.get("shared_expert_intermediate_size", 0) if family == "qwen2_moe" else 0)
+
+    def mlp_params(self, hidden: int, *, active: bool) -> int:
+        """Parameters of one MoE block: router, experts (only ``top_k`` of them if ``active``), shared expert."""
+        experts = self.top_k if active else self.num_experts
+        shared = 3 * hidden * self.shared_expert_size + hidden if self.shared_expert_size else 0
+        return hidden * self.num_experts + experts * 3 * hidden * self.intermediate_size + shared
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The decoder's shape and per-family switches."""
 
@@ -82,6 +127,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    moe: MoeConfig | None = None  # Mixture-of-Experts families
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -109,6 +155,9 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         attention_bias = bool(hf.get("attention_bias", False))
+        qkv_bias = fam["qkv_bias"]
+        qkv_bias = attention_bias if qkv_bias is None else bool(hf.get(qkv_bias, True)) if isinstance(qkv_bias, str) \
+            else qkv_bias
         return cls(
             architecture=arch,
             family=fam["family"],
@@ -122,8 +171,8 @@ class ModelConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope=_rope_from_hf(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=attention_bias if fam["qkv_bias"] is None else fam["qkv_bias"],
-            o_bias=attention_bias if fam["family"] == "llama" else False,
+            qkv_bias=qkv_bias,
+            o_bias=attention_bias if fam["family"] == "llama" or fam.get("o_bias") else False,
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=fam["qk_norm"],
             sliding_windows=_sliding_windows_from_hf(hf, fam["family"], layers),
@@ -131,6 +180,8 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos,
             torch_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+            moe=MoeConfig.from_hf_dict(hf, fam["family"], layers) if "Moe" in arch or fam["family"] == "mixtral"
+            else None,
         )
 
     @classmethod
@@ -138,12 +189,25 @@ class ModelConfig:
         with open(Path(path) / "config.json") as f:
             return cls.from_hf_dict(json.load(f))
 
+    def is_sparse(self, layer: int) -> bool:
+        """Whether ``layer`` has a Mixture-of-Experts block in place of the dense MLP."""
+        return self.moe is not None and self.moe.sparse_layers[layer]
+
     @property
     def num_params(self) -> int:
+        return self._params(active=False)
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token's forward pass reads: for an MoE model only its ``top_k`` experts per layer."""
+        return self._params(active=True)
+
+    def _params(self, *, active: bool) -> int:
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * self.hidden_size * self.intermediate_size
+        mlp = sum(self.moe.mlp_params(self.hidden_size, active=active) if self.is_sparse(i)
+                  else 3 * self.hidden_size * self.intermediate_size for i in range(self.num_layers))
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + self.hidden_size
+        return self.num_layers * (attn + 2 * self.hidden_size) + mlp + embed + self.hidden_size
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
@@ -166,7 +230,7 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
 
 def _sliding_windows_from_hf(hf: dict[str, Any], family: str, layers: int) -> tuple[int | None, ...]:
     window = hf.get("sliding_window")
-    if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+    if family.startswith("qwen") and not hf.get("use_sliding_window", False):
         window = None
     if window is None:
         return (None,) * layers

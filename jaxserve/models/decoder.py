@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxserve.attention import AttentionBackend, AttentionMetadata
 from jaxserve.config import ModelConfig
-from jaxserve.models import layers
+from jaxserve.models import layers, moe
 from sharding.layout import StepLayout
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages) [KVH, num_pages, page_size, D]
@@ -85,8 +85,8 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype):
-        h, m, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+    def __init__(self, cfg: ModelConfig, dtype, intermediate_size: int | None = None):
+        h, m, b = cfg.hidden_size, intermediate_size or cfg.intermediate_size, cfg.mlp_bias
         self.gate_proj = Linear(h, m, bias=b, dtype=dtype, axes=("embed", "mlp"))
         self.up_proj = Linear(h, m, bias=b, dtype=dtype, axes=("embed", "mlp"))
         self.down_proj = Linear(m, h, bias=b, dtype=dtype, axes=("mlp", "embed"))
@@ -96,12 +96,20 @@ class MLP(nnx.Module):
         return self.down_proj(_constrain(hidden, layout, "tokens", "act_mlp"))
 
 
+def make_mlp(cfg: ModelConfig, layer: int, dtype) -> nnx.Module:
+    """The layer's MLP: dense, or a Mixture-of-Experts block (``models.moe``) where the family has one."""
+    if not cfg.is_sparse(layer):
+        return MLP(cfg, dtype)
+    shared = cfg.moe.shared_expert_size
+    return moe.SparseMoeBlock(cfg, dtype, MLP(cfg, dtype, shared) if shared else None)
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, layer, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype)
+        self.mlp = make_mlp(cfg, layer, dtype)
 
     def __call__(self, x, positions, inv_freq, k_pages, v_pages, md, backend, layout: StepLayout | None = None):
         attn, k_pages, v_pages = self.self_attn(
