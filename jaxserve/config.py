@@ -207,7 +207,8 @@ class ModelConfig:
         mlp = sum(self.moe.mlp_params(self.hidden_size, active=active) if self.is_sparse(i)
                   else 3 * self.hidden_size * self.intermediate_size for i in range(self.num_layers))
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + 2 * self.hidden_size) + mlp + embed + self.hidden_size
+        norms = 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+        return self.num_layers * (attn + norms) + mlp + embed + self.hidden_size
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
