@@ -58,7 +58,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.shapes import StepShapes
 from sharding.mesh import MeshConfig, make_mesh
 from sharding.layout import StepLayout
-from sharding.rules import model_rules
+from sharding.rules import check_expert_parallel, model_rules
 
 GiB = 2**30
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -83,6 +83,15 @@ PRESETS: dict[str, dict] = {
                      intermediate_size=12288),
     "qwen3-32b": dict(_QWEN3, hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
                       intermediate_size=25600),
+    "mixtral-8x7b": dict(architectures=["MixtralForCausalLM"], hidden_size=4096, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=32000,
+                         num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5, max_position_embeddings=32768,
+                         rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False, torch_dtype="bfloat16",
+                         bos_token_id=1, eos_token_id=2),
+    "qwen3-30b-a3b": dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, intermediate_size=6144,
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[]),
     "mistral-7b": dict(architectures=["MistralForCausalLM"], hidden_size=4096, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=32768,
                        rms_norm_eps=1e-5, max_position_embeddings=32768, rope_theta=1000000.0, sliding_window=None,
@@ -338,6 +347,7 @@ def run(req: Request, log=None) -> dict:
     try:
         mesh = make_mesh(mesh_cfg, devices[: mesh_cfg.num_devices])
         model_rules(cfg.num_heads, cfg.num_kv_heads, mesh)
+        check_expert_parallel(cfg.moe and cfg.moe.num_experts, mesh_cfg.expert)
     except ValueError as e:
         raise AotError(str(e)) from None
     if 16 % mesh_cfg.sequence:
@@ -379,7 +389,7 @@ def run(req: Request, log=None) -> dict:
     if req.sample_layers and len(set(cfg.sliding_windows)) > 1:
         raise AotError("--sample-layers needs every layer alike; this model mixes sliding-window and full layers")
 
-    log(f"{cfg.architecture} {cfg.num_params / 1e9:.2f}B on {req.topology} ({len(devices)} x {devices[0].device_kind}),"
+    log(f"{cfg.architecture} {cfg.num_params / 1e9:.2f}B ({cfg.num_active_params / 1e9:.2f}B active) on {req.topology} ({len(devices)} x {devices[0].device_kind}),"
         f" mesh {mesh_cfg}: compiling {len(todo)} step shapes x {len(layers_compiled)} layer count(s) + sampler")
     compilers = [compiler(n, compile_pages * replicas) for n in layers_compiled]
     figures: dict[tuple, Figures] = {}
@@ -454,6 +464,7 @@ def run(req: Request, log=None) -> dict:
 
     return {
         "model": req.model, "architecture": cfg.architecture, "params_b": cfg.num_params / 1e9,
+        "active_params_b": cfg.num_active_params / 1e9,
         "num_layers": cfg.num_layers, "topology": req.topology, "device_kind": devices[0].device_kind,
         "chip": dataclasses.asdict(chip), "devices_per_chip": per_chip, "mesh": str(mesh_cfg),
         "dtype": jnp.dtype(dtype).name, "kv_dtype": jnp.dtype(cache_dtype).name, "page_size": req.page_size,
@@ -485,7 +496,9 @@ def format_report(r: dict) -> str:
     m, gib = r["memory_per_device"], lambda x: f"{x / GiB:.2f} GiB"  # noqa: E731
     chip = r["chip"]
     lines = [
-        f"{r['architecture']} ({r['model']}, {r['params_b']:.2f}B, {r['dtype']}) on {r['topology']} "
+        f"{r['architecture']} ({r['model']}, {r['params_b']:.2f}B"
+        + (f" total, {r['active_params_b']:.2f}B active per token" if r["active_params_b"] < r["params_b"] else "")
+        + f", {r['dtype']}) on {r['topology']} "
         f"({r['device_kind']}), mesh {r['mesh']}; {r['jax'] and 'jax ' + r['jax']}, {r['libtpu']}",
         f"page_size {r['page_size']}, max_num_seqs {r['max_num_seqs']}, max_num_batched_tokens "
         f"{r['max_num_batched_tokens']}, max_model_len {r['max_model_len']:,}, hbm_utilization {r['hbm_utilization']}",

@@ -95,6 +95,10 @@ class MoeConfig:
                    tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
                    hf.get("shared_expert_intermediate_size", 0) if family == "qwen2_moe" else 0)
 
+    def routed_params(self, hidden: int) -> int:
+        """Parameters of every layer's routed experts (what the ``expert`` mesh axis divides)."""
+        return sum(self.sparse_layers) * self.num_experts * 3 * hidden * self.intermediate_size
+
     def mlp_params(self, hidden: int, *, active: bool) -> int:
         """Parameters of one MoE block: router, experts (only ``top_k`` of them if ``active``), shared expert."""
         experts = self.top_k if active else self.num_experts

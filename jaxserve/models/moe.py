@@ -85,7 +85,11 @@ def grouped_swiglu(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Ar
     Returns:
       f32[M, H]
     """
-    mm = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes, preferred_element_type=jnp.float32)  # noqa: E731
+    # 16-bit operands gain nothing from a higher precision, and Mosaic's TPU grouped matmul refuses one for them
+    # (a process-wide jax_default_matmul_precision="highest" would otherwise reach it).
+    precision = jax.lax.Precision.DEFAULT if rows.dtype.itemsize == 2 else None
+    mm = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes, precision=precision,  # noqa: E731
+                                         preferred_element_type=jnp.float32)
     hidden = (jax.nn.silu(mm(rows, gate)) * mm(rows, up)).astype(rows.dtype)
     return mm(hidden, down)
 
