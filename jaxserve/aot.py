@@ -389,8 +389,9 @@ def run(req: Request, log=None) -> dict:
     if req.sample_layers and len(set(cfg.sliding_windows)) > 1:
         raise AotError("--sample-layers needs every layer alike; this model mixes sliding-window and full layers")
 
-    log(f"{cfg.architecture} {cfg.num_params / 1e9:.2f}B ({cfg.num_active_params / 1e9:.2f}B active) on {req.topology} ({len(devices)} x {devices[0].device_kind}),"
-        f" mesh {mesh_cfg}: compiling {len(todo)} step shapes x {len(layers_compiled)} layer count(s) + sampler")
+    log(f"{cfg.architecture} {cfg.num_params / 1e9:.2f}B ({cfg.num_active_params / 1e9:.2f}B active) on "
+        f"{req.topology} ({len(devices)} x {devices[0].device_kind}), mesh {mesh_cfg}: compiling {len(todo)} step "
+        f"shapes x {len(layers_compiled)} layer count(s) + sampler")
     compilers = [compiler(n, compile_pages * replicas) for n in layers_compiled]
     figures: dict[tuple, Figures] = {}
     for i, shape in enumerate(todo):

@@ -6,7 +6,6 @@ Token-exactness of each family against transformers on one device is in test_mod
 MoE families are in tiny.FAMILIES); every attention backend in test_attention_backends.py.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

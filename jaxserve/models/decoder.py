@@ -1,4 +1,5 @@
-"""The decoder shared by every supported family (Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3).
+"""The decoder shared by every supported family (Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3; with ``moe``'s block
+as the MLP: Mixtral, Qwen2-MoE, Qwen3-MoE).
 
 Flax NNX modules hold the parameters with their logical sharding axes; each ``__call__`` is a thin call into
 the pure functions of ``layers``. Family differences are switches on ``ModelConfig`` (biases, q/k norm,
