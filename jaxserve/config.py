@@ -140,6 +140,9 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be >= 1")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.moe is not None and len(self.moe.sparse_layers) < self.num_layers:
+            raise ValueError(f"MoeConfig.sparse_layers names {len(self.moe.sparse_layers)} layers, the model has "
+                             f"{self.num_layers}")
         if len(self.sliding_windows) != self.num_layers:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
 
