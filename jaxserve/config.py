@@ -15,9 +15,10 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "Qwen2ForCausalLM": dict(family="qwen2", qkv_bias=True, qk_norm=False),
     "Qwen3ForCausalLM": dict(family="qwen3", qkv_bias=None, qk_norm=True),
     # Mixture-of-Experts families: the same decoder, with an MoE block in place of the MLP (``MoeConfig``).
-    "MixtralForCausalLM": dict(family="mixtral", qkv_bias=False, qk_norm=False),
-    "Qwen2MoeForCausalLM": dict(family="qwen2_moe", qkv_bias="qkv_bias", qk_norm=False),
-    "Qwen3MoeForCausalLM": dict(family="qwen3_moe", qkv_bias=None, qk_norm=True, o_bias=True),
+    # qkv_bias: a bool, None (from attention_bias) or a config key of its own (Qwen2-MoE's, default True).
+    "MixtralForCausalLM": dict(family="mixtral", qkv_bias=False, qk_norm=False, moe=True),
+    "Qwen2MoeForCausalLM": dict(family="qwen2_moe", qkv_bias="qkv_bias", qk_norm=False, moe=True),
+    "Qwen3MoeForCausalLM": dict(family="qwen3_moe", qkv_bias=None, qk_norm=True, o_bias=True, moe=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 
@@ -163,8 +164,10 @@ class ModelConfig:
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         attention_bias = bool(hf.get("attention_bias", False))
         qkv_bias = fam["qkv_bias"]
-        qkv_bias = attention_bias if qkv_bias is None else bool(hf.get(qkv_bias, True)) if isinstance(qkv_bias, str) \
-            else qkv_bias
+        if qkv_bias is None:
+            qkv_bias = attention_bias
+        elif isinstance(qkv_bias, str):
+            qkv_bias = bool(hf.get(qkv_bias, True))
         return cls(
             architecture=arch,
             family=fam["family"],
@@ -187,8 +190,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos,
             torch_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
-            moe=MoeConfig.from_hf_dict(hf, fam["family"], layers) if "Moe" in arch or fam["family"] == "mixtral"
-            else None,
+            moe=MoeConfig.from_hf_dict(hf, fam["family"], layers) if fam.get("moe") else None,
         )
 
     @classmethod

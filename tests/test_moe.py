@@ -82,6 +82,15 @@ def test_decoder_sparse_step_and_mlp_only_layers():
     assert MoeConfig.from_hf_dict(base, "qwen3_moe", 6).sparse_layers == (False, True, False, False, False, True)
     with pytest.raises(ValueError, match="num_experts_per_tok=9 exceeds num_experts=8"):
         MoeConfig.from_hf_dict({**base, "num_experts_per_tok": 9}, "qwen3_moe", 6)
+    # A Qwen1.5-MoE config.json as published: no qkv_bias key (the biases are there), no layer_types.
+    hub = dict(architectures=["Qwen2MoeForCausalLM"], hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+               num_attention_heads=16, num_key_value_heads=16, vocab_size=151936, num_experts=60,
+               num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+               norm_topk_prob=False, decoder_sparse_step=1, sliding_window=32768, use_sliding_window=False)
+    cfg = ModelConfig.from_hf_dict(hub)
+    assert cfg.qkv_bias and not cfg.o_bias and cfg.sliding_windows == (None,) * 24
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.shared_expert_size) == (60, 4, 5632)
+    assert round(cfg.num_params / 1e9, 2) == 14.31 and round(cfg.num_active_params / 1e9, 2) == 2.69
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------------------------
