@@ -302,6 +302,16 @@ class StepCompiler:
         return total
 
     @property
+    def expert_weight_bytes(self) -> int:
+        """Of ``weight_bytes``, the routed experts' (a step reads only the experts its tokens chose)."""
+        total = 0
+        for path, var in nnx.to_flat_state(self.params):
+            if "experts" in path:
+                a = var.get_value()
+                total += math.prod(a.sharding.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize
+        return total
+
+    @property
     def penalty_bytes(self) -> int:
         """The sampler's penalty state, kept on the sampling device: [rows + 1, vocab] i32 + bool."""
         return (self.num_logit_rows + 1) * self.cfg.vocab_size * 5
@@ -433,10 +443,22 @@ def run(req: Request, log=None) -> dict:
     def attn_flops_dev(queries: int, keys_per_query: float) -> float:
         return attention_flops(cfg, queries, keys_per_query) / cfg.num_heads * heads_dev
 
-    def predict(f: Figures, flops_attn: float, kv_read: float, kv_written: float, logits_rows: int) -> dict:
+    expert_bytes = full.expert_weight_bytes
+
+    def weights_read(tokens: int) -> float:
+        """Weight bytes a step of ``tokens`` rows reads: all, except the routed experts no token chose. Under
+        uniform routing an expert is chosen by none of ``tokens`` rows with probability (1 - top_k / E) ** tokens."""
+        if not expert_bytes:
+            return weights
+        m = cfg.moe
+        return weights - expert_bytes * (1 - m.top_k / m.num_experts) ** tokens
+
+    def predict(f: Figures, flops_attn: float, kv_read: float, kv_written: float, logits_rows: int,
+                tokens: int) -> dict:
         flops = f.flops + flops_attn
-        # Lower bound on HBM traffic: every weight once, the K/V read and written, the logits.
-        min_bytes = weights + kv_read + kv_written + logits_rows * cfg.vocab_size * 4
+        # Lower bound on HBM traffic: every weight once (of the routed experts, those chosen), the K/V read and
+        # written, the logits.
+        min_bytes = weights_read(tokens) + kv_read + kv_written + logits_rows * cfg.vocab_size * 4
         xla_bytes = f.bytes_accessed + kv_read
         t = max(flops / peak_flops, min_bytes / peak_bw)
         t_xla = max(flops / peak_flops, xla_bytes / peak_bw)
@@ -447,7 +469,7 @@ def run(req: Request, log=None) -> dict:
     decode = {}
     for b in req.decode_batches:
         f = figures[probes[f"decode@{b}"]]
-        p = predict(f, attn_flops_dev(b, context + 1), b * (context + 1) * kv_token_dev, b * kv_token_dev, b)
+        p = predict(f, attn_flops_dev(b, context + 1), b * (context + 1) * kv_token_dev, b * kv_token_dev, b, b)
         p.update(batch=b, context=context, tokens_per_s=replicas * b / p["seconds"],
                  tokens_per_s_xla_bytes=replicas * b / p["seconds_xla_bytes"],
                  within_max_num_seqs=b <= req.max_num_seqs)
@@ -457,7 +479,8 @@ def run(req: Request, log=None) -> dict:
     for i in range(chunks):
         rows = min(prompt_tokens, prompt_len - i * prompt_tokens)
         before = i * prompt_tokens
-        p = predict(f, attn_flops_dev(rows, before + (rows + 1) / 2), before * kv_token_dev, rows * kv_token_dev, 1)
+        p = predict(f, attn_flops_dev(rows, before + (rows + 1) / 2), before * kv_token_dev, rows * kv_token_dev, 1,
+                    rows)
         ttft, ttft_xla, flops_total = ttft + p["seconds"], ttft_xla + p["seconds_xla_bytes"], flops_total + p["flops"]
     prefill = {"prompt_tokens": prompt_len, "step_tokens": prompt_tokens, "steps": chunks, "ttft_s": ttft,
                "ttft_s_xla_bytes": ttft_xla, "flops": flops_total, "collectives": f.collectives,
@@ -477,7 +500,8 @@ def run(req: Request, log=None) -> dict:
                      "sampler_executables": len(sampler),
                      "compile_seconds": sum(f.seconds for f in figures.values()) + sum(f.seconds for f in sampler)},
         "memory_per_device": {
-            "hbm": hbm, "weights": weights, "kv_bytes_per_page": page_bytes, "step_temp_max": step_temp,
+            "hbm": hbm, "weights": weights, "expert_weights": expert_bytes, "kv_bytes_per_page": page_bytes,
+            "step_temp_max": step_temp,
             "step_outputs_max": outputs, "sampler_temp_max": sampler_temp, "penalty_state": full.penalty_bytes,
             "generated_code_max": max(f.code for f in figures.values()),
             "argument_max": max(f.argument for f in figures.values()),
@@ -528,7 +552,8 @@ def format_report(r: dict) -> str:
     xla = lambda v: f" ({v})" if exact else ""  # noqa: E731
     lines += ["", f"Predicted at {chip['name']} peaks ({chip['peak_flops'] / 1e12:.0f} TFLOP/s bf16, "
               f"{chip['hbm_bytes_per_s'] / 1e9:.0f} GB/s per chip): roofline from the compiler's FLOPs and the step's "
-              "minimum HBM traffic (weights once, K/V, logits); collectives not included"
+              "minimum HBM traffic (weights once, of routed experts those a uniform router would choose, K/V, logits); "
+              "collectives not included"
               + ("; in brackets, with XLA's bytes-accessed instead (an upper estimate)." if exact else "."), "",
               "| step | FLOPs/device | min bytes/device | predicted step | tokens/s | bound |",
               "| --- | --- | --- | --- | --- | --- |"]

@@ -106,6 +106,11 @@ def test_mixture_of_experts_on_an_expert_mesh(tmp_path):
     dense = (2 * h * 4 * d + 2 * h * 2 * d + 3 * h * m.shared_expert_size + 4 * d + 2 * 2 * d) // 2
     per_layer = experts + dense + h * m.num_experts + h + 2 * h
     assert r["memory_per_device"]["weights"] == 2 * (2 * per_layer + 2 * cfg.vocab_size * h // 2 + h)
+    m = r["memory_per_device"]
+    assert m["expert_weights"] == 2 * 2 * experts
+    # A one-token decode reads its top-2 of 4 experts: under uniform routing half the expert bytes, plus the rest.
+    kv_and_logits = r["decode"]["1"]["min_bytes"] - (m["weights"] - m["expert_weights"] / 2)
+    assert 0 < kv_and_logits < 2**20
     assert r["active_params_b"] < r["params_b"] == cfg.num_params / 1e9
     # Per layer: attention's o-projection, the experts' combine and the shared expert; plus the embedding.
     assert r["decode"]["1"]["collectives"] == {"all-reduce": 7, "all-gather": 1}
