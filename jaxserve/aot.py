@@ -58,7 +58,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.shapes import StepShapes
 from sharding.mesh import MeshConfig, make_mesh
 from sharding.layout import StepLayout
-from sharding.rules import model_rules
+from sharding.rules import check_expert_parallel, model_rules
 
 GiB = 2**30
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -83,6 +83,15 @@ PRESETS: dict[str, dict] = {
                      intermediate_size=12288),
     "qwen3-32b": dict(_QWEN3, hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
                       intermediate_size=25600),
+    "mixtral-8x7b": dict(architectures=["MixtralForCausalLM"], hidden_size=4096, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=32000,
+                         num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5, max_position_embeddings=32768,
+                         rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False, torch_dtype="bfloat16",
+                         bos_token_id=1, eos_token_id=2),
+    "qwen3-30b-a3b": dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, intermediate_size=6144,
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[]),
     "mistral-7b": dict(architectures=["MistralForCausalLM"], hidden_size=4096, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=32768,
                        rms_norm_eps=1e-5, max_position_embeddings=32768, rope_theta=1000000.0, sliding_window=None,
@@ -293,6 +302,16 @@ class StepCompiler:
         return total
 
     @property
+    def expert_weight_bytes(self) -> int:
+        """Of ``weight_bytes``, the routed experts' (a step reads only the experts its tokens chose)."""
+        total = 0
+        for path, var in nnx.to_flat_state(self.params):
+            if "experts" in path:
+                a = var.get_value()
+                total += math.prod(a.sharding.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize
+        return total
+
+    @property
     def penalty_bytes(self) -> int:
         """The sampler's penalty state, kept on the sampling device: [rows + 1, vocab] i32 + bool."""
         return (self.num_logit_rows + 1) * self.cfg.vocab_size * 5
@@ -338,6 +357,7 @@ def run(req: Request, log=None) -> dict:
     try:
         mesh = make_mesh(mesh_cfg, devices[: mesh_cfg.num_devices])
         model_rules(cfg.num_heads, cfg.num_kv_heads, mesh)
+        check_expert_parallel(cfg.moe and cfg.moe.num_experts, mesh_cfg.expert)
     except ValueError as e:
         raise AotError(str(e)) from None
     if 16 % mesh_cfg.sequence:
@@ -379,8 +399,9 @@ def run(req: Request, log=None) -> dict:
     if req.sample_layers and len(set(cfg.sliding_windows)) > 1:
         raise AotError("--sample-layers needs every layer alike; this model mixes sliding-window and full layers")
 
-    log(f"{cfg.architecture} {cfg.num_params / 1e9:.2f}B on {req.topology} ({len(devices)} x {devices[0].device_kind}),"
-        f" mesh {mesh_cfg}: compiling {len(todo)} step shapes x {len(layers_compiled)} layer count(s) + sampler")
+    log(f"{cfg.architecture} {cfg.num_params / 1e9:.2f}B ({cfg.num_active_params / 1e9:.2f}B active) on "
+        f"{req.topology} ({len(devices)} x {devices[0].device_kind}), mesh {mesh_cfg}: compiling {len(todo)} step "
+        f"shapes x {len(layers_compiled)} layer count(s) + sampler")
     compilers = [compiler(n, compile_pages * replicas) for n in layers_compiled]
     figures: dict[tuple, Figures] = {}
     for i, shape in enumerate(todo):
@@ -422,10 +443,22 @@ def run(req: Request, log=None) -> dict:
     def attn_flops_dev(queries: int, keys_per_query: float) -> float:
         return attention_flops(cfg, queries, keys_per_query) / cfg.num_heads * heads_dev
 
-    def predict(f: Figures, flops_attn: float, kv_read: float, kv_written: float, logits_rows: int) -> dict:
+    expert_bytes = full.expert_weight_bytes
+
+    def weights_read(tokens: int) -> float:
+        """Weight bytes a step of ``tokens`` rows reads: all, except the routed experts no token chose. Under
+        uniform routing an expert is chosen by none of ``tokens`` rows with probability (1 - top_k / E) ** tokens."""
+        if not expert_bytes:
+            return weights
+        m = cfg.moe
+        return weights - expert_bytes * (1 - m.top_k / m.num_experts) ** tokens
+
+    def predict(f: Figures, flops_attn: float, kv_read: float, kv_written: float, logits_rows: int,
+                tokens: int) -> dict:
         flops = f.flops + flops_attn
-        # Lower bound on HBM traffic: every weight once, the K/V read and written, the logits.
-        min_bytes = weights + kv_read + kv_written + logits_rows * cfg.vocab_size * 4
+        # Lower bound on HBM traffic: every weight once (of the routed experts, those chosen), the K/V read and
+        # written, the logits.
+        min_bytes = weights_read(tokens) + kv_read + kv_written + logits_rows * cfg.vocab_size * 4
         xla_bytes = f.bytes_accessed + kv_read
         t = max(flops / peak_flops, min_bytes / peak_bw)
         t_xla = max(flops / peak_flops, xla_bytes / peak_bw)
@@ -436,7 +469,7 @@ def run(req: Request, log=None) -> dict:
     decode = {}
     for b in req.decode_batches:
         f = figures[probes[f"decode@{b}"]]
-        p = predict(f, attn_flops_dev(b, context + 1), b * (context + 1) * kv_token_dev, b * kv_token_dev, b)
+        p = predict(f, attn_flops_dev(b, context + 1), b * (context + 1) * kv_token_dev, b * kv_token_dev, b, b)
         p.update(batch=b, context=context, tokens_per_s=replicas * b / p["seconds"],
                  tokens_per_s_xla_bytes=replicas * b / p["seconds_xla_bytes"],
                  within_max_num_seqs=b <= req.max_num_seqs)
@@ -446,7 +479,8 @@ def run(req: Request, log=None) -> dict:
     for i in range(chunks):
         rows = min(prompt_tokens, prompt_len - i * prompt_tokens)
         before = i * prompt_tokens
-        p = predict(f, attn_flops_dev(rows, before + (rows + 1) / 2), before * kv_token_dev, rows * kv_token_dev, 1)
+        p = predict(f, attn_flops_dev(rows, before + (rows + 1) / 2), before * kv_token_dev, rows * kv_token_dev, 1,
+                    rows)
         ttft, ttft_xla, flops_total = ttft + p["seconds"], ttft_xla + p["seconds_xla_bytes"], flops_total + p["flops"]
     prefill = {"prompt_tokens": prompt_len, "step_tokens": prompt_tokens, "steps": chunks, "ttft_s": ttft,
                "ttft_s_xla_bytes": ttft_xla, "flops": flops_total, "collectives": f.collectives,
@@ -454,6 +488,7 @@ def run(req: Request, log=None) -> dict:
 
     return {
         "model": req.model, "architecture": cfg.architecture, "params_b": cfg.num_params / 1e9,
+        "active_params_b": cfg.num_active_params / 1e9,
         "num_layers": cfg.num_layers, "topology": req.topology, "device_kind": devices[0].device_kind,
         "chip": dataclasses.asdict(chip), "devices_per_chip": per_chip, "mesh": str(mesh_cfg),
         "dtype": jnp.dtype(dtype).name, "kv_dtype": jnp.dtype(cache_dtype).name, "page_size": req.page_size,
@@ -465,7 +500,8 @@ def run(req: Request, log=None) -> dict:
                      "sampler_executables": len(sampler),
                      "compile_seconds": sum(f.seconds for f in figures.values()) + sum(f.seconds for f in sampler)},
         "memory_per_device": {
-            "hbm": hbm, "weights": weights, "kv_bytes_per_page": page_bytes, "step_temp_max": step_temp,
+            "hbm": hbm, "weights": weights, "expert_weights": expert_bytes, "kv_bytes_per_page": page_bytes,
+            "step_temp_max": step_temp,
             "step_outputs_max": outputs, "sampler_temp_max": sampler_temp, "penalty_state": full.penalty_bytes,
             "generated_code_max": max(f.code for f in figures.values()),
             "argument_max": max(f.argument for f in figures.values()),
@@ -485,7 +521,9 @@ def format_report(r: dict) -> str:
     m, gib = r["memory_per_device"], lambda x: f"{x / GiB:.2f} GiB"  # noqa: E731
     chip = r["chip"]
     lines = [
-        f"{r['architecture']} ({r['model']}, {r['params_b']:.2f}B, {r['dtype']}) on {r['topology']} "
+        f"{r['architecture']} ({r['model']}, {r['params_b']:.2f}B"
+        + (f" total, {r['active_params_b']:.2f}B active per token" if r["active_params_b"] < r["params_b"] else "")
+        + f", {r['dtype']}) on {r['topology']} "
         f"({r['device_kind']}), mesh {r['mesh']}; {r['jax'] and 'jax ' + r['jax']}, {r['libtpu']}",
         f"page_size {r['page_size']}, max_num_seqs {r['max_num_seqs']}, max_num_batched_tokens "
         f"{r['max_num_batched_tokens']}, max_model_len {r['max_model_len']:,}, hbm_utilization {r['hbm_utilization']}",
@@ -514,7 +552,8 @@ def format_report(r: dict) -> str:
     xla = lambda v: f" ({v})" if exact else ""  # noqa: E731
     lines += ["", f"Predicted at {chip['name']} peaks ({chip['peak_flops'] / 1e12:.0f} TFLOP/s bf16, "
               f"{chip['hbm_bytes_per_s'] / 1e9:.0f} GB/s per chip): roofline from the compiler's FLOPs and the step's "
-              "minimum HBM traffic (weights once, K/V, logits); collectives not included"
+              "minimum HBM traffic (weights once, of routed experts those a uniform router would choose, K/V, logits); "
+              "collectives not included"
               + ("; in brackets, with XLA's bytes-accessed instead (an upper estimate)." if exact else "."), "",
               "| step | FLOPs/device | min bytes/device | predicted step | tokens/s | bound |",
               "| --- | --- | --- | --- | --- | --- |"]

@@ -4,7 +4,9 @@
         [--hbm-utilization 0.9] [--max-model-len N]
 
 Reads only config.json (no weights are loaded). With a mesh, weights and the KV cache are divided across the
-tensor axis (KV heads replicated when the axis exceeds them), and each data replica holds a full copy.
+tensor axis (KV heads replicated when the axis exceeds them), a Mixture-of-Experts model's routed experts also
+across the expert axis, and each data replica holds a full copy. For an MoE model it reports total parameters
+(what memory holds) and active ones (what one token's forward pass reads: its top-k experts per layer).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from jaxserve.checkpoint import resolve_model_path
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import bytes_per_token
 from sharding.mesh import MeshConfig
-from sharding.rules import check_tensor_parallel
+from sharding.rules import check_expert_parallel, check_tensor_parallel
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -26,7 +28,9 @@ def capacity(cfg: ModelConfig, *, hbm_gb: float, dtype: str, page_size: int, mes
     item = _ITEMSIZE[dtype]
     tensor = mesh.tensor
     check_tensor_parallel(cfg.num_heads, cfg.num_kv_heads, tensor)  # as the engine refuses a mesh it cannot use
-    weights_per_device = cfg.num_params * item / tensor
+    check_expert_parallel(cfg.moe and cfg.moe.num_experts, mesh.expert)
+    routed = cfg.moe.routed_params(cfg.hidden_size) if cfg.moe else 0
+    weights_per_device = ((cfg.num_params - routed) / tensor + routed / (tensor * mesh.expert)) * item
     kv_token_device = bytes_per_token(cfg, dtype, tensor)  # exactly what the engine's pool allocates
     budget = hbm_gb * 2**30 * utilization - weights_per_device
     if budget <= 0:
@@ -35,6 +39,8 @@ def capacity(cfg: ModelConfig, *, hbm_gb: float, dtype: str, page_size: int, mes
     pages = int(budget // (kv_token_device * page_size))
     tokens = pages * page_size * mesh.data
     return {
+        "total_params": cfg.num_params,
+        "active_params": cfg.num_active_params,
         "weights_gib_per_device": weights_per_device / 2**30,
         "kv_bytes_per_token": bytes_per_token(cfg, dtype),
         "kv_bytes_per_token_per_device": kv_token_device,
@@ -61,6 +67,11 @@ def main(argv: list[str] | None = None) -> None:
                  mesh=MeshConfig.parse(args.mesh), utilization=args.hbm_utilization, max_model_len=max_len)
     print(f"{cfg.architecture}: {cfg.num_params / 1e9:.2f}B parameters, dtype {args.dtype}, mesh "
           f"{MeshConfig.parse(args.mesh)}")
+    if cfg.moe:
+        m = cfg.moe
+        print(f"  parameters                {c['total_params'] / 1e9:.2f}B total, {c['active_params'] / 1e9:.2f}B "
+              f"active per token ({m.top_k} of {m.num_experts} experts"
+              f"{', plus a shared expert' if m.shared_expert_size else ''})")
     print(f"  weights per device        {c['weights_gib_per_device']:.2f} GiB")
     print(f"  KV bytes per token        {c['kv_bytes_per_token']:,} (all layers, K+V; "
           f"{c['kv_bytes_per_token_per_device']:,.0f} per device)")

@@ -11,11 +11,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jaxserve.models.moe_config import MoeConfig
 from jaxserve.models.registry import SUPPORTED_ARCHITECTURES, family_for
 from jaxserve.models.rope import RopeConfig
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-__all__ = ["ModelConfig", "RopeConfig", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["ModelConfig", "MoeConfig", "RopeConfig", "SUPPORTED_ARCHITECTURES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    moe: MoeConfig | None = None  # Mixture-of-Experts families
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -59,6 +61,9 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be >= 1")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.moe is not None and len(self.moe.sparse_layers) < self.num_layers:
+            raise ValueError(f"MoeConfig.sparse_layers names {len(self.moe.sparse_layers)} layers, the model has "
+                             f"{self.num_layers}")
         if len(self.sliding_windows) != self.num_layers:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
         if self.hidden_act not in ACTIVATIONS:
@@ -143,10 +148,23 @@ class ModelConfig:
         with open(Path(path) / "config.json") as f:
             return cls.from_hf_dict(json.load(f))
 
+    def is_sparse(self, layer: int) -> bool:
+        """Whether ``layer`` has a Mixture-of-Experts block in place of the dense MLP."""
+        return self.moe is not None and self.moe.sparse_layers[layer]
+
     @property
     def num_params(self) -> int:
+        return self._params(active=False)
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token's forward pass reads: for an MoE model only its ``top_k`` experts per layer."""
+        return self._params(active=True)
+
+    def _params(self, *, active: bool) -> int:
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * self.hidden_size * self.intermediate_size
+        mlp = sum(self.moe.mlp_params(self.hidden_size, active=active) if self.is_sparse(i)
+                  else 3 * self.hidden_size * self.intermediate_size for i in range(self.num_layers))
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         norms = (4 if self.sandwich_norms else 2) * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
-        return self.num_layers * (attn + mlp + norms) + embed + self.hidden_size
+        return self.num_layers * (attn + norms) + mlp + embed + self.hidden_size

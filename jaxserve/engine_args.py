@@ -31,8 +31,8 @@ HELP = {
     "max_waiting_requests": "queued requests beyond which new ones are refused as overloaded (default: no limit)",
     "compilation_cache_dir": "directory of the persistent XLA compilation cache ('' to disable)",
     "attention_backend": "ragged paged attention implementation: auto, reference, pallas_tpu or pallas_gpu",
-    "mesh": "device mesh, e.g. 'tensor=4' or 'data=2,tensor=4'; its axes must multiply to the devices in use "
-            "(default: one device)",
+    "mesh": "device mesh, e.g. 'tensor=4', 'data=2,tensor=4' or (MoE) 'expert=4,tensor=2'; its axes must multiply "
+            "to the devices in use (default: one device)",
     "num_devices": "use only the first N devices for --mesh (single process; default: every device)",
     "seed": "engine seed for requests that give none",
     "warmup": "compile every bucket shape at start-up so serving never compiles",

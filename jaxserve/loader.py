@@ -23,12 +23,19 @@ from jaxserve.models.decoder import DecoderLM
 from jaxserve import engine_config
 from sharding.mesh import make_mesh, place
 from sharding.rules import logical_sharding
-from sharding.rules import DEFAULT_RULES, model_rules
+from sharding.rules import DEFAULT_RULES, check_expert_parallel, model_rules
 
 DTYPES = {name: jnp.dtype(name) for name in engine_config.DTYPES if name != "auto"}
 ORBAX_DIR = "params"
 # Buffers some checkpoints carry that are derived, not learned.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+# Mixture-of-Experts checkpoints store one tensor per expert; ours are stacked [E, in, out] (models/moe.py).
+# Mixtral names its block `block_sparse_moe` and its experts' projections w1 (gate), w3 (up), w2 (down).
+_MIXTRAL = {".block_sparse_moe.": ".mlp.", ".w1.weight": ".gate_proj.weight", ".w3.weight": ".up_proj.weight",
+            ".w2.weight": ".down_proj.weight"}
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# The stacked layout transformers >= 5 keeps in memory: gate_up_proj [E, 2I, H], down_proj [E, H, I].
+_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig):
@@ -72,6 +79,7 @@ def load_model(
     graphdef, abstract = abstract_model(cfg, jdtype)
     # Validates that the heads split over the mesh's tensor axis (a clear error before any tensor is read).
     shardings = param_shardings(abstract, mesh, model_rules(cfg.num_heads, cfg.num_kv_heads, mesh))
+    check_expert_parallel(cfg.moe and cfg.moe.num_experts, int(mesh.shape["expert"]))
     if (folder / ORBAX_DIR).is_dir():
         state = _restore_orbax(folder / ORBAX_DIR, abstract, shardings)
     else:
@@ -79,12 +87,52 @@ def load_model(
     return nnx.merge(graphdef, state), cfg, folder
 
 
+def _expert_tensors(name: str, array, cfg: ModelConfig) -> list[tuple[str, int | None, np.ndarray]]:
+    """An expert tensor of the checkpoint as (our stacked tensor's name, expert index or None for all, array in
+    our [in, out] layout); [] if ``name`` is not one."""
+    if cfg.moe is None:
+        return []
+    if cfg.family == "mixtral" and ".block_sparse_moe." in name:
+        for old, new in _MIXTRAL.items():
+            name = name.replace(old, new)
+    if m := _EXPERT.match(name):
+        return [(f"{m[1]}.{m[3]}", int(m[2]), np.asarray(array).T)]
+    if m := _FUSED.match(name):
+        array = np.swapaxes(np.asarray(array), 1, 2)
+        if m[2] == "down_proj":
+            return [(f"{m[1]}.down_proj", None, array)]
+        half = array.shape[2] // 2
+        return [(f"{m[1]}.gate_proj", None, array[..., :half]), (f"{m[1]}.up_proj", None, array[..., half:])]
+    return []
+
+
 def _load_safetensors(folder: Path, cfg: ModelConfig, abstract: nnx.State, shardings: dict) -> nnx.State:
     flat = dict(nnx.to_flat_state(abstract))
     wanted = {hf_name(path, cfg): path for path in flat}
     placed: dict = {}
+    stacks: dict = {}  # stacked expert tensors being filled: path -> (host array, experts filled)
     unexpected = []
     for name, array in read_checkpoint(folder):
+        if experts := _expert_tensors(name, array, cfg):
+            for stacked, index, part in experts:
+                path = wanted.get(stacked)
+                if path is None:
+                    unexpected.append(name)
+                    continue
+                target = flat[path].get_value()
+                host, filled = stacks.setdefault(path, (np.zeros(target.shape, target.dtype), set()))
+                want = target.shape if index is None else target.shape[1:]
+                if tuple(part.shape) != tuple(want) or (index is not None and index >= target.shape[0]):
+                    raise ValueError(f"tensor {name}: checkpoint shape {tuple(part.shape)} (after layout conversion) "
+                                     f"does not match the model's {tuple(want)} ({target.shape[0]} experts)")
+                if index is None:
+                    host[...] = part
+                    filled.update(range(target.shape[0]))
+                else:
+                    host[index] = part
+                    filled.add(index)
+            continue
+        name = name.replace(".block_sparse_moe.", ".mlp.") if cfg.family == "mixtral" else name
         if name not in wanted:
             if not (_IGNORED.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings)):
                 unexpected.append(name)
@@ -101,6 +149,9 @@ def _load_safetensors(folder: Path, cfg: ModelConfig, abstract: nnx.State, shard
             )
         host = np.ascontiguousarray(array.astype(target.dtype, copy=False))
         placed[path] = place(host, shardings[path])
+    for path, (host, filled) in stacks.items():
+        if len(filled) == host.shape[0]:
+            placed[path] = place(host, shardings[path])
     missing = sorted(hf_name(p, cfg) for p in flat if p not in placed)
     if missing or unexpected:
         raise ValueError(

@@ -1,4 +1,4 @@
-"""Meshes from a spec string such as ``"data=2,tensor=4"``; axes ``data``, ``sequence``, ``tensor``.
+"""Meshes from a spec string such as ``"data=2,tensor=4"``; axes ``data``, ``sequence``, ``expert``, ``tensor``.
 
 The device rule: a mesh uses exactly the devices it is given. With a spec, its axis sizes must multiply to
 the number of devices in use, which is every device JAX sees (all processes together on a multi-host run)
@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # jax is imported where a mesh is built: parsing a spec (e.g.
     import jax
     from jax.sharding import Mesh
 
-AXES = ("data", "sequence", "tensor")
+AXES = ("data", "sequence", "expert", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +25,7 @@ class MeshConfig:
     data: int = 1
     sequence: int = 1
     tensor: int = 1
+    expert: int = 1  # Mixture-of-Experts weights split by expert (dense layers are replicated over it)
 
     def __post_init__(self):
         for axis in AXES:
@@ -55,15 +56,15 @@ class MeshConfig:
 
     @property
     def num_devices(self) -> int:
-        return self.data * self.sequence * self.tensor
+        return self.data * self.sequence * self.expert * self.tensor
 
     def __str__(self) -> str:
-        return ",".join(f"{a}={getattr(self, a)}" for a in AXES)
+        return ",".join(f"{a}={getattr(self, a)}" for a in AXES if a != "expert" or self.expert > 1)
 
 
 def make_mesh(config: MeshConfig | str | None = None, devices: list | None = None, *,
               num_devices: int | None = None) -> Mesh:
-    """A mesh with axes (data, sequence, tensor) laid over the devices in use.
+    """A mesh with axes (data, sequence, expert, tensor) laid over the devices in use.
 
     Args:
       config: a ``MeshConfig`` or spec string; None or "" is the single-device default.
@@ -71,7 +72,7 @@ def make_mesh(config: MeshConfig | str | None = None, devices: list | None = Non
       num_devices: use only the first N of them (single-process only): the explicit way to build a mesh
         smaller than the machine.
 
-    Devices fill the mesh in row-major (data, sequence, tensor) order, so ``tensor`` neighbours are adjacent
+    Devices fill the mesh in row-major (data, sequence, expert, tensor) order, so ``tensor`` neighbours are adjacent
     devices (one host's chips on a multi-host run) and ``data`` varies slowest (one replica per host when
     data equals the number of hosts).
 
@@ -102,7 +103,7 @@ def make_mesh(config: MeshConfig | str | None = None, devices: list | None = Non
             f"; to use only {config.num_devices} of them pass num_devices={config.num_devices} "
             f"(--num-devices {config.num_devices})" if config.num_devices < len(available) else "")
         raise ValueError(f"mesh {config} has {config.num_devices} devices but {len(available)} are in use{hint}")
-    grid = np.array(available, dtype=object).reshape(config.data, config.sequence, config.tensor)
+    grid = np.array(available, dtype=object).reshape(config.data, config.sequence, config.expert, config.tensor)
     return Mesh(grid, AXES)
 
 

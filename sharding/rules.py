@@ -22,6 +22,8 @@ DEFAULT_RULES: Mapping[str, MeshAxes] = {
     "q_heads": "tensor",  # q projection columns, o projection rows (head_dim-sized blocks of whole heads)
     "kv_heads": "tensor",  # k/v projection columns (None when tensor > num_kv_heads, see model_rules)
     "mlp": "tensor",  # MLP hidden: gate/up columns, down rows
+    "experts": "expert",  # Mixture-of-Experts: whole experts per device (models/moe.py)
+    "moe_mlp": "tensor",  # an expert's hidden width
     "norm": None,
     "head_dim": None,
     # Activations of a step's ragged batch.
@@ -96,6 +98,18 @@ def check_tensor_parallel(num_heads: int, num_kv_heads: int, tensor: int) -> Non
     if num_kv_heads % tensor and tensor % num_kv_heads:
         raise ValueError(f"mesh tensor={tensor} and num_key_value_heads={num_kv_heads}: one must divide the "
                          "other (KV heads are split over tensor, or each replicated tensor/num_kv_heads times)")
+
+
+def check_expert_parallel(num_experts: int | None, expert: int) -> None:
+    """Raise ValueError unless the ``expert`` axis can place whole experts: it must divide the expert count
+    (and a dense model has no experts to place)."""
+    if expert == 1:
+        return
+    if not num_experts:
+        raise ValueError(f"mesh expert={expert} needs a Mixture-of-Experts model; this one has no experts")
+    if num_experts % expert:
+        raise ValueError(f"mesh expert={expert} does not divide num_experts={num_experts}; "
+                         f"choose an expert size that divides {num_experts}")
 
 
 def model_rules(num_heads: int, num_kv_heads: int, mesh: Mesh,

@@ -89,6 +89,34 @@ def test_compiles_every_bucket_for_v5e_2x2_tensor4(tiny_folder):
     assert "| fits | yes" in aot.format_report(r)
 
 
+def test_mixture_of_experts_on_an_expert_mesh(tmp_path):
+    """A Qwen2-MoE shape (4 experts, a shared expert) on expert=2, tensor=2: the grouped matmul compiles for
+    TPU, each device holds half the experts at half their width, and the report gives active vs total params."""
+    _needs_libtpu()
+    moe = dict(TINY, architectures=["Qwen2MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=256, shared_expert_intermediate_size=512, norm_topk_prob=False)
+    (tmp_path / "config.json").write_text(json.dumps(moe))
+    r = aot.run(_request(tmp_path, mesh="expert=2,tensor=2", buckets="probes", decode_batches=(1,)))
+    assert r["mesh"] == "data=1,sequence=1,expert=2,tensor=2"
+    cfg = ModelConfig.from_hf_dict(moe)
+    h, d, m = cfg.hidden_size, cfg.head_dim, cfg.moe
+    experts = m.num_experts * 3 * h * m.intermediate_size // 4  # 2 experts per device, each half its width
+    # q/o, k/v (2 KV heads over tensor=2), the shared expert and the q/k/v biases, split over tensor; the router,
+    # the shared expert's gate and the norms replicated.
+    dense = (2 * h * 4 * d + 2 * h * 2 * d + 3 * h * m.shared_expert_size + 4 * d + 2 * 2 * d) // 2
+    per_layer = experts + dense + h * m.num_experts + h + 2 * h
+    assert r["memory_per_device"]["weights"] == 2 * (2 * per_layer + 2 * cfg.vocab_size * h // 2 + h)
+    m = r["memory_per_device"]
+    assert m["expert_weights"] == 2 * 2 * experts
+    # A one-token decode reads its top-2 of 4 experts: under uniform routing half the expert bytes, plus the rest.
+    kv_and_logits = r["decode"]["1"]["min_bytes"] - (m["weights"] - m["expert_weights"] / 2)
+    assert 0 < kv_and_logits < 2**20
+    assert r["active_params_b"] < r["params_b"] == cfg.num_params / 1e9
+    # Per layer: attention's o-projection, the experts' combine and the shared expert; plus the embedding.
+    assert r["decode"]["1"]["collectives"] == {"all-reduce": 7, "all-gather": 1}
+    assert "B active per token" in aot.format_report(r)
+
+
 def test_does_not_fit_says_by_how_much(tiny_folder):
     _needs_libtpu()
     r = aot.run(_request(tiny_folder, buckets="probes", hbm_utilization=0.0002, decode_batches=(1,)))
@@ -117,6 +145,7 @@ def test_sampled_layers_extrapolate_flops_and_arguments(tiny_folder):
     (["--model", "llama-3.2-1b", "--topology", "v5e:2x2", "--mesh", "tensor=8"], "needs 8 devices"),
     (["--model", "llama-3.2-1b", "--topology", "v5e:2x2", "--mesh", "tensor=3"], "tensor=3"),
     (["--model", "no-such-model", "--topology", "v5e:2x2"], "neither a preset"),
+    (["--model", "mixtral-8x7b", "--topology", "v5e:2x2", "--mesh", "expert=3"], "expert=3 does not divide"),
 ])
 def test_bad_requests_are_one_line_errors(argv, message, capsys):
     _needs_libtpu()
@@ -128,5 +157,8 @@ def test_bad_requests_are_one_line_errors(argv, message, capsys):
 def test_presets_are_the_published_shapes():
     sizes = {name: ModelConfig.from_hf_dict(hf).num_params / 1e9 for name, hf in aot.PRESETS.items()}
     expected = {"llama-3.2-1b": 1.24, "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55, "qwen3-8b": 8.19,
-                "qwen3-32b": 32.76, "mistral-7b": 7.25}
+                "qwen3-32b": 32.76, "mistral-7b": 7.25, "mixtral-8x7b": 46.70, "qwen3-30b-a3b": 30.53}
     assert sizes == pytest.approx(expected, abs=0.01)
+    active = {name: ModelConfig.from_hf_dict(aot.PRESETS[name]).num_active_params / 1e9
+              for name in ("mixtral-8x7b", "qwen3-30b-a3b")}
+    assert active == pytest.approx({"mixtral-8x7b": 12.88, "qwen3-30b-a3b": 3.35}, abs=0.01)

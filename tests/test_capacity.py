@@ -46,3 +46,18 @@ def test_capacity_command_prints_the_figures(llama, capsys):
     main(["--model", str(llama), "--hbm-gb", "0.01", "--max-model-len", "128"])
     out = capsys.readouterr().out
     assert "KV bytes per token" in out and "KV pages per replica" in out and "sequences at 128 tokens" in out
+
+
+def test_mixture_of_experts_total_and_active_params_and_the_expert_split(tmp_path, capsys):
+    path = build_tiny_model("mixtral", tmp_path / "moe")  # 4 experts, top-2, 2 layers, hidden 64, width 128
+    cfg = ModelConfig.from_pretrained(path)
+    kw = dict(hbm_gb=0.01, dtype="bfloat16", page_size=16, utilization=0.9, max_model_len=128)
+    one = capacity(cfg, mesh=MeshConfig.parse(None), **kw)
+    routed = 2 * 4 * 3 * 64 * 128
+    assert one["total_params"] - one["active_params"] == routed // 2  # 2 of 4 experts unread per token
+    four = capacity(cfg, mesh=MeshConfig.parse("expert=4"), **kw)
+    assert four["weights_gib_per_device"] * 2**30 == pytest.approx((cfg.num_params - routed * 3 / 4) * 2)
+    with pytest.raises(ValueError, match="expert=8 does not divide num_experts=4"):
+        capacity(cfg, mesh=MeshConfig.parse("expert=8"), **kw)
+    main(["--model", str(path), "--hbm-gb", "0.01", "--mesh", "expert=2,tensor=2"])
+    assert "active per token (2 of 4 experts)" in capsys.readouterr().out

@@ -11,7 +11,8 @@ from jaxserve.engine_config import EngineConfig
 from jaxserve.llm import LLM
 from jaxserve.scheduler_config import SchedulerConfig
 
-DERIVED = {"num_pages", "max_model_len"}  # known once the model and the pool are: set by the executor
+# Known once the model and the pool are: set by the executor (windows and the windowed pool from the model).
+DERIVED = {"num_pages", "max_model_len", "attention_window", "local_window", "local_pages"}
 
 
 def test_every_scheduler_option_is_a_flag_and_reaches_the_scheduler():

@@ -81,7 +81,7 @@ def test_long_prompt_chunked_prefill_matches(family):
     assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 8)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen2_moe"])
 def test_bfloat16_logits_close(name, tmp_path, tokenizer):
     path = build_tiny_model(name, tmp_path / name, tokenizer=tokenizer)
     llm = LLM(str(path), dtype="bfloat16", page_size=PAGE, max_num_seqs=2, max_num_batched_tokens=32,

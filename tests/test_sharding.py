@@ -21,7 +21,7 @@ from jaxserve.scheduler import SchedulerConfig
 from jaxserve.sequence import Sequence
 from sharding import multihost
 from sharding.mesh import MeshConfig, make_mesh
-from tiny import FAMILIES, build_tiny_model, train_tokenizer
+from tiny import FAMILIES, MOE_FAMILIES, build_tiny_model, train_tokenizer
 
 PROMPT_LENS = [1, 7, 19, 40]  # page size 4: page edges; 19 and 40 > max_num_batched_tokens = 16 (chunked)
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -89,7 +89,7 @@ def test_every_mesh_matches_one_device(models, mesh):
         assert all(r.block_manager.prefix_cache_queries for r in llm.engine.scheduler.replicas)
 
 
-@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"mistral"}))
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"mistral", *MOE_FAMILIES}))  # MoE: test_moe.py
 def test_every_family_on_all_axes(models, family):
     path, want = models(family)
     assert greedy_tokens(make_llm(path, ALL_AXES)) == want
@@ -196,9 +196,9 @@ def test_mesh_must_use_exactly_the_devices_in_use():
     assert jax.device_count() == 8
     assert make_mesh(None).devices.size == 1 and make_mesh("").devices.size == 1
     mesh = make_mesh("data=2,tensor=4")
-    assert dict(mesh.shape) == {"data": 2, "sequence": 1, "tensor": 4}
+    assert dict(mesh.shape) == {"data": 2, "sequence": 1, "expert": 1, "tensor": 4}
     assert list(mesh.devices.flat) == jax.devices()
-    assert dict(make_mesh("tensor=2", num_devices=2).shape) == {"data": 1, "sequence": 1, "tensor": 2}
+    assert dict(make_mesh("tensor=2", num_devices=2).shape) == {"data": 1, "sequence": 1, "expert": 1, "tensor": 2}
     with pytest.raises(ValueError, match=r"has 4 devices but 8 are in use; .*num_devices=4"):
         make_mesh("tensor=4")
     with pytest.raises(ValueError, match="has 16 devices but 8 are in use"):

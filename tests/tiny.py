@@ -7,8 +7,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
-                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -65,7 +66,18 @@ FAMILIES = {
         sliding_window_pattern=2, tie_word_embeddings=False,
         rope_parameters=dict(full_attention=dict(rope_type="linear", factor=2.0, rope_theta=10000.0),
                              sliding_attention=dict(rope_type="default", rope_theta=100.0)))),
+    # Mixture of Experts: top-2 of 4; top-3 of 8 renormalised, one dense layer, odd head_dim, tied; a shared
+    # expert with its gate and unnormalised top-2.
+    "mixtral": (MixtralConfig, MixtralForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=1, head_dim=24, tie_word_embeddings=True, num_experts=8,
+        num_experts_per_tok=3, norm_topk_prob=True, moe_intermediate_size=48, mlp_only_layers=[1])),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+        moe_intermediate_size=32, shared_expert_intermediate_size=96)),
 }
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def build_tiny_model(family: str, path: Path, *, tokenizer: PreTrainedTokenizerFast | None = None, seed: int = 0,

@@ -1,4 +1,5 @@
-"""The decoder shared by every supported family (the family files beside this one list them).
+"""The decoder shared by every supported family (the family files beside this one list them); MoE families
+(Mixtral, Qwen2-MoE, Qwen3-MoE) have ``moe``'s block as the MLP of their sparse layers.
 
 Flax NNX modules hold the parameters with their logical sharding axes; each ``__call__`` is a thin call into
 the pure functions of ``layers``. Family differences are switches on ``ModelConfig`` (biases, q/k norm, norm
@@ -16,7 +17,7 @@ from flax import nnx
 
 from jaxserve.attention import AttentionBackend, AttentionMetadata
 from jaxserve.config import ModelConfig
-from jaxserve.models import layers
+from jaxserve.models import layers, moe
 from sharding.layout import StepLayout
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages) [KVH, num_pages, page_size, D]
@@ -92,8 +93,8 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype):
-        h, m, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+    def __init__(self, cfg: ModelConfig, dtype, intermediate_size: int | None = None):
+        h, m, b = cfg.hidden_size, intermediate_size or cfg.intermediate_size, cfg.mlp_bias
         self.gate_proj = Linear(h, m, bias=b, dtype=dtype, axes=("embed", "mlp"))
         self.up_proj = Linear(h, m, bias=b, dtype=dtype, axes=("embed", "mlp"))
         self.down_proj = Linear(m, h, bias=b, dtype=dtype, axes=("mlp", "embed"))
@@ -102,6 +103,14 @@ class MLP(nnx.Module):
     def __call__(self, x, layout: StepLayout | None = None):
         hidden = layers.ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x)
         return self.down_proj(_constrain(hidden, layout, "tokens", "act_mlp"))
+
+
+def make_mlp(cfg: ModelConfig, layer: int, dtype) -> nnx.Module:
+    """The layer's MLP: dense, or a Mixture-of-Experts block (``models.moe``) where the family has one."""
+    if not cfg.is_sparse(layer):
+        return MLP(cfg, dtype)
+    shared = cfg.moe.shared_expert_size
+    return moe.SparseMoeBlock(cfg, dtype, MLP(cfg, dtype, shared) if shared else None)
 
 
 class DecoderLayer(nnx.Module):
@@ -116,7 +125,7 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg, dtype)
         self.pre_feedforward_layernorm = RMSNorm(h, cfg, dtype) if cfg.sandwich_norms else None
         self.post_feedforward_layernorm = RMSNorm(h, cfg, dtype) if cfg.sandwich_norms else None
-        self.mlp = MLP(cfg, dtype)
+        self.mlp = make_mlp(cfg, layer, dtype)
 
     def __call__(self, x, rope_table, k_pages, v_pages, md, backend, layout: StepLayout | None = None):
         attn, k_pages, v_pages = self.self_attn(

@@ -5,11 +5,11 @@ Adding a family: write its short file beside this one (see ``llama.py``, ``gemma
 
 from __future__ import annotations
 
-from jaxserve.models import gemma2, gemma3, llama, mistral, qwen2, qwen3
+from jaxserve.models import gemma2, gemma3, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from jaxserve.models.family import Family
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma2.FAMILY,
-                                gemma3.FAMILY)
+                                gemma3.FAMILY, mixtral.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY)
 BY_ARCHITECTURE: dict[str, Family] = {arch: f for f in FAMILIES for arch in f.architectures}
 SUPPORTED_ARCHITECTURES = tuple(BY_ARCHITECTURE)
 

@@ -1,0 +1,207 @@
+"""The Mixture-of-Experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): router, top-k, tokens grouped by expert, and a
+grouped matmul (``jax.lax.ragged_dot``) per projection.
+
+One token's MLP output is ``sum_j w_j * expert_{e_j}(x)`` over its ``top_k`` experts ``e_j`` (softmax router
+probabilities ``w_j``, renormalised over the chosen ones when ``norm_topk_prob``), plus, for Qwen2-MoE, a shared
+dense expert scaled by ``sigmoid(x @ shared_expert_gate)``.
+
+How it runs: the ``T * top_k`` (token, expert) pairs are sorted by expert, so each expert's rows are one
+contiguous group; each projection is then one ``ragged_dot`` over the groups (a grouped matmul: natively on TPU
+and GPU, and through XLA's expansion on CPU), and the rows return to their tokens by the inverse permutation and
+a weighted sum over ``top_k``. No token is dropped: there is no capacity limit, so the result does not depend on
+what else is in the batch.
+
+Expert parallelism (the ``expert`` mesh axis, ``sharding.rules``): expert weights are split over ``expert``
+(whole experts per device) and each expert's hidden width over ``tensor``. The residual stream arrives replicated
+over both axes, so dispatch needs no communication: every device sorts the same pairs, takes the contiguous run
+of rows that belongs to its own experts, and computes only those. The combine is one ``psum`` over
+(``expert``, ``tensor``) of the ``[tokens, hidden]`` partial outputs, the same all-reduce a dense
+tensor-parallel MLP ends with (docs/architecture.md, "Expert parallelism", says why not all-to-all).
+
+``dense_reference`` (every expert on every token, weighted by the router) is the test reference, never served.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.config import ModelConfig, MoeConfig
+from jaxserve.models import layers
+from sharding.layout import StepLayout
+
+EXPERT_AXES = {  # logical axes of the stacked expert weights [E, in, out]
+    "gate_proj": ("experts", "embed", "moe_mlp"),
+    "up_proj": ("experts", "embed", "moe_mlp"),
+    "down_proj": ("experts", "moe_mlp", "embed"),
+}
+
+
+def route(x: jax.Array, router: jax.Array, moe: MoeConfig) -> tuple[jax.Array, jax.Array]:
+    """Each row's top-k experts and their weights.
+
+    Args:
+      x: [T, H] the MLP input rows.
+      router: [H, E] the gate's weight.
+
+    Returns:
+      (weights f32[T, top_k], expert ids i32[T, top_k]), highest probability first.
+    """
+    logits = layers.matmul_f32(x, router).astype(x.dtype)  # transformers' router logits are in the model dtype
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, moe.top_k)
+    if moe.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def group_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """Sort the ``T * top_k`` (token, expert) pairs by expert.
+
+    Args:
+      experts: i32[T, top_k]
+
+    Returns:
+      (order i32[T * top_k]: pair indices sorted by expert (stable, so ties keep token order; pair ``p`` is
+      token ``p // top_k``), group_sizes i32[num_experts]: rows per expert).
+    """
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    return order, sizes
+
+
+def grouped_swiglu(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+                   group_sizes: jax.Array) -> jax.Array:
+    """``down(silu(gate(x)) * up(x))`` of consecutive row groups, group ``g`` through expert ``g``.
+
+    Args:
+      rows: [M, H] sorted by expert; rows past ``sum(group_sizes)`` give zeros.
+      gate, up: [G, H, I];  down: [G, I, H]
+      group_sizes: i32[G]
+
+    Returns:
+      f32[M, H]
+    """
+    # 16-bit operands gain nothing from a higher precision, and Mosaic's TPU grouped matmul refuses one for them
+    # (a process-wide jax_default_matmul_precision="highest" would otherwise reach it).
+    precision = jax.lax.Precision.DEFAULT if rows.dtype.itemsize == 2 else None
+    mm = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes, precision=precision,  # noqa: E731
+                                         preferred_element_type=jnp.float32)
+    hidden = (jax.nn.silu(mm(rows, gate)) * mm(rows, up)).astype(rows.dtype)
+    return mm(hidden, down)
+
+
+def experts_local(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array,
+                  down: jax.Array, first_expert: jax.Array | int, num_experts: int) -> jax.Array:
+    """The weighted sum over each row's chosen experts, counting only experts ``first_expert ..
+    first_expert + G - 1`` (the ``G`` whose weights are given); the rest contribute 0.
+
+    With all experts given (``first_expert`` 0) this is the whole MoE output; on an ``expert`` shard it is that
+    shard's part, and the parts sum to the whole.
+
+    Args:
+      x: [T, H];  weights: f32[T, K];  experts: i32[T, K]
+      gate, up: [G, H, I];  down: [G, I, H]
+
+    Returns:
+      f32[T, H]
+    """
+    t, k = experts.shape
+    order, all_sizes = group_by_expert(experts, num_experts)
+    sizes = jax.lax.dynamic_slice_in_dim(all_sizes, first_expert, gate.shape[0])
+    start = jnp.sum(jnp.where(jnp.arange(num_experts) < first_expert, all_sizes, 0))
+    # This shard's experts own sorted rows start .. start + sum(sizes) - 1: rotate them to the front.
+    mine = jnp.roll(order, -start)
+    out = grouped_swiglu(x[mine // k], gate, up, down, sizes)  # [T * K, H], zero past the local rows
+    pair_out = jnp.zeros_like(out).at[mine].set(out)  # back to pair order (token-major)
+    return jnp.einsum("tkh,tk->th", pair_out.reshape(t, k, -1), weights)
+
+
+def dense_reference(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+                    moe: MoeConfig) -> jax.Array:
+    """Every expert on every row, weighted by the router (zero for experts not chosen): the test reference for
+    the routed MoE (shared expert excluded). Returns f32[T, H]."""
+    weights, experts = route(x, router, moe)
+    dense = jnp.zeros((x.shape[0], moe.num_experts), jnp.float32)
+    dense = dense.at[jnp.arange(x.shape[0])[:, None], experts].set(weights)
+    hi = jax.lax.Precision.HIGHEST
+    h = jax.nn.silu(jnp.einsum("th,ehi->eti", x, gate, precision=hi)) * jnp.einsum("th,ehi->eti", x, up, precision=hi)
+    return jnp.einsum("eti,eih,te->th", h, down, dense, precision=hi)
+
+
+def _param(shape, dtype, axes) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)
+
+
+class Weight(nnx.Module):
+    """One [in, out] matrix (the router, the shared expert's gate), named ``weight`` as in the checkpoint."""
+
+    def __init__(self, din: int, dout: int, dtype):
+        self.weight = _param((din, dout), dtype, ("embed", None))
+
+
+class Experts(nnx.Module):
+    """The routed experts' SwiGLU weights, stacked: gate/up [E, H, I], down [E, I, H]."""
+
+    def __init__(self, moe: MoeConfig, hidden: int, dtype):
+        e, i = moe.num_experts, moe.intermediate_size
+        shapes = {"gate_proj": (e, hidden, i), "up_proj": (e, hidden, i), "down_proj": (e, i, hidden)}
+        for name, shape in shapes.items():
+            setattr(self, name, _param(shape, dtype, EXPERT_AXES[name]))
+
+
+class SparseMoeBlock(nnx.Module):
+    """Router (``gate``), routed ``experts`` and, for Qwen2-MoE, a gated ``shared_expert`` (any MLP module
+    with the decoder's ``(x, layout)`` call, built by the decoder so the dense MLP is not duplicated here)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, shared_expert: nnx.Module | None = None):
+        moe, h = cfg.moe, cfg.hidden_size
+        self.moe = moe
+        self.gate = Weight(h, moe.num_experts, dtype)
+        self.experts = Experts(moe, h, dtype)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = None if shared_expert is None else Weight(h, 1, dtype)
+
+    def __call__(self, x: jax.Array, layout: StepLayout | None = None) -> jax.Array:
+        """x: [T, H] -> [T, H] in x's dtype."""
+        weights, experts = route(x, self.gate.weight[...], self.moe)
+        ex = self.experts
+        out = expert_parallel(x, weights, experts, ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...],
+                              self.moe.num_experts, layout)
+        if self.shared_expert is not None:
+            gate = jax.nn.sigmoid(layers.matmul_f32(x, self.shared_expert_gate.weight[...]).astype(x.dtype))
+            out = out.astype(x.dtype) + gate * self.shared_expert(x, layout)
+        return out.astype(x.dtype)
+
+
+def expert_parallel(x, weights, experts, gate, up, down, num_experts: int, layout: StepLayout | None) -> jax.Array:
+    """``experts_local`` over the mesh: one ``shard_map`` in which each device runs its own experts (and its
+    slice of their hidden width) on every row of its data/sequence shard, then one ``psum`` over the axes the
+    weights are split on. Without a mesh (or on one device) it is ``experts_local`` over all experts."""
+    if layout is None or layout.mesh.size == 1:
+        return experts_local(x, weights, experts, gate, up, down, 0, num_experts)
+    rows = layout.spec(("tokens",), x.shape[:1])[0]
+    w_specs = [layout.spec(EXPERT_AXES[n], w.shape) for n, w in
+               (("gate_proj", gate), ("up_proj", up), ("down_proj", down))]
+    split = tuple(a for a in ("expert", "tensor") if any(a in _axes(s) for s in w_specs))
+    expert_split = "expert" in _axes(w_specs[0])
+
+    def local(x, weights, experts, gate, up, down):
+        first = jax.lax.axis_index("expert") * gate.shape[0] if expert_split else 0
+        out = experts_local(x, weights, experts, gate, up, down, first, num_experts)
+        return jax.lax.psum(out, split) if split else out
+
+    row_spec = P(rows, None)
+    return jax.shard_map(local, mesh=layout.mesh, in_specs=(row_spec, row_spec, row_spec, *w_specs),
+                         out_specs=row_spec, check_vma=False)(x, weights, experts, gate, up, down)
+
+
+def _axes(spec: P) -> set[str]:
+    out: set[str] = set()
+    for entry in spec:
+        if entry is not None:
+            out.update((entry,) if isinstance(entry, str) else entry)
+    return out

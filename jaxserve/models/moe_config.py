@@ -1,0 +1,51 @@
+"""The shape of a Mixture-of-Experts MLP, read from a ``config.json``. Host-only (no jax)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """A Mixture-of-Experts MLP: ``top_k`` of ``num_experts`` SwiGLU experts per token, softmax router.
+
+    ``norm_topk_prob`` renormalises the chosen experts' probabilities to sum to 1 (always for Mixtral).
+    ``shared_expert_size`` > 0 adds Qwen2-MoE's shared expert, a dense SwiGLU MLP of that width scaled by a
+    sigmoid gate. ``sparse_layers[i]`` says whether layer ``i`` has the MoE block (else the dense MLP of
+    ``ModelConfig.intermediate_size``), from ``decoder_sparse_step`` and ``mlp_only_layers``.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[bool, ...]
+    shared_expert_size: int = 0
+
+    def __post_init__(self):
+        for name in ("num_experts", "top_k", "intermediate_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MoeConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.top_k} exceeds num_experts={self.num_experts}")
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], family: str, layers: int) -> "MoeConfig":
+        experts = hf.get("num_local_experts") or hf.get("num_experts")
+        if family == "mixtral":
+            return cls(experts, hf["num_experts_per_tok"], hf["intermediate_size"], True, (True,) * layers)
+        step, dense = hf.get("decoder_sparse_step", 1) or 1, set(hf.get("mlp_only_layers") or ())
+        return cls(experts, hf["num_experts_per_tok"], hf["moe_intermediate_size"], bool(hf.get("norm_topk_prob")),
+                   tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
+                   hf.get("shared_expert_intermediate_size", 0) if family == "qwen2_moe" else 0)
+
+    def routed_params(self, hidden: int) -> int:
+        """Parameters of every layer's routed experts (what the ``expert`` mesh axis divides)."""
+        return sum(self.sparse_layers) * self.num_experts * 3 * hidden * self.intermediate_size
+
+    def mlp_params(self, hidden: int, *, active: bool) -> int:
+        """Parameters of one MoE block: router, experts (only ``top_k`` of them if ``active``), shared expert."""
+        experts = self.top_k if active else self.num_experts
+        shared = 3 * hidden * self.shared_expert_size + hidden if self.shared_expert_size else 0
+        return hidden * self.num_experts + experts * 3 * hidden * self.intermediate_size + shared
