@@ -24,6 +24,7 @@ from jaxserve.replicas import ReplicatedScheduler
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import Sequence
 from jaxserve.step_result import StepFailed, StepResult
+from jaxserve.structured_output import GrammarCompiler, StructuredOutputs
 from jaxserve.tokenizer import chat_template_ids, eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,9 @@ class Engine:
         self.model_config = self.executor.model_config
         self.max_model_len = self.executor.max_model_len
         self.scheduler = ReplicatedScheduler(self.executor.scheduler_config, self.executor.num_replicas)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputs(self.grammars)
+        self.executor.token_masks = self.structured.fill_bitmask
         self._requests: dict[str, _Request] = {}
         self._counter = itertools.count()
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
@@ -85,9 +89,12 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
+        if params.structured_outputs is not None:
+            self.grammars.prepare(params.structured_outputs)  # ValueError for an invalid grammar; cached
         seq = Sequence(request_id, ids, params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
                        request_index=next(self._counter))
         seqs = self.scheduler.add(seq)
+        self.structured.add(seqs)
         detoks = [IncrementalDetokenizer.for_request(self.tokenizer, ids, params) for _ in seqs]
         self._requests[request_id] = _Request(
             request_id, text, ids, params, seqs, detoks, RequestMetrics(seq.arrival_time),
@@ -155,6 +162,7 @@ class Engine:
             return self._fail_step(plan, e)
         tokens = [int(t) for t in result.token_ids]
         update = self.scheduler.update(plan, tokens)
+        self.structured.accept(update.updated)
         self.stats_counters["steps"] += 1
         return self._collect(update.finished, update.updated, _logprobs(plan.scheduled, result))
 
@@ -208,6 +216,7 @@ class Engine:
             ids, text = deltas.get(seq.index, ([], ""))
             deltas[seq.index] = (ids, text + tail)
         self.executor.release(seqs)
+        self.structured.release(seqs)
         req.metrics.finished_time = time.monotonic()
         req.metrics.num_cached_tokens = req.seqs[0].num_cached_tokens
         req.metrics.num_preemptions = sum(s.num_preemptions for s in req.seqs)

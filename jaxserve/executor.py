@@ -81,6 +81,11 @@ class Executor:
         self._seeds: dict[int, int] = {}  # seq_id -> sequence seed
         # Test hook: called with each plan before it runs; whatever it raises is a failed step.
         self.fault: Callable[[object], None] | None = None
+        # Structured output: ``token_masks(entries, bitmask)`` writes the allowed-token bits of the constrained
+        # entries into their rows (i32[S, W]) and says whether there were any; set by the engine. It runs on the
+        # host while the device computes the step's logits.
+        self.token_masks: Callable[[list, np.ndarray], bool] | None = None
+        self._all_allowed = np.full((max_running, (cfg.vocab_size + 31) // 32), -1, np.int32)
         if config.warmup and self.is_leader:
             self.warmup()  # on a multi-process run the followers compile the same shapes as they follow
 
@@ -130,15 +135,21 @@ class Executor:
                                 [e.page_table for e in entries], kind=kind, replicas=replicas)
         out = self.runner.local(self.runner.run(kind, batch))
         n = len(entries)
+        bitmask = self._all_allowed
+        if self.token_masks is not None and any(e.seq.sampling_params.structured_outputs for e in entries):
+            # The step is in flight: the masks are computed on the host meanwhile.
+            masks = self._all_allowed.copy()
+            if self.token_masks(entries, masks):
+                bitmask = masks
         rows = [self._penalty_row(e.seq) for e in entries]
-        if not any(rows) and all(_plain_greedy(e.seq) for e in entries):
+        if not any(rows) and bitmask is self._all_allowed and all(_plain_greedy(e.seq) for e in entries):
             # Greedy batches take the argmax the step already computed: no sampler call at all.
             return StepResult(np.asarray(jax.device_get(out.greedy_ids))[:n])
         tensors = SamplingTensors.build(
             [e.seq.sampling_params for e in entries], num_slots=self.runner.num_logit_rows,
             seeds=[self._seed(e.seq) for e in entries], num_generated=[e.seq.num_output_tokens for e in entries],
             eos_token_ids=self.eos_token_ids, penalty_rows=rows, commit=[e.needs_sample for e in entries],
-            logprobs_mode=self.config.logprobs_mode,
+            logprobs_mode=self.config.logprobs_mode, token_bitmask=bitmask,
         )
         use_penalties = any(rows)
         sampled = self._sample(out.logits, tensors, self._penalties if use_penalties else None)
@@ -235,7 +246,8 @@ class Executor:
         for logprobs in (None, 1):
             params = [SamplingParams(temperature=1.0, logprobs=logprobs)]
             tensors = SamplingTensors.build(params, num_slots=self.runner.num_logit_rows, seeds=[0], num_generated=[0],
-                                            penalty_rows=[0], logprobs_mode=self.config.logprobs_mode)
+                                            penalty_rows=[0], logprobs_mode=self.config.logprobs_mode,
+                                            token_bitmask=self._all_allowed)
             for penalties in (None, self._penalties):
                 jax.block_until_ready(self._sample(logits, tensors, penalties))
                 progress.tick()

@@ -19,6 +19,8 @@ def _float(value, lo: float = -math.inf, hi: float = math.inf) -> bool:
 
 import numpy as np
 
+from jaxserve.structured_output import StructuredOutputsParams
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -28,7 +30,8 @@ class SamplingParams:
     detokenized text and removed from it. ``logprobs`` asks for the chosen token's logprob plus the top-n.
     ``cache_salt`` is not a sampling knob but travels with the request here: prefix-cache pages are shared
     only between requests with the same salt (vLLM's field of the same name), so tenants with different
-    salts cannot learn from cache hits what the others sent. Numbers must be finite and integers fit int32
+    salts cannot learn from cache hits what the others sent. ``structured_outputs`` constrains the output to a
+JSON schema, regex, choice or grammar (``StructuredOutputsParams``, or a dict of its fields). Numbers must be finite and integers fit int32
     (``seed``: int64).
     """
 
@@ -50,8 +53,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
+        if isinstance(self.structured_outputs, dict):
+            try:
+                object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
+            except TypeError as e:
+                raise ValueError(f"SamplingParams.structured_outputs: {e}") from None
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
@@ -78,6 +87,9 @@ class SamplingParams:
             ("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool), "must be a bool"),
             ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "must be a bool"),
             ("cache_salt", self.cache_salt is None or isinstance(self.cache_salt, str), "must be a string or None"),
+            ("structured_outputs", self.structured_outputs is None
+             or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "must be a StructuredOutputsParams, a dict of its fields, or None"),
         ]
         for field, ok, why in checks:
             if not ok:
