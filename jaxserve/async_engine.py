@@ -82,6 +82,7 @@ class AsyncEngine:
         self._stopped: asyncio.Future | None = None
         self.engine = None  # touched only by the engine thread once it runs
         self.prompts: PromptTokenizer | None = None  # tokenizes in worker threads, once the engine is ready
+        self.grammars = None  # the engine's GrammarCompiler: structured-output grammars compile in worker threads
         self.info: dict[str, Any] = {}
         self.draining = False
         # asyncio-side view, only touched in the event loop thread
@@ -180,6 +181,8 @@ class AsyncEngine:
         if messages is None and (prompt is None or len(prompt) == 0):
             raise ValueError("prompt is empty")
         ids = await self.prompts.encode(prompt, messages, add_generation_prompt)
+        if params.structured_outputs is not None and self.grammars is not None:  # cached for the engine thread
+            await asyncio.get_running_loop().run_in_executor(None, self.grammars.prepare, params.structured_outputs)
         self._admission_check(params.n)  # the queue (or the server's state) may have changed meanwhile
         rid = request_id or uuid.uuid4().hex
         stream = RequestStream(self, rid, params)
@@ -248,6 +251,7 @@ class AsyncEngine:
             self.engine = engine
             self.prompts = PromptTokenizer(engine.tokenizer, int(engine.max_model_len),
                                            int(engine.model_config.vocab_size))
+            self.grammars = getattr(engine, "grammars", None)
             self.info = engine.describe()
             self._stats = engine.stats()
             _log_ready(self.info, time.monotonic() - started)

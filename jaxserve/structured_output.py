@@ -48,6 +48,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    disable_fallback: bool = False  # accepted for vLLM's clients: there is one backend, with nothing to fall back to
 
     def __post_init__(self):
         if isinstance(self.json, (dict, bool)):

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
 
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.prompt_tokenizer import first_invalid_char
+from jaxserve.structured_output import StructuredOutputsParams
 from jaxserve.server.intake import RequestError, invalid, make_sampling_params
 from jaxserve.server.limits import JSON_MAX_DEPTH
 
@@ -51,6 +52,11 @@ def decode_json(body: bytes) -> Any:
     return value
 
 
+# Fields of vLLM's structured_outputs that tune a constraint given by any of the fields (response_format too).
+_CONSTRAINT_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
+                       "disable_fallback")
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -82,6 +88,59 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     cache_salt: str | None = None  # vLLM's: prefix-cache pages are shared only between requests with this salt
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: there is one backend (llguidance)
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's output constraint, from whichever of its fields sets one; 400 naming the field."""
+        found: list[tuple[str, dict]] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type", "text")
+            if kind == "json_object":
+                found.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise invalid("response_format.json_schema.schema must be a JSON schema object",
+                                  "response_format")
+                found.append(("response_format", {"json": schema}))
+            elif kind != "text":
+                raise invalid(f"response_format.type={kind!r} is not supported (text, json_object, json_schema)",
+                              "response_format")
+        options: dict[str, Any] = {}
+        if self.structured_outputs is not None:
+            so = {k: v for k, v in self.structured_outputs.items() if v is not None}
+            options = {k: so.pop(k) for k in _CONSTRAINT_OPTIONS if k in so}
+            if so:  # anything but options names the constraint (or is an unknown field, refused below)
+                found.append(("structured_outputs", so))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                found.append((f"guided_{name}", {name: value}))
+        if self.guided_whitespace_pattern is not None:
+            options.setdefault("whitespace_pattern", self.guided_whitespace_pattern)
+        if not found:
+            if options:
+                raise invalid("structured_outputs has options but no constraint (json, regex, choice, grammar, "
+                              "json_object, or response_format / guided_*)", "structured_outputs")
+            return None
+        if len(found) > 1:
+            raise invalid(f"give one output constraint, not {' and '.join(n for n, _ in found)}", found[1][0])
+        name, fields = found[0]
+        fields = {**options, **fields}
+        try:
+            return StructuredOutputsParams(**fields)
+        except (TypeError, ValueError) as e:
+            raise invalid(f"{name}: {e}", name) from None
 
     def _check_common(self) -> None:
         if self.logit_bias:
@@ -98,6 +157,7 @@ class _SamplingFields(_Body):
             stop_token_ids=tuple(self.stop_token_ids) if self.stop_token_ids else None, ignore_eos=self.ignore_eos,
             logprobs=logprobs, min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
+            structured_outputs=self.structured(),
         )
 
     @property
@@ -163,15 +223,12 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
 
     def sampling_params(self) -> SamplingParams:
         self._check_common()
         if self.tools:
             raise invalid("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise invalid("response_format other than 'text' is not supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs requires logprobs=true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

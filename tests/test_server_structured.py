@@ -1,0 +1,87 @@
+"""Structured output over HTTP with the official ``openai`` client: ``response_format`` on chat and completions,
+vLLM's ``structured_outputs`` and ``guided_*`` fields; every output (sampled at temperature 1) validates."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from server_harness import API_KEY, MODEL_NAME, pages_idle, shared_server
+from test_structured_output import PERSON
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MESSAGES = [{"role": "user", "content": "Describe a person."}]
+
+
+@pytest.fixture(scope="module")
+def server(request):
+    return shared_server(request)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.http + "/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.http, headers=AUTH, timeout=120) as c:
+        yield c
+
+
+def test_chat_json_schema_outputs_validate(client):
+    resp = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, temperature=1.0, n=3, max_tokens=80, seed=11,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}})  # random weights love whitespace
+    for choice in resp.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_completion_json_object_and_streaming_chat_choice(client):
+    resp = client.completions.create(model=MODEL_NAME, prompt="The quick brown fox", temperature=1.0, n=2,
+                                     max_tokens=100, seed=3, extra_body={"response_format": {"type": "json_object"},
+                                                 "structured_outputs": {"disable_any_whitespace": True}})
+    for choice in resp.choices:
+        assert isinstance(json.loads(choice.text), dict)
+    chunks = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=1.0, max_tokens=10,
+                                            stream=True, extra_body={"guided_choice": ["alpha", "beta"]})
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text in ("alpha", "beta")
+
+
+@pytest.mark.parametrize("field, value, check", [
+    ("guided_regex", r"\d{3}-[a-z]{2}", lambda t: re.fullmatch(r"\d{3}-[a-z]{2}", t)),
+    ("guided_json", PERSON, lambda t: jsonschema.validate(json.loads(t), PERSON) or True),
+    ("guided_grammar", 'start: "x" ("+" "x")*', lambda t: re.fullmatch(r"x(\+x)*", t)),
+    ("structured_outputs", {"choice": ["left", "right"]}, lambda t: t in ("left", "right")),
+])
+def test_vllm_fields_on_completions(client, field, value, check):
+    resp = client.completions.create(model=MODEL_NAME, prompt="Paged attention", temperature=1.0, n=2,
+                                     max_tokens=100, seed=5, extra_body={field: value, "guided_whitespace_pattern": " ?"})
+    for choice in resp.choices:
+        assert check(choice.text), (field, choice.text)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "hi", "guided_json": {"type": "nonsense"}}, None),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "(("}, None),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "structured_outputs": {"colour": "red"}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs"),
+])
+def test_invalid_constraints_are_400(server, http, path, body, param):
+    resp = http.post(path, json={"model": MODEL_NAME, **body})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param or param is None, err
+    assert server.wait_metrics(pages_idle)["jaxserve_kv_pages_used"] == 0
