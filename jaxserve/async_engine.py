@@ -168,7 +168,8 @@ class AsyncEngine:
 
     async def add_request(self, prompt: str | Sequence[int] | None, params: SamplingParams, *,
                           messages: list[dict] | None = None, add_generation_prompt: bool = True,
-                          request_id: str | None = None) -> RequestStream:
+                          request_id: str | None = None, template_options: dict | None = None,
+                          add_special_tokens: bool = True) -> RequestStream:
         """Queue a request (a text or token-id prompt, or chat ``messages``) and return its stream once the
         engine has accepted it. Text and chat templates are tokenized in ``self.prompts``' worker threads, never
         in the engine thread.
@@ -180,7 +181,8 @@ class AsyncEngine:
         self._admission_check(params.n)
         if messages is None and (prompt is None or len(prompt) == 0):
             raise ValueError("prompt is empty")
-        ids = await self.prompts.encode(prompt, messages, add_generation_prompt)
+        ids = await self.prompts.encode(prompt, messages, add_generation_prompt, template_options=template_options,
+                                        add_special_tokens=add_special_tokens)
         if params.structured_outputs is not None and self.grammars is not None:  # cached for the engine thread
             await asyncio.get_running_loop().run_in_executor(None, self.grammars.prepare, params.structured_outputs)
         self._admission_check(params.n)  # the queue (or the server's state) may have changed meanwhile
@@ -367,6 +369,8 @@ class AsyncEngine:
 
     def _token_text(self, engine, token_id: int) -> str:
         text = self._token_text_cache.get(token_id)
+        if text is None and engine.tokenizer is None:  # --skip-tokenizer-init: token ids only
+            return ""
         if text is None:
             text = self._token_text_cache[token_id] = engine.tokenizer.decode([token_id])
         return text

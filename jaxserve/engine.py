@@ -19,13 +19,14 @@ from jaxserve.checkpoint import resolve_model_path
 from jaxserve.config import ModelConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.engine_config import EngineConfig
+from jaxserve.generation_config import load_generation_defaults
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.replicas import ReplicatedScheduler
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import Sequence
 from jaxserve.step_result import StepFailed, StepResult
 from jaxserve.structured_output import GrammarCompiler, StructuredOutputs
-from jaxserve.tokenizer import chat_template_ids, eos_token_ids, load_tokenizer
+from jaxserve.tokenizer import chat_template_ids, eos_token_ids, load_tokenizer, resolve_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +63,12 @@ class Engine:
         # The tokenizer first: a checkpoint without a usable one fails before anything is compiled.
         folder = resolve_model_path(model_path)
         cfg = ModelConfig.from_pretrained(folder)
-        self.tokenizer = load_tokenizer(config.tokenizer or folder)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or folder)
+        if config.chat_template is not None and self.tokenizer is not None:
+            self.tokenizer.chat_template = resolve_chat_template(config.chat_template)
         self.eos_token_ids = eos_token_ids(folder, cfg, self.tokenizer)
+        # The checkpoint's sampling defaults, for requests that set nothing (LLM.get_default_sampling_params).
+        self.generation_defaults = load_generation_defaults(folder, config.generation_config)
         if executor_factory is None:
             from jaxserve.executor import Executor  # the device side: loads jax
 
@@ -73,7 +78,8 @@ class Engine:
         self.model_config = self.executor.model_config
         self.max_model_len = self.executor.max_model_len
         self.scheduler = ReplicatedScheduler(self.executor.scheduler_config, self.executor.num_replicas)
-        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.grammars = (GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+                         if self.tokenizer is not None else None)
         self.structured = StructuredOutputs(self.grammars)
         self.executor.token_masks = self.structured.fill_bitmask
         self._requests: dict[str, _Request] = {}
@@ -89,7 +95,12 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init (use "
+                             "stop_token_ids)")
         if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError("structured_outputs needs a tokenizer; this engine runs with skip_tokenizer_init")
             self.grammars.prepare(params.structured_outputs)  # ValueError for an invalid grammar; cached
         seq = Sequence(request_id, ids, params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
                        request_index=next(self._counter))
@@ -106,6 +117,9 @@ class Engine:
     def tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt given as text or ids; ValueError if empty or outside the vocabulary."""
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text needs a tokenizer; this engine runs with skip_tokenizer_init, so "
+                                 "prompts must be token ids")
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
@@ -117,9 +131,14 @@ class Engine:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         return text, ids
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation formatted with the checkpoint's chat template."""
-        return chat_template_ids(self.tokenizer, messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **template_options) -> list[int]:
+        """Token ids of a conversation formatted with the chat template (``continue_final_message``, ``tools``,
+        ``chat_template_kwargs``: see ``jaxserve.tokenizer.chat_template_ids``)."""
+        if self.tokenizer is None:
+            raise ValueError("messages: the chat template needs a tokenizer; this engine runs with "
+                             "skip_tokenizer_init")
+        return chat_template_ids(self.tokenizer, messages, add_generation_prompt, **template_options)
 
     def abort_request(self, request_id: str, reason: str = "abort", *,
                       error: str | None = None) -> RequestOutput | None:
@@ -259,6 +278,8 @@ class Engine:
         info["max_model_len"] = int(self.max_model_len)
         info["eos_token_ids"] = [int(t) for t in self.eos_token_ids]
         info["has_chat_template"] = bool(getattr(self.tokenizer, "chat_template", None))
+        info["generation_defaults"] = dict(self.generation_defaults)
+        info["skip_tokenizer_init"] = self.tokenizer is None
         return info
 
 

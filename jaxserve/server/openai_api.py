@@ -271,14 +271,17 @@ class OpenAIServer:
         return JSONResponse({"prompt": text})
 
     # Generation ---------------------------------------------------------------------------------------------
-    async def _start(self, prompts: list, params, messages=None, add_generation_prompt=True) -> list[RequestStream]:
-        """Admit every prompt of the request, or none (the admitted ones are aborted if one fails)."""
+    async def _start(self, prompts: list, params, messages=None, add_generation_prompt=True,
+                     **prompt_options) -> list[RequestStream]:
+        """Admit every prompt of the request, or none (the admitted ones are aborted if one fails).
+        ``prompt_options``: ``template_options`` of a chat, ``add_special_tokens`` of a text prompt."""
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 try:
                     streams.append(await self.engine.add_request(prompt, params, messages=messages,
-                                                                 add_generation_prompt=add_generation_prompt))
+                                                                 add_generation_prompt=add_generation_prompt,
+                                                                 **prompt_options))
                 except Exception as e:  # noqa: BLE001 - mapped to the error response
                     err = from_engine_error(e)
                     if len(prompts) > 1 and err.status == 400:
@@ -316,6 +319,11 @@ class OpenAIServer:
                 finals[k] = out
         return finals  # type: ignore[return-value]
 
+    @property
+    def _generation_defaults(self) -> dict:
+        """The checkpoint's sampling defaults (``--generation-config``), for the fields a request leaves unset."""
+        return self.engine.info.get("generation_defaults") or {}
+
     def _model_name(self, requested: str | None) -> str:
         return requested or self.names[0]
 
@@ -326,9 +334,9 @@ class OpenAIServer:
             req.prompt[0], int) else 1
         self.limits.check(n=req.n, best_of=req.best_of, logprobs=req.logprobs, stop=req.stop,
                           stop_token_ids=req.stop_token_ids, num_prompts=num_prompts)
-        params = req.sampling_params()
+        params = req.sampling_params(self._generation_defaults)
         prompts = req.prompts()
-        streams = await self._start(prompts, params)
+        streams = await self._start(prompts, params, add_special_tokens=req.add_special_tokens)
         rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self._model_name(req.model)
         n, num_top = params.n, params.logprobs
         if req.stream:
@@ -385,9 +393,10 @@ class OpenAIServer:
         check_model(req.model, self.names)
         self.limits.check(n=req.n, logprobs=req.top_logprobs, stop=req.stop, stop_token_ids=req.stop_token_ids,
                           logprobs_field="top_logprobs")
-        params = req.sampling_params()
+        params = req.sampling_params(self._generation_defaults)
         messages = req.template_messages()
-        streams = await self._start([None], params, messages, req.add_generation_prompt)
+        options = {**req.template_options(), "add_special_tokens": req.add_special_tokens}
+        streams = await self._start([None], params, messages, req.add_generation_prompt, template_options=options)
         stream = streams[0]
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self._model_name(req.model)
         num_top = params.logprobs

@@ -148,9 +148,10 @@ class _SamplingFields(_Body):
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed with stream=true", "stream_options")
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(self, max_tokens: int | None, logprobs: int | None, defaults: dict | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         return make_sampling_params(
+            defaults,
             n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=tuple(stop) if stop else None,
@@ -172,8 +173,10 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool = False
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: StrictBool = True  # vLLM's: the tokenizer's BOS etc. around a text prompt
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
+        """The request's ``SamplingParams``; ``defaults`` (the checkpoint's) fill the fields it leaves unset."""
         self._check_common()
         if self.echo:
             raise invalid("echo is not supported", "echo")
@@ -181,7 +184,7 @@ class CompletionRequest(_SamplingFields):
             raise invalid("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise invalid(f"best_of={self.best_of} is not supported (only best_of == n)", "best_of")
-        return self._params(self.max_tokens, self.logprobs)
+        return self._params(self.max_tokens, self.logprobs, defaults)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: one, or a batch (a list of strings or of token-id lists)."""
@@ -209,7 +212,7 @@ class ChatMessage(_Body):
                     raise invalid(f"messages[{i}].content[{j}]: only parts of type 'text' are supported",
                                   "messages")
                 texts.append(part["text"])
-            content = "".join(texts)
+            content = "\n".join(texts)  # as vLLM joins text parts
         message = {"role": self.role, "content": content or ""}
         if self.name:
             message["name"] = self.name
@@ -224,16 +227,32 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused: templates come from the checkpoint or --chat-template
+    add_special_tokens: StrictBool = False  # the template already holds them (vLLM's default for chat)
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
+        """The request's ``SamplingParams``; ``defaults`` (the checkpoint's) fill the fields it leaves unset."""
         self._check_common()
         if self.tools:
             raise invalid("tools are not supported", "tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs requires logprobs=true", "top_logprobs")
+        if self.chat_template is not None:
+            raise invalid("a request's own chat_template is not accepted; start the server with --chat-template",
+                          "chat_template")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise invalid("continue_final_message and add_generation_prompt cannot both be true (set "
+                          "add_generation_prompt to false)", "continue_final_message")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._params(max_tokens, logprobs)
+        return self._params(max_tokens, logprobs, defaults)
+
+    def template_options(self) -> dict[str, Any]:
+        """Keyword arguments of ``chat_template_ids`` beyond the messages and ``add_generation_prompt``."""
+        return {"continue_final_message": self.continue_final_message,
+                "chat_template_kwargs": self.chat_template_kwargs}
 
     def template_messages(self) -> list[dict[str, str]]:
         if not self.messages:
