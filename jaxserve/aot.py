@@ -270,7 +270,9 @@ class StepCompiler:
         out = []
         for logprobs in (None, 1):
             tensors = SamplingTensors.build([SamplingParams(temperature=1.0, logprobs=logprobs)], num_slots=rows,
-                                            seeds=[0], num_generated=[0], penalty_rows=[0])
+                                            seeds=[0], num_generated=[0], penalty_rows=[0],
+                                            token_bitmask=np.full((rows, (self.cfg.vocab_size + 31) // 32), -1,
+                                                                  np.int32))  # as the executor always passes
             tensors = jax.tree.map(sds, tensors)
             for penalties in (None, state):
                 start = time.perf_counter()

@@ -96,6 +96,7 @@ class AsyncEngine:
         self._engine_live: set[str] = set()  # request ids the engine holds
         self._token_text_cache: dict[int, str] = {}
         self._token_bytes_cache: dict[int, bytes] = {}
+        self._prompt_texts_sent: set[str] = set()  # requests whose prompt tokens' texts went with an output
 
     # Life cycle ---------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -258,7 +259,10 @@ class AsyncEngine:
             self._stats = engine.stats()
             _log_ready(self.info, time.monotonic() - started)
         except BaseException as e:  # noqa: BLE001 - reported to the event loop, which exits
-            logger.exception("the engine failed to start")
+            if isinstance(e, ValueError):  # a bad option or checkpoint: its message says what to change
+                logger.error("the engine failed to start: %s", e)
+            else:
+                logger.exception("the engine failed to start")
             self._to_loop(self._set_future, self._ready, None, e)
             self._to_loop(self._set_future, self._stopped, None, None)
             return
@@ -385,8 +389,12 @@ class AsyncEngine:
                 self._engine_live.discard(out.request_id)
                 continue
             texts, raw = {}, {}
-            for c in out.outputs:
-                for lp in c.delta_logprobs or ():
+            lists = [c.delta_logprobs or () for c in out.outputs]
+            if out.prompt_logprobs is not None and out.request_id not in self._prompt_texts_sent:
+                self._prompt_texts_sent.add(out.request_id)  # the prompt tokens (echo) and their top-n
+                lists += [[{t: 0.0 for t in out.prompt_token_ids}], [lp for lp in out.prompt_logprobs if lp]]
+            for entries in lists:
+                for lp in entries:
                     for t in lp:
                         texts[t] = self._token_text(engine, t)
                         raw[t] = self._token_bytes(engine, t, texts[t])
@@ -400,6 +408,7 @@ class AsyncEngine:
             if out.finished:
                 self._last_token_time.pop(out.request_id, None)
                 self._engine_live.discard(out.request_id)
+                self._prompt_texts_sent.discard(out.request_id)
             elif any(c.delta_token_ids for c in out.outputs):
                 self._last_token_time[out.request_id] = now
             items.append((out.request_id, out, (texts, raw)))

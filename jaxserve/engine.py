@@ -42,6 +42,7 @@ class _Request:
     metrics: RequestMetrics
     logprobs: list[list[dict[int, float]] | None]
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class Engine:
@@ -61,7 +62,7 @@ class Engine:
         else:
             model_path = config.model
         # The tokenizer first: a checkpoint without a usable one fails before anything is compiled.
-        folder = resolve_model_path(model_path)
+        folder = resolve_model_path(model_path, revision=config.revision, download_dir=config.download_dir)
         cfg = ModelConfig.from_pretrained(folder)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or folder)
         if config.chat_template is not None and self.tokenizer is not None:
@@ -110,6 +111,7 @@ class Engine:
         self._requests[request_id] = _Request(
             request_id, text, ids, params, seqs, detoks, RequestMetrics(seq.arrival_time),
             [[] if params.logprobs is not None else None for _ in seqs],
+            prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None,
         )
         self.stats_counters["prompt_tokens"] += len(ids)
         return request_id
@@ -180,10 +182,20 @@ class Engine:
         except StepFailed as e:
             return self._fail_step(plan, e)
         tokens = [int(t) for t in result.token_ids]
+        if result.prompt_logprobs:
+            self._record_prompt_logprobs(plan, result.prompt_logprobs)
         update = self.scheduler.update(plan, tokens)
         self.structured.accept(update.updated)
         self.stats_counters["steps"] += 1
         return self._collect(update.finished, update.updated, _logprobs(plan.scheduled, result))
+
+    def _record_prompt_logprobs(self, plan, scored: dict[int, list[tuple[int, dict[int, float]]]]) -> None:
+        for e in plan.scheduled:
+            items = scored.get(e.seq.seq_id)
+            req = self._requests.get(e.seq.request_id)
+            if items and req is not None and req.prompt_logprobs is not None:
+                for pos, entry in items:  # a recomputed prompt (after preemption) scores its tokens again
+                    req.prompt_logprobs[pos] = entry
 
     def _fail_step(self, plan, error: StepFailed) -> list[RequestOutput]:
         affected = list(dict.fromkeys(e.seq.request_id for e in plan.scheduled))
@@ -253,7 +265,8 @@ class Engine:
                 lps[len(lps) - len(ids):] if lps is not None else None,
             ))
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, completions, finished, req.metrics,
-                             req.error if finished else None)
+                             req.error if finished else None,
+                             list(req.prompt_logprobs) if req.prompt_logprobs is not None else None)
 
     # Multi-process ------------------------------------------------------------------------------------------
     def follow(self) -> None:

@@ -43,6 +43,8 @@ HELP = {
                          "a generation_config.json",
     "chat_template": "chat template (a file, or the Jinja text itself) used instead of the tokenizer's",
     "skip_tokenizer_init": "load no tokenizer: prompts must be token ids and outputs carry token ids, no text",
+    "revision": "branch, tag or commit of a hub model (default: the main branch)",
+    "download_dir": "folder hub models are downloaded to (default: the Hugging Face cache)",
 }
 
 

@@ -63,6 +63,8 @@ class EngineConfig:
     generation_config: str = "auto"  # sampling defaults: "auto" (the checkpoint's), "vllm" (none), or a folder
     chat_template: str | None = None  # a Jinja template, or a file holding one, instead of the tokenizer's
     skip_tokenizer_init: bool = False  # serve token ids only: no tokenizer is loaded, outputs carry no text
+    revision: str | None = None  # of a hub model: branch, tag or commit
+    download_dir: str | None = None  # where hub models are downloaded (default: the Hugging Face cache)
 
     def __post_init__(self):
         positive = ("page_size", "max_num_seqs", "max_num_batched_tokens")

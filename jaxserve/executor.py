@@ -9,6 +9,7 @@ The host loop (``jaxserve.engine``) sees only plans going in and ``StepResult`` 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -23,6 +24,7 @@ from jaxserve.engine_config import EngineConfig
 from jaxserve.kv_cache import CacheConfig, bytes_per_token
 from jaxserve.loader import load_model
 from jaxserve.penalty_state import PenaltyState
+from jaxserve.prompt_logprobs import ScoreRows, score
 from jaxserve.runner import ModelRunner, StepOutput
 from jaxserve.sampler import SamplingTensors, sample
 from jaxserve.sampling_params import SamplingParams, sequence_seed
@@ -58,7 +60,10 @@ class Executor:
         self.is_leader = multihost.is_leader()
         model, self.model_config, self.folder = load_model(self.model_path, config.dtype, self.mesh)
         cfg = self.model_config
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if config.max_model_len is not None and config.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={config.max_model_len} is above the model's limit of "
+                             f"{cfg.max_position_embeddings} tokens (max_position_embeddings in config.json)")
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         backend = AttentionBackend.resolve(config.attention_backend)
         self.cache_dtype = backend.cache_dtype(model.embed_tokens.embedding.get_value().dtype)
         num_pages = config.num_pages or self._auto_num_pages()
@@ -71,6 +76,7 @@ class Executor:
         self.runner = ModelRunner(model, cfg, self.cache_config, self.mesh, cache_dtype=self.cache_dtype,
                                   num_logit_rows=max_running, backend=backend, debug_checks=config.debug_checks)
         self._sample = jax.jit(sample)
+        self._score = jax.jit(score)
         self._reset_rows = jax.jit(PenaltyState.reset_rows)
         # Sampling runs on process 0, on one device, over the step's (replicated) logits. The penalty state lives
         # there from the start: the sampler's outputs do, and a differently placed input would recompile.
@@ -133,7 +139,15 @@ class Executor:
         kind = StepKind.DECODE if all(len(e.token_ids) == 1 for e in entries) else StepKind.PREFILL
         batch = self.make_batch([e.token_ids for e in entries], [e.kv_len for e in entries],
                                 [e.page_table for e in entries], kind=kind, replicas=replicas)
+        scored = ScoreRows.add_rows(entries, batch.logits_indices)  # prompt_logprobs: more logits rows
         out = self.runner.local(self.runner.run(kind, batch))
+        result = self._sample_step(entries, out)
+        if scored is not None:
+            got = jax.device_get(self._score(out.logits, scored.targets(self.runner.num_logit_rows)))
+            result = dataclasses.replace(result, prompt_logprobs=scored.collect(*(np.asarray(a) for a in got)))
+        return result
+
+    def _sample_step(self, entries, out: StepOutput) -> StepResult:
         n = len(entries)
         bitmask = self._all_allowed
         if self.token_masks is not None and any(e.seq.sampling_params.structured_outputs for e in entries):
@@ -251,6 +265,7 @@ class Executor:
             for penalties in (None, self._penalties):
                 jax.block_until_ready(self._sample(logits, tensors, penalties))
                 progress.tick()
+        jax.block_until_ready(self._score(logits, np.zeros(self.runner.num_logit_rows, np.int32)))
         progress.finish()
         logger.debug("warm-up compiled the steps and the sampler in %.1fs", time.perf_counter() - start)
 

@@ -27,7 +27,9 @@ class SamplingParams:
     """How to pick tokens for one request; field names and defaults follow vLLM.
 
     temperature 0 means greedy. ``top_k`` 0 or -1 disables top-k. ``stop`` strings are matched on the
-    detokenized text and removed from it. ``logprobs`` asks for the chosen token's logprob plus the top-n.
+    detokenized text and removed from it. ``logprobs`` asks for the chosen token's logprob plus the top-n; ``prompt_logprobs`` the same for every prompt
+token after the first (the model's raw log-probabilities; such a prompt is computed whole, without prefix-cache
+hits).
     ``cache_salt`` is not a sampling knob but travels with the request here: prefix-cache pages are shared
     only between requests with the same salt (vLLM's field of the same name), so tenants with different
     salts cannot learn from cache hits what the others sent. ``structured_outputs`` constrains the output to a
@@ -54,6 +56,7 @@ JSON schema, regex, choice or grammar (``StructuredOutputsParams``, or a dict of
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.structured_outputs, dict):
@@ -79,6 +82,8 @@ JSON schema, regex, choice or grammar (``StructuredOutputsParams``, or a dict of
             ("frequency_penalty", _float(self.frequency_penalty, -2.0, 2.0), "must be in [-2, 2]"),
             ("seed", self.seed is None or _int(self.seed, *_INT64), "must be an integer in [-2**63, 2**63) or None"),
             ("logprobs", self.logprobs is None or _int(self.logprobs, 0, 20), "must be an integer in [0, 20] or None"),
+            ("prompt_logprobs", self.prompt_logprobs is None or _int(self.prompt_logprobs, 0, 20),
+             "must be an integer in [0, 20] or None"),
             ("min_tokens", _int(self.min_tokens, 0, _INT32_MAX), "must be an integer in [0, 2**31)"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(0 <= t <= _INT32_MAX for t in self.stop_token_ids),

@@ -14,8 +14,8 @@ from jaxserve import logs
 from jaxserve.server.args import parse_args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") -> int:
+    args = parse_args(argv, prog=prog)
     logs.setup(args.log_level)
     from jaxserve.server.app import serve  # after logging is set up: importing it loads jax and grpc
 

@@ -12,6 +12,7 @@ from jaxserve.generation_config import load_generation_defaults
 from tiny import build_tiny_model, hf_greedy, hf_model, train_tokenizer
 
 THINKING_TEMPLATE = (
+    "{% if tools %}<|system|>tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}</s>{% endif %}"
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% if not loop.last or not continue_final_message "
     "is defined or not continue_final_message %}</s>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
@@ -67,6 +68,8 @@ def test_chat_template_options(llm, model_dir):
     assert text(llm.apply_chat_template(cont, add_generation_prompt=False, continue_final_message=True)).endswith(
         "<|assistant|>The quick")
     assert text(llm.apply_chat_template(msgs, chat_template="{{ messages[0]['content'] }}!")) == "hi!"
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    assert text(llm.apply_chat_template(msgs, tools=[tool])).startswith("<|system|>tools: get_weather</s><|user|>")
     with pytest.raises(ValueError, match="chat_template_kwargs may not set tokenize"):
         llm.apply_chat_template(msgs, chat_template_kwargs={"tokenize": False})
     with pytest.raises(ValueError, match="cannot both be true"):

@@ -100,6 +100,9 @@ def test_no_compiles_after_warmup(engine):
                                                           structured_outputs={"json_object": True})))
     arrivals[6].append(("choice", [7, 8], SamplingParams(max_tokens=6, temperature=0.0,
                                                          structured_outputs={"choice": ["yes", "no"]})))
+    # prompt logprobs: more logits rows of the same steps, and one more small compiled function (warmed up)
+    arrivals[2].append(("prompt-lp", list(range(3, 30)), SamplingParams(max_tokens=2, temperature=0.0,
+                                                                        prompt_logprobs=3)))
     run(engine, arrivals)
     assert compile_counter.count() == compiled
 

@@ -85,3 +85,66 @@ def test_invalid_constraints_are_400(server, http, path, body, param):
     err = resp.json()["error"]
     assert err["param"] == param or param is None, err
     assert server.wait_metrics(pages_idle)["jaxserve_kv_pages_used"] == 0
+
+
+# Tool calling -----------------------------------------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+    "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+HISTORY = [
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    {"role": "user", "content": "And the time?"},
+]
+
+
+def test_forced_tool_choice_returns_valid_tool_calls(client):
+    named = client.chat.completions.create(
+        model=MODEL_NAME, messages=HISTORY, tools=[WEATHER, TIME], temperature=1.0, n=2, max_tokens=40, seed=2,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    for choice in named.choices:
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_time" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), TIME["function"]["parameters"])
+    required = client.chat.completions.create(
+        model=MODEL_NAME, messages=HISTORY[-1:], tools=[WEATHER, TIME], temperature=1.0, n=2, max_tokens=100, seed=3,
+        tool_choice="required", parallel_tool_calls=False,  # random weights would call on and on
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    for choice in required.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=HISTORY, tools=[WEATHER], temperature=1.0, max_tokens=40, seed=2, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}}))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or ())]
+    assert len(calls) == 1 and calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"tools": [WEATHER]}, "--enable-auto-tool-choice"),  # tool_choice 'auto' by default
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools[0]"),
+    ({"tool_choice": "required"}, "needs tools"),
+])
+def test_bad_tool_requests_are_400(http, body, needle):
+    resp = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": HISTORY, **body})
+    assert resp.status_code == 400, resp.text
+    assert needle in resp.json()["error"]["message"]
+
+
+def test_tool_choice_none_keeps_plain_text(client):
+    resp = client.chat.completions.create(model=MODEL_NAME, messages=HISTORY, tools=[WEATHER], tool_choice="none",
+                                          max_tokens=4, temperature=0)
+    assert resp.choices[0].message.tool_calls is None and resp.choices[0].message.content is not None
