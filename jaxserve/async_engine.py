@@ -269,6 +269,9 @@ class AsyncEngine:
         self._to_loop(self._set_future, self._ready, None, None)
         try:
             self._run(engine)
+            close = getattr(engine, "close", None)
+            if close is not None:
+                close()  # a multi-host run's followers stop with it
         except _LoopClosed:
             logger.warning("the event loop closed without stopping the engine; the engine thread ends")
         except BaseException:  # noqa: BLE001 - the loop itself catches step errors; this is a bug

@@ -101,6 +101,13 @@ def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentPar
     lim.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
                      help="most top alternatives per token (logprobs, top_logprobs, prompt_logprobs); at most 20")
 
+    mh = p.add_argument_group("multi-host (every process runs the same command with its own --process-id; process 0 "
+                              "serves, the others follow its steps)")
+    mh.add_argument("--coordinator-address", default=None,
+                    help="HOST:PORT of process 0's coordinator (or JAX_COORDINATOR_ADDRESS)")
+    mh.add_argument("--num-processes", type=int, default=None, help="processes in the run (or JAX_NUM_PROCESSES)")
+    mh.add_argument("--process-id", type=int, default=None, help="this process's index (or JAX_PROCESS_ID)")
+
     v = p.add_argument_group("vLLM's names for the options above")
     keep = argparse.SUPPRESS  # an alias left out changes nothing
     v.add_argument("--port", dest="http_port", type=int, default=keep, help="--http-port")
