@@ -96,6 +96,9 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
+        if params.logit_bias and max(params.logit_bias) >= self.model_config.vocab_size:
+            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary "
+                             f"[0, {self.model_config.vocab_size})")
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init (use "
                              "stop_token_ids)")

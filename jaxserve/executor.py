@@ -27,7 +27,7 @@ from jaxserve.penalty_state import PenaltyState
 from jaxserve.prompt_logprobs import ScoreRows, score
 from jaxserve.runner import ModelRunner, StepOutput
 from jaxserve.sampler import SamplingTensors, sample
-from jaxserve.sampling_params import SamplingParams, sequence_seed
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams, sequence_seed
 from jaxserve.sequence import Sequence
 from jaxserve.shapes import StepShapes
 from jaxserve.step_result import StepFailed, StepResult
@@ -163,7 +163,7 @@ class Executor:
             [e.seq.sampling_params for e in entries], num_slots=self.runner.num_logit_rows,
             seeds=[self._seed(e.seq) for e in entries], num_generated=[e.seq.num_output_tokens for e in entries],
             eos_token_ids=self.eos_token_ids, penalty_rows=rows, commit=[e.needs_sample for e in entries],
-            logprobs_mode=self.config.logprobs_mode, token_bitmask=bitmask,
+            logprobs_mode=self.config.logprobs_mode, token_bitmask=bitmask, logit_bias_width=MAX_LOGIT_BIAS,
         )
         use_penalties = any(rows)
         sampled = self._sample(out.logits, tensors, self._penalties if use_penalties else None)
@@ -261,7 +261,7 @@ class Executor:
             params = [SamplingParams(temperature=1.0, logprobs=logprobs)]
             tensors = SamplingTensors.build(params, num_slots=self.runner.num_logit_rows, seeds=[0], num_generated=[0],
                                             penalty_rows=[0], logprobs_mode=self.config.logprobs_mode,
-                                            token_bitmask=self._all_allowed)
+                                            token_bitmask=self._all_allowed, logit_bias_width=MAX_LOGIT_BIAS)
             for penalties in (None, self._penalties):
                 jax.block_until_ready(self._sample(logits, tensors, penalties))
                 progress.tick()
@@ -289,4 +289,4 @@ class Executor:
 def _plain_greedy(seq: Sequence) -> bool:
     """True when the argmax of the raw logits is exactly what the sampler would pick and report."""
     p = seq.sampling_params
-    return p.greedy and p.logprobs is None and seq.num_output_tokens >= p.min_tokens
+    return p.greedy and p.logprobs is None and not p.logit_bias and seq.num_output_tokens >= p.min_tokens

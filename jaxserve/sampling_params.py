@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 _INT32_MAX = 2**31 - 1
+MAX_LOGIT_BIAS = 300  # entries per request: the sampler's fixed width
 _INT64 = (-(2**63), 2**63 - 1)
 
 
@@ -57,8 +58,19 @@ JSON schema, regex, choice or grammar (``StructuredOutputsParams``, or a dict of
     cache_salt: str | None = None
     structured_outputs: StructuredOutputsParams | None = None
     prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
 
     def __post_init__(self):
+        if self.logit_bias is not None:
+            try:
+                bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"SamplingParams.logit_bias={self.logit_bias!r} must map token ids to numbers") \
+                    from None
+            if len(bias) > MAX_LOGIT_BIAS or not all(k >= 0 and math.isfinite(v) for k, v in bias.items()):
+                raise ValueError(f"SamplingParams.logit_bias must map at most {MAX_LOGIT_BIAS} token ids (>= 0) to "
+                                 "finite numbers")
+            object.__setattr__(self, "logit_bias", {k: min(100.0, max(-100.0, v)) for k, v in bias.items()} or None)
         if isinstance(self.structured_outputs, dict):
             try:
                 object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))

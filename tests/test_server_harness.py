@@ -99,3 +99,10 @@ def test_best_of_keeps_the_most_likely_samples(http):
     assert len(choices) == 1 and choices[0]["logprobs"] is None
     top = max(all3, key=lambda c: sum(c["logprobs"]["token_logprobs"]))
     assert choices[0]["text"] == top["text"]
+
+
+def test_logit_bias(http):
+    resp = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": CONTEXT, "max_tokens": 3,
+                                                "temperature": 0, "ignore_eos": True, "logit_bias": {"17": 100}})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == http.post("/detokenize", json={"tokens": [17] * 3}).json()["prompt"]

@@ -252,6 +252,7 @@ LONG_PROMPT = [5] * (MAX_MODEL_LEN - 4)
     ({"max_tokens": 3}, "prompt: Field required", "prompt"),
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens", "max_tokens"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens=0 needs echo", "max_tokens"),
+    ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias keys must be token ids", "logit_bias"),
     ({"prompt": "hi", "n": 3, "best_of": 2}, "best_of=2 must be >= n=3", "best_of"),
     ({"prompt": "hi", "prompt_logprobs": 30}, "prompt_logprobs=30 is over the limit", "prompt_logprobs"),
     ({"prompt": ["ok", ""]}, "prompt[1]: prompt is empty", "prompt"),

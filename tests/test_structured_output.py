@@ -109,3 +109,17 @@ def test_sampler_applies_the_packed_bitmask():
     assert ids[0] == max(allowed, key=lambda t: logits[0, t]) and ids[1] in allowed
     assert set(np.asarray(masked.top_ids)[1, :2]) <= set(allowed)
     np.testing.assert_array_equal(ids[2:], np.asarray(free.token_ids)[2:])  # all-ones rows are untouched
+
+
+def test_logit_bias_moves_the_choice(llm):
+    base = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    free = llm.generate("The quick brown fox", base)[0].outputs[0].token_ids
+    forced = llm.generate("The quick brown fox", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                                                                logit_bias={17: 100.0}))[0].outputs[0].token_ids
+    banned = llm.generate("The quick brown fox", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                                                                logit_bias={free[0]: -100.0}))[0].outputs[0]
+    assert forced == [17] * 4 and banned.token_ids[0] != free[0]
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate("hi", SamplingParams(logit_bias={10**6: 1.0}))
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={i: 1.0 for i in range(301)})

@@ -149,8 +149,6 @@ class _SamplingFields(_Body):
             raise invalid(f"{name}: {e}", name) from None
 
     def _check_common(self) -> None:
-        if self.logit_bias:
-            raise invalid("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed with stream=true", "stream_options")
 
@@ -165,8 +163,16 @@ class _SamplingFields(_Body):
             stop_token_ids=tuple(self.stop_token_ids) if self.stop_token_ids else None, ignore_eos=self.ignore_eos,
             logprobs=logprobs, min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
-            structured_outputs=self.structured(),
+            structured_outputs=self.structured(), logit_bias=self._logit_bias(),
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise invalid("logit_bias keys must be token ids", "logit_bias") from None
 
     @property
     def include_usage(self) -> bool:
