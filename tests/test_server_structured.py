@@ -148,3 +148,30 @@ def test_tool_choice_none_keeps_plain_text(client):
     resp = client.chat.completions.create(model=MODEL_NAME, messages=HISTORY, tools=[WEATHER], tool_choice="none",
                                           max_tokens=4, temperature=0)
     assert resp.choices[0].message.tool_calls is None and resp.choices[0].message.content is not None
+
+
+# Chat-template options --------------------------------------------------------------------------------------------
+def test_chat_template_options(http):
+    def prompt_tokens(**body):
+        resp = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "max_tokens": 1, **body})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["usage"]["prompt_tokens"]
+
+    msgs = [{"role": "user", "content": "hi"}]
+    templated = http.post("/tokenize", json={"messages": msgs}).json()["count"]
+    bare = http.post("/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()["count"]
+    assert bare < templated
+    assert prompt_tokens(messages=msgs) == templated
+    assert prompt_tokens(messages=msgs, add_generation_prompt=False) == bare
+    cont = msgs + [{"role": "assistant", "content": "The quick"}]
+    assert prompt_tokens(messages=cont, add_generation_prompt=False, continue_final_message=True) > bare
+    # text parts are joined with newlines, as vLLM does
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    joined = [{"role": "user", "content": "a\nb"}]
+    assert (http.post("/tokenize", json={"messages": parts}).json()["tokens"]
+            == http.post("/tokenize", json={"messages": joined}).json()["tokens"])
+    for body, needle in ((dict(messages=cont, continue_final_message=True), "continue_final_message"),
+                         (dict(messages=msgs, chat_template="{{ 1 }}"), "--chat-template"),
+                         (dict(messages=msgs, chat_template_kwargs={"tokenize": False}), "tokenize")):
+        resp = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "max_tokens": 1, **body})
+        assert resp.status_code == 400 and needle in resp.json()["error"]["message"], resp.text
