@@ -390,6 +390,7 @@ class AsyncEngine:
                 items.append((out.request_id, out.error, None))
                 self._last_token_time.pop(out.request_id, None)
                 self._engine_live.discard(out.request_id)
+                self._prompt_texts_sent.discard(out.request_id)
                 continue
             texts, raw = {}, {}
             lists = [c.delta_logprobs or () for c in out.outputs]

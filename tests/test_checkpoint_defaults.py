@@ -97,3 +97,8 @@ def test_token_only_model(model_dir, tmp_path):
             llm.generate(bad, SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         llm.generate(prompt, SamplingParams(max_tokens=2, stop=["x"]))
+
+
+def test_max_model_len_above_the_model_is_an_error(model_dir):
+    with pytest.raises(ValueError, match="max_model_len=512 is above the model's limit of 256"):
+        LLM(str(model_dir), **dict(SMALL, max_model_len=512))

@@ -103,6 +103,7 @@ def test_no_compiles_after_warmup(engine):
     # prompt logprobs: more logits rows of the same steps, and one more small compiled function (warmed up)
     arrivals[2].append(("prompt-lp", list(range(3, 30)), SamplingParams(max_tokens=2, temperature=0.0,
                                                                         prompt_logprobs=3)))
+    arrivals[3].append(("bias", [9, 8, 7], SamplingParams(max_tokens=3, temperature=0.0, logit_bias={5: 3.0})))
     run(engine, arrivals)
     assert compile_counter.count() == compiled
 
