@@ -175,13 +175,19 @@ class PromptTokenizer:
             self.check_ids(ids)
         return ids
 
+    def _needs_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise ValueError(f"{what} needs a tokenizer; this server runs with --skip-tokenizer-init")
+
     async def tokens(self, text: str) -> tuple[list[int], list[str]]:
         """Token ids of ``text`` as a prompt, and each token decoded on its own."""
+        self._needs_tokenizer("tokenizing text")
         self.check_text(text)
         return await self._run(self._tokens, text)
 
     async def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Each token id decoded on its own."""
+        self._needs_tokenizer("token texts")
         return await self._run(lambda: [self._own().decode([t]) for t in ids])
 
     async def decode(self, ids: Sequence[int]) -> str:
@@ -190,6 +196,7 @@ class PromptTokenizer:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"tokens: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        self._needs_tokenizer("detokenizing")
         return await self._run(self._decode, ids)
 
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
