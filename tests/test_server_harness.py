@@ -106,3 +106,24 @@ def test_logit_bias(http):
                                                 "temperature": 0, "ignore_eos": True, "logit_bias": {"17": 100}})
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["text"] == http.post("/detokenize", json={"tokens": [17] * 3}).json()["prompt"]
+
+
+def test_streamed_echo_matches_the_whole_response(http):
+    body = {"model": MODEL_NAME, "prompt": CONTEXT, "echo": True, "logprobs": 1, "max_tokens": 3,
+            "temperature": 0, "ignore_eos": True}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]
+    import json
+
+    chunks = []
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:])["choices"][0])
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    streamed = [v for c in chunks for v in c["logprobs"]["token_logprobs"]]
+    assert streamed == whole["logprobs"]["token_logprobs"]
+    assert [o for c in chunks for o in c["logprobs"]["text_offset"]] == whole["logprobs"]["text_offset"]
+    prompt_only = http.post("/v1/completions", json={**body, "max_tokens": 0, "stream": True})
+    texts = [json.loads(l[6:])["choices"][0]["text"] for l in prompt_only.text.splitlines()
+             if l.startswith("data: {")]
+    assert "".join(texts) == CONTEXT

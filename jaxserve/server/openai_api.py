@@ -346,7 +346,11 @@ class OpenAIServer:
         rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self._model_name(req.model)
         n, num_top = req.n, req.logprobs
         if req.stream:
-            events = self._completion_events(streams, rid, created, model, n, num_top, req.include_usage)
+            echo = None
+            if req.echo:
+                echo = [p if isinstance(p, str) else await self.engine.detokenize(p) for p in prompts]
+            events = self._completion_events(streams, rid, created, model, n, num_top, req.include_usage, echo,
+                                             req.prompt_only)
             return EventStreamResponse(events, lambda: [s.abort() for s in streams])
         finals = await self._until_disconnect(request, self._final_outputs(streams), streams)
         if finals is None:
@@ -379,9 +383,13 @@ class OpenAIServer:
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
                              "choices": choices, "usage": usage})
 
-    async def _completion_events(self, streams, rid, created, model, n, num_top, include_usage):
+    async def _completion_events(self, streams, rid, created, model, n, num_top, include_usage, echo=None,
+                                 prompt_only=False):
+        """Streamed completions; with ``echo`` (each prompt's text) a choice's first chunk starts with its prompt
+        (and the prompt's logprobs); ``prompt_only`` (max_tokens 0) drops the one generated token."""
         trackers = [ChoiceTracker(num_top) for _ in streams]
         offsets: dict[int, int] = {}
+        started: set[int] = set()
         finals: list[RequestOutput | None] = [None] * len(streams)
         base = {"id": rid, "object": "text_completion", "created": created, "model": model}
         try:
@@ -390,20 +398,30 @@ class OpenAIServer:
                     finals[k] = out
                 for ev in trackers[k].events(out):
                     index = k * n + ev.index
+                    first, texts = index not in started, streams[k].token_texts
+                    started.add(index)
+                    prefix = echo[k] if echo is not None and first else ""
                     logprobs = None
                     if ev.logprobs is not None:
-                        logprobs, offsets[index] = _completion_logprobs(ev.logprobs, streams[k].token_texts,
-                                                                        offsets.get(index, 0))
-                    choice = {"index": index, "text": ev.text, "logprobs": logprobs,
-                              "finish_reason": ev.finish_reason}
+                        logprobs, offsets[index] = _completion_logprobs(
+                            [] if prompt_only else ev.logprobs, texts, offsets.get(index, 0) + len(prefix))
+                        if prefix or (echo is not None and first):
+                            logprobs = _echo_logprobs(out, num_top, texts, logprobs)
+                    finish = "length" if prompt_only and ev.finish_reason else ev.finish_reason
+                    choice = {"index": index, "text": prefix + ("" if prompt_only else ev.text),
+                              "logprobs": logprobs, "finish_reason": finish}
                     if ev.finish_reason is not None:
-                        choice["stop_reason"] = ev.stop_reason
+                        choice["stop_reason"] = None if prompt_only else ev.stop_reason
                     chunk = {**base, "choices": [choice]}
                     if include_usage:
                         chunk["usage"] = None
                     yield _sse(chunk)
             if include_usage:
-                yield _sse({**base, "choices": [], "usage": _usage([f for f in finals if f is not None])})
+                usage = _usage([f for f in finals if f is not None])
+                if prompt_only:
+                    usage["total_tokens"] -= usage["completion_tokens"]
+                    usage["completion_tokens"] = 0
+                yield _sse({**base, "choices": [], "usage": usage})
         except Exception as e:  # noqa: BLE001 - the status line is already sent; report in-band
             err = from_engine_error(e)
             yield _sse(err.to_openai())

@@ -201,8 +201,6 @@ class CompletionRequest(_SamplingFields):
             raise invalid(f"best_of={self.best_of} must be >= n={self.n}", "best_of")
         if self.best_of_extra and self.stream:
             raise invalid("best_of > n cannot stream (the best outputs are known only at the end)", "best_of")
-        if self.echo and self.stream:
-            raise invalid("echo is not supported with stream=true", "echo")
         if self.max_tokens == 0 and not self.echo:
             raise invalid("max_tokens=0 needs echo=true (it returns the prompt alone)", "max_tokens")
         logprobs = self.logprobs
