@@ -127,3 +127,8 @@ def test_streamed_echo_matches_the_whole_response(http):
     texts = [json.loads(l[6:])["choices"][0]["text"] for l in prompt_only.text.splitlines()
              if l.startswith("data: {")]
     assert "".join(texts) == CONTEXT
+    streamed = http.post("/v1/completions", json={**body, "echo": False, "logprobs": None, "prompt_logprobs": 1,
+                                                   "stream": True})
+    firsts = [json.loads(l[6:])["choices"][0] for l in streamed.text.splitlines() if l.startswith("data: {")]
+    assert firsts[0]["prompt_logprobs"][0] is None and len(firsts[0]["prompt_logprobs"]) > 1
+    assert all("prompt_logprobs" not in c for c in firsts[1:])

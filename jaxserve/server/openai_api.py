@@ -350,7 +350,7 @@ class OpenAIServer:
             if req.echo:
                 echo = [p if isinstance(p, str) else await self.engine.detokenize(p) for p in prompts]
             events = self._completion_events(streams, rid, created, model, n, num_top, req.include_usage, echo,
-                                             req.prompt_only)
+                                             req.prompt_only, req.prompt_logprobs is not None)
             return EventStreamResponse(events, lambda: [s.abort() for s in streams])
         finals = await self._until_disconnect(request, self._final_outputs(streams), streams)
         if finals is None:
@@ -384,9 +384,10 @@ class OpenAIServer:
                              "choices": choices, "usage": usage})
 
     async def _completion_events(self, streams, rid, created, model, n, num_top, include_usage, echo=None,
-                                 prompt_only=False):
+                                 prompt_only=False, prompt_logprobs=False):
         """Streamed completions; with ``echo`` (each prompt's text) a choice's first chunk starts with its prompt
-        (and the prompt's logprobs); ``prompt_only`` (max_tokens 0) drops the one generated token."""
+        (and the prompt's logprobs); ``prompt_only`` (max_tokens 0) drops the one generated token; vLLM's
+        ``prompt_logprobs`` ride in each choice's first chunk."""
         trackers = [ChoiceTracker(num_top) for _ in streams]
         offsets: dict[int, int] = {}
         started: set[int] = set()
@@ -412,6 +413,8 @@ class OpenAIServer:
                               "logprobs": logprobs, "finish_reason": finish}
                     if ev.finish_reason is not None:
                         choice["stop_reason"] = None if prompt_only else ev.stop_reason
+                    if prompt_logprobs and first:
+                        choice["prompt_logprobs"] = _vllm_prompt_logprobs(out, texts)
                     chunk = {**base, "choices": [choice]}
                     if include_usage:
                         chunk["usage"] = None
