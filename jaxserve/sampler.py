@@ -5,11 +5,12 @@ pure function of ``logits f32[S, V]`` and those arrays, compiled once per (S, V,
 none) and mixing greedy and sampled rows freely. Measured on a 2-core CPU at S=32, V=32000: ~10 ms for an
 all-greedy batch, ~35 ms with temperature only, ~55 ms with top-k + top-p + min-p + logprobs.
 
-Processing order (that of vLLM): ``logit_bias``, ban tokens (EOS / stop ids before ``min_tokens``) and the structured-output mask
-(``token_bitmask``, packed bits per row; all ones for unconstrained rows, so constrained and free requests share
-one batch and one compiled shape) -> repetition, frequency, presence penalties -> greedy rows take the argmax here -> temperature -> min-p -> top-k -> top-p on what min-p
-and top-k kept -> an exponential-race draw (equivalent to Gumbel-max) from the survivors, keyed per sequence by
-(seed, tokens generated so far) so a draw does not depend on batch mates or slot position.
+Processing order (that of vLLM): ``logit_bias`` -> ban tokens (EOS / stop ids before ``min_tokens``) and the
+structured-output mask (``token_bitmask``, packed bits per row; all ones for unconstrained rows, so constrained
+and free requests share one batch and one compiled shape) -> repetition, frequency, presence penalties -> greedy
+rows take the argmax here -> temperature -> min-p -> top-k -> top-p on what min-p and top-k kept -> an
+exponential-race draw (equivalent to Gumbel-max) from the survivors, keyed per sequence by (seed, tokens
+generated so far) so a draw does not depend on batch mates or slot position.
 
 Truncation avoids sorting the vocabulary: each row's top-k / top-p cut is a threshold found by bisection over
 the 32-bit order-preserving integer image of the logits (32 masked reductions over [S, V], exact up to ties,

@@ -28,14 +28,14 @@ class SamplingParams:
     """How to pick tokens for one request; field names and defaults follow vLLM.
 
     temperature 0 means greedy. ``top_k`` 0 or -1 disables top-k. ``stop`` strings are matched on the
-    detokenized text and removed from it. ``logprobs`` asks for the chosen token's logprob plus the top-n; ``prompt_logprobs`` the same for every prompt
-token after the first (the model's raw log-probabilities; such a prompt is computed whole, without prefix-cache
-hits).
+    detokenized text and removed from it. ``logprobs`` asks for the chosen token's logprob plus the top-n;
+    ``prompt_logprobs`` the same for every prompt token after the first (the model's raw log-probabilities;
+    such a prompt is computed whole, without prefix-cache hits). ``logit_bias`` adds to chosen tokens' logits.
     ``cache_salt`` is not a sampling knob but travels with the request here: prefix-cache pages are shared
     only between requests with the same salt (vLLM's field of the same name), so tenants with different
     salts cannot learn from cache hits what the others sent. ``structured_outputs`` constrains the output to a
-JSON schema, regex, choice or grammar (``StructuredOutputsParams``, or a dict of its fields). Numbers must be finite and integers fit int32
-    (``seed``: int64).
+    JSON schema, regex, choice or grammar (``StructuredOutputsParams``, or a dict of its fields). Numbers must
+    be finite and integers fit int32 (``seed``: int64).
     """
 
     n: int = 1

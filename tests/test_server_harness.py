@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import numpy as np
-import openai
 import pytest
 import torch
 
@@ -112,8 +113,6 @@ def test_streamed_echo_matches_the_whole_response(http):
     body = {"model": MODEL_NAME, "prompt": CONTEXT, "echo": True, "logprobs": 1, "max_tokens": 3,
             "temperature": 0, "ignore_eos": True}
     whole = http.post("/v1/completions", json=body).json()["choices"][0]
-    import json
-
     chunks = []
     with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
         for line in resp.iter_lines():
@@ -132,3 +131,8 @@ def test_streamed_echo_matches_the_whole_response(http):
     firsts = [json.loads(l[6:])["choices"][0] for l in streamed.text.splitlines() if l.startswith("data: {")]
     assert firsts[0]["prompt_logprobs"][0] is None and len(firsts[0]["prompt_logprobs"]) > 1
     assert all("prompt_logprobs" not in c for c in firsts[1:])
+    chat = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "max_tokens": 2, "prompt_logprobs": 0,
+                                                     "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+    events = [json.loads(l[6:]) for l in chat.text.splitlines() if l.startswith("data: {")]
+    with_plp = [e for e in events if "prompt_logprobs" in e]
+    assert len(with_plp) == 1 and with_plp[0]["prompt_logprobs"][0] is None and not with_plp[0]["choices"]

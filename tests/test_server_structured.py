@@ -65,7 +65,8 @@ def test_completion_json_object_and_streaming_chat_choice(client):
 ])
 def test_vllm_fields_on_completions(client, field, value, check):
     resp = client.completions.create(model=MODEL_NAME, prompt="Paged attention", temperature=1.0, n=2,
-                                     max_tokens=100, seed=5, extra_body={field: value, "guided_whitespace_pattern": " ?"})
+                                     max_tokens=100, seed=5,
+                                     extra_body={field: value, "guided_whitespace_pattern": " ?"})
     for choice in resp.choices:
         assert check(choice.text), (field, choice.text)
 

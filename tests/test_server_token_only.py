@@ -9,7 +9,7 @@ import shutil
 import httpx
 import pytest
 
-from server_harness import MODEL_NAME, SMALL_ENGINE, ServerProcess, compile_cache, reference_llm, tiny_model
+from server_harness import MODEL_NAME, ServerProcess, compile_cache, reference_llm, tiny_model
 from jaxserve.sampling_params import SamplingParams
 
 

@@ -452,7 +452,8 @@ class OpenAIServer:
         num_top = params.logprobs
         tool_mode = (self.tool_parser if not forced else None, forced, forced_name) if parse_calls else None
         if req.stream:
-            events = self._chat_events(stream, rid, created, model, params.n, num_top, req.include_usage, tool_mode)
+            events = self._chat_events(stream, rid, created, model, params.n, num_top, req.include_usage, tool_mode,
+                                       req.prompt_logprobs is not None)
             return EventStreamResponse(events, stream.abort)
         finals = await self._until_disconnect(request, self._final_outputs(streams), streams)
         if finals is None:
@@ -483,8 +484,10 @@ class OpenAIServer:
             body["prompt_logprobs"] = _vllm_prompt_logprobs(out, stream.token_texts)
         return JSONResponse(body)
 
-    async def _chat_events(self, stream, rid, created, model, n, num_top, include_usage, tool_mode=None):
+    async def _chat_events(self, stream, rid, created, model, n, num_top, include_usage, tool_mode=None,
+                           prompt_logprobs=False):
         tracker = ChoiceTracker(num_top)
+        prompt_sent = not prompt_logprobs  # vLLM's prompt_logprobs go in the first chunk after the prompt ran
         tool_streams = {i: ToolCallStream(*tool_mode) for i in range(n)} if tool_mode is not None else {}
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         final = None
@@ -502,6 +505,10 @@ class OpenAIServer:
             async for out in stream:
                 if out.finished:
                     final = out
+                if not prompt_sent and out.prompt_logprobs is not None:
+                    prompt_sent = True
+                    plp = _vllm_prompt_logprobs(out, stream.token_texts)
+                    yield _sse({**base, "choices": [], "prompt_logprobs": plp})
                 for ev in tracker.events(out):
                     text, finish = ev.text, ev.finish_reason
                     delta = {}

@@ -158,8 +158,9 @@ class _SamplingFields(_Body):
         return make_sampling_params(
             defaults, prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
             n=self.n if n is None else n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, seed=self.seed, stop=tuple(stop) if stop else None,
+            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
+            stop=tuple(stop) if stop else None,
             stop_token_ids=tuple(self.stop_token_ids) if self.stop_token_ids else None, ignore_eos=self.ignore_eos,
             logprobs=logprobs, min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
