@@ -54,7 +54,7 @@ from jaxserve.penalty_state import PenaltyState
 from jaxserve.roofline import attention_flops
 from jaxserve.runner import StepOutput, jit_step
 from jaxserve.sampler import SamplingTensors, sample
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from jaxserve.shapes import StepShapes
 from sharding.mesh import MeshConfig, make_mesh
 from sharding.layout import StepLayout
@@ -279,7 +279,10 @@ class StepCompiler:
         out = []
         for logprobs in (None, 1):
             tensors = SamplingTensors.build([SamplingParams(temperature=1.0, logprobs=logprobs)], num_slots=rows,
-                                            seeds=[0], num_generated=[0], penalty_rows=[0])
+                                            seeds=[0], num_generated=[0], penalty_rows=[0],
+                                            token_bitmask=np.full((rows, (self.cfg.vocab_size + 31) // 32), -1,
+                                                                  np.int32),  # as the executor always passes
+                                            logit_bias_width=MAX_LOGIT_BIAS)
             tensors = jax.tree.map(sds, tensors)
             for penalties in (None, state):
                 start = time.perf_counter()

@@ -82,6 +82,7 @@ class AsyncEngine:
         self._stopped: asyncio.Future | None = None
         self.engine = None  # touched only by the engine thread once it runs
         self.prompts: PromptTokenizer | None = None  # tokenizes in worker threads, once the engine is ready
+        self.grammars = None  # the engine's GrammarCompiler: structured-output grammars compile in worker threads
         self.info: dict[str, Any] = {}
         self.draining = False
         # asyncio-side view, only touched in the event loop thread
@@ -95,6 +96,7 @@ class AsyncEngine:
         self._engine_live: set[str] = set()  # request ids the engine holds
         self._token_text_cache: dict[int, str] = {}
         self._token_bytes_cache: dict[int, bytes] = {}
+        self._prompt_texts_sent: set[str] = set()  # requests whose prompt tokens' texts went with an output
 
     # Life cycle ---------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -167,7 +169,8 @@ class AsyncEngine:
 
     async def add_request(self, prompt: str | Sequence[int] | None, params: SamplingParams, *,
                           messages: list[dict] | None = None, add_generation_prompt: bool = True,
-                          request_id: str | None = None) -> RequestStream:
+                          request_id: str | None = None, template_options: dict | None = None,
+                          add_special_tokens: bool = True) -> RequestStream:
         """Queue a request (a text or token-id prompt, or chat ``messages``) and return its stream once the
         engine has accepted it. Text and chat templates are tokenized in ``self.prompts``' worker threads, never
         in the engine thread.
@@ -179,7 +182,10 @@ class AsyncEngine:
         self._admission_check(params.n)
         if messages is None and (prompt is None or len(prompt) == 0):
             raise ValueError("prompt is empty")
-        ids = await self.prompts.encode(prompt, messages, add_generation_prompt)
+        ids = await self.prompts.encode(prompt, messages, add_generation_prompt, template_options=template_options,
+                                        add_special_tokens=add_special_tokens)
+        if params.structured_outputs is not None and self.grammars is not None:  # cached for the engine thread
+            await asyncio.get_running_loop().run_in_executor(None, self.grammars.prepare, params.structured_outputs)
         self._admission_check(params.n)  # the queue (or the server's state) may have changed meanwhile
         rid = request_id or uuid.uuid4().hex
         stream = RequestStream(self, rid, params)
@@ -248,17 +254,24 @@ class AsyncEngine:
             self.engine = engine
             self.prompts = PromptTokenizer(engine.tokenizer, int(engine.max_model_len),
                                            int(engine.model_config.vocab_size))
+            self.grammars = getattr(engine, "grammars", None)
             self.info = engine.describe()
             self._stats = engine.stats()
             _log_ready(self.info, time.monotonic() - started)
         except BaseException as e:  # noqa: BLE001 - reported to the event loop, which exits
-            logger.exception("the engine failed to start")
+            if isinstance(e, ValueError):  # a bad option or checkpoint: its message says what to change
+                logger.error("the engine failed to start: %s", e)
+            else:
+                logger.exception("the engine failed to start")
             self._to_loop(self._set_future, self._ready, None, e)
             self._to_loop(self._set_future, self._stopped, None, None)
             return
         self._to_loop(self._set_future, self._ready, None, None)
         try:
             self._run(engine)
+            close = getattr(engine, "close", None)
+            if close is not None:
+                close()  # a multi-host run's followers stop with it
         except _LoopClosed:
             logger.warning("the event loop closed without stopping the engine; the engine thread ends")
         except BaseException:  # noqa: BLE001 - the loop itself catches step errors; this is a bug
@@ -363,6 +376,8 @@ class AsyncEngine:
 
     def _token_text(self, engine, token_id: int) -> str:
         text = self._token_text_cache.get(token_id)
+        if text is None and engine.tokenizer is None:  # --skip-tokenizer-init: token ids only
+            return ""
         if text is None:
             text = self._token_text_cache[token_id] = engine.tokenizer.decode([token_id])
         return text
@@ -375,10 +390,15 @@ class AsyncEngine:
                 items.append((out.request_id, out.error, None))
                 self._last_token_time.pop(out.request_id, None)
                 self._engine_live.discard(out.request_id)
+                self._prompt_texts_sent.discard(out.request_id)
                 continue
             texts, raw = {}, {}
-            for c in out.outputs:
-                for lp in c.delta_logprobs or ():
+            lists = [c.delta_logprobs or () for c in out.outputs]
+            if out.prompt_logprobs is not None and out.request_id not in self._prompt_texts_sent:
+                self._prompt_texts_sent.add(out.request_id)  # the prompt tokens (echo) and their top-n
+                lists += [[{t: 0.0 for t in out.prompt_token_ids}], [lp for lp in out.prompt_logprobs if lp]]
+            for entries in lists:
+                for lp in entries:
                     for t in lp:
                         texts[t] = self._token_text(engine, t)
                         raw[t] = self._token_bytes(engine, t, texts[t])
@@ -392,6 +412,7 @@ class AsyncEngine:
             if out.finished:
                 self._last_token_time.pop(out.request_id, None)
                 self._engine_live.discard(out.request_id)
+                self._prompt_texts_sent.discard(out.request_id)
             elif any(c.delta_token_ids for c in out.outputs):
                 self._last_token_time[out.request_id] = now
             items.append((out.request_id, out, (texts, raw)))

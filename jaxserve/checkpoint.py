@@ -17,8 +17,9 @@ _DTYPES = {
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "params/**", "orbax/**"]
 
 
-def resolve_model_path(model: str | Path) -> Path:
-    """A local folder as is; anything else is a hub id fetched with ``huggingface_hub.snapshot_download``."""
+def resolve_model_path(model: str | Path, *, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """A local folder as is; anything else is a hub id fetched with ``huggingface_hub.snapshot_download`` (at
+    ``revision``, into ``download_dir``)."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
@@ -26,7 +27,8 @@ def resolve_model_path(model: str | Path) -> Path:
         raise ValueError(f"model path {str(model)!r} is not a folder")
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(str(model), allow_patterns=_HUB_PATTERNS))
+    return Path(snapshot_download(str(model), allow_patterns=_HUB_PATTERNS, revision=revision,
+                                  cache_dir=download_dir))
 
 
 def safetensors_files(folder: Path) -> list[Path]:

@@ -116,7 +116,10 @@ class IncrementalDetokenizer:
 
     @classmethod
     def for_request(cls, tokenizer, prompt_token_ids: Sequence[int], params, **kw) -> "IncrementalDetokenizer":
-        """Configured from a request's ``SamplingParams`` (stop, skip_special_tokens, include_stop_str_in_output)."""
+        """Configured from a request's ``SamplingParams`` (stop, skip_special_tokens, include_stop_str_in_output);
+        with no tokenizer (``skip_tokenizer_init``) one that releases no text."""
+        if tokenizer is None:
+            return NoTextDetokenizer()
         return cls(tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
                    include_stop_str_in_output=params.include_stop_str_in_output, **kw)
 
@@ -210,3 +213,17 @@ class IncrementalDetokenizer:
             if any(s.startswith(tail[-n:]) for s in self._stops):
                 return n
         return 0
+
+
+class NoTextDetokenizer:
+    """The detokenizer of an engine without a tokenizer: outputs carry token ids only."""
+
+    finished = False
+    stop_reason = None
+    output_text = ""
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        return ""
+
+    def finish(self) -> str:
+        return ""

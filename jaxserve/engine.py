@@ -19,12 +19,14 @@ from jaxserve.checkpoint import resolve_model_path
 from jaxserve.config import ModelConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.engine_config import EngineConfig
+from jaxserve.generation_config import load_generation_defaults
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.replicas import ReplicatedScheduler
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import Sequence
 from jaxserve.step_result import StepFailed, StepResult
-from jaxserve.tokenizer import chat_template_ids, eos_token_ids, load_tokenizer
+from jaxserve.structured_output import GrammarCompiler, StructuredOutputs
+from jaxserve.tokenizer import chat_template_ids, eos_token_ids, load_tokenizer, resolve_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,7 @@ class _Request:
     metrics: RequestMetrics
     logprobs: list[list[dict[int, float]] | None]
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class Engine:
@@ -59,10 +62,14 @@ class Engine:
         else:
             model_path = config.model
         # The tokenizer first: a checkpoint without a usable one fails before anything is compiled.
-        folder = resolve_model_path(model_path)
+        folder = resolve_model_path(model_path, revision=config.revision, download_dir=config.download_dir)
         cfg = ModelConfig.from_pretrained(folder)
-        self.tokenizer = load_tokenizer(config.tokenizer or folder)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or folder)
+        if config.chat_template is not None and self.tokenizer is not None:
+            self.tokenizer.chat_template = resolve_chat_template(config.chat_template)
         self.eos_token_ids = eos_token_ids(folder, cfg, self.tokenizer)
+        # The checkpoint's sampling defaults, for requests that set nothing (LLM.get_default_sampling_params).
+        self.generation_defaults = load_generation_defaults(folder, config.generation_config)
         if executor_factory is None:
             from jaxserve.executor import Executor  # the device side: loads jax
 
@@ -72,6 +79,10 @@ class Engine:
         self.model_config = self.executor.model_config
         self.max_model_len = self.executor.max_model_len
         self.scheduler = ReplicatedScheduler(self.executor.scheduler_config, self.executor.num_replicas)
+        self.grammars = (GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+                         if self.tokenizer is not None else None)
+        self.structured = StructuredOutputs(self.grammars)
+        self.executor.token_masks = self.structured.fill_bitmask
         self._requests: dict[str, _Request] = {}
         self._counter = itertools.count()
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
@@ -85,13 +96,25 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
+        if params.logit_bias and max(params.logit_bias) >= self.model_config.vocab_size:
+            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary "
+                             f"[0, {self.model_config.vocab_size})")
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init (use "
+                             "stop_token_ids)")
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError("structured_outputs needs a tokenizer; this engine runs with skip_tokenizer_init")
+            self.grammars.prepare(params.structured_outputs)  # ValueError for an invalid grammar; cached
         seq = Sequence(request_id, ids, params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
                        request_index=next(self._counter))
         seqs = self.scheduler.add(seq)
+        self.structured.add(seqs)
         detoks = [IncrementalDetokenizer.for_request(self.tokenizer, ids, params) for _ in seqs]
         self._requests[request_id] = _Request(
             request_id, text, ids, params, seqs, detoks, RequestMetrics(seq.arrival_time),
             [[] if params.logprobs is not None else None for _ in seqs],
+            prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None,
         )
         self.stats_counters["prompt_tokens"] += len(ids)
         return request_id
@@ -99,6 +122,9 @@ class Engine:
     def tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt given as text or ids; ValueError if empty or outside the vocabulary."""
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text needs a tokenizer; this engine runs with skip_tokenizer_init, so "
+                                 "prompts must be token ids")
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
@@ -110,9 +136,14 @@ class Engine:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         return text, ids
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation formatted with the checkpoint's chat template."""
-        return chat_template_ids(self.tokenizer, messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **template_options) -> list[int]:
+        """Token ids of a conversation formatted with the chat template (``continue_final_message``, ``tools``,
+        ``chat_template_kwargs``: see ``jaxserve.tokenizer.chat_template_ids``)."""
+        if self.tokenizer is None:
+            raise ValueError("messages: the chat template needs a tokenizer; this engine runs with "
+                             "skip_tokenizer_init")
+        return chat_template_ids(self.tokenizer, messages, add_generation_prompt, **template_options)
 
     def abort_request(self, request_id: str, reason: str = "abort", *,
                       error: str | None = None) -> RequestOutput | None:
@@ -154,9 +185,20 @@ class Engine:
         except StepFailed as e:
             return self._fail_step(plan, e)
         tokens = [int(t) for t in result.token_ids]
+        if result.prompt_logprobs:
+            self._record_prompt_logprobs(plan, result.prompt_logprobs)
         update = self.scheduler.update(plan, tokens)
+        self.structured.accept(update.updated)
         self.stats_counters["steps"] += 1
         return self._collect(update.finished, update.updated, _logprobs(plan.scheduled, result))
+
+    def _record_prompt_logprobs(self, plan, scored: dict[int, list[tuple[int, dict[int, float]]]]) -> None:
+        for e in plan.scheduled:
+            items = scored.get(e.seq.seq_id)
+            req = self._requests.get(e.seq.request_id)
+            if items and req is not None and req.prompt_logprobs is not None:
+                for pos, entry in items:  # a recomputed prompt (after preemption) scores its tokens again
+                    req.prompt_logprobs[pos] = entry
 
     def _fail_step(self, plan, error: StepFailed) -> list[RequestOutput]:
         affected = list(dict.fromkeys(e.seq.request_id for e in plan.scheduled))
@@ -208,6 +250,7 @@ class Engine:
             ids, text = deltas.get(seq.index, ([], ""))
             deltas[seq.index] = (ids, text + tail)
         self.executor.release(seqs)
+        self.structured.release(seqs)
         req.metrics.finished_time = time.monotonic()
         req.metrics.num_cached_tokens = req.seqs[0].num_cached_tokens
         req.metrics.num_preemptions = sum(s.num_preemptions for s in req.seqs)
@@ -225,7 +268,8 @@ class Engine:
                 lps[len(lps) - len(ids):] if lps is not None else None,
             ))
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, completions, finished, req.metrics,
-                             req.error if finished else None)
+                             req.error if finished else None,
+                             list(req.prompt_logprobs) if req.prompt_logprobs is not None else None)
 
     # Multi-process ------------------------------------------------------------------------------------------
     def follow(self) -> None:
@@ -250,6 +294,8 @@ class Engine:
         info["max_model_len"] = int(self.max_model_len)
         info["eos_token_ids"] = [int(t) for t in self.eos_token_ids]
         info["has_chat_template"] = bool(getattr(self.tokenizer, "chat_template", None))
+        info["generation_defaults"] = dict(self.generation_defaults)
+        info["skip_tokenizer_init"] = self.tokenizer is None
         return info
 
 

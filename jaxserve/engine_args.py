@@ -38,6 +38,13 @@ HELP = {
     "warmup": "compile every bucket shape at start-up so serving never compiles",
     "debug_checks": "check every batch's page ids and lengths on the host before it runs",
     "logprobs_mode": "logprobs of the 'processed' distribution tokens are drawn from, or of the 'raw' logits",
+    "generation_config": "default sampling parameters of requests that set none: 'auto' (the model folder's "
+                         "generation_config.json), 'vllm' (none: the SamplingParams defaults), or a folder holding "
+                         "a generation_config.json",
+    "chat_template": "chat template (a file, or the Jinja text itself) used instead of the tokenizer's",
+    "skip_tokenizer_init": "load no tokenizer: prompts must be token ids and outputs carry token ids, no text",
+    "revision": "branch, tag or commit of a hub model (default: the main branch)",
+    "download_dir": "folder hub models are downloaded to (default: the Hugging Face cache)",
 }
 
 

@@ -60,6 +60,11 @@ class EngineConfig:
     warmup: bool = True
     debug_checks: bool = False
     logprobs_mode: str = "processed"
+    generation_config: str = "auto"  # sampling defaults: "auto" (the checkpoint's), "vllm" (none), or a folder
+    chat_template: str | None = None  # a Jinja template, or a file holding one, instead of the tokenizer's
+    skip_tokenizer_init: bool = False  # serve token ids only: no tokenizer is loaded, outputs carry no text
+    revision: str | None = None  # of a hub model: branch, tag or commit
+    download_dir: str | None = None  # where hub models are downloaded (default: the Hugging Face cache)
 
     def __post_init__(self):
         positive = ("page_size", "max_num_seqs", "max_num_batched_tokens")
@@ -83,6 +88,8 @@ class EngineConfig:
                               ("logprobs_mode", LOGPROBS_MODES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(map(repr, choices))}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config={self.generation_config!r} must be 'auto', 'vllm' or a folder")
         # The scheduler's own checks, on what is known before the model is: a bad combination fails here.
         t = self.long_prefill_token_threshold
         if not isinstance(t, int) or isinstance(t, bool) or t < 0:

@@ -24,9 +24,10 @@ from jaxserve.engine_config import EngineConfig
 from jaxserve.kv_cache import CacheConfig, bytes_per_token
 from jaxserve.loader import load_model
 from jaxserve.penalty_state import PenaltyState
+from jaxserve.prompt_logprobs import ScoreRows, score
 from jaxserve.runner import ModelRunner, StepOutput
 from jaxserve.sampler import SamplingTensors, sample
-from jaxserve.sampling_params import SamplingParams, sequence_seed
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams, sequence_seed
 from jaxserve.sequence import Sequence
 from jaxserve.shapes import StepShapes
 from jaxserve.step_result import StepFailed, StepResult
@@ -60,7 +61,11 @@ class Executor:
         self.is_leader = multihost.is_leader()
         model, self.model_config, self.folder = load_model(self.model_path, config.dtype, self.mesh)
         cfg = self.model_config
-        self.max_model_len = min(config.max_model_len or cfg.max_context, cfg.max_context)
+        limit = cfg.max_context  # max_position_embeddings, stretched by rope scaling where the rope says so
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len={config.max_model_len} is above the model's limit of {limit} tokens "
+                             f"(max_position_embeddings in config.json, with its rope scaling)")
+        self.max_model_len = config.max_model_len or limit
         backend = AttentionBackend.resolve(config.attention_backend)
         self.cache_dtype = backend.cache_dtype(model.embed_tokens.embedding.get_value().dtype)
         num_pages = config.num_pages or self._auto_num_pages()
@@ -80,6 +85,7 @@ class Executor:
         self.runner = ModelRunner(model, cfg, self.cache_config, self.mesh, cache_dtype=self.cache_dtype,
                                   num_logit_rows=max_running, backend=backend, debug_checks=config.debug_checks)
         self._sample = jax.jit(sample)
+        self._score = jax.jit(score)
         self._reset_rows = jax.jit(PenaltyState.reset_rows)
         # Sampling runs on process 0, on one device, over the step's (replicated) logits. The penalty state lives
         # there from the start: the sampler's outputs do, and a differently placed input would recompile.
@@ -90,6 +96,11 @@ class Executor:
         self._seeds: dict[int, int] = {}  # seq_id -> sequence seed
         # Test hook: called with each plan before it runs; whatever it raises is a failed step.
         self.fault: Callable[[object], None] | None = None
+        # Structured output: ``token_masks(entries, bitmask)`` writes the allowed-token bits of the constrained
+        # entries into their rows (i32[S, W]) and says whether there were any; set by the engine. It runs on the
+        # host while the device computes the step's logits.
+        self.token_masks: Callable[[list, np.ndarray], bool] | None = None
+        self._all_allowed = np.full((max_running, (cfg.vocab_size + 31) // 32), -1, np.int32)
         if config.warmup and self.is_leader:
             self.warmup()  # on a multi-process run the followers compile the same shapes as they follow
 
@@ -138,17 +149,31 @@ class Executor:
         batch = self.make_batch([e.token_ids for e in entries], [e.kv_len for e in entries],
                                 [e.page_table for e in entries], kind=kind, replicas=replicas,
                                 local_page_tables=[e.local_page_table for e in entries])
+        scored = ScoreRows.add_rows(entries, batch.logits_indices)  # prompt_logprobs: more logits rows
         out = self.runner.local(self.runner.run(kind, batch))
+        result = self._sample_step(entries, out)
+        if scored is not None:
+            got = jax.device_get(self._score(out.logits, scored.targets(self.runner.num_logit_rows)))
+            result = dataclasses.replace(result, prompt_logprobs=scored.collect(*(np.asarray(a) for a in got)))
+        return result
+
+    def _sample_step(self, entries, out: StepOutput) -> StepResult:
         n = len(entries)
+        bitmask = self._all_allowed
+        if self.token_masks is not None and any(e.seq.sampling_params.structured_outputs for e in entries):
+            # The step is in flight: the masks are computed on the host meanwhile.
+            masks = self._all_allowed.copy()
+            if self.token_masks(entries, masks):
+                bitmask = masks
         rows = [self._penalty_row(e.seq) for e in entries]
-        if not any(rows) and all(_plain_greedy(e.seq) for e in entries):
+        if not any(rows) and bitmask is self._all_allowed and all(_plain_greedy(e.seq) for e in entries):
             # Greedy batches take the argmax the step already computed: no sampler call at all.
             return StepResult(np.asarray(jax.device_get(out.greedy_ids))[:n])
         tensors = SamplingTensors.build(
             [e.seq.sampling_params for e in entries], num_slots=self.runner.num_logit_rows,
             seeds=[self._seed(e.seq) for e in entries], num_generated=[e.seq.num_output_tokens for e in entries],
             eos_token_ids=self.eos_token_ids, penalty_rows=rows, commit=[e.needs_sample for e in entries],
-            logprobs_mode=self.config.logprobs_mode,
+            logprobs_mode=self.config.logprobs_mode, token_bitmask=bitmask, logit_bias_width=MAX_LOGIT_BIAS,
         )
         use_penalties = any(rows)
         sampled = self._sample(out.logits, tensors, self._penalties if use_penalties else None)
@@ -254,10 +279,12 @@ class Executor:
         for logprobs in (None, 1):
             params = [SamplingParams(temperature=1.0, logprobs=logprobs)]
             tensors = SamplingTensors.build(params, num_slots=self.runner.num_logit_rows, seeds=[0], num_generated=[0],
-                                            penalty_rows=[0], logprobs_mode=self.config.logprobs_mode)
+                                            penalty_rows=[0], logprobs_mode=self.config.logprobs_mode,
+                                            token_bitmask=self._all_allowed, logit_bias_width=MAX_LOGIT_BIAS)
             for penalties in (None, self._penalties):
                 jax.block_until_ready(self._sample(logits, tensors, penalties))
                 progress.tick()
+        jax.block_until_ready(self._score(logits, np.zeros(self.runner.num_logit_rows, np.int32)))
         progress.finish()
         logger.debug("warm-up compiled the steps and the sampler in %.1fs", time.perf_counter() - start)
 
@@ -281,4 +308,4 @@ class Executor:
 def _plain_greedy(seq: Sequence) -> bool:
     """True when the argmax of the raw logits is exactly what the sampler would pick and report."""
     p = seq.sampling_params
-    return p.greedy and p.logprobs is None and seq.num_output_tokens >= p.min_tokens
+    return p.greedy and p.logprobs is None and not p.logit_bias and seq.num_output_tokens >= p.min_tokens

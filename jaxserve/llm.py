@@ -24,8 +24,13 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_options):
         self.engine = Engine(EngineConfig(model=model, **engine_options))
-        self.tokenizer = self.engine.tokenizer
+        self.tokenizer = self.engine.tokenizer  # None with skip_tokenizer_init=True
         self.model_config = self.engine.model_config
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use when given no ``sampling_params``: the checkpoint's
+        ``generation_config.json`` sampling fields (``generation_config="auto"``), else ``SamplingParams()``."""
+        return SamplingParams(**self.engine.generation_defaults)
 
     def generate(
         self,
@@ -41,7 +46,7 @@ class LLM:
         """
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -58,19 +63,29 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to conversations, formatted with the checkpoint's chat template."""
+        """Generate replies to conversations, formatted with the chat template (vLLM's options:
+        ``continue_final_message`` continues the last assistant message, ``chat_template`` replaces the
+        tokenizer's for this call, ``chat_template_kwargs`` are extra template variables such as Qwen3's
+        ``enable_thinking``, ``tools`` are passed to the template)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        options = dict(continue_final_message=continue_final_message, chat_template=chat_template,
+                       chat_template_kwargs=chat_template_kwargs, tools=tools)
+        prompts = [self.apply_chat_template(c, add_generation_prompt, **options) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        return self.engine.apply_chat_template(messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **template_options) -> list[int]:
+        return self.engine.apply_chat_template(messages, add_generation_prompt, **template_options)
 
     def _run(self, request_ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
         pending, done = set(request_ids), {}

@@ -45,6 +45,8 @@ class RequestOutput:
     finished: bool = True
     metrics: RequestMetrics | None = None
     error: str | None = None  # why a request finished with reason "error" (a failed step), for logs and callers
+    # With SamplingParams.prompt_logprobs: per prompt token {token: logprob, then the top-n}, None for the first
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -141,13 +141,17 @@ class PromptTokenizer:
 
     # Tokenization -------------------------------------------------------------------------------------------
     async def encode(self, prompt: str | Sequence[int] | None, messages: list[dict] | None = None,
-                     add_generation_prompt: bool = True, *, fit: bool = True) -> list[int]:
+                     add_generation_prompt: bool = True, *, fit: bool = True, template_options: dict | None = None,
+                     add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text or token-id prompt, or of chat ``messages`` in the chat template; with ``fit``,
         a prompt that leaves no room for output in ``max_model_len`` is refused.
 
         Raises:
           ValueError: naming the problem (invalid text, too long to fit, a template that refuses the messages).
         """
+        if self.tokenizer is None and (messages is not None or isinstance(prompt, str)):
+            raise ValueError(f"{'messages' if messages is not None else 'prompt'}: this server runs with "
+                             "--skip-tokenizer-init, so prompts must be token ids")
         if messages is not None:
             total = 0
             for i, m in enumerate(messages):
@@ -158,10 +162,11 @@ class PromptTokenizer:
             if total > self.max_prompt_chars:
                 raise ValueError(f"messages have {total} characters in all: they cannot fit "
                                  f"max_model_len={self.max_model_len} tokens")
-            ids = await self._run(self._template, messages, add_generation_prompt, chars=total)
+            ids = await self._run(self._template, messages, add_generation_prompt, template_options or {},
+                                  chars=total)
         elif isinstance(prompt, str):
             self.check_text(prompt)
-            ids = await self._run(self._encode, prompt, chars=len(prompt))
+            ids = await self._run(self._encode, prompt, add_special_tokens, chars=len(prompt))
         else:
             ids = [int(t) for t in prompt or ()]
         if not ids:
@@ -170,13 +175,19 @@ class PromptTokenizer:
             self.check_ids(ids)
         return ids
 
+    def _needs_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise ValueError(f"{what} needs a tokenizer; this server runs with --skip-tokenizer-init")
+
     async def tokens(self, text: str) -> tuple[list[int], list[str]]:
         """Token ids of ``text`` as a prompt, and each token decoded on its own."""
+        self._needs_tokenizer("tokenizing text")
         self.check_text(text)
         return await self._run(self._tokens, text)
 
     async def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Each token id decoded on its own."""
+        self._needs_tokenizer("token texts")
         return await self._run(lambda: [self._own().decode([t]) for t in ids])
 
     async def decode(self, ids: Sequence[int]) -> str:
@@ -185,13 +196,14 @@ class PromptTokenizer:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"tokens: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        self._needs_tokenizer("detokenizing")
         return await self._run(self._decode, ids)
 
-    def _encode(self, text: str) -> list[int]:
-        return [int(t) for t in self._own().encode(text)]
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [int(t) for t in self._own().encode(text, add_special_tokens=add_special_tokens)]
 
-    def _template(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        return chat_template_ids(self._own(), messages, add_generation_prompt)
+    def _template(self, messages: list[dict], add_generation_prompt: bool, options: dict) -> list[int]:
+        return chat_template_ids(self._own(), messages, add_generation_prompt, **options)
 
     def _tokens(self, text: str) -> tuple[list[int], list[str]]:
         tok = self._own()

@@ -5,10 +5,12 @@ pure function of ``logits f32[S, V]`` and those arrays, compiled once per (S, V,
 none) and mixing greedy and sampled rows freely. Measured on a 2-core CPU at S=32, V=32000: ~10 ms for an
 all-greedy batch, ~35 ms with temperature only, ~55 ms with top-k + top-p + min-p + logprobs.
 
-Processing order (that of vLLM): ban tokens (EOS / stop ids before ``min_tokens``) -> repetition, frequency,
-presence penalties -> greedy rows take the argmax here -> temperature -> min-p -> top-k -> top-p on what min-p
-and top-k kept -> an exponential-race draw (equivalent to Gumbel-max) from the survivors, keyed per sequence by
-(seed, tokens generated so far) so a draw does not depend on batch mates or slot position.
+Processing order (that of vLLM): ``logit_bias`` -> ban tokens (EOS / stop ids before ``min_tokens``) and the
+structured-output mask (``token_bitmask``, packed bits per row; all ones for unconstrained rows, so constrained
+and free requests share one batch and one compiled shape) -> repetition, frequency, presence penalties -> greedy
+rows take the argmax here -> temperature -> min-p -> top-k -> top-p on what min-p and top-k kept -> an
+exponential-race draw (equivalent to Gumbel-max) from the survivors, keyed per sequence by (seed, tokens
+generated so far) so a draw does not depend on batch mates or slot position.
 
 Truncation avoids sorting the vocabulary: each row's top-k / top-p cut is a threshold found by bisection over
 the 32-bit order-preserving integer image of the logits (32 masked reductions over [S, V], exact up to ties,
@@ -57,6 +59,10 @@ class SamplingTensors:
     commit: np.ndarray  # bool[S]  the token is appended (last prefill chunk or decode), so it is counted
     banned_ids: np.ndarray  # i32[S, B]  tokens masked this step, -1 padded
     num_logprobs: np.ndarray  # i32[S]  top-n wanted, <= num_top_logprobs
+    # i32[S, W]  allowed tokens, bit v % 32 of word v // 32 (W = ceil(V / 32)); W = 0 compiles the mask out
+    token_bitmask: np.ndarray
+    bias_ids: np.ndarray  # i32[S, L]  logit_bias token ids, -1 padded; L = 0 compiles the bias out
+    bias_values: np.ndarray  # f32[S, L]
     num_top_logprobs: int = 0  # K: static width of the top-n outputs
     logprobs_mode: str = "processed"
 
@@ -78,6 +84,8 @@ class SamplingTensors:
         num_top_logprobs: int | None = None,
         max_banned: int = 8,
         logprobs_mode: str = "processed",
+        token_bitmask: np.ndarray | None = None,
+        logit_bias_width: int = 0,
     ) -> "SamplingTensors":
         """Pack the first ``len(params)`` slots; the rest are padding.
 
@@ -94,6 +102,8 @@ class SamplingTensors:
             so at most two compiled variants exist.
           max_banned: minimum B; grows to the next power of two if a slot bans more tokens.
           logprobs_mode: "processed" or "raw" (see the module docstring).
+          token_bitmask: i32[num_slots, W] allowed-token bits (structured output); None for no mask at all.
+          logit_bias_width: L, the fixed width of the logit_bias inputs (0: none may have a bias).
         Returns:
           Host (NumPy) arrays; pass them to a jitted ``sample``.
         Raises:
@@ -145,9 +155,23 @@ class SamplingTensors:
         banned_ids = np.full((num_slots, b_cols), -1, np.int32)
         for s, ids in enumerate(banned):
             banned_ids[s, : len(ids)] = ids
+        if token_bitmask is None:
+            token_bitmask = np.zeros((num_slots, 0), np.int32)
+        elif token_bitmask.shape[0] != num_slots or token_bitmask.dtype != np.int32:
+            raise ValueError(f"token_bitmask: expected i32[{num_slots}, W], got {token_bitmask.dtype}"
+                             f"{list(token_bitmask.shape)}")
+        bias_ids = np.full((num_slots, logit_bias_width), -1, np.int32)
+        bias_values = np.zeros((num_slots, logit_bias_width), np.float32)
+        for s, p in enumerate(params):
+            if p.logit_bias:
+                if len(p.logit_bias) > logit_bias_width:
+                    raise ValueError(f"logit_bias: {len(p.logit_bias)} entries, over the width {logit_bias_width}")
+                bias_ids[s, : len(p.logit_bias)] = list(p.logit_bias)
+                bias_values[s, : len(p.logit_bias)] = list(p.logit_bias.values())
         rng_key = np.stack([(seed_words >> np.uint64(32)), seed_words & np.uint64(0xFFFFFFFF)], 1).astype(np.uint32)
         return cls(temperature, ints[0], top_p, floats[0], rep, floats[1], floats[2], rng_key, ints[1], ints[2],
-                   commit_arr, banned_ids, ints[3], num_top_logprobs, logprobs_mode)
+                   commit_arr, banned_ids, ints[3], token_bitmask, bias_ids, bias_values, num_top_logprobs,
+                   logprobs_mode)
 
 
 jax.tree_util.register_dataclass(
@@ -238,6 +262,19 @@ def _penalise(x: jax.Array, t: SamplingTensors, state: PenaltyState) -> jax.Arra
     return x - t.presence_penalty[:, None] * (counts > 0).astype(x.dtype)
 
 
+def _apply_bitmask(
+    x: jax.Array,  # f32[S, V]
+    bitmask: jax.Array,  # i32[S, W], W * 32 >= V
+) -> jax.Array:  # f32[S, V]
+    """-inf where a row's bit is clear; unpacked by shifts (elementwise), not by a gather."""
+    s_slots, vocab = x.shape
+    if bitmask.shape[1] * 32 < vocab:
+        raise ValueError(f"token_bitmask has {bitmask.shape[1]} words per row, too few for {vocab} tokens")
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # i32[S, W, 32]
+    allowed = bits.reshape(s_slots, -1)[:, :vocab].astype(jnp.bool_)
+    return jnp.where(allowed, x, -jnp.inf)
+
+
 def argmax(x: jax.Array) -> jax.Array:
     """``jnp.argmax(x, axis=-1)`` as i32, NaN and ties included (the first NaN, else the first maximum), as two
     plain reductions.
@@ -278,6 +315,10 @@ def sample(
     rows = jnp.arange(s_slots)[:, None]
     banned = jnp.where(t.banned_ids >= 0, t.banned_ids, vocab)  # padding points out of bounds and is dropped
     x = raw.at[rows, banned].set(-jnp.inf, mode="drop")
+    if t.bias_ids.shape[1]:  # logit_bias: padding ids point out of bounds and are dropped
+        x = x.at[rows, jnp.where(t.bias_ids >= 0, t.bias_ids, vocab)].add(t.bias_values, mode="drop")
+    if t.token_bitmask.shape[1]:
+        x = _apply_bitmask(x, t.token_bitmask)
     if penalty_state is not None:
         x = _penalise(x, t, penalty_state)
 

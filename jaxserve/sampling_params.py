@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 _INT32_MAX = 2**31 - 1
+MAX_LOGIT_BIAS = 300  # entries per request: the sampler's fixed width
 _INT64 = (-(2**63), 2**63 - 1)
 
 
@@ -19,17 +20,22 @@ def _float(value, lo: float = -math.inf, hi: float = math.inf) -> bool:
 
 import numpy as np
 
+from jaxserve.structured_output import StructuredOutputsParams
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request; field names and defaults follow vLLM.
 
     temperature 0 means greedy. ``top_k`` 0 or -1 disables top-k. ``stop`` strings are matched on the
-    detokenized text and removed from it. ``logprobs`` asks for the chosen token's logprob plus the top-n.
+    detokenized text and removed from it. ``logprobs`` asks for the chosen token's logprob plus the top-n;
+    ``prompt_logprobs`` the same for every prompt token after the first (the model's raw log-probabilities;
+    such a prompt is computed whole, without prefix-cache hits). ``logit_bias`` adds to chosen tokens' logits.
     ``cache_salt`` is not a sampling knob but travels with the request here: prefix-cache pages are shared
     only between requests with the same salt (vLLM's field of the same name), so tenants with different
-    salts cannot learn from cache hits what the others sent. Numbers must be finite and integers fit int32
-    (``seed``: int64).
+    salts cannot learn from cache hits what the others sent. ``structured_outputs`` constrains the output to a
+    JSON schema, regex, choice or grammar (``StructuredOutputsParams``, or a dict of its fields). Numbers must
+    be finite and integers fit int32 (``seed``: int64).
     """
 
     n: int = 1
@@ -50,8 +56,26 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
 
     def __post_init__(self):
+        if self.logit_bias is not None:
+            try:
+                bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"SamplingParams.logit_bias={self.logit_bias!r} must map token ids to numbers") \
+                    from None
+            if len(bias) > MAX_LOGIT_BIAS or not all(k >= 0 and math.isfinite(v) for k, v in bias.items()):
+                raise ValueError(f"SamplingParams.logit_bias must map at most {MAX_LOGIT_BIAS} token ids (>= 0) to "
+                                 "finite numbers")
+            object.__setattr__(self, "logit_bias", {k: min(100.0, max(-100.0, v)) for k, v in bias.items()} or None)
+        if isinstance(self.structured_outputs, dict):
+            try:
+                object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
+            except TypeError as e:
+                raise ValueError(f"SamplingParams.structured_outputs: {e}") from None
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
@@ -70,6 +94,8 @@ class SamplingParams:
             ("frequency_penalty", _float(self.frequency_penalty, -2.0, 2.0), "must be in [-2, 2]"),
             ("seed", self.seed is None or _int(self.seed, *_INT64), "must be an integer in [-2**63, 2**63) or None"),
             ("logprobs", self.logprobs is None or _int(self.logprobs, 0, 20), "must be an integer in [0, 20] or None"),
+            ("prompt_logprobs", self.prompt_logprobs is None or _int(self.prompt_logprobs, 0, 20),
+             "must be an integer in [0, 20] or None"),
             ("min_tokens", _int(self.min_tokens, 0, _INT32_MAX), "must be an integer in [0, 2**31)"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(0 <= t <= _INT32_MAX for t in self.stop_token_ids),
@@ -78,6 +104,9 @@ class SamplingParams:
             ("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool), "must be a bool"),
             ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "must be a bool"),
             ("cache_salt", self.cache_salt is None or isinstance(self.cache_salt, str), "must be a string or None"),
+            ("structured_outputs", self.structured_outputs is None
+             or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "must be a StructuredOutputsParams, a dict of its fields, or None"),
         ]
         for field, ok, why in checks:
             if not ok:

@@ -176,6 +176,9 @@ class Scheduler:
         preempted: list[Sequence] = []
         # Prefill chunks leave one token of budget for each decode queued behind them, so decodes keep going.
         decodes_left = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
+        # A prompt that reports prompt_logprobs needs a logits row per token of its chunk, not one: its chunk
+        # takes logits rows (at most max_num_seqs per step) from the sequences scheduled with it.
+        extra_rows = 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -184,6 +187,9 @@ class Scheduler:
                 n = 1
             else:
                 n = self._chunk(seq.num_uncomputed_tokens, budget - decodes_left)
+                if n and scores_prompt(seq):
+                    n = min(n, max(1, cfg.max_num_seqs - len(self.running) + 1 - extra_rows))
+                    extra_rows += n - 1
                 if n == 0:
                     i += 1
                     continue
@@ -211,14 +217,18 @@ class Scheduler:
             i += 1
 
         # Admitting right after a preemption would only take back the pages just freed.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) + extra_rows < cfg.max_num_seqs):
             seq = self.waiting[0]
             leader = self._running_leader(seq)
             if leader is not None and self._waits_for_leader(seq, leader):
                 break  # keeps FIFO order; the leader is running its prefill, so this resolves
-            prefix = bm.match_prefix(seq, share_with=leader)
+            scoring = scores_prompt(seq)
+            prefix = [] if scoring else bm.match_prefix(seq, share_with=leader)  # every prompt row is needed
             computed = len(prefix) * cfg.page_size
             n = self._chunk(seq.num_tokens - computed, budget)
+            if n and scoring:
+                n = min(n, cfg.max_num_seqs - len(self.running) - extra_rows)
             if n == 0 or not bm.can_allocate(bm.pages_for(computed + n) - len(prefix), prefix):
                 break
             self.waiting.popleft()
@@ -228,6 +238,8 @@ class Scheduler:
             self.running.append(seq)
             plan.append(self._entry(seq, n, computed + n))
             budget -= n
+            if scoring:
+                extra_rows += n - 1
 
         return SchedulerOutput(tuple(plan), tuple(preempted), cfg.max_num_batched_tokens - budget)
 
@@ -307,3 +319,10 @@ class Scheduler:
         if seq.num_tokens >= self.config.max_model_len:
             return "length", None
         return None
+
+
+def scores_prompt(seq: Sequence) -> bool:
+    """Whether the sequence still has prompt tokens whose logprobs it reports (``prompt_logprobs``; output 0 of
+    the request only: its siblings share its prompt)."""
+    return (seq.sampling_params.prompt_logprobs is not None and seq.index == 0
+            and seq.num_computed_tokens < seq.num_prompt_tokens - 1)

@@ -14,10 +14,15 @@ from jaxserve import logs
 from jaxserve.server.args import parse_args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") -> int:
+    args = parse_args(argv, prog=prog)
     logs.setup(args.log_level)
-    from jaxserve.server.app import serve  # after logging is set up: importing it loads jax and grpc
+    from sharding import multihost  # after logging is set up: importing it loads jax
+
+    if multihost.initialize(args.coordinator_address, args.num_processes, args.process_id) \
+            and not multihost.is_leader():
+        return follow(args)
+    from jaxserve.server.app import serve  # importing it loads grpc
 
     code = asyncio.run(serve(args))
     if code < 0:  # stopped during warm-up: the engine thread cannot be interrupted mid-compile
@@ -25,6 +30,21 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(0)
     return code
+
+
+def follow(args) -> int:
+    """A process other than 0 of a multi-host server: build the same engine, run the steps process 0 sends until
+    it stops (its shutdown), then exit."""
+    import logging
+
+    from jaxserve.engine import Engine
+
+    log = logging.getLogger("jaxserve.serve")
+    engine = Engine(args.engine_config)
+    log.info("following process 0's steps")
+    engine.follow()
+    log.info("process 0 stopped; this follower exits")
+    return 0
 
 
 if __name__ == "__main__":

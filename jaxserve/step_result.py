@@ -19,6 +19,8 @@ class StepResult:
     logprobs: np.ndarray | None = None  # f32[N]  log-probability of each sampled token
     top_ids: np.ndarray | None = None  # i32[N, K]
     top_logprobs: np.ndarray | None = None  # f32[N, K]
+    # seq_id -> [(prompt position, {token: logprob, then the top-n})] of the prompt tokens scored this step
+    prompt_logprobs: dict[int, list[tuple[int, dict[int, float]]]] | None = None
 
 
 class StepFailed(RuntimeError):

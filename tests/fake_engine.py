@@ -26,7 +26,7 @@ class _Tokenizer:
     def get_vocab(self):
         return {chr(65 + i): i for i in range(26)}
 
-    def encode(self, text):
+    def encode(self, text, add_special_tokens=True):
         self.threads.append(threading.current_thread())
         steps = self.engine.steps
         time.sleep(self.encode_delay)
@@ -36,7 +36,7 @@ class _Tokenizer:
     def decode(self, ids):
         return "".join(f"<{i}>" for i in ids)
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **template_options):
         self.threads.append(threading.current_thread())
         return [len(m["content"]) for m in messages]
 

@@ -95,6 +95,15 @@ def test_no_compiles_after_warmup(engine):
     arrivals[5].append(("n2", [9, 10, 11, 12, 13], SamplingParams(n=2, max_tokens=7, temperature=1.0, min_p=0.05,
                                                                    presence_penalty=0.5, stop=["ab"], min_tokens=2)))
     arrivals[6].append(("greedy-lp", [4, 4, 4], SamplingParams(max_tokens=5, temperature=0.0, logprobs=0)))
+    # structured output: the mask is one more fixed-shape sampler input, constrained rows beside free ones
+    arrivals[4].append(("json", [7, 8, 9], SamplingParams(max_tokens=12, temperature=1.0, seed=5,
+                                                          structured_outputs={"json_object": True})))
+    arrivals[6].append(("choice", [7, 8], SamplingParams(max_tokens=6, temperature=0.0,
+                                                         structured_outputs={"choice": ["yes", "no"]})))
+    # prompt logprobs: more logits rows of the same steps, and one more small compiled function (warmed up)
+    arrivals[2].append(("prompt-lp", list(range(3, 30)), SamplingParams(max_tokens=2, temperature=0.0,
+                                                                        prompt_logprobs=3)))
+    arrivals[3].append(("bias", [9, 8, 7], SamplingParams(max_tokens=3, temperature=0.0, logit_bias={5: 3.0})))
     run(engine, arrivals)
     assert compile_counter.count() == compiled
 

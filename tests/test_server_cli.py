@@ -16,7 +16,11 @@ FLAGS = ["--model", "--tokenizer", "--served-model-name", "--dtype", "--max-mode
          "--no-enable-prefix-caching", "--max-waiting-requests", "--compilation-cache-dir", "--attention-backend",
          "--mesh", "--seed", "--host", "--http-port", "--grpc-port", "--api-key", "--shutdown-grace-period",
          "--max-request-bytes", "--log-level", "--max-n", "--max-prompts-per-request",
-         "--max-stop-strings", "--max-stop-string-chars", "--max-logprobs"]
+         "--max-stop-strings", "--max-stop-string-chars", "--max-logprobs",
+         # vLLM's names and options
+         "--port", "--block-size", "--gpu-memory-utilization", "--tensor-parallel-size", "--data-parallel-size",
+         "--trust-remote-code", "--revision", "--download-dir", "--generation-config", "--chat-template",
+         "--skip-tokenizer-init", "--enable-auto-tool-choice", "--tool-call-parser"]
 
 
 def test_help_documents_every_flag():
@@ -51,7 +55,26 @@ def test_defaults_and_engine_config(monkeypatch):
     assert (cfg.max_model_len, cfg.max_num_batched_tokens) == (None, 512)  # the engine's defaults for real models
 
 
+def test_vllm_names_and_the_jaxserve_command(monkeypatch):
+    monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)
+    args = parse_args(["--model", "m", "--port", "9001", "--block-size", "32", "--gpu-memory-utilization", "0.5",
+                       "-tp", "4", "--data-parallel-size", "2", "--generation-config", "vllm", "--revision", "v2",
+                       "--download-dir", "/tmp/hub", "--chat-template", "{{ messages }}", "--skip-tokenizer-init"])
+    cfg = args.engine_config
+    assert args.http_port == 9001 and (cfg.page_size, cfg.hbm_utilization, cfg.mesh) == (32, 0.5, "tensor=4,data=2")
+    assert (cfg.generation_config, cfg.revision, cfg.download_dir) == ("vllm", "v2", "/tmp/hub")
+    assert cfg.chat_template == "{{ messages }}" and cfg.skip_tokenizer_init
+    assert parse_args(["--model", "m"]).http_port == 8000  # an alias left out changes nothing
+    out = subprocess.run([sys.executable, "-m", "jaxserve.cli", "serve", "--help"], cwd=REPO, capture_output=True,
+                         text=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("usage: jaxserve serve"), out.stderr
+
+
 @pytest.mark.parametrize("argv, needle", [
+    (["--trust-remote-code"], "never runs code"),
+    (["--mesh", "tensor=2", "-tp", "2"], "not both"),
+    (["--enable-auto-tool-choice"], "needs --tool-call-parser"),
+    (["--tool-call-parser", "xml"], "invalid choice"),
     (["--max-num-seqs", "0"], "max_num_seqs=0"),
     (["--http-port", "70000"], "--http-port"),
     (["--hbm-utilization", "1.5"], "hbm_utilization"),

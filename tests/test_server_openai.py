@@ -251,7 +251,10 @@ LONG_PROMPT = [5] * (MAX_MODEL_LEN - 4)
     ({"prompt": "hi", "presence_penalty": 3}, "presence_penalty", "presence_penalty"),
     ({"max_tokens": 3}, "prompt: Field required", "prompt"),
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens", "max_tokens"),
-    ({"prompt": "hi", "echo": True}, "echo is not supported", "echo"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens=0 needs echo", "max_tokens"),
+    ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias keys must be token ids", "logit_bias"),
+    ({"prompt": "hi", "n": 3, "best_of": 2}, "best_of=2 must be >= n=3", "best_of"),
+    ({"prompt": "hi", "prompt_logprobs": 30}, "prompt_logprobs=30 is over the limit", "prompt_logprobs"),
     ({"prompt": ["ok", ""]}, "prompt[1]: prompt is empty", "prompt"),
 ])
 def test_bad_completion_requests_get_400_naming_the_problem(http, body, needle, param):
@@ -266,7 +269,7 @@ def test_bad_completion_requests_get_400_naming_the_problem(http, body, needle, 
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "only parts of type"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs requires logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 500}, "max_model_len"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools are not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools[0] must be"),
 ])
 def test_bad_chat_requests_get_400(http, body, needle):
     err = _error(http.post("/v1/chat/completions", json={"model": MODEL_NAME, **body}), 400)

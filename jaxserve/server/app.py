@@ -96,7 +96,8 @@ async def serve(args: argparse.Namespace) -> int:
         return 1
     http_port = http_sock.getsockname()[1]
     app = OpenAIServer(engine, metrics, names, api_key=args.api_key, max_body_bytes=args.max_request_bytes,
-                       limits=limits).app()
+                       limits=limits, enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+                       tool_call_parser=getattr(args, "tool_call_parser", None)).app()
     http_server = _UvicornServer(uvicorn.Config(
         app, lifespan="off", log_config=None, access_log=False, timeout_keep_alive=5, timeout_graceful_shutdown=5))
 

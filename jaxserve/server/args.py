@@ -9,6 +9,7 @@ import os
 from jaxserve.engine_args import add_engine_args, engine_config_from_args
 from jaxserve.engine_config import EngineConfig
 from jaxserve.server.limits import RequestLimits
+from jaxserve.server.tool_calls import TOOL_CALL_PARSERS
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.default is not dataclasses.MISSING}
 DEMO_MODEL_NAME = "jaxserve-demo"
@@ -53,9 +54,9 @@ def demo_note() -> str:
             "--compilation-cache-dir.")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m jaxserve.serve",
+        prog=prog,
         description="Serve one model from one engine over gRPC (jaxserve.v1.JaxServe, health, reflection) and an "
                     "OpenAI-compatible HTTP API, with Prometheus metrics at /metrics.",
         formatter_class=_HelpFormatter,
@@ -81,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                    help="largest HTTP request body / gRPC message accepted")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="with --tool-call-parser: chat requests with tools (tool_choice 'auto') get the model's "
+                        "tool calls parsed into tool_calls")
+    s.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="how the model writes tool calls: hermes (<tool_call>JSON</tool_call>), llama3_json (a JSON "
+                        "object), mistral ([TOOL_CALLS] JSON list)")
 
     lim = p.add_argument_group("per-request limits (each refusal is a 400 / INVALID_ARGUMENT naming its flag)")
     defaults = RequestLimits()
@@ -92,13 +99,44 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--max-stop-string-chars", type=int, default=defaults.max_stop_string_chars,
                      help="longest stop string, in characters")
     lim.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
-                     help="most top alternatives per token (logprobs, top_logprobs); at most 20")
+                     help="most top alternatives per token (logprobs, top_logprobs, prompt_logprobs); at most 20")
+
+    mh = p.add_argument_group("multi-host (every process runs the same command with its own --process-id; process 0 "
+                              "serves, the others follow its steps)")
+    mh.add_argument("--coordinator-address", default=None,
+                    help="HOST:PORT of process 0's coordinator (or JAX_COORDINATOR_ADDRESS)")
+    mh.add_argument("--num-processes", type=int, default=None, help="processes in the run (or JAX_NUM_PROCESSES)")
+    mh.add_argument("--process-id", type=int, default=None, help="this process's index (or JAX_PROCESS_ID)")
+
+    v = p.add_argument_group("vLLM's names for the options above")
+    keep = argparse.SUPPRESS  # an alias left out changes nothing
+    v.add_argument("--port", dest="http_port", type=int, default=keep, help="--http-port")
+    v.add_argument("--block-size", dest="page_size", type=int, default=keep, help="--page-size")
+    v.add_argument("--gpu-memory-utilization", dest="hbm_utilization", type=float, default=keep,
+                   help="--hbm-utilization")
+    v.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="--mesh tensor=N")
+    v.add_argument("--data-parallel-size", "-dp", type=int, default=None, help="--mesh data=N")
+    v.add_argument("--trust-remote-code", action="store_true",
+                   help="refused: jaxserve runs no code from a checkpoint (its own model code covers the supported "
+                        "families)")
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
+def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") -> argparse.Namespace:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
+    if args.trust_remote_code:
+        parser.error("--trust-remote-code: jaxserve never runs code shipped with a checkpoint; the supported "
+                     "families need none")
+    sizes = {"tensor": args.tensor_parallel_size, "data": args.data_parallel_size}
+    if any(v is not None for v in sizes.values()):
+        if args.mesh is not None:
+            parser.error("give --mesh or --tensor-parallel-size / --data-parallel-size, not both")
+        for name, value in sizes.items():
+            if value is not None and value < 1:
+                parser.error(f"--{name.replace('data', 'data-parallel').replace('tensor', 'tensor-parallel')}-size "
+                             f"must be >= 1")
+        args.mesh = ",".join(f"{k}={v}" for k, v in sizes.items() if v is not None and v > 1) or None
     if args.api_key is None:
         args.api_key = os.environ.get("JAXSERVE_API_KEY") or None
     if args.served_model_name is None:
@@ -107,6 +145,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("http_port", "grpc_port"):
         if not 0 <= getattr(args, name) <= 65535:
             parser.error(f"--{name.replace('_', '-')} must be in [0, 65535]")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if args.shutdown_grace_period < 0:
         parser.error("--shutdown-grace-period must be >= 0")
     if args.max_request_bytes < 1024:

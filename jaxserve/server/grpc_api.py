@@ -55,13 +55,13 @@ def _check_decoded(request) -> None:
                       f"{str(request.error).splitlines()[0] if str(request.error) else type(request.error).__name__}")
 
 
-def sampling_params_from_proto(p: pb.SamplingParams, cache_salt: str | None = None):
+def sampling_params_from_proto(p: pb.SamplingParams, cache_salt: str | None = None, defaults: dict | None = None):
     fields = {name: getattr(p, name) for name in _OPTIONAL if p.HasField(name)}
     fields.update(stop=tuple(p.stop) or None, stop_token_ids=tuple(p.stop_token_ids) or None,
                   ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
                   include_stop_str_in_output=p.include_stop_str_in_output)
     fields.setdefault("max_tokens", None)  # unset: until a stop condition or max_model_len
-    return make_sampling_params(cache_salt=cache_salt, **fields)
+    return make_sampling_params(defaults, cache_salt=cache_salt, **fields)
 
 
 class JaxServeServicer(pb_grpc.JaxServeServicer):
@@ -92,7 +92,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             sp = request.sampling_params
             self.limits.check(n=sp.n if sp.HasField("n") else 1, logprobs=sp.logprobs if sp.HasField("logprobs")
                               else None, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids))
-            params = sampling_params_from_proto(sp, salt)
+            params = sampling_params_from_proto(sp, salt, self.engine.info.get("generation_defaults"))
             kind = request.WhichOneof("prompt")
             if kind is None:
                 raise invalid("prompt is empty: set text or token_ids", "prompt")

@@ -18,6 +18,7 @@ import grpc
 
 from jaxserve.request_stream import EngineDraining, EngineFailure, EngineNotReady, EngineOverloaded
 from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.generation_config import with_defaults
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -90,9 +91,11 @@ def from_engine_error(e: BaseException) -> RequestError:
     return internal_error(e)
 
 
-def make_sampling_params(**fields: Any) -> SamplingParams:
-    """``SamplingParams`` from the fields that are set (None means "the default", except for ``max_tokens``,
-    where None means "until a stop condition or max_model_len"); RequestError if invalid."""
+def make_sampling_params(defaults: dict[str, Any] | None = None, **fields: Any) -> SamplingParams:
+    """``SamplingParams`` from the fields that are set (None means "the default": the checkpoint's
+    ``defaults`` first, then ``SamplingParams``'s, except that ``max_tokens`` None with no default means "until
+    a stop condition or max_model_len"); RequestError if invalid."""
+    fields = with_defaults(fields, defaults or {})
     fields = {k: v for k, v in fields.items() if v is not None or k == "max_tokens"}
     try:
         return SamplingParams(**fields)

@@ -24,9 +24,10 @@ from jaxserve.request_stream import RequestStream
 from jaxserve.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.outputs import RequestOutput
 from jaxserve.server.intake import (ChoiceTracker, RequestError, TokenLogprob, api_key_ok, check_model,
-                                   from_engine_error, internal_error, invalid, token_logprobs, unauthenticated,
-                                   usage_counts)
+                                   from_engine_error, internal_error, invalid, split_logprobs, token_logprobs,
+                                   unauthenticated, usage_counts)
 from jaxserve.server.limits import RequestLimits
+from jaxserve.server.tool_calls import ToolCallStream, make_parser
 from jaxserve.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                              TokenizeRequest, decode_json, parse)
 
@@ -154,8 +155,11 @@ class OpenAIServer:
     """Builds the FastAPI app over an ``AsyncEngine``."""
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str], *,
-                 api_key: str | None = None, max_body_bytes: int = 4 * 2**20, limits: RequestLimits | None = None):
+                 api_key: str | None = None, max_body_bytes: int = 4 * 2**20, limits: RequestLimits | None = None,
+                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None):
         self.engine = engine
+        self.auto_tools = enable_auto_tool_choice
+        self.tool_parser = make_parser(tool_call_parser)
         self.metrics = metrics
         self.names = served_model_names
         self.api_key = api_key
@@ -271,14 +275,17 @@ class OpenAIServer:
         return JSONResponse({"prompt": text})
 
     # Generation ---------------------------------------------------------------------------------------------
-    async def _start(self, prompts: list, params, messages=None, add_generation_prompt=True) -> list[RequestStream]:
-        """Admit every prompt of the request, or none (the admitted ones are aborted if one fails)."""
+    async def _start(self, prompts: list, params, messages=None, add_generation_prompt=True,
+                     **prompt_options) -> list[RequestStream]:
+        """Admit every prompt of the request, or none (the admitted ones are aborted if one fails).
+        ``prompt_options``: ``template_options`` of a chat, ``add_special_tokens`` of a text prompt."""
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 try:
                     streams.append(await self.engine.add_request(prompt, params, messages=messages,
-                                                                 add_generation_prompt=add_generation_prompt))
+                                                                 add_generation_prompt=add_generation_prompt,
+                                                                 **prompt_options))
                 except Exception as e:  # noqa: BLE001 - mapped to the error response
                     err = from_engine_error(e)
                     if len(prompts) > 1 and err.status == 400:
@@ -316,6 +323,11 @@ class OpenAIServer:
                 finals[k] = out
         return finals  # type: ignore[return-value]
 
+    @property
+    def _generation_defaults(self) -> dict:
+        """The checkpoint's sampling defaults (``--generation-config``), for the fields a request leaves unset."""
+        return self.engine.info.get("generation_defaults") or {}
+
     def _model_name(self, requested: str | None) -> str:
         return requested or self.names[0]
 
@@ -326,33 +338,59 @@ class OpenAIServer:
             req.prompt[0], int) else 1
         self.limits.check(n=req.n, best_of=req.best_of, logprobs=req.logprobs, stop=req.stop,
                           stop_token_ids=req.stop_token_ids, num_prompts=num_prompts)
-        params = req.sampling_params()
+        if req.prompt_logprobs is not None:
+            self.limits.check(logprobs=req.prompt_logprobs, logprobs_field="prompt_logprobs")
+        params = req.sampling_params(self._generation_defaults)
         prompts = req.prompts()
-        streams = await self._start(prompts, params)
+        streams = await self._start(prompts, params, add_special_tokens=req.add_special_tokens)
         rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self._model_name(req.model)
-        n, num_top = params.n, params.logprobs
+        n, num_top = req.n, req.logprobs
         if req.stream:
-            events = self._completion_events(streams, rid, created, model, n, num_top, req.include_usage)
+            echo = None
+            if req.echo:
+                echo = [p if isinstance(p, str) else await self.engine.detokenize(p) for p in prompts]
+            events = self._completion_events(streams, rid, created, model, n, num_top, req.include_usage, echo,
+                                             req.prompt_only, req.prompt_logprobs is not None)
             return EventStreamResponse(events, lambda: [s.abort() for s in streams])
         finals = await self._until_disconnect(request, self._final_outputs(streams), streams)
         if finals is None:
             return Response(status_code=499)
         _raise_if_failed(finals)
         choices = []
-        for k, (stream, out) in enumerate(zip(streams, finals)):
-            for c in out.outputs:
+        for k, (stream, out, prompt) in enumerate(zip(streams, finals, prompts)):
+            echo = ""
+            if req.echo:
+                echo = prompt if isinstance(prompt, str) else await self.engine.detokenize(out.prompt_token_ids)
+            kept = _best(out.outputs, n) if req.best_of_extra else out.outputs
+            for j, c in enumerate(kept):
+                token_ids, entries = ([], []) if req.prompt_only else (c.token_ids, c.logprobs or [])
                 logprobs = None
                 if num_top is not None:
-                    lps = token_logprobs(c.logprobs or [], c.token_ids, num_top)
-                    logprobs = _completion_logprobs(lps, stream.token_texts, 0)[0]
-                choices.append({"index": k * n + c.index, "text": c.text, "logprobs": logprobs,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    lps = token_logprobs(entries, token_ids, num_top)
+                    logprobs = _completion_logprobs(lps, stream.token_texts, len(echo))[0]
+                    if req.echo:
+                        logprobs = _echo_logprobs(out, num_top, stream.token_texts, logprobs)
+                choice = {"index": k * n + j, "text": echo + ("" if req.prompt_only else c.text),
+                          "logprobs": logprobs, "finish_reason": "length" if req.prompt_only else c.finish_reason,
+                          "stop_reason": None if req.prompt_only else c.stop_reason}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _vllm_prompt_logprobs(out, stream.token_texts)
+                choices.append(choice)
+        usage = _usage(finals)
+        if req.prompt_only:
+            usage["total_tokens"] -= usage["completion_tokens"]
+            usage["completion_tokens"] = 0
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                             "choices": choices, "usage": _usage(finals)})
+                             "choices": choices, "usage": usage})
 
-    async def _completion_events(self, streams, rid, created, model, n, num_top, include_usage):
+    async def _completion_events(self, streams, rid, created, model, n, num_top, include_usage, echo=None,
+                                 prompt_only=False, prompt_logprobs=False):
+        """Streamed completions; with ``echo`` (each prompt's text) a choice's first chunk starts with its prompt
+        (and the prompt's logprobs); ``prompt_only`` (max_tokens 0) drops the one generated token; vLLM's
+        ``prompt_logprobs`` ride in each choice's first chunk."""
         trackers = [ChoiceTracker(num_top) for _ in streams]
         offsets: dict[int, int] = {}
+        started: set[int] = set()
         finals: list[RequestOutput | None] = [None] * len(streams)
         base = {"id": rid, "object": "text_completion", "created": created, "model": model}
         try:
@@ -361,20 +399,32 @@ class OpenAIServer:
                     finals[k] = out
                 for ev in trackers[k].events(out):
                     index = k * n + ev.index
+                    first, texts = index not in started, streams[k].token_texts
+                    started.add(index)
+                    prefix = echo[k] if echo is not None and first else ""
                     logprobs = None
                     if ev.logprobs is not None:
-                        logprobs, offsets[index] = _completion_logprobs(ev.logprobs, streams[k].token_texts,
-                                                                        offsets.get(index, 0))
-                    choice = {"index": index, "text": ev.text, "logprobs": logprobs,
-                              "finish_reason": ev.finish_reason}
+                        logprobs, offsets[index] = _completion_logprobs(
+                            [] if prompt_only else ev.logprobs, texts, offsets.get(index, 0) + len(prefix))
+                        if prefix or (echo is not None and first):
+                            logprobs = _echo_logprobs(out, num_top, texts, logprobs)
+                    finish = "length" if prompt_only and ev.finish_reason else ev.finish_reason
+                    choice = {"index": index, "text": prefix + ("" if prompt_only else ev.text),
+                              "logprobs": logprobs, "finish_reason": finish}
                     if ev.finish_reason is not None:
-                        choice["stop_reason"] = ev.stop_reason
+                        choice["stop_reason"] = None if prompt_only else ev.stop_reason
+                    if prompt_logprobs and first:
+                        choice["prompt_logprobs"] = _vllm_prompt_logprobs(out, texts)
                     chunk = {**base, "choices": [choice]}
                     if include_usage:
                         chunk["usage"] = None
                     yield _sse(chunk)
             if include_usage:
-                yield _sse({**base, "choices": [], "usage": _usage([f for f in finals if f is not None])})
+                usage = _usage([f for f in finals if f is not None])
+                if prompt_only:
+                    usage["total_tokens"] -= usage["completion_tokens"]
+                    usage["completion_tokens"] = 0
+                yield _sse({**base, "choices": [], "usage": usage})
         except Exception as e:  # noqa: BLE001 - the status line is already sent; report in-band
             err = from_engine_error(e)
             yield _sse(err.to_openai())
@@ -385,14 +435,25 @@ class OpenAIServer:
         check_model(req.model, self.names)
         self.limits.check(n=req.n, logprobs=req.top_logprobs, stop=req.stop, stop_token_ids=req.stop_token_ids,
                           logprobs_field="top_logprobs")
-        params = req.sampling_params()
+        if req.prompt_logprobs is not None:
+            self.limits.check(logprobs=req.prompt_logprobs, logprobs_field="prompt_logprobs")
+        params = req.sampling_params(self._generation_defaults)
+        tools, schema, forced_name = req.tool_schema()
+        forced = schema is not None
+        parse_calls = forced or (bool(tools) and req.tool_choice in (None, "auto"))
+        if tools and req.tool_choice in (None, "auto") and not (self.auto_tools and self.tool_parser is not None):
+            raise invalid("tool_choice 'auto' (the default with tools) needs the server flags "
+                          "--enable-auto-tool-choice and --tool-call-parser", "tool_choice")
         messages = req.template_messages()
-        streams = await self._start([None], params, messages, req.add_generation_prompt)
+        options = {**req.template_options(), "add_special_tokens": req.add_special_tokens}
+        streams = await self._start([None], params, messages, req.add_generation_prompt, template_options=options)
         stream = streams[0]
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self._model_name(req.model)
         num_top = params.logprobs
+        tool_mode = (self.tool_parser if not forced else None, forced, forced_name) if parse_calls else None
         if req.stream:
-            events = self._chat_events(stream, rid, created, model, params.n, num_top, req.include_usage)
+            events = self._chat_events(stream, rid, created, model, params.n, num_top, req.include_usage, tool_mode,
+                                       req.prompt_logprobs is not None)
             return EventStreamResponse(events, stream.abort)
         finals = await self._until_disconnect(request, self._final_outputs(streams), streams)
         if finals is None:
@@ -405,13 +466,29 @@ class OpenAIServer:
             if num_top is not None:
                 lps = token_logprobs(c.logprobs or [], c.token_ids, num_top)
                 logprobs = {"content": _chat_logprobs(lps, stream)}
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
-                             "choices": choices, "usage": _usage([out])})
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish = c.finish_reason
+            if tool_mode is not None:
+                tracker = ToolCallStream(*tool_mode)
+                sent = tracker.feed(c.text)
+                rest, calls = tracker.finish()
+                if calls:
+                    message = {"role": "assistant", "content": (sent + rest).strip() or None,
+                               "tool_calls": [call.to_openai() for call in calls]}
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish,
+                            "stop_reason": c.stop_reason})
+        body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+                "usage": _usage([out])}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = _vllm_prompt_logprobs(out, stream.token_texts)
+        return JSONResponse(body)
 
-    async def _chat_events(self, stream, rid, created, model, n, num_top, include_usage):
+    async def _chat_events(self, stream, rid, created, model, n, num_top, include_usage, tool_mode=None,
+                           prompt_logprobs=False):
         tracker = ChoiceTracker(num_top)
+        prompt_sent = not prompt_logprobs  # vLLM's prompt_logprobs go in the first chunk after the prompt ran
+        tool_streams = {i: ToolCallStream(*tool_mode) for i in range(n)} if tool_mode is not None else {}
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         final = None
 
@@ -428,12 +505,27 @@ class OpenAIServer:
             async for out in stream:
                 if out.finished:
                     final = out
+                if not prompt_sent and out.prompt_logprobs is not None:
+                    prompt_sent = True
+                    plp = _vllm_prompt_logprobs(out, stream.token_texts)
+                    yield _sse({**base, "choices": [], "prompt_logprobs": plp})
                 for ev in tracker.events(out):
-                    delta = {"content": ev.text} if ev.text or ev.finish_reason is None else {}
+                    text, finish = ev.text, ev.finish_reason
+                    delta = {}
+                    if ev.index in tool_streams:  # content up to a tool call's start; the calls at the end
+                        ts = tool_streams[ev.index]
+                        text = ts.feed(ev.text)
+                        if finish is not None:
+                            rest, calls = ts.finish()
+                            text += rest
+                            if calls:
+                                delta["tool_calls"] = [call.to_openai(k) for k, call in enumerate(calls)]
+                                finish = "tool_calls" if finish == "stop" else finish
+                    if text or finish is None:
+                        delta["content"] = text
                     logprobs = ({"content": _chat_logprobs(ev.logprobs, stream)}
                                 if ev.logprobs is not None else None)
-                    choice = {"index": ev.index, "delta": delta, "logprobs": logprobs,
-                              "finish_reason": ev.finish_reason}
+                    choice = {"index": ev.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                     if ev.finish_reason is not None:
                         choice["stop_reason"] = ev.stop_reason
                     yield chunk(choice)
@@ -442,6 +534,50 @@ class OpenAIServer:
         except Exception as e:  # noqa: BLE001 - the status line is already sent; report in-band
             yield _sse(from_engine_error(e).to_openai())
         yield _sse("[DONE]")
+
+
+def _best(outputs: list, n: int) -> list:
+    """``best_of``: the n outputs of highest cumulative logprob (each entry's first value is its token's)."""
+    def score(c) -> float:
+        return sum(next(iter(e.values())) for e in (c.logprobs or ()) if e)
+    return sorted(outputs, key=score, reverse=True)[:n]
+
+
+def _echo_logprobs(out: RequestOutput, num_top: int, texts: dict[int, str], generated: dict) -> dict:
+    """Completions' logprobs with ``echo``: the prompt's tokens first (the first with no logprob), then the
+    generated ones (``generated``, their offsets already past the prompt text)."""
+    tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
+    entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    for token, entry in zip(out.prompt_token_ids, entries):
+        text = texts.get(token, "")
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if not entry:
+            token_logprobs.append(None)
+            top.append(None)
+            continue
+        lp = split_logprobs(entry, num_top)
+        token_logprobs.append(lp.logprob)
+        top.append({texts.get(t, ""): v for t, v in lp.top})
+    return {"tokens": tokens + generated["tokens"], "token_logprobs": token_logprobs + generated["token_logprobs"],
+            "top_logprobs": top + generated["top_logprobs"], "text_offset": offsets + generated["text_offset"]}
+
+
+def _vllm_prompt_logprobs(out: RequestOutput, texts: dict[int, str]) -> list[dict | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token (None for the first) ``{token id: {logprob, rank,
+    decoded_token}}``, the prompt token first, then the top-n (rank: 1 is the most likely; None if unknown)."""
+    if out.prompt_logprobs is None:
+        return None
+    result: list[dict | None] = []
+    for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs):
+        if not entry:
+            result.append(None)
+            continue
+        ranked = [t for t, _ in sorted(list(entry.items())[1:], key=lambda kv: -kv[1])]
+        result.append({str(t): {"logprob": v, "rank": ranked.index(t) + 1 if t in ranked else None,
+                                "decoded_token": texts.get(t, "")} for t, v in entry.items()})
+    return result
 
 
 def _completion_logprobs(lps: list[TokenLogprob], texts: dict[int, str], offset: int) -> tuple[dict, int]:

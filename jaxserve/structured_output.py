@@ -1,0 +1,255 @@
+"""Structured output: grammars (JSON schema, regex, choice, Lark/GBNF) turned into per-step token masks.
+
+Grammars are compiled and run by llguidance: it has no dependencies beyond its own wheel (xgrammar needs torch
+and triton at install; outlines-core builds a whole-vocabulary index per schema up front), and it computes each
+step's mask lazily from the parser state over a token trie, in tens of microseconds for JSON, so nothing has to
+be precomputed per schema. Host-only: this module imports no jax.
+
+The path of a constrained request:
+
+- ``StructuredOutputsParams`` (vLLM's name and fields) rides on ``SamplingParams.structured_outputs``;
+- ``GrammarCompiler.prepare`` compiles it once (cached by its canonical key) and raises ``ValueError`` for an
+  invalid schema, regex or grammar; the servers call it in a worker thread before the engine sees the request;
+- ``StructuredOutputs`` keeps one matcher per sequence: after the executor has dispatched a step to the device
+  it fills the packed bitmask rows of the constrained slots (``fill_bitmask``, overlapping the forward pass),
+  the sampler applies the bitmask on device, and after the step each matcher consumes its sampled token
+  (``accept``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_CACHE_SIZE = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match; exactly one of ``json`` (a JSON schema, dict or text), ``regex``, ``choice``
+    (one of these strings), ``grammar`` (Lark or GBNF), ``json_object`` (any JSON object). Field names follow
+    vLLM's ``StructuredOutputsParams``. ``disable_any_whitespace`` forbids whitespace between JSON tokens;
+    ``whitespace_pattern`` replaces the default ``[\\x20\\x0A\\x0D\\x09]+``."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False  # accepted for vLLM's clients: there is one backend, with nothing to fall back to
+
+    def __post_init__(self):
+        if isinstance(self.json, (dict, bool)):
+            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError(f"structured_outputs.choice={self.choice!r} must be a list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice:
+                raise ValueError("structured_outputs.choice must not be empty")
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: give exactly one of {', '.join(_KINDS)} (got "
+                             f"{', '.join(given) or 'none'})")
+        for name in ("json", "regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"structured_outputs.{name} must be a string, got {type(value).__name__}")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be a bool")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> str:
+        """A canonical text of everything that shapes the grammar (the compile cache's key)."""
+        return json.dumps([self.kind, getattr(self, self.kind), self.disable_any_whitespace,
+                           self.disable_additional_properties, self.whitespace_pattern])
+
+    def grammar_spec(self) -> str:
+        """The llguidance grammar of these parameters; ValueError naming the field if it cannot be built."""
+        from llguidance import LLMatcher, grammar_from
+
+        kind = self.kind
+        if kind in ("json", "json_object"):
+            if kind == "json_object":
+                schema = {"type": "object"}
+            else:
+                try:
+                    schema = json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+                if not isinstance(schema, (dict, bool)):
+                    raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+                if self.disable_additional_properties and isinstance(schema, dict):
+                    schema = _close_objects(schema)
+            options: dict = {"whitespace_flexible": not self.disable_any_whitespace}
+            if self.whitespace_pattern is not None:
+                options["whitespace_pattern"] = self.whitespace_pattern
+            try:
+                return LLMatcher.grammar_from_json_schema(schema, defaults=options)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.{kind}: {e}") from None
+        if kind == "regex":
+            return LLMatcher.grammar_from_regex(self.regex)
+        if kind == "choice":
+            return grammar_from("choice", list(self.choice))
+        try:
+            return grammar_from("grammar", self.grammar)
+        except Exception as e:  # noqa: BLE001 - the GBNF converter raises assorted errors for bad input
+            raise ValueError(f"structured_outputs.grammar could not be read: {e}") from None
+
+
+def _close_objects(schema: dict) -> dict:
+    """``schema`` with ``additionalProperties: false`` on every object that does not say otherwise."""
+    def walk(node):
+        if isinstance(node, dict):
+            out = {k: walk(v) for k, v in node.items()}
+            if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+                out["additionalProperties"] = False
+            return out
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+    return walk(schema)
+
+
+class GrammarCompiler:
+    """Compiles ``StructuredOutputsParams`` for one tokenizer and vocabulary; thread-safe.
+
+    Args:
+      tokenizer: the engine's Hugging Face tokenizer (a fast one: llguidance reads its ``tokenizer.json``).
+      vocab_size: the model's logits width (the bitmask covers it; ids past the tokenizer's are never allowed).
+      eos_token_ids: what ends a sequence; allowed once the grammar is complete.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
+        self.hf_tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self._ll_tokenizer = None
+        self._lock = threading.Lock()
+        self._cache: collections.OrderedDict[str, object] = collections.OrderedDict()
+
+    @property
+    def bitmask_words(self) -> int:
+        """Words of the masks the matchers write (their vocabulary may be larger than the model's)."""
+        return (self._tokenizer().vocab_size + 31) // 32
+
+    def _tokenizer(self):
+        with self._lock:
+            if self._ll_tokenizer is None:
+                from llguidance.hf import from_tokenizer
+
+                eos = self.eos_token_ids or None
+                try:
+                    try:
+                        self._ll_tokenizer = from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+                    except ValueError:  # the tokenizer counts more ids than the model has logits
+                        self._ll_tokenizer = from_tokenizer(self.hf_tokenizer, eos_token=eos)
+                except Exception as e:  # noqa: BLE001 - e.g. a slow (Python) tokenizer
+                    raise ValueError(f"structured output needs a fast Hugging Face tokenizer: {e}") from None
+            return self._ll_tokenizer
+
+    def prepare(self, params: StructuredOutputsParams):
+        """Compile (or take from the cache) the matcher template of ``params``; ValueError if invalid."""
+        from llguidance import LLMatcher
+
+        key = params.key()
+        with self._lock:
+            template = self._cache.get(key)
+            if template is not None:
+                self._cache.move_to_end(key)
+                return template
+        spec = params.grammar_spec()
+        tokenizer = self._tokenizer()
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(spec, tokenizer)
+        if is_error:
+            raise ValueError(f"structured_outputs.{params.kind} is invalid: {messages[0] if messages else ''}")
+        template = LLMatcher(tokenizer, spec, log_level=0)
+        if template.is_error():
+            raise ValueError(f"structured_outputs.{params.kind} is invalid: {template.get_error()}")
+        with self._lock:
+            self._cache[key] = template
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return template
+
+    def matcher(self, params: StructuredOutputsParams):
+        """A fresh matcher (at the grammar's start) for one sequence."""
+        return self.prepare(params).deep_copy()
+
+
+class StructuredOutputs:
+    """The matchers of the engine's constrained sequences (by ``seq_id``) and the per-step masks."""
+
+    def __init__(self, compiler: GrammarCompiler):
+        self.compiler = compiler
+        self._matchers: dict[int, object] = {}
+        self._executor = None
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def add(self, seqs: Iterable) -> None:
+        """Give each constrained sequence its matcher; ValueError if the grammar is invalid."""
+        for seq in seqs:
+            so = seq.sampling_params.structured_outputs
+            if so is not None:
+                self._matchers[seq.seq_id] = self.compiler.matcher(so)
+
+    def fill_bitmask(self, entries: Sequence, bitmask: np.ndarray) -> bool:
+        """Write the allowed-token bits of each constrained entry that samples this step into its row of
+        ``bitmask`` (i32[S, W], rows in plan order); other rows are left as they are. True if any was written."""
+        from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
+
+        rows = [(m, slot) for slot, e in enumerate(entries)
+                if e.needs_sample and (m := self._matchers.get(e.seq.seq_id)) is not None]
+        if not rows:
+            return False
+        words = self.compiler.bitmask_words
+        # The matchers write rows of their own width; one that differs from the model's goes through a scratch
+        # array (ids past the model's vocabulary cannot be sampled; ids past the tokenizer's are never allowed).
+        target = bitmask if words == bitmask.shape[1] else np.zeros((len(rows), words), np.int32)
+        place = rows if target is bitmask else [(m, i) for i, (m, _) in enumerate(rows)]
+        if len(place) == 1:
+            fill_next_token_bitmask(place[0][0], target, place[0][1])
+        else:
+            if self._executor is None:
+                from llguidance import LLExecutor
+
+                self._executor = LLExecutor()
+            fill_next_token_bitmask_par(self._executor, place, target)
+        if target is not bitmask:
+            width = min(words, bitmask.shape[1])
+            for i, (_, slot) in enumerate(rows):
+                bitmask[slot] = 0
+                bitmask[slot, :width] = target[i, :width]
+        return True
+
+    def accept(self, seqs: Iterable) -> None:
+        """Advance each constrained sequence's matcher by the token it just got."""
+        for seq in seqs:
+            m = self._matchers.get(seq.seq_id)
+            if m is not None and not m.is_stopped() and not m.consume_token(seq.last_token):
+                # Cannot happen while masks are applied; logged so a mismatch shows.
+                logger.warning("sequence %s of request %s: token %d does not match its grammar (%s)",
+                               seq.index, seq.request_id, seq.last_token, m.get_error())
+
+    def release(self, seqs: Iterable) -> None:
+        for seq in seqs:
+            self._matchers.pop(seq.seq_id, None)
