@@ -130,8 +130,8 @@ def test_convert_to_orbax_and_load(llama, tmp_path):
 def test_hub_id_goes_to_snapshot_download(monkeypatch, llama):
     calls = []
 
-    def fake_snapshot_download(repo_id, allow_patterns):
-        calls.append((repo_id, allow_patterns))
+    def fake_snapshot_download(repo_id, allow_patterns, revision=None, cache_dir=None):
+        calls.append((repo_id, allow_patterns, revision, cache_dir))
         return str(llama)
 
     import huggingface_hub
@@ -139,6 +139,9 @@ def test_hub_id_goes_to_snapshot_download(monkeypatch, llama):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     assert resolve_model_path("meta-llama/Llama-3.2-1B") == llama
     assert calls[0][0] == "meta-llama/Llama-3.2-1B" and "*.safetensors" in calls[0][1]
+    assert calls[0][2:] == (None, None)  # the main branch, the Hugging Face cache
+    assert resolve_model_path("org/model", revision="v2", download_dir="/models") == llama
+    assert calls[-1][0] == "org/model" and calls[-1][2:] == ("v2", "/models")
     assert resolve_model_path(str(llama)) == llama
     with pytest.raises(ValueError, match="is not a folder"):
         resolve_model_path("./no/such/folder")
