@@ -43,7 +43,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Sequence as Seq
 from pathlib import Path
 
 import numpy as np
@@ -319,13 +319,10 @@ class EngineShape:
 class _Instance:
     """One simulated engine: the real scheduler, a step-time model for the device."""
 
-    def __init__(self, name: str, scheduler: Scheduler, shapes: StepShapes, model, chips: int):
-        self.name, self.scheduler, self.shapes, self.model, self.chips = name, scheduler, shapes, model, chips
+    def __init__(self, scheduler: Scheduler, shapes: StepShapes, model):
+        self.scheduler, self.shapes, self.model = scheduler, shapes, model
         self.page_size = scheduler.config.page_size
-        self.busy = False
-        self.transferred: set[int] = set()
-        self.busy_s = 0.0
-        self.steps = 0
+        self.transferred: set[int] = set()  # seq ids whose prompt KV arrived from a prefill engine
 
     @property
     def load(self) -> int:
@@ -353,7 +350,7 @@ class Deployment:
 
 
 def simulate(requests: Seq[PlannedRequest], deployment: Deployment, model, engine: EngineShape, *,
-             chips_per_instance: int = 1, kv_bytes_per_token: float = 0.0, transfer_bytes_per_s: float = math.inf,
+             kv_bytes_per_token: float = 0.0, transfer_bytes_per_s: float = math.inf,
              slo_ttft_s: float = math.inf, max_ttft_misses: int | None = None,
              max_steps: int = 50_000_000) -> list[_Track]:
     """Run ``requests`` through ``deployment`` on a simulated clock; returns each request's token times.
@@ -361,21 +358,19 @@ def simulate(requests: Seq[PlannedRequest], deployment: Deployment, model, engin
     With ``max_ttft_misses``, the run stops early once more first tokens than that came later than
     ``slo_ttft_s`` (an overloaded deployment's queue only grows): the requests left have no tokens.
     """
-    chunk = deployment.chunk
-    prompt_shape = dict(max_num_batched_tokens=max(chunk, engine.max_num_seqs))
+    prompt_tokens = max(deployment.chunk, engine.max_num_seqs)
+
+    def make(n: int, max_num_batched_tokens: int) -> list[_Instance]:
+        return [_Instance(engine.scheduler(max_num_batched_tokens=max_num_batched_tokens),
+                          engine.shapes(max_num_batched_tokens), model) for _ in range(n)]
+
     if deployment.prefill == 0:
-        engines = [_Instance(f"engine{i}", engine.scheduler(**prompt_shape), engine.shapes(prompt_shape[
-            "max_num_batched_tokens"]), model, chips_per_instance) for i in range(deployment.decode)]
-        entry, decoders = engines, []
+        entry, decoders = make(deployment.decode, prompt_tokens), []
     else:
-        entry = [_Instance(f"prefill{i}", engine.scheduler(**prompt_shape),
-                           engine.shapes(prompt_shape["max_num_batched_tokens"]), model, chips_per_instance)
-                 for i in range(deployment.prefill)]
         # A transferred sequence's whole prompt is admitted in one step (its KV is already there).
-        wide = dict(max_num_batched_tokens=engine.max_model_len + engine.max_num_seqs, enable_chunked_prefill=True)
-        decoders = [_Instance(f"decode{i}", engine.scheduler(**wide), engine.shapes(), model, chips_per_instance)
-                    for i in range(deployment.decode)]
-        engines = entry + decoders
+        entry = make(deployment.prefill, prompt_tokens)
+        decoders = make(deployment.decode, engine.max_model_len + engine.max_num_seqs)
+    engines = entry + decoders
     tracks = {str(i): _Track(r) for i, r in enumerate(requests)}
     events: list = []  # (time, order, kind, payload)
     order = itertools.count()
@@ -393,8 +388,6 @@ def simulate(requests: Seq[PlannedRequest], deployment: Deployment, model, engin
             idle.add(k)
             return
         seconds = inst.model.seconds(step_features(plan, inst.shapes, inst.page_size, frozenset(inst.transferred)))
-        inst.busy_s += seconds
-        inst.steps += 1
         idle.discard(k)
         heapq.heappush(events, (now + seconds, next(order), "done", (k, plan)))
 
@@ -546,8 +539,6 @@ def calibrate(engine, *, contexts: Seq[int] = (), decode_steps: int = 8, seed: i
     timed too, chunked as the engine chunks them), then ``decode_steps`` decode steps. Each timed step is
     ``Engine.step()`` as the server runs it (schedule, device step, sampling, outputs), compiled beforehand.
     """
-    from jaxserve.sampling_params import SamplingParams as SP
-
     ex = engine.executor
     shapes = ex.shapes
     if getattr(ex, "num_replicas", 1) != 1:
@@ -565,8 +556,8 @@ def calibrate(engine, *, contexts: Seq[int] = (), decode_steps: int = 8, seed: i
                 ids = []
                 for _ in range(b):
                     prompt = rng.integers(3, vocab, c).tolist()
-                    ids.append(engine.add_request(None, prompt, SP(max_tokens=decode_steps + 1, ignore_eos=True,
-                                                                   temperature=0.0)))
+                    ids.append(engine.add_request(None, prompt, SamplingParams(max_tokens=decode_steps + 1,
+                                                                               ignore_eos=True, temperature=0.0)))
                 while engine.has_unfinished():
                     t0 = time.perf_counter()
                     engine.step()
@@ -719,7 +710,7 @@ def _simulate_main(argv: list[str]) -> int:
     def run(dep: Deployment, rate: float, min_seconds: float = 0.0, early_stop: bool = False) -> Result:
         reqs = workload(rate, min_seconds)
         misses = int(len(reqs) * (1 - args.attainment)) if early_stop else None
-        tracks = simulate(reqs, dep, model, engine, chips_per_instance=per_instance, kv_bytes_per_token=kv_token,
+        tracks = simulate(reqs, dep, model, engine, kv_bytes_per_token=kv_token,
                           transfer_bytes_per_s=args.transfer_gb_s * 1e9, slo_ttft_s=slo_ttft,
                           max_ttft_misses=misses)
         return summarize(tracks, dep.name, rate, chips, slo_ttft, slo_tpot)
