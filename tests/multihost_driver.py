@@ -1,6 +1,8 @@
-"""One process of a multi-host test run: ``python tests/multihost_driver.py MODEL MESH PORT NUM_PROCESSES PID``.
+"""One process of a multi-host test run: ``python tests/multihost_driver.py MODEL MESHES PORT NUM_PROCESSES PID``.
 
-Process 0 generates greedily from fixed prompts and prints the tokens as JSON; the others follow its steps.
+MESHES is one mesh or several separated by ``;``, served one after the other by the same processes (one
+distributed start-up for all of them). For each, process 0 generates greedily from fixed prompts and prints
+``TOKENS <mesh> <json>``; the others follow its steps until it closes that engine.
 """
 
 import json
@@ -11,23 +13,24 @@ import jax
 from sharding import multihost
 
 
-def main(model: str, mesh: str, port: str, num_processes: str, process_id: str) -> None:
+def main(model: str, meshes: str, port: str, num_processes: str, process_id: str) -> None:
     if int(num_processes) > 1:
         multihost.initialize(f"127.0.0.1:{port}", int(num_processes), int(process_id))
     from jaxserve import LLM, SamplingParams
 
     jax.config.update("jax_default_matmul_precision", "highest")
-    llm = LLM(model, dtype="float32", page_size=4, max_num_seqs=4, max_num_batched_tokens=32, num_pages=64,
-              max_model_len=128, mesh=mesh, warmup=False, compilation_cache_dir=None)
-    if not multihost.is_leader():
-        llm.engine.follow()
-        return
     prompts = [[5, 17, 99, 23, 4, 250, 31], list(range(3, 40)), [7]]
-    try:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    finally:
-        llm.engine.close()
-    print("TOKENS " + json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
+    for mesh in meshes.split(";"):
+        llm = LLM(model, dtype="float32", page_size=4, max_num_seqs=4, max_num_batched_tokens=32, num_pages=64,
+                  max_model_len=128, mesh=mesh, warmup=False, compilation_cache_dir=None)
+        if not multihost.is_leader():
+            llm.engine.follow()
+            continue
+        try:
+            outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        finally:
+            llm.engine.close()
+        print(f"TOKENS {mesh or '-'} " + json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
 
 
 if __name__ == "__main__":
