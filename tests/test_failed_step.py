@@ -24,7 +24,7 @@ VICTIM = [7] * 32  # a prompt whose steps fail: it fills a whole step (max_num_b
 def llm(tmp_path_factory):
     path = build_tiny_model("llama", tmp_path_factory.mktemp("m") / "m", tokenizer=train_tokenizer())
     return LLM(str(path), page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
-               compilation_cache_dir=None)
+               warmup=False, compilation_cache_dir=None)
 
 
 def fail_with(victim: list[int], *, lose_cache: bool = False):

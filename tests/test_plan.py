@@ -176,7 +176,7 @@ def test_calibrate_times_the_engines_own_steps(tmp_path):
 
     folder = build_tiny_model("llama", tmp_path / "m")
     engine = Engine(EngineConfig(model=str(folder), page_size=4, num_pages=64, max_model_len=64, max_num_seqs=4,
-                                 max_num_batched_tokens=32, compilation_cache_dir=None))
+                                 max_num_batched_tokens=32, warmup=False, compilation_cache_dir=None))
     model, samples = plan.calibrate(engine, contexts=[8, 40], decode_steps=3, log=lambda m: None)
     kinds = {f.decode for f, _ in samples}
     assert kinds == {True, False}
