@@ -248,9 +248,9 @@ class AsyncEngine:
             if self._factory is not None:
                 engine = self._factory(self.config)
             else:
-                from jaxserve.engine import Engine
+                from jaxserve.engine_factory import make_engine
 
-                engine = Engine(self.config)
+                engine = make_engine(self.config)
             self.engine = engine
             self.prompts = PromptTokenizer(engine.tokenizer, int(engine.max_model_len),
                                            int(engine.model_config.vocab_size))
