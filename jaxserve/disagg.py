@@ -247,97 +247,136 @@ class DisaggregatedEngine(Engine):
         return info
 
 
-class KVMover:
-    """Copies a sequence's KV pages from one runner's pool into another's, device to device.
+class PageReader:
+    """Takes a sequence's KV pages out of a runner's pool into one compact array on that runner's mesh.
 
-    A jitted gather takes the pages (with the windowed layers' own pool where the model has one) out of the
-    source cache into a compact array, ``jax.device_put`` moves it onto the destination mesh, and a jitted
-    scatter (cache donated) writes it into the destination pages. Page counts are padded to powers of two so
-    few shapes compile; padded rows read page 0 and are dropped on write. Cache heads are remapped when the two
-    meshes' ``tensor`` sizes store the model's KV heads differently.
+    One jitted gather over every layer (the windowed layers read the model's windowed pool where it has one):
+    ``[layers, 2 (K, V), cache heads, pages, page_size, head_dim]``, heads split over ``tensor`` as in the cache,
+    pages whole. Page counts are padded to powers of two so few shapes compile (padded rows read page 0).
     """
 
-    def __init__(self, src, dst):
-        self.src, self.dst = src, dst
-        cfg = src.cfg
-        self.local = [uses_local_pool(cfg, src.cache_cfg, layer) for layer in range(cfg.num_layers)]
-        src_heads, dst_heads = src.kv_cache[0][0].shape[0], dst.kv_cache[0][0].shape[0]
-        kv = cfg.num_kv_heads
-        # Destination cache head c holds model head c * kv // dst_heads; take it from a source head holding it.
-        self.head_map = np.array([(c * kv // dst_heads) * src_heads // kv for c in range(dst_heads)], np.int32)
-        self.same_heads = src_heads == dst_heads
-        dst_spec = dst.kv_cache[0][0].sharding.spec
-        src_spec = src.kv_cache[0][0].sharding.spec
-        src_tensor, dst_tensor = int(src.mesh.shape["tensor"]), int(dst.mesh.shape["tensor"])
-        # Staged arrays: heads split over tensor as in the caches, pages not split (whole pages of a sequence).
-        self.src_staged = NamedSharding(src.mesh, PartitionSpec(_first(src_spec), None, None, None))
-        self.dst_staged = (NamedSharding(dst.mesh, PartitionSpec(_first(dst_spec), None, None, None))
-                           if self.same_heads and src_tensor == dst_tensor else NamedSharding(dst.mesh, PartitionSpec()))
-        self._gather = jax.jit(self._gather_fn, out_shardings=self.src_staged)
-        self._scatter = jax.jit(self._scatter_fn, donate_argnums=(0,),
-                                out_shardings=jax.tree.map(lambda a: a.sharding, dst.kv_cache))
+    def __init__(self, runner):
+        self.runner = runner
+        cfg = runner.cfg
+        self.local = [uses_local_pool(cfg, runner.cache_cfg, layer) for layer in range(cfg.num_layers)]
+        spec = runner.kv_cache[0][0].sharding.spec
+        self.heads = int(runner.kv_cache[0][0].shape[0])
+        self._gather = jax.jit(self._gather_fn,
+                               out_shardings=NamedSharding(runner.mesh, PartitionSpec(None, None, _first(spec))))
 
     def _gather_fn(self, cache, full_ids, local_ids):
         out = []
         for (k, v), local in zip(cache, self.local):
             ids = local_ids if local else full_ids
             out.append(jnp.stack([k[:, ids], v[:, ids]]))
-        return jnp.stack(out)  # [layers, 2, heads, pages, page_size, head_dim]
+        return jnp.stack(out)
 
-    def _scatter_fn(self, cache, staged, full_ids, local_ids):
-        if not self.same_heads:
-            staged = staged[:, :, self.head_map]
-        out = []
-        for layer, ((k, v), local) in enumerate(zip(cache, self.local)):
-            ids = local_ids if local else full_ids
-            out.append((k.at[:, ids].set(staged[layer, 0].astype(k.dtype), mode="drop"),
-                        v.at[:, ids].set(staged[layer, 1].astype(v.dtype), mode="drop")))
-        return out
+    def read(self, replica: int, holder: PageHolder, num_tokens: int):
+        """(staged array, table positions of its full-pool rows, of its windowed-pool rows, bytes of KV): the
+        pages holding ``holder``'s first ``num_tokens`` tokens that it still holds."""
+        cc = self.runner.cache_cfg
+        held = -(-num_tokens // cc.page_size)
+        full = [i for i, p in enumerate(holder.page_table[:held]) if p != RELEASED]
+        local = [i for i, p in enumerate(holder.local_page_table[:held]) if p != RELEASED]
+        width = _width(max(len(full), len(local), 1))
+        local_per = cc.num_local_pages // cc.num_replicas if cc.num_local_pages else 0
+        staged = self._gather(self.runner.kv_cache,
+                              _ids([holder.page_table[i] for i in full], width, replica * cc.pages_per_replica, 0),
+                              _ids([holder.local_page_table[i] for i in local], width, replica * local_per, 0))
+        per_layer_page = staged.nbytes // (width * len(self.local))
+        nbytes = per_layer_page * sum(len(local) if lo else len(full) for lo in self.local)
+        return staged, full, local, int(nbytes)
+
+
+class PageWriter:
+    """Writes pages taken by a ``PageReader`` (of any runner of the same model, any mesh) into this runner's
+    pool: ``jax.device_put`` onto this mesh, then a jitted scatter (cache donated) into the sequence's pages.
+    Cache heads are remapped when the reader's mesh stores the model's KV heads differently (another
+    ``tensor`` size); rows for pages this pool released behind a window, and padded rows, are dropped."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        cfg = runner.cfg
+        self.local = [uses_local_pool(cfg, runner.cache_cfg, layer) for layer in range(cfg.num_layers)]
+        self.heads = int(runner.kv_cache[0][0].shape[0])
+        self._head_spec = _first(runner.kv_cache[0][0].sharding.spec)
+        self._scatters: dict[int, object] = {}
+
+    def staging(self, src_heads: int) -> NamedSharding:
+        """Where staged pages from a cache of ``src_heads`` heads go on this mesh."""
+        if src_heads == self.heads:
+            return NamedSharding(self.runner.mesh, PartitionSpec(None, None, self._head_spec))
+        return NamedSharding(self.runner.mesh, PartitionSpec())
+
+    def _scatter(self, src_heads: int):
+        fn = self._scatters.get(src_heads)
+        if fn is None:
+            kv = self.runner.cfg.num_kv_heads
+            # This cache's head c holds model head c * kv // heads; take it from a source head holding it.
+            head_map = np.array([(c * kv // self.heads) * src_heads // kv for c in range(self.heads)], np.int32)
+
+            def scatter(cache, staged, full_ids, local_ids):
+                if src_heads != self.heads:
+                    staged = staged[:, :, head_map]
+                out = []
+                for layer, ((k, v), local) in enumerate(zip(cache, self.local)):
+                    ids = local_ids if local else full_ids
+                    out.append((k.at[:, ids].set(staged[layer, 0].astype(k.dtype), mode="drop"),
+                                v.at[:, ids].set(staged[layer, 1].astype(v.dtype), mode="drop")))
+                return out
+
+            fn = self._scatters[src_heads] = jax.jit(
+                scatter, donate_argnums=(0,), out_shardings=jax.tree.map(lambda a: a.sharding, self.runner.kv_cache))
+        return fn
+
+    def write(self, staged, full: list[int], local: list[int], replica: int, seq: Sequence):
+        """Dispatch the write of ``staged`` (a jax array on any mesh, or a NumPy array) into ``seq``'s tables
+        at positions ``full``/``local``; returns the staged array as placed on this mesh."""
+        cc = self.runner.cache_cfg
+        width = staged.shape[3]
+        src_heads = int(staged.shape[2])
+        moved = jax.device_put(staged, self.staging(src_heads))
+        local_per = cc.num_local_pages // cc.num_replicas if cc.num_local_pages else 0
+        full_ids = _ids([seq.page_table[i] for i in full], width, replica * cc.pages_per_replica, cc.num_pages,
+                        released=cc.num_pages)
+        local_ids = _ids([seq.local_page_table[i] for i in local], width, replica * local_per,
+                         max(cc.num_local_pages, 1), released=max(cc.num_local_pages, 1))
+        self.runner.kv_cache = self._scatter(src_heads)(self.runner.kv_cache, moved, full_ids, local_ids)
+        return moved
+
+
+class KVMover:
+    """Copies a sequence's KV pages from one runner's pool into another's, device to device (``PageReader`` on
+    the source mesh, ``jax.device_put``, ``PageWriter`` on the destination mesh)."""
+
+    def __init__(self, src, dst):
+        self.reader, self.writer = PageReader(src), PageWriter(dst)
 
     def copy(self, src_replica: int, holder: PageHolder, dst_replica: int, seq: Sequence) -> tuple[list, int]:
-        """Dispatch the copy of ``holder``'s pages into ``seq``'s (decode-side) tables; returns the staged
-        arrays on the destination mesh (ready once the pages have left the source) and the bytes moved."""
-        held = -(-seq.num_computed_tokens // self.src.cache_cfg.page_size)  # pages holding computed KV
-        src_full, dst_full = _pairs(holder.page_table, seq.page_table[:held])
-        src_local, dst_local = _pairs(holder.local_page_table, seq.local_page_table[:held])
-        n = max(len(src_full), len(src_local), 1)
-        width = 1 << (n - 1).bit_length()
-        sc, dc = self.src.cache_cfg, self.dst.cache_cfg
-        src_local_per = sc.num_local_pages // sc.num_replicas if sc.num_local_pages else 0
-        dst_local_per = dc.num_local_pages // dc.num_replicas if dc.num_local_pages else 0
-        args_src = (_ids(src_full, width, src_replica * sc.pages_per_replica, 0),
-                    _ids(src_local, width, src_replica * src_local_per, 0))
-        args_dst = (_ids(dst_full, width, dst_replica * dc.pages_per_replica, dc.num_pages),
-                    _ids(dst_local, width, dst_replica * dst_local_per, max(dc.num_local_pages, 1)))
-        staged = self._gather(self.src.kv_cache, *args_src)
-        moved = jax.device_put(staged, self.dst_staged)
-        self.dst.kv_cache = self._scatter(self.dst.kv_cache, moved, *args_dst)
-        per_page = staged.nbytes // (staged.shape[3] or 1)
-        nbytes = per_page * (len(src_full) * sum(not x for x in self.local) + len(src_local) * sum(self.local)) \
-            // len(self.local)
-        return [moved], int(nbytes)
+        """Dispatch the copy of ``holder``'s pages into ``seq``'s (destination) tables; returns the staged arrays
+        on the destination mesh (ready once the pages have left the source) and the bytes of KV moved."""
+        staged, full, local, nbytes = self.reader.read(src_replica, holder, seq.num_computed_tokens)
+        moved = self.writer.write(staged, full, local, dst_replica, seq)
+        return [moved], nbytes
 
 
 def _first(spec: PartitionSpec):
     return spec[0] if len(spec) else None
 
 
-def _pairs(src_table: list[int], dst_table: list[int]) -> tuple[list[int], list[int]]:
-    """(source pages, destination pages) to copy: every page the destination holds (the destination releases
-    at least as many pages behind a window as the source had, never fewer)."""
-    src, dst = [], []
-    for i, d in enumerate(dst_table):
-        if d == RELEASED:
-            continue
-        s = src_table[i] if i < len(src_table) else RELEASED
-        if s == RELEASED:
-            raise AssertionError(f"page {i} is needed on the decode side but was released on the prefill side")
-        src.append(s)
-        dst.append(d)
-    return src, dst
+def _width(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
-def _ids(pages: list[int], width: int, offset: int, pad: int) -> np.ndarray:
+def _ids(pages: list[int], width: int, offset: int, pad: int, *, released: int | None = None) -> np.ndarray:
+    """Global page ids (replica block ``offset``) padded to ``width`` with ``pad``; a ``RELEASED`` entry becomes
+    ``released`` (a write that is dropped)."""
     out = np.full(width, pad, np.int32)
-    out[: len(pages)] = np.asarray(pages, np.int32) + offset
+    for j, p in enumerate(pages):
+        if p == RELEASED:
+            if released is None:
+                raise AssertionError("a released page cannot be read")
+            out[j] = released
+        else:
+            out[j] = p + offset
     return out
