@@ -96,7 +96,7 @@ class _Stages:
 
     @property
     def running(self) -> list[Sequence]:  # what a failed step's caller aborts (AsyncEngine)
-        return [s for r in (*self.prefill.replicas, *self.decode.replicas) for s in r.running]
+        return [s for r in (*getattr(self.prefill, "replicas", ()), *self.decode.replicas) for s in r.running]
 
     def stats(self) -> dict[str, int]:
         out = dict(self.decode.stats())
@@ -110,7 +110,51 @@ class _Stages:
         return out
 
 
-class DisaggregatedEngine(Engine):
+class StagedEngine(Engine):
+    """An ``Engine`` run as stages, each a (scheduler, executor) pair stepped by ``_stage_step``: the
+    colocated engine's step, after which a prefill stage hands its finished prompts on (``_hand_off``)."""
+
+    def _stage_step(self, scheduler: ReplicatedScheduler, executor: Executor, *, prefill: bool):
+        plan = scheduler.schedule()
+        executor.release(plan.preempted, finished=False)
+        if plan.is_empty:
+            return self._collect(scheduler.update(plan, []).finished, [])
+        now = time.monotonic()
+        for e in plan.scheduled:
+            req = self._requests.get(e.seq.request_id)
+            if req is not None and req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+        try:
+            result = executor.execute(plan)
+        except StepFailed as e:
+            affected = list(dict.fromkeys(en.seq.request_id for en in plan.scheduled))
+            logger.error("a %s step failed; its requests %s finish with reason 'error'",
+                         "prefill" if prefill else "decode", ", ".join(affected), exc_info=e)
+            outs = [o for rid in affected if (o := self.abort_request(
+                rid, "error", error=f"the step running this request failed: {e}")) is not None]
+            if e.cache_lost:
+                executor.release(scheduler.drop_cache(), finished=False)
+            return outs
+        if result.prompt_logprobs:
+            self._record_prompt_logprobs(plan, result.prompt_logprobs)
+        update = scheduler.update(plan, [int(t) for t in result.token_ids])
+        self.structured.accept(update.updated)
+        self.stats_counters["steps"] += 1
+        self.stats_counters["prefill_steps" if prefill else "decode_steps"] += 1
+        outputs = self._collect(update.finished, update.updated, _logprobs(plan.scheduled, result))
+        # A finished sequence's penalty row goes back now, not when its request ends: a sibling may still be on the
+        # other side, and this stage's rows are only enough for its own running sequences.
+        executor.release([s for s in (*update.updated, *update.finished) if s.is_finished], finished=False)
+        if prefill:  # prompts done (first token sampled, not finished by it): on to the decode side
+            self._hand_off(scheduler, [seq for seq in update.updated if not seq.is_finished])
+        return outputs
+
+    def _hand_off(self, scheduler: ReplicatedScheduler, seqs: list[Sequence]) -> None:
+        raise NotImplementedError
+
+
+
+class DisaggregatedEngine(StagedEngine):
     """An ``Engine`` whose prompts run on a prefill mesh and whose decodes run on a decode mesh (module doc)."""
 
     def __init__(self, config: EngineConfig, *, executor_factory=None):
@@ -159,42 +203,12 @@ class DisaggregatedEngine(Engine):
         outputs += self._stage_step(self.decode_scheduler, self.executor, prefill=False)
         return outputs
 
-    def _stage_step(self, scheduler: ReplicatedScheduler, executor: Executor, *, prefill: bool):
-        plan = scheduler.schedule()
-        executor.release(plan.preempted, finished=False)
-        if plan.is_empty:
-            return self._collect(scheduler.update(plan, []).finished, [])
+    def _hand_off(self, scheduler: ReplicatedScheduler, seqs: list[Sequence]) -> None:
         now = time.monotonic()
-        for e in plan.scheduled:
-            req = self._requests.get(e.seq.request_id)
-            if req is not None and req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
-        try:
-            result = executor.execute(plan)
-        except StepFailed as e:
-            affected = list(dict.fromkeys(en.seq.request_id for en in plan.scheduled))
-            logger.error("a %s step failed; its requests %s finish with reason 'error'",
-                         "prefill" if prefill else "decode", ", ".join(affected), exc_info=e)
-            outs = [o for rid in affected if (o := self.abort_request(
-                rid, "error", error=f"the step running this request failed: {e}")) is not None]
-            if e.cache_lost:
-                executor.release(scheduler.drop_cache(), finished=False)
-            return outs
-        if result.prompt_logprobs:
-            self._record_prompt_logprobs(plan, result.prompt_logprobs)
-        update = scheduler.update(plan, [int(t) for t in result.token_ids])
-        self.structured.accept(update.updated)
-        self.stats_counters["steps"] += 1
-        self.stats_counters["prefill_steps" if prefill else "decode_steps"] += 1
-        outputs = self._collect(update.finished, update.updated, _logprobs(plan.scheduled, result))
-        if prefill:  # prompts done (first token sampled, not finished by it): on to the decode side
-            now = time.monotonic()
-            for seq in update.updated:
-                if not seq.is_finished:
-                    replica, holder = scheduler.detach(seq)
-                    self.prefill_executor.release([seq], finished=False)
-                    self.handoffs.append(_Handoff(seq, replica, holder, now))
-        return outputs
+        for seq in seqs:
+            replica, holder = scheduler.detach(seq)
+            self.prefill_executor.release([seq], finished=False)
+            self.handoffs.append(_Handoff(seq, replica, holder, now))
 
     def _start_copies(self) -> None:
         """Adopt waiting sequences on the decode side, in order, while it has room, and dispatch their copies."""
