@@ -67,13 +67,14 @@ class _Stages:
         return self.prefill.add(seq)
 
     def get_request(self, request_id: str) -> list[Sequence]:
-        moving = [h.seq for h in self.engine.handoffs if h.seq.request_id == request_id]
+        # A hand-off whose copy is dispatched is already the decode scheduler's; the rest wait between the two.
+        moving = [h.seq for h in self.engine.handoffs if h.seq.request_id == request_id and h.staged is None]
         return self.prefill.get_request(request_id) + moving + self.decode.get_request(request_id)
 
     def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         if seq.is_finished:
             return
-        waiting = next((h for h in self.engine.handoffs if h.seq is seq), None)
+        waiting = next((h for h in self.engine.handoffs if h.seq is seq and h.staged is None), None)
         if waiting is not None:  # prefilled, waiting for room on the decode side: its prefill pages go now
             self.engine.handoffs.remove(waiting)
             self.engine.free_prefill_pages(waiting)
@@ -88,7 +89,8 @@ class _Stages:
 
     @property
     def num_waiting(self) -> int:
-        return self.prefill.num_waiting + len(self.engine.handoffs) + self.decode.num_waiting
+        return (self.prefill.num_waiting + sum(h.staged is None for h in self.engine.handoffs)
+                + self.decode.num_waiting)
 
     @property
     def num_running(self) -> int:

@@ -47,8 +47,10 @@ from jaxserve.structured_output import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 METHOD = "/jaxserve.disagg.v1.Prefill/Run"
+STATS_METHOD = "/jaxserve.disagg.v1.Prefill/Stats"  # the prefill engine's stats() as JSON
 CHUNK_BYTES = 1 << 20
 RETRY_DEAD_S = 2.0
+_RETRY = object()
 
 
 def _identity(b: bytes) -> bytes:
@@ -121,12 +123,16 @@ class PrefillServer:
 
         self.config = config
         self.engine = (engine_factory or PrefillEngine)(config)
+        self.stats = self.engine.stats()  # the engine's latest, refreshed by its thread after each iteration
         self._intake: queue.Queue = queue.Queue()
         self._streams: dict[str, queue.Queue] = {}
         self._stop = threading.Event()
         handler = grpc.method_handlers_generic_handler("jaxserve.disagg.v1.Prefill", {
             "Run": grpc.unary_stream_rpc_method_handler(self._run, request_deserializer=_identity,
-                                                        response_serializer=_identity)})
+                                                        response_serializer=_identity),
+            "Stats": grpc.unary_unary_rpc_method_handler(
+                lambda _req, _ctx: json.dumps(self.stats).encode(), request_deserializer=_identity,
+                response_serializer=_identity)})
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=64),
                                   options=[("grpc.max_send_message_length", 4 * CHUNK_BYTES)])
         self.server.add_generic_rpc_handlers((handler,))
@@ -191,6 +197,7 @@ class PrefillServer:
                     engine.abort_request(rid)
                     self._streams.pop(rid).put(None)
             if not engine.has_unfinished():
+                self.stats = engine.stats()
                 continue
             try:
                 outputs, handoffs = engine.step_prefill()
@@ -223,6 +230,7 @@ class PrefillServer:
                 for i in range(0, len(data), CHUNK_BYTES):
                     stream.put(data[i:i + CHUNK_BYTES])
                 stream.put(None)
+            self.stats = engine.stats()
 
 
 def serve_prefill(args) -> int:
@@ -373,6 +381,9 @@ class RemotePrefill:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
                 ep.dead_until = time.monotonic() + RETRY_DEAD_S
             ep.last_error = f"{e.code().name}: {e.details()}"
+            if e.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (e.details() or ""):
+                self.results.put((r, _RETRY))  # never reached it: another prefill server takes the request
+                return
             self.results.put((r, RuntimeError(f"the prefill server at {ep.url} failed: {ep.last_error}")))
         except StopIteration:
             self.results.put((r, RuntimeError(f"the prefill server at {ep.url} closed the stream early")))
@@ -455,6 +466,10 @@ class RemotePrefillEngine(StagedEngine):
             seq = r.seq
             if seq.is_finished or not self.remote.holds(seq):
                 continue  # cancelled meanwhile
+            if error is _RETRY:
+                self.remote.forget(seq)
+                self.remote.queue.appendleft(dataclasses.replace(r, url=None, call=None))
+                continue
             if error is not None:
                 out = self.abort_request(seq.request_id, "error", error=str(error))
                 if out is not None:

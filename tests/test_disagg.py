@@ -37,7 +37,7 @@ def _tokens(outs):
 
 
 def test_greedy_seeded_penalties_logprobs_and_n_match_colocated(colocated, disagg):
-    params = [SamplingParams(max_tokens=10, ignore_eos=True),
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True, logprobs=2),
               SamplingParams(max_tokens=8, temperature=1.0, n=2, repetition_penalty=1.3, frequency_penalty=0.5,
                              ignore_eos=True),
@@ -57,13 +57,16 @@ def test_greedy_seeded_penalties_logprobs_and_n_match_colocated(colocated, disag
 
 def test_prefix_cache_on_prefill_side_and_first_token_finish(disagg, colocated):
     prompt = list(range(10, 50))
-    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     before = disagg.engine.stats()["prefix_cache_hits"]
     a = disagg.generate([prompt], sp)[0]
     b = disagg.generate([prompt], sp)[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids == colocated.generate([prompt], sp)[0].outputs[0].token_ids
-    assert b.metrics.num_cached_tokens == 40 and disagg.engine.stats()["prefix_cache_hits"] - before == 40
-    one = disagg.generate([prompt], SamplingParams(max_tokens=1))[0]  # finished by its first token: no transfer
+    # 40 tokens: 4 of the 5 full pages are reused (the last prompt token is always computed).
+    assert b.metrics.num_cached_tokens == 32 and disagg.engine.stats()["prefix_cache_hits"] - before == 32
+    moved = disagg.engine.stats()["kv_transfers"]
+    one = disagg.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))[0]
+    assert disagg.engine.stats()["kv_transfers"] == moved  # finished by its first token: nothing to move
     assert one.outputs[0].finish_reason == "length" and one.outputs[0].token_ids == a.outputs[0].token_ids[:1]
 
 
@@ -116,6 +119,7 @@ def test_every_family_greedy_matches_transformers(family, tmp_path):
     llm = LLM(str(path), prefill_mesh="tensor=1", decode_mesh="tensor=1", page_size=4, max_model_len=48,
               max_num_seqs=2, max_num_batched_tokens=8, num_pages=24, warmup=False, compilation_cache_dir=None)
     prompt = [3 + 7 * j % 300 for j in range(19)]  # chunked over 3 steps; windowed families release pages
-    got = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].outputs[0].token_ids
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    got = llm.generate([prompt], sp)[0].outputs[0].token_ids
     assert got == hf_greedy(hf_model(path), prompt, 6)
     assert llm.engine.stats()["kv_transfers"] == 1
