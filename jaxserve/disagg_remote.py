@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 METHOD = "/jaxserve.disagg.v1.Prefill/Run"
 STATS_METHOD = "/jaxserve.disagg.v1.Prefill/Stats"  # the prefill engine's stats() as JSON
 CHUNK_BYTES = 1 << 20
-RETRY_DEAD_S = 2.0
+RETRY_DEAD_S = 5.0
 _RETRY = object()
 
 
@@ -350,6 +350,7 @@ class RemotePrefill:
             if not live:
                 while self.queue:  # every prefill server is gone: the waiting requests fail with the reason
                     r = self.queue.popleft()
+                    self.calls[r.seq.seq_id] = r
                     self.results.put((r, RuntimeError("no prefill server is reachable (" + "; ".join(
                         f"{e.url}: {e.last_error}" for e in self.endpoints) + ")")))
                 return
@@ -471,6 +472,7 @@ class RemotePrefillEngine(StagedEngine):
                 self.remote.queue.appendleft(dataclasses.replace(r, url=None, call=None))
                 continue
             if error is not None:
+                logger.warning("request %s fails: %s", seq.request_id, error)
                 out = self.abort_request(seq.request_id, "error", error=str(error))
                 if out is not None:
                     outputs.append(out)
