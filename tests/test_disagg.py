@@ -123,3 +123,22 @@ def test_every_family_greedy_matches_transformers(family, tmp_path):
     got = llm.generate([prompt], sp)[0].outputs[0].token_ids
     assert got == hf_greedy(hf_model(path), prompt, 6)
     assert llm.engine.stats()["kv_transfers"] == 1
+
+
+def test_decode_side_full_prefills_wait_bounded_and_nothing_is_dropped(disagg, colocated):
+    e = disagg.engine
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [[7 + i + 5 * j for j in range(9 + 3 * i)] for i in range(9)]  # 9 requests, 6 decode slots
+    for i, p in enumerate(prompts):
+        e.add_request(f"full{i}", p, sp)
+    done, most_waiting = {}, 0
+    while e.has_unfinished():
+        for out in e.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        most_waiting = max(most_waiting, sum(h.staged is None for h in e.handoffs))
+    # They waited for room, and the wait is bounded: prefill pauses once max_pending_transfers wait (one last
+    # prefill step may add up to max_num_seqs more).
+    assert 1 <= most_waiting < e.config.max_pending_transfers + e.config.max_num_seqs
+    want = _tokens(colocated.generate(prompts, sp))
+    assert [[done[f"full{i}"]] for i in range(len(prompts))] == want
