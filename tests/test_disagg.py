@@ -80,7 +80,8 @@ def _pages(engine):
 def test_abort_in_every_stage_frees_pages_on_both_sides(disagg):
     e = disagg.engine
     sp = SamplingParams(max_tokens=30, ignore_eos=True)
-    for i, p in enumerate(PROMPTS):
+    prompts = [[(101 + 11 * i + 5 * j) % 370 + 3 for j in range(4 + 13 * i)] for i in range(5)]  # not cached
+    for i, p in enumerate(prompts):
         e.add_request(f"ab{i}", p, sp)
     seen = set()
     for _ in range(200):
@@ -91,7 +92,7 @@ def test_abort_in_every_stage_frees_pages_on_both_sides(disagg):
         if where["moving"] and where["decode"]:
             break
     assert {"prefill", "moving", "decode"} <= seen
-    for i in range(len(PROMPTS)):
+    for i in range(len(prompts)):
         e.abort_request(f"ab{i}")
     e.drain_transfers()
     assert not e.has_unfinished() and not e.handoffs and _pages(e) == 0
