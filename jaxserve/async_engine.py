@@ -248,9 +248,9 @@ class AsyncEngine:
             if self._factory is not None:
                 engine = self._factory(self.config)
             else:
-                from jaxserve.engine import Engine
+                from jaxserve.engine_factory import make_engine
 
-                engine = Engine(self.config)
+                engine = make_engine(self.config)
             self.engine = engine
             self.prompts = PromptTokenizer(engine.tokenizer, int(engine.max_model_len),
                                            int(engine.model_config.vocab_size))
@@ -324,7 +324,7 @@ class AsyncEngine:
                 self._engine_live.add(cmd.request_id)
                 acks.append((cmd.request_id, ids))
             except Exception as e:  # noqa: BLE001 - ValueError for bad input; anything else is reported too
-                if not isinstance(e, ValueError):
+                if not isinstance(e, (ValueError, EngineNotReady)):  # EngineNotReady: e.g. no prefill server
                     logger.exception("adding request %s failed", cmd.request_id)
                     e = EngineFailure(f"internal error: the engine could not add request {cmd.request_id}; the "
                                       "server log has the details")

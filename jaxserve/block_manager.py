@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
@@ -38,6 +39,16 @@ def cdiv(a: int, b: int) -> int:
 
 # A page-table entry whose page was released because every layer's window has passed it (``release_behind``).
 RELEASED = -1
+
+
+@dataclasses.dataclass
+class PageHolder:
+    """Holds a sequence's pages after another engine took the sequence over (``BlockManager.hand_over``), until
+    the copy of their KV has landed there and ``free(holder)`` gives them back."""
+
+    seq_id: int
+    page_table: list[int]
+    local_page_table: list[int]
 
 
 class BlockManager:
@@ -209,6 +220,12 @@ class BlockManager:
         self._holders.pop(seq.seq_id, None)
         self._num_registered.pop(seq.seq_id, None)
         self._num_released.pop(seq.seq_id, None)
+
+    def hand_over(self, seq: Sequence, holder: PageHolder) -> None:
+        """From now on ``holder`` holds ``seq``'s pages here (``seq`` continues in another pool); ``free(holder)``
+        releases them."""
+        if seq.seq_id in self._holders:
+            self._holders[seq.seq_id] = holder
 
     def _release(self, page: int) -> None:
         self._refcount[page] -= 1

@@ -190,7 +190,10 @@ class Engine:
         update = self.scheduler.update(plan, tokens)
         self.structured.accept(update.updated)
         self.stats_counters["steps"] += 1
-        return self._collect(update.finished, update.updated, _logprobs(plan.scheduled, result))
+        outputs = self._collect(update.finished, update.updated, _logprobs(plan.scheduled, result))
+        # A finished sequence's penalty row returns now: its siblings may run on, and new sequences need rows.
+        self.executor.release(update.finished, finished=False)
+        return outputs
 
     def _record_prompt_logprobs(self, plan, scored: dict[int, list[tuple[int, dict[int, float]]]]) -> None:
         for e in plan.scheduled:

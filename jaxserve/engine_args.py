@@ -45,6 +45,12 @@ HELP = {
     "skip_tokenizer_init": "load no tokenizer: prompts must be token ids and outputs carry token ids, no text",
     "revision": "branch, tag or commit of a hub model (default: the main branch)",
     "download_dir": "folder hub models are downloaded to (default: the Hugging Face cache)",
+    "prefill_mesh": "disaggregated serving in one process: the prefill engine's mesh (e.g. 'tensor=4') on the "
+                    "first devices; needs --decode-mesh",
+    "decode_mesh": "disaggregated serving in one process: the decode engine's mesh on the devices after the "
+                   "prefill mesh's; needs --prefill-mesh",
+    "max_pending_transfers": "prefilled sequences that may wait for room on the decode side before the prefill "
+                             "engine pauses (disaggregated serving)",
 }
 
 

@@ -65,6 +65,11 @@ class EngineConfig:
     skip_tokenizer_init: bool = False  # serve token ids only: no tokenizer is loaded, outputs carry no text
     revision: str | None = None  # of a hub model: branch, tag or commit
     download_dir: str | None = None  # where hub models are downloaded (default: the Hugging Face cache)
+    # Prefill/decode disaggregation in one process (jaxserve/disagg.py): the prefill engine's mesh on the first
+    # devices, the decode engine's on the next ones; both or neither, and then not ``mesh``.
+    prefill_mesh: str | None = None
+    decode_mesh: str | None = None
+    max_pending_transfers: int = 8  # prefilled sequences waiting for the decode side before prefill pauses
 
     def __post_init__(self):
         positive = ("page_size", "max_num_seqs", "max_num_batched_tokens")
@@ -84,6 +89,19 @@ class EngineConfig:
         if self.num_devices is not None and (not isinstance(self.num_devices, int) or self.num_devices < 1):
             raise ValueError(f"num_devices={self.num_devices!r} must be a positive integer")
         MeshConfig.parse(self.mesh)  # a malformed spec fails here, naming the part it cannot read
+        if (self.prefill_mesh is None) != (self.decode_mesh is None):
+            raise ValueError("prefill_mesh and decode_mesh go together: give both (disaggregated) or neither")
+        if self.prefill_mesh is not None:
+            if self.mesh is not None or self.num_devices is not None:
+                raise ValueError("mesh/num_devices cannot be combined with prefill_mesh and decode_mesh (each "
+                                 "engine's mesh is its own)")
+            for name in ("prefill_mesh", "decode_mesh"):
+                try:
+                    MeshConfig.parse(getattr(self, name))
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
+        if not isinstance(self.max_pending_transfers, int) or self.max_pending_transfers < 1:
+            raise ValueError(f"max_pending_transfers={self.max_pending_transfers!r} must be a positive integer")
         for name, choices in (("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS),
                               ("logprobs_mode", LOGPROBS_MODES)):
             if getattr(self, name) not in choices:

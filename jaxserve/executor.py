@@ -46,7 +46,8 @@ class Executor:
     calls ``execute``; the others call ``follow``.
     """
 
-    def __init__(self, config: EngineConfig, *, model_path: str, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, config: EngineConfig, *, model_path: str, eos_token_ids: tuple[int, ...] = (),
+                 devices: list | None = None):
         self.config = config
         compile_counter.install()
         # JAX's compilation cache is process-wide: each engine sets it to its own option, on or off.
@@ -56,7 +57,8 @@ class Executor:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
         self.model_path = model_path
         self.eos_token_ids = tuple(eos_token_ids)  # banned before a request's min_tokens
-        self.mesh = make_mesh(config.mesh, num_devices=config.num_devices)
+        # ``devices``: the devices this executor's mesh uses (a disaggregated engine's prefill or decode group).
+        self.mesh = make_mesh(config.mesh, devices, num_devices=config.num_devices)
         self.num_replicas = int(self.mesh.shape["data"])
         self.is_leader = multihost.is_leader()
         model, self.model_config, self.folder = load_model(self.model_path, config.dtype, self.mesh)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from jaxserve.engine import Engine
 from jaxserve.engine_config import EngineConfig
+from jaxserve.engine_factory import make_engine
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -23,7 +23,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_options):
-        self.engine = Engine(EngineConfig(model=model, **engine_options))
+        self.engine = make_engine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer  # None with skip_tokenizer_init=True
         self.model_config = self.engine.model_config
 

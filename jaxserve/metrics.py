@@ -41,6 +41,14 @@ _ENGINE_STATS = (
     ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache.", "counter"),
     ("prefix_cache_evictions", "cache_evictions", "Cached pages evicted to make room.", "counter"),
     ("engine_steps", "steps", "Engine steps run.", "counter"),
+    # Prefill/decode disaggregation (jaxserve/disagg.py, jaxserve/disagg_remote.py)
+    ("kv_transfers", "kv_transfers", "KV hand-overs from the prefill to the decode side.", "counter"),
+    ("kv_transfer_bytes", "kv_transfer_bytes", "Bytes of KV moved from the prefill to the decode side.", "counter"),
+    ("kv_transfer_seconds", "kv_transfer_seconds", "Time KV copies took, dispatch (or send) to arrival.", "counter"),
+    ("kv_transfer_queue_seconds", "kv_transfer_queue_seconds",
+     "Time prefilled sequences waited between the stages (for a prefill server, or room on the decode side).",
+     "counter"),
+    ("kv_transfers_pending", "kv_transfers_pending", "Sequences between the prefill and the decode stage.", "gauge"),
 )
 
 

@@ -143,19 +143,20 @@ FEATURES = ("constant_s", "per_padded_token_s", "per_padded_key_s", "per_prompt_
 
 
 def step_features(plan: SchedulerOutput, shapes: StepShapes, page_size: int,
-                  transferred: frozenset[int] = frozenset()) -> StepFeatures:
+                  transferred: frozenset[int] = frozenset(), window: int | None = None) -> StepFeatures:
     """The features of one planned step. ``transferred``: sequence ids whose prompt KV arrived from elsewhere
-    (disaggregation): their first step reads the cache and decodes one token instead of computing the prompt."""
+    (disaggregation): their first step reads the cache and decodes one token instead of computing the prompt.
+    ``window``: a model whose every layer attends to a sliding window reads at most that many keys per query."""
     decode, new, keys, pairs = True, 0, 0, 0.0
     for e in plan.scheduled:
         n = e.num_new_tokens
         if e.seq.seq_id in transferred and e.num_computed_before == 0:
             n = 1
         new += n
-        keys += e.kv_len
+        keys += e.kv_len if window is None else min(e.kv_len, window)
         if n > 1:
             decode = False
-            pairs += n * (e.kv_len - n) + n * (n + 1) / 2
+            pairs += _causal_pairs(e.kv_len - n, e.kv_len, window)
     padded = shapes.seq_bucket(len(plan.scheduled)) if decode else shapes.token_bucket(new)
     slots = padded if decode else shapes.prefill_seqs(padded)
     width = shapes.page_bucket(max((len(e.page_table) for e in plan.scheduled), default=1))
@@ -204,6 +205,17 @@ class LinearStepModel:
     def to_json(self) -> dict:
         return {"kind": "linear", "source": self.source, "features": FEATURES, "decode": list(self.decode),
                 "prompt": list(self.prompt)}
+
+
+def _causal_pairs(start: int, end: int, window: int | None) -> float:
+    """Query-key pairs of queries at positions ``start .. end - 1`` attending causally (query at ``p`` sees
+    ``p + 1`` keys, at most ``window``)."""
+    n = end - start
+    if window is None or end <= window:
+        return n * start + n * (n + 1) / 2
+    if start >= window:
+        return float(n * window)
+    return (window - start) * start + (window - start) * (window - start + 1) / 2 + (end - window) * window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,6 +318,9 @@ class EngineShape:
     num_pages: int = 4096
     page_size: int = 16
     enable_prefix_caching: bool = False
+    # Every layer windowed (Mistral-style): pages behind the window are released (the real scheduler's rule) and
+    # steps read at most this many keys. Models interleaving windowed and global layers are planned as global.
+    attention_window: int | None = None
 
     def scheduler(self, **overrides) -> Scheduler:
         fields = dataclasses.asdict(self) | overrides
@@ -322,6 +337,7 @@ class _Instance:
     def __init__(self, scheduler: Scheduler, shapes: StepShapes, model):
         self.scheduler, self.shapes, self.model = scheduler, shapes, model
         self.page_size = scheduler.config.page_size
+        self.window = scheduler.config.attention_window
         self.transferred: set[int] = set()  # seq ids whose prompt KV arrived from a prefill engine
 
     @property
@@ -387,7 +403,8 @@ def simulate(requests: Seq[PlannedRequest], deployment: Deployment, model, engin
         if plan.is_empty:
             idle.add(k)
             return
-        seconds = inst.model.seconds(step_features(plan, inst.shapes, inst.page_size, frozenset(inst.transferred)))
+        seconds = inst.model.seconds(step_features(plan, inst.shapes, inst.page_size, frozenset(inst.transferred),
+                                                   inst.window))
         idle.discard(k)
         heapq.heappush(events, (now + seconds, next(order), "done", (k, plan)))
 
@@ -564,7 +581,8 @@ def calibrate(engine, *, contexts: Seq[int] = (), decode_steps: int = 8, seed: i
                     seconds = time.perf_counter() - t0
                     plan = recorder.plans[-1]
                     if not plan.is_empty:
-                        samples.append((step_features(plan, shapes, engine.config.page_size), seconds))
+                        samples.append((step_features(plan, shapes, engine.config.page_size,
+                                                      window=engine.model_config.attention_window), seconds))
                 log(f"calibrate: context {c}, {b} sequences: {len(samples)} steps timed")
     finally:
         engine.scheduler = recorder._inner
@@ -595,7 +613,8 @@ def _calibrate_main(argv: list[str]) -> int:
         "engine": {"max_num_seqs": engine.config.max_num_seqs,
                    "max_num_batched_tokens": engine.config.max_num_batched_tokens,
                    "max_model_len": engine.max_model_len, "page_size": engine.config.page_size,
-                   "num_pages": engine.executor.cache_config.pages_per_replica},
+                   "num_pages": engine.executor.cache_config.pages_per_replica,
+                   "attention_window": engine.model_config.attention_window},
         "kv_bytes_per_token": bytes_per_token(engine.model_config, engine.executor.cache_dtype),
         "fit_relative_error_median": float(np.median(errors)),
         "samples": [[dataclasses.asdict(f), s] for f, s in samples],
@@ -685,7 +704,8 @@ def _simulate_main(argv: list[str]) -> int:
     engine = EngineShape(
         max_num_seqs=args.max_num_seqs or eng.get("max_num_seqs", 256),
         max_model_len=args.max_model_len or eng.get("max_model_len") or calibrated.get("max_model_len", 4096),
-        num_pages=pages or 65536, page_size=args.page_size)
+        num_pages=pages or 65536, page_size=args.page_size,
+        attention_window=eng.get("attention_window") if not args.chip else _model_config(args.model).attention_window)
     kv_token = args.kv_bytes_per_token
     if kv_token is None:
         kv_token = calibrated.get("kv_bytes_per_token") or getattr(model, "kv_bytes_per_token", 0.0)

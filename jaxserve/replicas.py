@@ -116,6 +116,25 @@ class ReplicatedScheduler:
         if r is not None and not self.replicas[r].get_request(request_id):
             del self._replica_of[request_id]
 
+    def detach(self, seq: Sequence):
+        """``Scheduler.detach`` on the sequence's replica; returns (replica, page holder)."""
+        r = self._replica_of[seq.request_id]
+        holder = self.replicas[r].detach(seq)
+        self._forget(seq.request_id)
+        return r, holder
+
+    def adopt(self, seq: Sequence) -> int | None:
+        """``Scheduler.adopt`` on the least loaded replica that has room (a request's sequences stay on one
+        replica); the replica, or None when none has room."""
+        r = self._replica_of.get(seq.request_id)
+        order = [r] if r is not None else sorted(range(len(self.replicas)), key=lambda i: (
+            self.replicas[i].num_running + self.replicas[i].num_waiting, i))
+        for i in order:
+            if self.replicas[i].adopt(seq):
+                self._replica_of[seq.request_id] = i
+                return i
+        return None
+
     def drop_cache(self) -> list[Sequence]:
         """Every replica's ``Scheduler.drop_cache``; returns the sequences sent back to recompute."""
         return [seq for r in self.replicas for seq in r.drop_cache()]

@@ -6,7 +6,7 @@ import dataclasses
 from collections import deque
 from collections.abc import Sequence as Seq
 
-from jaxserve.block_manager import BlockManager
+from jaxserve.block_manager import BlockManager, PageHolder
 from jaxserve.scheduler_config import SchedulerConfig
 from jaxserve.sequence import Sequence, SequenceStatus
 from jaxserve.window_pool import WindowedBlockManager
@@ -156,6 +156,40 @@ class Scheduler:
             siblings.remove(seq)
             if not siblings:
                 del self._requests[seq.request_id]
+
+    # ---- hand-over between engines (prefill/decode disaggregation) -----------------------------------------
+    def detach(self, seq: Sequence) -> PageHolder:
+        """Take a running sequence out of this scheduler without finishing it: another engine continues it. Its
+        pages stay held by the returned holder (the caller copies their KV out, then ``block_manager.free``s
+        the holder); ``seq`` keeps its tokens and ``num_computed_tokens``, with empty page tables."""
+        self.running.remove(seq)
+        siblings = self._requests.get(seq.request_id, [])
+        if seq in siblings:
+            siblings.remove(seq)
+            if not siblings:
+                del self._requests[seq.request_id]
+        holder = PageHolder(seq.seq_id, seq.page_table, seq.local_page_table)
+        self.block_manager.hand_over(seq, holder)
+        seq.page_table, seq.local_page_table = [], []
+        seq.status = SequenceStatus.WAITING
+        return holder
+
+    def adopt(self, seq: Sequence) -> bool:
+        """Run a sequence another engine computed (``detach``): pages for its ``num_computed_tokens`` tokens of
+        KV are allocated now (the caller copies the KV into ``seq.page_table``) and it continues from its next
+        token. False, with nothing changed, when the pages are not free."""
+        bm, computed, cached = self.block_manager, seq.num_computed_tokens, seq.num_cached_tokens
+        if seq.status is not SequenceStatus.WAITING or seq.page_table:
+            raise ValueError(f"{seq} is not a detached sequence")
+        if len(self.running) >= self.config.max_num_seqs or not bm.can_allocate(bm.pages_for(computed + 1)):
+            return False
+        bm.admit(seq, [], computed + 1)
+        seq.num_computed_tokens, seq.num_cached_tokens = computed, cached
+        bm.release_behind(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._requests.setdefault(seq.request_id, []).append(seq)
+        return True
 
     def drop_cache(self) -> list[Sequence]:
         """The KV cache's contents are gone (a failed step took it): every running sequence goes back to the

@@ -22,6 +22,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") 
     if multihost.initialize(args.coordinator_address, args.num_processes, args.process_id) \
             and not multihost.is_leader():
         return follow(args)
+    if args.role == "prefill":
+        from jaxserve.disagg_remote import serve_prefill
+
+        return serve_prefill(args)
+    if args.role == "decode":
+        import functools
+
+        from jaxserve.disagg_remote import RemotePrefillEngine
+
+        args.engine_factory = functools.partial(RemotePrefillEngine, prefill_urls=args.prefill_url.split(","))
     from jaxserve.server.app import serve  # importing it loads grpc
 
     code = asyncio.run(serve(args))

@@ -83,6 +83,10 @@ class WindowedBlockManager:
         self.windowed.free(seq)
         self._window_prefix.pop(seq.seq_id, None)
 
+    def hand_over(self, seq: Sequence, holder) -> None:
+        self.full.hand_over(seq, holder)
+        self.windowed.hand_over(seq, holder)
+
     def register(self, seq: Sequence) -> None:
         self.full.register(seq)
         self.windowed.register(seq)

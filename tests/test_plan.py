@@ -208,3 +208,21 @@ def test_step_features_follow_the_compiled_shape():
     # Three decodes (KV 21, 41, 8 tokens): 4 slots (bucket) x the page-table bucket of 16 pages x 4 tokens.
     assert f.decode and f.padded_tokens == 4 and f.keys_read == 21 + 41 + 8
     assert f.padded_keys == 4 * 16 * 4
+
+
+def test_sliding_window_caps_keys_pairs_and_pages():
+    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.sequence import Sequence
+
+    assert plan._causal_pairs(0, 10, None) == 55 and plan._causal_pairs(0, 10, 4) == 1 + 2 + 3 + 4 * 7
+    assert plan._causal_pairs(2, 6, 4) == 3 + 4 + 4 + 4 and plan._causal_pairs(6, 10, 4) == 16
+    eng = EngineShape(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_pages=256, page_size=4,
+                      attention_window=8)
+    sched, shapes = eng.scheduler(), eng.shapes()
+    sched.add(Sequence("w", [1] * 40, SamplingParams(max_tokens=4, ignore_eos=True)))
+    prompt = sched.schedule()
+    f = plan.step_features(prompt, shapes, eng.page_size, window=8)
+    assert f.keys_read == 8 and f.prompt_pairs == plan._causal_pairs(0, 40, 8) < 40 * 41 / 2
+    sched.update(prompt, [0])
+    sched.schedule()  # the decode releases the pages its window has passed, as the engine's scheduler does
+    assert sched.block_manager.stats()["pages_released_behind_window"] > 0

@@ -81,7 +81,7 @@ async def serve(args: argparse.Namespace) -> int:
         except OSError as e:
             logger.warning("cannot create the compilation cache folder %s: %s", cache_dir, e)
     metrics = ServerMetrics(names[0])
-    engine = AsyncEngine(args.engine_config, metrics=metrics)
+    engine = AsyncEngine(args.engine_config, metrics=metrics, engine_factory=getattr(args, "engine_factory", None))
     metrics.attach_engine(engine.stats, engine.intake_length)
 
     limits = getattr(args, "limits", None)

@@ -70,6 +70,14 @@ def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentPar
     add_engine_args_with_demo_shapes(p, skip=("warmup",), notes=notes)
 
     s = p.add_argument_group("server")
+    d = p.add_argument_group("disaggregated serving across processes")
+    d.add_argument("--role", choices=("colocated", "prefill", "decode"), default="colocated",
+                   help="colocated: one engine does everything; prefill: a prefill process (gRPC KV service on "
+                        "--kv-port, no client APIs); decode: the front door (OpenAI and gRPC APIs) whose prompts "
+                        "are prefilled by the --prefill-url processes")
+    d.add_argument("--kv-port", type=int, default=50061, help="--role prefill: the port of its KV service")
+    d.add_argument("--prefill-url", default=None,
+                   help="--role decode: the prefill processes, HOST:PORT[,HOST:PORT...]")
     s.add_argument("--host", default="127.0.0.1", help="address both servers listen on (0.0.0.0: every interface)")
     s.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (0: a free port)")
     s.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: a free port)")
@@ -147,6 +155,14 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.se
             parser.error(f"--{name.replace('_', '-')} must be in [0, 65535]")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.role == "decode" and not args.prefill_url:
+        parser.error("--role decode needs --prefill-url HOST:PORT[,HOST:PORT...]")
+    if args.role != "decode" and args.prefill_url:
+        parser.error("--prefill-url is for --role decode")
+    if args.role != "colocated" and args.prefill_mesh is not None:
+        parser.error("--prefill-mesh/--decode-mesh split one process; not with --role")
+    if not 0 <= args.kv_port <= 65535:
+        parser.error("--kv-port must be in [0, 65535]")
     if args.shutdown_grace_period < 0:
         parser.error("--shutdown-grace-period must be >= 0")
     if args.max_request_bytes < 1024:

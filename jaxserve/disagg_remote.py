@@ -1,0 +1,529 @@
+"""Prefill/decode disaggregation across processes: ``jaxserve serve --role prefill`` and ``--role decode``.
+
+A prefill process (``--role prefill --kv-port P``) runs an engine on its own devices and serves one gRPC method,
+``jaxserve.disagg.v1.Prefill/Run``: given a prompt, its sampling parameters and the request's index, it runs
+the prompt (chunked, with prefix caching), samples the first token exactly as the colocated engine would, and
+streams back a JSON header (the token, its logprobs, a finish reason if the token ended the request, the KV
+layout) followed by the KV pages' bytes in chunks of at most ``CHUNK_BYTES``. The pages are read out of its
+pool with one gather and one device-to-host copy, and freed as soon as that copy has landed on the host.
+
+The decode process (``--role decode --prefill-url HOST:P[,HOST:P...]``) is the front door: clients speak the
+usual OpenAI and gRPC APIs to it. Its engine (``RemotePrefillEngine``) sends each new request to a prefill
+process (round robin over the live ones), emits the first token when it arrives, writes the received pages
+into its own pool (``PageWriter``: ``jax.device_put`` of the bytes, one scatter) once it has room, and decodes
+with continuous batching. On CPU this gRPC byte stream is the transfer; JAX's cross-process device transfer is
+not used.
+
+Failure and load: a prefill call that fails ends its request with an error naming the prefill server; a
+server that cannot be reached is skipped for ``RETRY_DEAD_S`` seconds, and with none left new requests are
+refused with 503 ("no prefill server is reachable"). A cancelled request cancels its call, and the prefill
+process aborts it and frees its pages. At most ``max_pending_transfers`` prefills are in flight or waiting for
+room on the decode side; further requests wait in the decode process's queue (never dropped).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import json
+import logging
+import queue
+import threading
+import time
+from collections import deque
+
+import numpy as np
+
+from jaxserve.disagg import PageReader, PageWriter, StagedEngine
+from jaxserve.engine import Engine
+from jaxserve.engine_config import EngineConfig
+from jaxserve.outputs import RequestOutput
+from jaxserve.request_stream import EngineNotReady
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.sequence import Sequence
+from jaxserve.structured_output import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+METHOD = "/jaxserve.disagg.v1.Prefill/Run"
+STATS_METHOD = "/jaxserve.disagg.v1.Prefill/Stats"  # the prefill engine's stats() as JSON
+CHUNK_BYTES = 1 << 20
+RETRY_DEAD_S = 5.0
+_RETRY = object()
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+def params_to_json(p: SamplingParams) -> dict:
+    d = dataclasses.asdict(p)
+    if d.get("logit_bias"):
+        d["logit_bias"] = {str(k): v for k, v in d["logit_bias"].items()}
+    return d
+
+
+def params_from_json(d: dict) -> SamplingParams:
+    d = dict(d)
+    for name in ("stop", "stop_token_ids"):
+        d[name] = tuple(d.get(name) or ())
+    so = d.get("structured_outputs")
+    if so is not None:
+        if so.get("choice") is not None:
+            so["choice"] = tuple(so["choice"])
+        d["structured_outputs"] = StructuredOutputsParams(**so)
+    return SamplingParams(**d)
+
+
+# ---- the prefill process ---------------------------------------------------------------------------------------
+class PrefillEngine(Engine):
+    """An ``Engine`` that only prefills: after each step, sequences whose first token was sampled (and that it
+    did not finish) leave it with their KV pages as NumPy bytes (``step`` returns them as hand-offs)."""
+
+    def __init__(self, config: EngineConfig, **kwargs):
+        super().__init__(config, **kwargs)
+        self.reader = PageReader(self.executor.runner)
+
+    def add_prefill(self, request_id: str, ids: list[int], params: SamplingParams, request_index: int) -> None:
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: a prefill process serves one sequence per request")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not served across processes (use the one-process engine)")
+        self.add_request(request_id, ids, params)
+        for seq in self.scheduler.get_request(request_id):
+            seq.request_index = request_index  # the decode side's: seeds of unseeded sampling depend on it
+
+    def step_prefill(self) -> tuple[list[RequestOutput], list[tuple[str, dict, bytes]]]:
+        outputs = self.step()
+        handoffs = []
+        for out in outputs:
+            if out.finished:
+                continue
+            req = self._requests[out.request_id]
+            seq = req.seqs[0]
+            replica, holder = self.scheduler.detach(seq)
+            staged, full, local, nbytes = self.reader.read(replica, holder, seq.num_computed_tokens)
+            host = np.ascontiguousarray(np.asarray(staged))  # the device-to-host copy has landed ...
+            self.scheduler.replicas[replica].block_manager.free(holder)  # ... so the pages are free again
+            self.executor.release([seq])
+            self.structured.release([seq])
+            del self._requests[out.request_id]
+            kv = {"shape": list(host.shape), "dtype": str(host.dtype), "full": full, "local": local,
+                  "nbytes": nbytes, "num_cached_tokens": seq.num_cached_tokens}
+            handoffs.append((out.request_id, kv, host.tobytes()))
+        return outputs, handoffs
+
+
+class PrefillServer:
+    """The prefill process's gRPC service around a ``PrefillEngine`` stepped by one thread."""
+
+    def __init__(self, config: EngineConfig, host: str, port: int, engine_factory=None):
+        import grpc
+
+        self.config = config
+        self.engine = (engine_factory or PrefillEngine)(config)
+        self.stats = self.engine.stats()  # the engine's latest, refreshed by its thread after each iteration
+        self._intake: queue.Queue = queue.Queue()
+        self._streams: dict[str, queue.Queue] = {}
+        self._stop = threading.Event()
+        handler = grpc.method_handlers_generic_handler("jaxserve.disagg.v1.Prefill", {
+            "Run": grpc.unary_stream_rpc_method_handler(self._run, request_deserializer=_identity,
+                                                        response_serializer=_identity),
+            "Stats": grpc.unary_unary_rpc_method_handler(
+                lambda _req, _ctx: json.dumps(self.stats).encode(), request_deserializer=_identity,
+                response_serializer=_identity)})
+        self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=64),
+                                  options=[("grpc.max_send_message_length", 4 * CHUNK_BYTES)])
+        self.server.add_generic_rpc_handlers((handler,))
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if not self.port:
+            raise OSError(f"cannot listen on {host}:{port}")
+        self._thread = threading.Thread(target=self._loop, name="prefill-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        self.server.start()
+
+    def stop(self, grace: float = 1.0) -> None:
+        self._stop.set()
+        self._intake.put(None)
+        self.server.stop(grace).wait()
+
+    def _run(self, request: bytes, context):
+        import grpc
+
+        msg = json.loads(request)
+        if int(msg.get("engine_seed", self.config.seed)) != self.config.seed:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"engine seed {msg['engine_seed']} differs from this prefill server's --seed "
+                          f"{self.config.seed}; start both with the same --seed")
+        rid = str(msg["request_id"])
+        out: queue.Queue = queue.Queue()
+        self._intake.put(("add", rid, msg, out))
+        context.add_callback(lambda: self._intake.put(("abort", rid, None, None)))
+        while True:
+            item = out.get()
+            if isinstance(item, Exception):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT if isinstance(item, ValueError)
+                              else grpc.StatusCode.INTERNAL, str(item))
+            if item is None:
+                return
+            yield item
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            block = not engine.has_unfinished()
+            items = []
+            try:
+                items.append(self._intake.get(block=block))
+                while True:
+                    items.append(self._intake.get_nowait())
+            except queue.Empty:
+                pass
+            for item in items:
+                if item is None:
+                    return
+                kind, rid, msg, out = item
+                if kind == "add":
+                    try:
+                        engine.add_prefill(rid, [int(t) for t in msg["prompt_token_ids"]],
+                                           params_from_json(msg["params"]), int(msg["request_index"]))
+                        self._streams[rid] = out
+                    except Exception as e:  # noqa: BLE001 - reported to the caller
+                        out.put(e if isinstance(e, ValueError) else RuntimeError(f"{type(e).__name__}: {e}"))
+                elif rid in self._streams:  # the caller went away: free its pages now
+                    engine.abort_request(rid)
+                    self._streams.pop(rid).put(None)
+            if not engine.has_unfinished():
+                self.stats = engine.stats()
+                continue
+            try:
+                outputs, handoffs = engine.step_prefill()
+            except Exception as e:  # noqa: BLE001 - one bad step fails its requests, not the server
+                logger.exception("a prefill step failed")
+                for rid in list(self._streams):
+                    engine.abort_request(rid, "error", error=str(e))
+                    self._streams.pop(rid).put(RuntimeError(f"the prefill step failed: {e}"))
+                continue
+            kv = {rid: (meta, data) for rid, meta, data in handoffs}
+            for o in outputs:
+                stream = self._streams.pop(o.request_id, None)
+                if stream is None:
+                    continue
+                c = o.outputs[0]
+                lps = c.logprobs[0] if c.logprobs else None
+                header = {"token": c.token_ids[0] if c.token_ids else None,
+                          "finish_reason": c.finish_reason if o.finished else None,
+                          "stop_reason": c.stop_reason if o.finished else None,
+                          "error": o.error,
+                          "logprobs": {str(k): v for k, v in lps.items()} if lps else None,
+                          "num_cached_tokens": int(o.metrics.num_cached_tokens or 0) if o.metrics else 0}
+                meta, data = kv.get(o.request_id, (None, b""))
+                if meta is None and not o.finished:
+                    continue
+                if meta is not None:
+                    header["kv"] = meta
+                    header["num_cached_tokens"] = meta["num_cached_tokens"]
+                stream.put(json.dumps(header).encode())
+                for i in range(0, len(data), CHUNK_BYTES):
+                    stream.put(data[i:i + CHUNK_BYTES])
+                stream.put(None)
+            self.stats = engine.stats()
+
+
+def serve_prefill(args) -> int:
+    """``jaxserve serve --role prefill``: the prefill service until SIGTERM/SIGINT."""
+    import signal
+
+    server = PrefillServer(args.engine_config, args.host, args.kv_port)
+    server.start()
+    print(f"jaxserve prefill ready: kv=grpc://{args.host}:{server.port} path={server.engine.model_path}", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.stop()
+    return 0
+
+
+# ---- the decode process ----------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Remote:
+    seq: Sequence
+    since: float
+    url: str | None = None
+    call: object = None
+    result: dict | None = None  # the header, once received
+    data: bytes = b""
+    sent: float = 0.0
+    landed: float = 0.0
+
+
+class _Endpoint:
+    def __init__(self, url: str):
+        import grpc
+
+        self.url = url
+        self.channel = grpc.insecure_channel(url, options=[("grpc.max_receive_message_length", 4 * CHUNK_BYTES)])
+        self.run = self.channel.unary_stream(METHOD, request_serializer=_identity, response_deserializer=_identity)
+        self.dead_until = 0.0
+        self.last_error = ""
+
+
+class RemotePrefill:
+    """The decode process's prefill stage: sequences sent to prefill processes, and their results."""
+
+    def __init__(self, urls: list[str], engine: RemotePrefillEngine):
+        if not urls:
+            raise ValueError("prefill_url: a decode process needs at least one prefill server (HOST:PORT)")
+        self.endpoints = [_Endpoint(u) for u in urls]
+        self.engine = engine
+        self.queue: deque[_Remote] = deque()  # not sent yet
+        self.calls: dict[int, _Remote] = {}  # seq_id -> sent, or received and waiting for room
+        self.results: queue.Queue = queue.Queue()
+        self._rr = itertools.count()
+
+    # the Scheduler-like interface of a stage
+    def live(self) -> list[_Endpoint]:
+        now = time.monotonic()
+        return [e for e in self.endpoints if e.dead_until <= now]
+
+    def add(self, seq: Sequence) -> list[Sequence]:
+        p = seq.sampling_params
+        if p.n != 1:
+            raise ValueError(f"n={p.n}: a decode process with prefill servers serves n=1 requests")
+        if p.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not served across processes (use the one-process engine)")
+        limit = self.engine.max_model_len
+        if seq.num_prompt_tokens >= limit:
+            raise ValueError(f"prompt_token_ids has {seq.num_prompt_tokens} tokens; max_model_len={limit} leaves "
+                             "no room for output")
+        if p.max_tokens is not None and seq.num_prompt_tokens + p.max_tokens > limit:
+            raise ValueError(f"SamplingParams.max_tokens={p.max_tokens} with a {seq.num_prompt_tokens}-token "
+                             f"prompt exceeds max_model_len={limit}")
+        if not self.live():
+            reasons = "; ".join(f"{e.url}: {e.last_error}" for e in self.endpoints)
+            raise EngineNotReady(f"no prefill server is reachable ({reasons})")
+        self.queue.append(_Remote(seq, time.monotonic()))
+        return [seq]
+
+    def holds(self, seq: Sequence) -> bool:
+        return seq.seq_id in self.calls or any(r.seq is seq for r in self.queue)
+
+    def get_request(self, request_id: str) -> list[Sequence]:
+        return [r.seq for r in (*self.queue, *self.calls.values()) if r.seq.request_id == request_id]
+
+    def forget(self, seq: Sequence) -> _Remote | None:
+        r = self.calls.pop(seq.seq_id, None)
+        if r is None:
+            r = next((x for x in self.queue if x.seq is seq), None)
+            if r is not None:
+                self.queue.remove(r)
+        return r
+
+    def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        r = self.forget(seq)
+        if r is not None and r.call is not None and r.result is None:
+            r.call.cancel()  # the prefill process aborts the request and frees its pages
+        seq.set_finished(reason, stop_reason)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.queue or self.calls)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.queue) + len(self.calls)
+
+    @property
+    def num_running(self) -> int:
+        return 0
+
+    def stats(self) -> dict[str, int]:
+        return {"num_waiting": self.num_waiting, "prefill_servers_live": len(self.live())}
+
+    # sending and receiving
+    def pump(self, limit: int) -> None:
+        while self.queue and len(self.calls) < limit:
+            live = self.live()
+            if not live:
+                while self.queue:  # every prefill server is gone: the waiting requests fail with the reason
+                    r = self.queue.popleft()
+                    self.calls[r.seq.seq_id] = r
+                    self.results.put((r, RuntimeError("no prefill server is reachable (" + "; ".join(
+                        f"{e.url}: {e.last_error}" for e in self.endpoints) + ")")))
+                return
+            ep = live[next(self._rr) % len(live)]
+            r = self.queue.popleft()
+            r.url, r.sent = ep.url, time.monotonic()
+            self.calls[r.seq.seq_id] = r
+            seq = r.seq
+            msg = {"request_id": f"{seq.request_id}#{seq.seq_id}", "prompt_token_ids": seq.prompt_token_ids,
+                   "params": params_to_json(seq.sampling_params), "request_index": seq.request_index,
+                   "engine_seed": self.engine.config.seed}
+            r.call = ep.run(json.dumps(msg).encode())
+            threading.Thread(target=self._receive, args=(ep, r), daemon=True).start()
+
+    def _receive(self, ep: _Endpoint, r: _Remote) -> None:
+        import grpc
+
+        try:
+            it = iter(r.call)
+            header = json.loads(next(it))
+            chunks = [c for c in it]
+            r.data = b"".join(chunks)
+            r.result = header
+            r.landed = time.monotonic()
+            self.results.put((r, None))
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED:
+                return
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+                ep.dead_until = time.monotonic() + RETRY_DEAD_S
+            ep.last_error = f"{e.code().name}: {e.details()}"
+            if e.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (e.details() or ""):
+                self.results.put((r, _RETRY))  # never reached it: another prefill server takes the request
+                return
+            self.results.put((r, RuntimeError(f"the prefill server at {ep.url} failed: {ep.last_error}")))
+        except StopIteration:
+            self.results.put((r, RuntimeError(f"the prefill server at {ep.url} closed the stream early")))
+
+
+class _RemoteStages:
+    """The ``Scheduler`` interface over the remote prefill stage and the local decode scheduler."""
+
+    def __init__(self, prefill: RemotePrefill, decode):
+        self.prefill, self.decode = prefill, decode
+
+    def add(self, seq):
+        return self.prefill.add(seq)
+
+    def get_request(self, request_id):
+        return self.prefill.get_request(request_id) + self.decode.get_request(request_id)
+
+    def finish(self, seq, reason, stop_reason=None):
+        if seq.is_finished:
+            return
+        if self.prefill.holds(seq):
+            self.prefill.finish(seq, reason, stop_reason)
+        else:
+            self.decode.finish(seq, reason, stop_reason)
+
+    def has_unfinished(self):
+        return self.prefill.has_unfinished() or self.decode.has_unfinished()
+
+    @property
+    def num_waiting(self):
+        return self.prefill.num_waiting + self.decode.num_waiting
+
+    @property
+    def num_running(self):
+        return self.decode.num_running
+
+    @property
+    def running(self):
+        return [s for r in self.decode.replicas for s in r.running]
+
+    def stats(self):
+        out = dict(self.decode.stats())
+        out["num_waiting"] = self.num_waiting
+        out["prefill_servers_live"] = len(self.prefill.live())
+        return out
+
+
+class RemotePrefillEngine(StagedEngine):
+    """The decode process's engine: prompts prefilled by prefill processes, decodes run here (module doc)."""
+
+    def __init__(self, config: EngineConfig, prefill_urls: list[str], **kwargs):
+        super().__init__(config, **kwargs)
+        self.remote = RemotePrefill(prefill_urls, self)
+        self.decode_scheduler = self.scheduler
+        self.scheduler = _RemoteStages(self.remote, self.decode_scheduler)
+        self.writer = PageWriter(self.executor.runner)
+        self._landed: deque[_Remote] = deque()  # received, waiting for room on this side
+        self.stats_counters.update(kv_transfers=0, kv_transfer_bytes=0, kv_transfer_seconds=0.0,
+                                   kv_transfer_queue_seconds=0.0, decode_steps=0, prefill_steps=0)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self._receive()
+        self._adopt()
+        self.remote.pump(self.config.max_pending_transfers)
+        outputs += self._stage_step(self.decode_scheduler, self.executor, prefill=False)
+        if not outputs and not self.decode_scheduler.has_unfinished() and self.remote.has_unfinished():
+            try:  # nothing to decode: wait a little for a prefill instead of spinning
+                self.remote.results.put(self.remote.results.get(timeout=0.01))
+            except queue.Empty:
+                pass
+        return outputs
+
+    def _receive(self) -> list[RequestOutput]:
+        outputs = []
+        while True:
+            try:
+                r, error = self.remote.results.get_nowait()
+            except queue.Empty:
+                return outputs
+            seq = r.seq
+            if seq.is_finished or not self.remote.holds(seq):
+                continue  # cancelled meanwhile
+            if error is _RETRY:
+                self.remote.forget(seq)
+                self.remote.queue.appendleft(dataclasses.replace(r, url=None, call=None))
+                continue
+            if error is not None:
+                logger.warning("request %s fails: %s", seq.request_id, error)
+                out = self.abort_request(seq.request_id, "error", error=str(error))
+                if out is not None:
+                    outputs.append(out)
+                continue
+            h = r.result
+            if h.get("error"):
+                out = self.abort_request(seq.request_id, "error", error=f"prefill server {r.url}: {h['error']}")
+                if out is not None:
+                    outputs.append(out)
+                continue
+            seq.append_token(int(h["token"]))
+            seq.num_computed_tokens = seq.num_prompt_tokens
+            seq.num_cached_tokens = int(h.get("num_cached_tokens") or 0)
+            finished = []
+            if h.get("finish_reason"):
+                self.remote.forget(seq)
+                seq.set_finished(h["finish_reason"], h.get("stop_reason"))
+                finished.append(seq)
+            self.structured.accept([seq])
+            lps = {seq.seq_id: {int(k): v for k, v in h["logprobs"].items()}} if h.get("logprobs") else {}
+            outputs += self._collect(finished, [seq], lps)
+            if not seq.is_finished:
+                self._landed.append(r)
+
+    def _adopt(self) -> None:
+        while self._landed:
+            r = self._landed[0]
+            seq = r.seq
+            if seq.is_finished or not self.remote.holds(seq):
+                self._landed.popleft()
+                continue
+            replica = self.decode_scheduler.adopt(seq)
+            if replica is None:
+                return  # full: they wait in order, their pages on the host
+            self._landed.popleft()
+            self.remote.forget(seq)
+            kv = r.result["kv"]
+            host = np.frombuffer(r.data, dtype=np.dtype(kv["dtype"])).reshape(kv["shape"])
+            self.writer.write(host, kv["full"], kv["local"], replica, seq)
+            now = time.monotonic()
+            self.stats_counters["kv_transfers"] += 1
+            self.stats_counters["kv_transfer_bytes"] += int(kv["nbytes"])
+            self.stats_counters["kv_transfer_seconds"] += r.landed - r.sent
+            self.stats_counters["kv_transfer_queue_seconds"] += (r.sent - r.since) + (now - r.landed)
+
+    def stats(self) -> dict[str, float]:
+        s = super().stats()
+        s["kv_transfers_pending"] = len(self.remote.calls)
+        return s
+
+    def describe(self) -> dict:
+        info = super().describe()
+        info["prefill_urls"] = [e.url for e in self.remote.endpoints]
+        return info

@@ -1,0 +1,145 @@
+"""Prefill/decode disaggregation in one process (jaxserve/disagg.py): two meshes on the 8 emulated devices, KV
+pages copied between the two engines' pools; outputs identical to the colocated engine's."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve import LLM
+from jaxserve.engine_config import EngineConfig
+from jaxserve.sampling_params import SamplingParams
+from tiny import FAMILIES, build_tiny_model, hf_greedy, hf_model
+
+SHAPES = dict(page_size=8, max_model_len=96, max_num_seqs=3, max_num_batched_tokens=24, num_pages=48,
+              warmup=False, compilation_cache_dir=None)
+PROMPTS = [[5 + i + 3 * j for j in range(4 + 13 * i)] for i in range(5)]  # 4..56 tokens: chunked, several pages
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return build_tiny_model("llama", tmp_path_factory.mktemp("disagg") / "llama")
+
+
+@pytest.fixture(scope="module")
+def colocated(llama):
+    return LLM(str(llama), mesh="tensor=2", num_devices=2, **SHAPES)
+
+
+@pytest.fixture(scope="module")
+def disagg(llama):
+    # data on the decode side; tensor 2 -> 4 with 2 KV heads: the decode cache stores each head twice (remapped).
+    return LLM(str(llama), prefill_mesh="tensor=2", decode_mesh="data=2,tensor=2", max_pending_transfers=2,
+               **SHAPES)
+
+
+def _tokens(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def test_greedy_seeded_penalties_logprobs_and_n_match_colocated(colocated, disagg):
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=8, temperature=1.0, n=2, repetition_penalty=1.3, frequency_penalty=0.5,
+                             ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.7, ignore_eos=True)]  # unseeded: the request index's seed
+    for sp in params:
+        want, got = colocated.generate(PROMPTS, sp), disagg.generate(PROMPTS, sp)
+        assert _tokens(got) == _tokens(want), sp
+        if sp.logprobs:
+            for a, b in zip(want, got):
+                for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                    assert x.keys() == y.keys() and all(abs(x[k] - y[k]) < 1e-4 for k in x)
+    s = disagg.engine.stats()
+    assert s["kv_transfers"] > 0 and s["kv_transfer_bytes"] > 0 and s["decode_steps"] > 0
+    # Requests beyond the decode side's max_num_seqs waited for room (held their prefill pages), none dropped.
+    assert s["kv_transfer_queue_seconds"] > 0
+
+
+def test_prefix_cache_on_prefill_side_and_first_token_finish(disagg, colocated):
+    prompt = list(range(10, 50))
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    before = disagg.engine.stats()["prefix_cache_hits"]
+    a = disagg.generate([prompt], sp)[0]
+    b = disagg.generate([prompt], sp)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == colocated.generate([prompt], sp)[0].outputs[0].token_ids
+    # 40 tokens: 4 of the 5 full pages are reused (the last prompt token is always computed).
+    assert b.metrics.num_cached_tokens == 32 and disagg.engine.stats()["prefix_cache_hits"] - before == 32
+    moved = disagg.engine.stats()["kv_transfers"]
+    one = disagg.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))[0]
+    assert disagg.engine.stats()["kv_transfers"] == moved  # finished by its first token: nothing to move
+    assert one.outputs[0].finish_reason == "length" and one.outputs[0].token_ids == a.outputs[0].token_ids[:1]
+
+
+def _pages(engine):
+    e = engine
+    used = [r.block_manager.num_used_pages for r in e.prefill_scheduler.replicas]
+    used += [r.block_manager.num_used_pages for r in e.decode_scheduler.replicas]
+    return sum(used)
+
+
+def test_abort_in_every_stage_frees_pages_on_both_sides(disagg):
+    e = disagg.engine
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    prompts = [[(101 + 11 * i + 5 * j) % 370 + 3 for j in range(4 + 13 * i)] for i in range(5)]  # not cached
+    for i, p in enumerate(prompts):
+        e.add_request(f"ab{i}", p, sp)
+    seen = set()
+    for _ in range(200):
+        e.step()
+        where = {"prefill": e.prefill_scheduler.num_running, "moving": len(e.handoffs),
+                 "decode": e.decode_scheduler.num_running}
+        seen |= {k for k, v in where.items() if v}
+        if where["moving"] and where["decode"]:
+            break
+    assert {"prefill", "moving", "decode"} <= seen
+    for i in range(len(prompts)):
+        e.abort_request(f"ab{i}")
+    e.drain_transfers()
+    assert not e.has_unfinished() and not e.handoffs and _pages(e) == 0
+    for r in (*e.prefill_scheduler.replicas, *e.decode_scheduler.replicas):
+        r.block_manager.check_invariants()
+
+
+def test_disaggregated_config_is_checked():
+    with pytest.raises(ValueError, match="prefill_mesh and decode_mesh go together"):
+        EngineConfig(prefill_mesh="tensor=2")
+    with pytest.raises(ValueError, match="decode_mesh: "):
+        EngineConfig(prefill_mesh="tensor=2", decode_mesh="tensor=x")
+    with pytest.raises(ValueError, match="mesh/num_devices cannot be combined"):
+        EngineConfig(prefill_mesh="tensor=2", decode_mesh="tensor=2", mesh="tensor=4")
+
+
+def test_too_many_devices_is_refused(llama):
+    with pytest.raises(ValueError, match="need 12 devices; 8 are available"):
+        LLM(str(llama), prefill_mesh="tensor=4", decode_mesh="data=2,tensor=4", **SHAPES)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_greedy_matches_transformers(family, tmp_path):
+    path = build_tiny_model(family, tmp_path / family)
+    llm = LLM(str(path), prefill_mesh="tensor=1", decode_mesh="tensor=1", page_size=4, max_model_len=48,
+              max_num_seqs=2, max_num_batched_tokens=8, num_pages=24, warmup=False, compilation_cache_dir=None)
+    prompt = [3 + 7 * j % 300 for j in range(19)]  # chunked over 3 steps; windowed families release pages
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    got = llm.generate([prompt], sp)[0].outputs[0].token_ids
+    assert got == hf_greedy(hf_model(path), prompt, 6)
+    assert llm.engine.stats()["kv_transfers"] == 1
+
+
+def test_decode_side_full_prefills_wait_bounded_and_nothing_is_dropped(disagg, colocated):
+    e = disagg.engine
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [[7 + i + 5 * j for j in range(9 + 3 * i)] for i in range(9)]  # 9 requests, 6 decode slots
+    for i, p in enumerate(prompts):
+        e.add_request(f"full{i}", p, sp)
+    done, most_waiting = {}, 0
+    while e.has_unfinished():
+        for out in e.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        most_waiting = max(most_waiting, sum(h.staged is None for h in e.handoffs))
+    # They waited for room, and the wait is bounded: prefill pauses once max_pending_transfers wait (one last
+    # prefill step may add up to max_num_seqs more).
+    assert 1 <= most_waiting < e.config.max_pending_transfers + e.config.max_num_seqs
+    want = _tokens(colocated.generate(prompts, sp))
+    assert [[done[f"full{i}"]] for i in range(len(prompts))] == want

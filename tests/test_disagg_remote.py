@@ -1,0 +1,137 @@
+"""Prefill/decode disaggregation across processes (jaxserve/disagg_remote.py): two prefill processes and a decode
+process (the front door) started once for the module; the ``openai`` client and gRPC talk to the front door."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from jaxserve.disagg_remote import STATS_METHOD
+from jaxserve.protos import jaxserve_pb2 as pb
+from jaxserve.protos import jaxserve_pb2_grpc as pb_grpc
+from jaxserve.sampling_params import SamplingParams
+from server_harness import (MODEL_NAME, REPO, SMALL_ENGINE, compile_cache, free_port, pages_idle, reference_llm,
+                            server_env, start_server, tiny_model)
+
+PROMPT_IDS = [0, 17, 23, 99, 41, 5, 77, 120, 8, 64, 33, 2, 19, 250, 7, 3, 91, 14, 66, 200, 45]
+
+
+class PrefillProcess:
+    def __init__(self, request, name: str):
+        self.port = free_port()
+        log = request.getfixturevalue("tmp_path_factory").mktemp("prefill-logs") / f"{name}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxserve.serve", "--model", str(tiny_model(request)), "--role", "prefill",
+             "--kv-port", str(self.port), *SMALL_ENGINE, "--compilation-cache-dir", compile_cache(request)],
+            cwd=REPO, env=server_env(), stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+        self.url = f"127.0.0.1:{self.port}"
+
+    def wait_ready(self) -> None:
+        line = self.proc.stdout.readline()
+        assert re.search(r"jaxserve prefill ready: kv=grpc://", line), line
+
+    def stats(self) -> dict:
+        with grpc.insecure_channel(self.url) as ch:
+            call = ch.unary_unary(STATS_METHOD, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            return json.loads(call(b"", timeout=10))
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster(request):
+    prefills = [PrefillProcess(request, f"prefill{i}") for i in range(2)]
+    decode = start_server(request, "decode", ["--role", "decode", "--prefill-url",
+                                              ",".join(p.url for p in prefills)], wait=False)
+    try:
+        for p in prefills:
+            p.wait_ready()
+        decode.wait_ready()
+        yield prefills, decode
+    finally:
+        decode.terminate()
+        for p in prefills:
+            p.kill()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=cluster[1].http + "/v1", api_key="unused", max_retries=0)
+
+
+def test_openai_greedy_and_seeded_match_colocated(request, cluster, client):
+    llm = reference_llm(request)
+    for sp, extra in ((SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), {}),
+                      (SamplingParams(max_tokens=10, temperature=0.8, seed=11, ignore_eos=True), {"seed": 11})):
+        want = llm.generate([PROMPT_IDS, PROMPT_IDS[:7]], sp)
+        for prompt, ref in zip([PROMPT_IDS, PROMPT_IDS[:7]], want):
+            got = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=sp.max_tokens,
+                                            temperature=sp.temperature, extra_body={"ignore_eos": True}, **extra)
+            assert got.choices[0].text == ref.outputs[0].text
+    chunks = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=6, temperature=0, stream=True)
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content is not None]) >= 1
+    m = cluster[1].metrics()
+    assert m["jaxserve_kv_transfers_total"] >= 5 and m["jaxserve_kv_transfer_bytes_total"] > 0
+    assert m["jaxserve_kv_transfer_seconds_total"] > 0 and "jaxserve_kv_transfer_queue_seconds_total" in m
+    # Both prefill processes took requests (round robin) and gave every page back.
+    stats = [p.stats() for p in cluster[0]]
+    assert all(s["prompt_tokens"] > 0 and s["pages_used"] == 0 for s in stats)
+
+
+def test_grpc_front_door(request, cluster):
+    ref = reference_llm(request).generate(PROMPT_IDS, SamplingParams(max_tokens=8, temperature=0.0,
+                                                                     ignore_eos=True))[0]
+    with grpc.insecure_channel(cluster[1].grpc) as ch:
+        msgs = list(pb_grpc.JaxServeStub(ch).Generate(pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=PROMPT_IDS),
+            sampling_params=pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)), timeout=60))
+    assert [t for m in msgs for t in m.token_ids] == ref.outputs[0].token_ids
+
+
+def test_cancelled_requests_free_pages_on_both_sides(cluster, client):
+    prefills, decode = cluster
+    long_prompt = PROMPT_IDS * 4  # several prefill chunks: cancels land during prefill, transfer and decode
+    for delay in (0.0, 0.3, 1.0):
+        with httpx.stream("POST", decode.http + "/v1/completions", timeout=60, json=dict(
+                model=MODEL_NAME, prompt=long_prompt, max_tokens=40, stream=True, ignore_eos=True)) as r:
+            deadline = time.monotonic() + delay
+            for _ in r.iter_lines():
+                if time.monotonic() >= deadline:
+                    break
+    m = decode.wait_metrics(lambda m: pages_idle(m) and m.get("jaxserve_kv_transfers_pending") == 0, timeout=30)
+    assert pages_idle(m)
+    deadline = time.monotonic() + 30
+    while any(p.stats()["pages_used"] or p.stats()["num_running"] for p in prefills) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(p.stats()["pages_used"] == 0 for p in prefills)
+
+
+def test_dead_prefill_process_keeps_serving_then_503(cluster, client):
+    prefills, decode = cluster
+    prefills[0].kill()
+    for _ in range(3):  # the survivor serves (a request sent to the dead one is retried on it)
+        out = client.completions.create(model=MODEL_NAME, prompt=PROMPT_IDS, max_tokens=4, temperature=0)
+        assert out.choices[0].finish_reason == "length"
+    prefills[1].kill()
+    with pytest.raises((openai.APIStatusError, openai.InternalServerError)) as e:
+        for _ in range(3):
+            client.completions.create(model=MODEL_NAME, prompt=PROMPT_IDS, max_tokens=4, temperature=0)
+    # In flight to the process just killed: an error (500, the log says why); after that: 503 with the reason.
+    assert e.value.status_code == 500 or (e.value.status_code == 503 and "prefill server" in str(e.value))
+    # The front door itself keeps answering, and says why it cannot serve.
+    time.sleep(0.5)
+    r = httpx.post(decode.http + "/v1/completions", timeout=30,
+                   json=dict(model=MODEL_NAME, prompt=PROMPT_IDS, max_tokens=4))
+    assert r.status_code == 503 and "no prefill server is reachable" in r.text
+    assert httpx.get(decode.http + "/health", timeout=10).status_code == 200
