@@ -45,6 +45,9 @@ HELP = {
     "skip_tokenizer_init": "load no tokenizer: prompts must be token ids and outputs carry token ids, no text",
     "revision": "branch, tag or commit of a hub model (default: the main branch)",
     "download_dir": "folder hub models are downloaded to (default: the Hugging Face cache)",
+    "async_scheduling": "schedule and launch each step before the previous step's tokens reach the host, so the "
+                        "device never waits for the host loop; requests with structured output or prompt logprobs "
+                        "run synchronously",
 }
 
 

@@ -65,6 +65,9 @@ class EngineConfig:
     skip_tokenizer_init: bool = False  # serve token ids only: no tokenizer is loaded, outputs carry no text
     revision: str | None = None  # of a hub model: branch, tag or commit
     download_dir: str | None = None  # where hub models are downloaded (default: the Hugging Face cache)
+    # Launch step N+1 before step N's tokens reach the host (jaxserve/async_scheduling.py); steps that need the
+    # host's view of the previous token (structured output, prompt logprobs) run synchronously.
+    async_scheduling: bool = True
 
     def __post_init__(self):
         positive = ("page_size", "max_num_seqs", "max_num_batched_tokens")

@@ -101,6 +101,11 @@ class Executor:
         # host while the device computes the step's logits.
         self.token_masks: Callable[[list, np.ndarray], bool] | None = None
         self._all_allowed = np.full((max_running, (cfg.vocab_size + 31) // 32), -1, np.int32)
+        # Host-overhead accounting (scripts/bench_host.py): time blocked in ``fetch``, and host time between a
+        # fetch returning and the next launch (the device idles through it unless a step is already queued).
+        self.host_wait_seconds = 0.0
+        self.critical_seconds, self.critical_steps = 0.0, 0
+        self.ready_time: float | None = None
         if config.warmup and self.is_leader:
             self.warmup()  # on a multi-process run the followers compile the same shapes as they follow
 
@@ -127,9 +132,20 @@ class Executor:
 
     # One step -----------------------------------------------------------------------------------------------
     def execute(self, plan) -> StepResult:
-        """Run a scheduled plan (``plan.scheduled`` entries, ``plan.replicas`` their data replicas).
+        """Run a scheduled plan (``plan.scheduled`` entries, ``plan.replicas`` their data replicas) and wait for
+        its tokens: ``fetch(launch(plan))``.
+
+        Raises:
+          StepFailed: the step raised; the plan's sequences got no token.
+        """
+        return self.fetch(self.launch(plan))
+
+    def launch(self, plan, prev: "PendingStep | None" = None) -> "PendingStep":
+        """Dispatch a plan's step and its sampling to the device and return at once (nothing is read back).
 
         A decode step when every sequence has one new token, else a prefill step that carries the decodes along.
+        With ``prev`` (the step launched just before, not fetched yet), a token id ``-1 - i`` in the plan is
+        row ``i`` of ``prev``'s sampled ids: the device reads it there (async scheduling).
 
         Raises:
           StepFailed: the step raised; the plan's sequences got no token.
@@ -137,27 +153,58 @@ class Executor:
         try:
             if self.fault is not None:
                 self.fault(plan)
-            return self._execute(plan.scheduled, plan.replicas)
+            return self._launch(plan.scheduled, plan.replicas, prev)
         except Exception as e:
-            lost = self.runner.cache_lost()
-            if lost:
-                self.runner.reset_cache(self.cache_dtype)
-            raise StepFailed(f"{type(e).__name__}: {e}", cache_lost=lost) from e
+            raise self._failed(e) from e
 
-    def _execute(self, entries, replicas: list[int]) -> StepResult:
+    def fetch(self, pending: "PendingStep") -> StepResult:
+        """Wait for a launched step and bring its results to the host (one device-to-host copy).
+
+        Raises:
+          StepFailed: the step raised on the device.
+        """
+        start = time.perf_counter()
+        try:
+            got = [np.asarray(a) for a in jax.device_get(pending.arrays)]
+            scores = None if pending.scores is None else [np.asarray(a) for a in jax.device_get(pending.scores)]
+        except Exception as e:
+            raise self._failed(e) from e
+        self.ready_time = time.perf_counter()
+        self.host_wait_seconds += self.ready_time - start
+        result = StepResult(*(a[: pending.n] for a in got))
+        if scores is not None:
+            result = dataclasses.replace(result, prompt_logprobs=pending.scored.collect(*scores))
+        return result
+
+    def _failed(self, e: Exception) -> StepFailed:
+        lost = self.runner.cache_lost()
+        if lost:
+            self.runner.reset_cache(self.cache_dtype)
+        return StepFailed(f"{type(e).__name__}: {e}", cache_lost=lost)
+
+    def _launch(self, entries, replicas: list[int], prev: "PendingStep | None") -> "PendingStep":
+        if self.ready_time is not None:  # host time from the last results read back to this launch
+            self.critical_seconds += time.perf_counter() - self.ready_time
+            self.critical_steps += 1
+            self.ready_time = None
         kind = StepKind.DECODE if all(len(e.token_ids) == 1 for e in entries) else StepKind.PREFILL
         batch = self.make_batch([e.token_ids for e in entries], [e.kv_len for e in entries],
                                 [e.page_table for e in entries], kind=kind, replicas=replicas,
                                 local_page_tables=[e.local_page_table for e in entries])
         scored = ScoreRows.add_rows(entries, batch.logits_indices)  # prompt_logprobs: more logits rows
-        out = self.runner.local(self.runner.run(kind, batch))
-        result = self._sample_step(entries, out)
+        prev_ids = None
+        if prev is not None:
+            prev_ids = self.runner.place_ids(prev.next_ids) if prev.on_sample_device else prev.next_ids
+        # (two arguments when there is no previous step: what a wrapper of ``run`` written for it expects)
+        replicated = self.runner.run(kind, batch, prev_ids) if prev_ids is not None else self.runner.run(kind, batch)
+        out = self.runner.local(replicated)
+        pending = self._sample_step(entries, out, replicated)
         if scored is not None:
-            got = jax.device_get(self._score(out.logits, scored.targets(self.runner.num_logit_rows)))
-            result = dataclasses.replace(result, prompt_logprobs=scored.collect(*(np.asarray(a) for a in got)))
-        return result
+            pending.scored = scored
+            pending.scores = self._score(out.logits, scored.targets(self.runner.num_logit_rows))
+        return pending
 
-    def _sample_step(self, entries, out: StepOutput) -> StepResult:
+    def _sample_step(self, entries, out: StepOutput, replicated: StepOutput) -> "PendingStep":
         n = len(entries)
         bitmask = self._all_allowed
         if self.token_masks is not None and any(e.seq.sampling_params.structured_outputs for e in entries):
@@ -168,7 +215,7 @@ class Executor:
         rows = [self._penalty_row(e.seq) for e in entries]
         if not any(rows) and bitmask is self._all_allowed and all(_plain_greedy(e.seq) for e in entries):
             # Greedy batches take the argmax the step already computed: no sampler call at all.
-            return StepResult(np.asarray(jax.device_get(out.greedy_ids))[:n])
+            return PendingStep(n, (out.greedy_ids,), replicated.greedy_ids)
         tensors = SamplingTensors.build(
             [e.seq.sampling_params for e in entries], num_slots=self.runner.num_logit_rows,
             seeds=[self._seed(e.seq) for e in entries], num_generated=[e.seq.num_output_tokens for e in entries],
@@ -180,9 +227,9 @@ class Executor:
         if use_penalties:
             self._penalties = sampled.penalty_state
         if not any(e.seq.sampling_params.logprobs is not None for e in entries):
-            return StepResult(np.asarray(jax.device_get(sampled.token_ids))[:n])
-        got = jax.device_get((sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs))
-        return StepResult(*(np.asarray(a)[:n] for a in got))
+            return PendingStep(n, (sampled.token_ids,), sampled.token_ids, True)
+        return PendingStep(n, (sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs),
+                           sampled.token_ids, True)
 
     def make_batch(self, chunks: list[list[int]], kv_lens: list[int], page_tables: list[list[int]], *,
                    kind: StepKind, replicas: list[int] | None = None,
@@ -303,6 +350,20 @@ class Executor:
             "num_pages": int(self.cache_config.num_pages),
             "dtype": str(np.dtype(self.cache_dtype)),
         }
+
+
+@dataclasses.dataclass
+class PendingStep:
+    """A launched step whose results are still on the device: ``arrays`` are what ``fetch`` reads back (sampled
+    ids, then logprobs and the top-n if asked), ``next_ids`` the sampled ids as the next step may read them
+    (replicated over the mesh already, or on the sampling device and placed when a next step needs them)."""
+
+    n: int  # the plan's entries: rows of the results that are real
+    arrays: tuple
+    next_ids: jax.Array
+    on_sample_device: bool = False
+    scored: ScoreRows | None = None  # prompt logprobs to score, and their device results
+    scores: tuple | None = None
 
 
 def _plain_greedy(seq: Sequence) -> bool:

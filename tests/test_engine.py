@@ -24,11 +24,20 @@ def hf(model_dir):
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir, tmp_path_factory):
+def shared_engine(model_dir, tmp_path_factory):
     """A warmed-up engine with a pool small enough that the random workload must preempt."""
     return Engine(EngineConfig(model=str(model_dir), page_size=PAGE, num_pages=24, max_model_len=64,
                                max_num_seqs=8, max_num_batched_tokens=64, debug_checks=True, seed=0,
                                compilation_cache_dir=None))
+
+
+@pytest.fixture(params=["async", "sync"])
+def engine(shared_engine, request):
+    """The shared engine with async scheduling on, then off (both run the same compiled shapes)."""
+    assert not shared_engine.has_unfinished()
+    shared_engine._async = request.param == "async"
+    yield shared_engine
+    shared_engine._async = True
 
 
 def run(engine: Engine, arrivals: list[list[tuple[str, list[int], SamplingParams]]]) -> dict:
@@ -198,7 +207,7 @@ def test_decodes_ride_in_the_prompt_step(engine, hf, monkeypatch):
     calls = []
     runner = engine.executor.runner
     real = runner.run
-    monkeypatch.setattr(runner, "run", lambda kind, batch: calls.append(kind.name.lower() + "_step") or real(kind, batch))
+    monkeypatch.setattr(runner, "run", lambda kind, batch, *prev: calls.append(kind.name.lower() + "_step") or real(kind, batch, *prev))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.add_request("first", [5, 6, 7, 8, 9], params)
     engine.step()
