@@ -247,6 +247,8 @@ class BlockManager:
         """A page table the kernels can take: released entries point at the sequence's first held page.
         Attention never reads them (they lie before every query's window; the reference reads and masks them)
         and writes land only at positions past them."""
+        if RELEASED not in page_table:
+            return list(page_table)
         fill = next((p for p in page_table if p != RELEASED), 0)
         return [fill if p == RELEASED else p for p in page_table]
 

@@ -92,6 +92,8 @@ class Engine:
             getattr(getattr(self.executor, "runner", None), "channel", None) is None
         self._pending = None
         self._sync_requests = 0  # live requests whose steps need the host's view of the previous token
+        # True: ``step`` returns outputs of finished requests only (the offline API reads nothing else).
+        self.final_outputs_only = False
 
     # Requests -----------------------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
@@ -300,7 +302,7 @@ class Engine:
             deltas = changed.get(request_id, {})
             if all(s.is_finished for s in req.seqs):
                 outputs.append(self._finish_request(req, req.seqs, deltas))
-            else:
+            elif not self.final_outputs_only:
                 outputs.append(self._output(req, [s for s in req.seqs if s.index in deltas], deltas, False))
         return outputs
 

@@ -101,11 +101,7 @@ class Executor:
         # host while the device computes the step's logits.
         self.token_masks: Callable[[list, np.ndarray], bool] | None = None
         self._all_allowed = np.full((max_running, (cfg.vocab_size + 31) // 32), -1, np.int32)
-        # Host-overhead accounting (scripts/bench_host.py): time blocked in ``fetch``, and host time between a
-        # fetch returning and the next launch (the device idles through it unless a step is already queued).
-        self.host_wait_seconds = 0.0
-        self.critical_seconds, self.critical_steps = 0.0, 0
-        self.ready_time: float | None = None
+        self.host_wait_seconds = 0.0  # time the host spent blocked in ``fetch`` (scripts/bench_host.py)
         if config.warmup and self.is_leader:
             self.warmup()  # on a multi-process run the followers compile the same shapes as they follow
 
@@ -169,8 +165,7 @@ class Executor:
             scores = None if pending.scores is None else [np.asarray(a) for a in jax.device_get(pending.scores)]
         except Exception as e:
             raise self._failed(e) from e
-        self.ready_time = time.perf_counter()
-        self.host_wait_seconds += self.ready_time - start
+        self.host_wait_seconds += time.perf_counter() - start
         result = StepResult(*(a[: pending.n] for a in got))
         if scores is not None:
             result = dataclasses.replace(result, prompt_logprobs=pending.scored.collect(*scores))
@@ -183,10 +178,6 @@ class Executor:
         return StepFailed(f"{type(e).__name__}: {e}", cache_lost=lost)
 
     def _launch(self, entries, replicas: list[int], prev: "PendingStep | None") -> "PendingStep":
-        if self.ready_time is not None:  # host time from the last results read back to this launch
-            self.critical_seconds += time.perf_counter() - self.ready_time
-            self.critical_steps += 1
-            self.ready_time = None
         kind = StepKind.DECODE if all(len(e.token_ids) == 1 for e in entries) else StepKind.PREFILL
         batch = self.make_batch([e.token_ids for e in entries], [e.kv_len for e in entries],
                                 [e.page_table for e in entries], kind=kind, replicas=replicas,

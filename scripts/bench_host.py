@@ -15,11 +15,12 @@ logprobs=2, a stop string (that never matches; it is checked on every token). EO
 every configuration produces the same number of tokens.
 
 Per run it reports output tokens/s, engine steps/s, host µs per step (engine.step() wall time minus the time
-the host spent blocked on the device), host µs per step on the critical path (from the moment a step's
-results reached the host to the launch of the next step; 0 when the next step was launched before the results
-were read), and the device idle gap between consecutive steps: a watcher thread blocks on each launched step's
-output and timestamps its completion; the gap before step N+1 is ``max(0, launch(N+1) - done(N))`` (steps run
-in launch order). Gaps are means over all steps of the run (and the median).
+the host spent blocked on the device) and the device idle gap between consecutive steps, i.e. the host time on
+the device's critical path: a watcher thread blocks on each launched step's output and timestamps its
+completion; the gap before step N+1 is ``max(0, launch(N+1) - done(N))`` (steps run in launch order). Gaps are
+means over all steps of the run (and the median). As vLLM's offline ``generate``, the engine builds outputs of
+finished requests only; runs without features use ``skip_tokenizer_init`` (no detokenization, as vLLM's run),
+runs with them load the tokenizer (stop strings are checked on text).
 
 ``--compare vllm`` runs the decode workload (greedy, and with features: temperature, top-p, penalties,
 logprobs, no stop string, which vLLM cannot check without a tokenizer) through vLLM's offline engine
@@ -123,7 +124,6 @@ def run_jaxserve(engine: Engine, w: dict, features: bool) -> dict:
     sp = SamplingParams(**params_for(features, w["output_len"]))
     ex = engine.executor
     steps0, wait0 = engine.stats_counters["steps"], ex.host_wait_seconds
-    crit0, ncrit0 = ex.critical_seconds, ex.critical_steps
     timeline = Timeline(ex.runner)
     pending = list(enumerate(w["prompts"]))
     out_tokens, step_wall = 0, 0.0
@@ -143,10 +143,8 @@ def run_jaxserve(engine: Engine, w: dict, features: bool) -> dict:
     steps = engine.stats_counters["steps"] - steps0
     wait = ex.host_wait_seconds - wait0
     gaps = timeline.gaps()
-    ncrit = max(1, ex.critical_steps - ncrit0)
     return {"seconds": seconds, "output_tokens": out_tokens, "steps": steps,
             "host_us": 1e6 * (step_wall - wait) / max(1, steps),
-            "critical_us": 1e6 * (ex.critical_seconds - crit0) / ncrit,
             "gap_us": 1e6 * statistics.fmean(gaps) if gaps else 0.0,
             "gap_median_us": 1e6 * statistics.median(gaps) if gaps else 0.0}
 
@@ -184,12 +182,18 @@ def main() -> None:
     results = []
     for c in [int(x) for x in args.concurrency.split(",")]:
         engines = {}
-        for a in modes:
-            t0 = time.perf_counter()
-            engines[a] = Engine(EngineConfig(model=str(model), max_num_seqs=c, max_num_batched_tokens=max(512, c),
-                                             max_model_len=MAX_MODEL_LEN, async_scheduling=a))
-            print(f"# concurrency {c}, async_scheduling={a}: engine ready in {time.perf_counter() - t0:.1f}s",
-                  flush=True)
+
+        def engine(a: bool, feat: bool) -> Engine:
+            if (a, feat) not in engines:
+                t0 = time.perf_counter()
+                e = engines[a, feat] = Engine(EngineConfig(
+                    model=str(model), max_num_seqs=c, max_num_batched_tokens=max(512, c), max_model_len=MAX_MODEL_LEN,
+                    async_scheduling=a, skip_tokenizer_init=not feat))
+                e.final_outputs_only = True
+                print(f"# concurrency {c}, async_scheduling={a}, tokenizer={feat}: engine ready in "
+                      f"{time.perf_counter() - t0:.1f}s", flush=True)
+            return engines[a, feat]
+
         for kind in args.workloads.split(","):
             w = workload(kind, c)
             for feat in [x == "on" for x in args.features.split(",")]:
@@ -197,12 +201,12 @@ def main() -> None:
                 for rep in range(args.repeats):
                     tps = {}
                     for a in modes:
-                        r = run_jaxserve(engines[a], w, feat)
+                        r = run_jaxserve(engine(a, feat), w, feat)
                         tps[a] = r["output_tokens"] / r["seconds"]
                         results.append(dict(r, concurrency=c, workload=kind, features=feat, async_scheduling=a))
                         print(f"{label} async={'on ' if a else 'off'}: {tps[a]:9.0f} out tok/s  "
                               f"{r['steps'] / r['seconds']:7.1f} steps/s  host {r['host_us']:7.0f} us/step  "
-                              f"critical path {r['critical_us']:7.0f} us/step  idle gap mean "
+                              f"device idle gap (host on the critical path) mean "
                               f"{r['gap_us']:7.0f} us (median {r['gap_median_us']:.0f})", flush=True)
                     if "vllm" in args.compare and kind == "decode":
                         v = run_vllm(args.vllm_python, model, w, feat, c)
