@@ -355,6 +355,7 @@ class Engine:
         s = dict(self.scheduler.stats())
         s.update(self.stats_counters)
         s["num_pages"] = self.executor.cache_config.num_pages
+        s["compilations_after_warmup"] = getattr(self.executor, "compilations_after_warmup", 0)
         return s
 
     def describe(self) -> dict:

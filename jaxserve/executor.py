@@ -102,6 +102,9 @@ class Executor:
         self.token_masks: Callable[[list, np.ndarray], bool] | None = None
         self._all_allowed = np.full((max_running, (cfg.vocab_size + 31) // 32), -1, np.int32)
         self.host_wait_seconds = 0.0  # time the host spent blocked in ``fetch`` (scripts/bench_host.py)
+        self.warmed_up = False
+        self.compilations_after_warmup = 0
+        self._last_shape = ""  # the latest launched step's shapes, for the compile guard's warning
         if config.warmup and self.is_leader:
             self.warmup()  # on a multi-process run the followers compile the same shapes as they follow
 
@@ -146,12 +149,23 @@ class Executor:
         Raises:
           StepFailed: the step raised; the plan's sequences got no token.
         """
+        compiled = compile_counter.count()
         try:
             if self.fault is not None:
                 self.fault(plan)
             return self._launch(plan.scheduled, plan.replicas, prev)
         except Exception as e:
             raise self._failed(e) from e
+        finally:
+            if self.warmed_up and compile_counter.count() != compiled:
+                self._compiled_while_serving(compile_counter.count() - compiled)
+
+    def _compiled_while_serving(self, n: int) -> None:
+        """The compile guard: warm-up compiles every shape serving uses, so a compilation now is a bug that
+        stalls the step (counted in ``jaxserve_compilations_after_warmup_total``)."""
+        self.compilations_after_warmup += n
+        logger.warning("%d XLA compilation(s) after warm-up, in the step of shape %s (warm-up should have compiled "
+                       "it; the step waited for the compiler)", n, self._last_shape)
 
     def fetch(self, pending: "PendingStep") -> StepResult:
         """Wait for a launched step and bring its results to the host (one device-to-host copy).
@@ -183,6 +197,8 @@ class Executor:
                                 [e.page_table for e in entries], kind=kind, replicas=replicas,
                                 local_page_tables=[e.local_page_table for e in entries])
         scored = ScoreRows.add_rows(entries, batch.logits_indices)  # prompt_logprobs: more logits rows
+        r, t, sl, pg = batch.shape_fields()
+        self._last_shape = f"{kind.name.lower()} (replicas={r}, tokens={t}, slots={sl}, pages={pg})"
         prev_ids = None
         if prev is not None:
             prev_ids = self.runner.place_ids(prev.next_ids) if prev.on_sample_device else prev.next_ids
@@ -214,6 +230,8 @@ class Executor:
             logprobs_mode=self.config.logprobs_mode, token_bitmask=bitmask, logit_bias_width=MAX_LOGIT_BIAS,
         )
         use_penalties = any(rows)
+        self._last_shape += (f", sampler (banned={tensors.banned_ids.shape[1]}, mask={tensors.token_bitmask.shape[1]}, "
+                             f"top_logprobs={tensors.num_top_logprobs}, penalties={use_penalties})")
         sampled = self._sample(out.logits, tensors, self._penalties if use_penalties else None)
         if use_penalties:
             self._penalties = sampled.penalty_state
@@ -324,6 +342,7 @@ class Executor:
                 progress.tick()
         jax.block_until_ready(self._score(logits, np.zeros(self.runner.num_logit_rows, np.int32)))
         progress.finish()
+        self.warmed_up = True
         logger.debug("warm-up compiled the steps and the sampler in %.1fs", time.perf_counter() - start)
 
     def describe(self) -> dict:

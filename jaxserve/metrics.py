@@ -41,6 +41,8 @@ _ENGINE_STATS = (
     ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache.", "counter"),
     ("prefix_cache_evictions", "cache_evictions", "Cached pages evicted to make room.", "counter"),
     ("engine_steps", "steps", "Engine steps run.", "counter"),
+    ("compilations_after_warmup", "compilations_after_warmup",
+     "XLA compilations while serving, after warm-up compiled every shape (each one stalled a step).", "counter"),
 )
 
 
