@@ -9,8 +9,10 @@ The host loop (``jaxserve.engine``) sees only plans going in and ``StepResult`` 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 
@@ -261,7 +263,7 @@ class Executor:
         else:
             num_tokens = shapes.token_bucket(max(sum(len(chunks[i]) for i in g) for g in groups))
             num_seqs = shapes.prefill_seqs(num_tokens)
-        pages = shapes.page_bucket(max(map(len, page_tables), default=1))
+        pages = shapes.step_pages(kind == StepKind.DECODE, max(map(len, page_tables), default=1))
         if self.runner.local_pool:
             if local_page_tables is None or len(local_page_tables) != len(page_tables):
                 raise ValueError("a model with a windowed page pool needs local_page_tables for every sequence")
@@ -321,12 +323,13 @@ class Executor:
         start = time.perf_counter()
         shapes = self.shapes.all_shapes()
         progress = compile_progress.start(len(shapes) + 4, self.config.compilation_cache_dir)
+        ahead = self._compile_ahead(shapes, progress)
         out: StepOutput | None = None
         for decode, num_tokens, num_seqs, pages in shapes:
-            batch = MeshBatch.padding(self.num_replicas, num_tokens=num_tokens, max_seqs=num_seqs,
-                                      pages_per_seq=pages * (2 if self.runner.local_pool else 1))
+            batch = self._padding_batch(num_tokens, num_seqs, pages)
             out = jax.block_until_ready(self.runner.run(StepKind.DECODE if decode else StepKind.PREFILL, batch))
-            progress.tick()
+            if not ahead:
+                progress.tick()
         logits = self.runner.local(out).logits
         # Serving passes the sampler a penalty state produced by jitted code; warm it on one as well.
         pad = np.full((1, self.max_model_len), -1, np.int32)
@@ -344,6 +347,28 @@ class Executor:
         progress.finish()
         self.warmed_up = True
         logger.debug("warm-up compiled the steps and the sampler in %.1fs", time.perf_counter() - start)
+
+    def _padding_batch(self, num_tokens: int, num_seqs: int, pages: int) -> MeshBatch:
+        return MeshBatch.padding(self.num_replicas, num_tokens=num_tokens, max_seqs=num_seqs,
+                                 pages_per_seq=pages * (2 if self.runner.local_pool else 1))
+
+    def _compile_ahead(self, shapes, progress) -> bool:
+        """Compile the step shapes on a thread pool, one per core (XLA's compiler releases the GIL; tracing and
+        lowering do not, so the gain is the compile part); the warm-up then runs each from jax's in-memory cache.
+        Single-process only (followers compile as they follow). Returns whether it ran."""
+        workers = min(len(shapes), os.cpu_count() or 1)
+        if jax.process_count() > 1 or workers < 2:
+            return False
+
+        def compile_one(shape):
+            decode, num_tokens, num_seqs, pages = shape
+            kind = StepKind.DECODE if decode else StepKind.PREFILL
+            self.runner.lower(kind, self._padding_batch(num_tokens, num_seqs, pages)).compile()
+
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool:
+            for _ in pool.map(compile_one, shapes):
+                progress.tick()
+        return True
 
     def describe(self) -> dict:
         """What the device side serves: model, pool and dtypes (plain values, for servers and logs)."""
