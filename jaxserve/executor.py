@@ -270,6 +270,9 @@ class Executor:
             page_tables = [list(t) + [0] * (pages - len(t)) + list(lt)
                            for t, lt in zip(page_tables, local_page_tables, strict=True)]
             pages *= 2
+        if self.num_replicas == 1:  # the common case: no regrouping
+            return MeshBatch.stack([StepBatch.build(chunks, kv_lens, page_tables, num_tokens=num_tokens,
+                                                    max_seqs=num_seqs, pages_per_seq=pages)])
         batches = [StepBatch.build([chunks[i] for i in g], [kv_lens[i] for i in g], [page_tables[i] for i in g],
                                    num_tokens=num_tokens, max_seqs=num_seqs, pages_per_seq=pages) for g in groups]
         slot = {i: (g, j) for g, members in enumerate(groups) for j, i in enumerate(members)}
