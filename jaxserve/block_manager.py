@@ -263,6 +263,8 @@ class BlockManager:
         hashes = self._hashes(seq, end)
         for i in range(start, end):
             page, h = self._t(seq)[i], hashes[i]
+            if page == RELEASED:  # already behind the window (async scheduling registers a step later): not kept
+                continue
             # Another sequence may have computed the same content into its own page first; keep that one
             # and let this copy return to the pool when released.
             if h not in self._page_of:
