@@ -38,13 +38,17 @@ def placeholder(row: int) -> int:
 
 
 def commit(scheduler: ReplicatedScheduler, plan: ReplicatedPlan) -> None:
-    """Record a launched step before its tokens are known: the KV it computes, and a placeholder token for each
-    entry it samples (its row in the step)."""
+    """Record a launched step before its tokens are known: the KV it computes (full pages go to the prefix cache
+    when their tokens are all known), and a placeholder token for each entry it samples (its row in the step)."""
     row = 0
-    for p in plan.plans:
+    for sched, p in zip(scheduler.replicas, plan.plans, strict=True):
         for entry in p.scheduled:
             seq = entry.seq
             seq.num_computed_tokens = entry.kv_len
+            if entry.token_ids[-1] >= 0:
+                # Every computed token is known (a prompt chunk, or a decode of a token already read back):
+                # offer the full pages now, before a later schedule releases them behind a window.
+                sched.block_manager.register(seq)
             if entry.needs_sample:
                 seq.append_token(placeholder(row))
             row += 1
