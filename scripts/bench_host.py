@@ -3,8 +3,8 @@
     python scripts/bench_host.py [--concurrency 1,64,256] [--workloads decode,mixed] [--features off,on]
         [--async-scheduling both|on|off] [--repeats 1] [--compare vllm [--vllm-python PY]] [--model DIR]
 
-The model (written once to ``--model``, default /tmp/jaxserve-host-model): Llama-shaped, 1 layer, hidden 64,
-4 heads, vocab 512, fp32, random weights, the byte tokenizer. Workloads, at each concurrency c (max_num_seqs):
+The model (written once to ``--model``, default /tmp/jaxserve-host-model-hd32): Llama-shaped, 1 layer, hidden
+64, 4 heads of dim 32 (vLLM's CPU attention has no head_dim 16), vocab 512, fp32, random weights, the byte tokenizer. Workloads, at each concurrency c (max_num_seqs):
 
 - ``decode``: 256 requests (16 at c=1) x 128 output tokens, 8..16-token prompts, all queued at once;
 - ``mixed``: 256 requests (16 at c=1) x 64 output tokens, 32..192-token prompts arriving 8 per step, so
@@ -53,8 +53,9 @@ from jaxserve.engine_config import EngineConfig  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+# head_dim 32 (not 64 / 4 = 16): vLLM's CPU attention has no kernel for head_dim 16.
 TINY = dict(DEMO_CONFIG, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-            num_key_value_heads=4, vocab_size=512, max_position_embeddings=512, tie_word_embeddings=False)
+            num_key_value_heads=4, head_dim=32, vocab_size=512, max_position_embeddings=512, tie_word_embeddings=False)
 MAX_MODEL_LEN = 256
 
 
@@ -167,7 +168,7 @@ def run_vllm(python: str, model: Path, w: dict, features: bool, concurrency: int
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=Path("/tmp/jaxserve-host-model"))
+    p.add_argument("--model", type=Path, default=Path("/tmp/jaxserve-host-model-hd32"))
     p.add_argument("--concurrency", default="1,64,256")
     p.add_argument("--workloads", default="decode,mixed")
     p.add_argument("--features", default="off,on")
