@@ -392,7 +392,7 @@ def run(req: Request, log=None) -> dict:
     # Shapes to compile: the warm-up's buckets and the probes the predictions need.
     context = min(req.context, max_model_len - 1)
     prompt_len = min(PROMPT_PROBE, max_model_len)
-    probe_pages = shapes.page_bucket(_ceil(context + 1, req.page_size))
+    probe_pages = shapes.step_pages(True, _ceil(context + 1, req.page_size))
     prompt_tokens = shapes.token_bucket(min(prompt_len, req.max_num_batched_tokens))
     prompt_pages = shapes.page_bucket(_ceil(prompt_len, req.page_size))
     probes = {f"decode@{b}": ("decode", b, b, probe_pages) for b in req.decode_batches}

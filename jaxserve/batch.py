@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 
 import numpy as np
 
@@ -54,27 +55,35 @@ class StepBatch:
           ValueError: if the sequences do not fit the requested padded shape.
         """
         n = len(chunks)
-        total = sum(len(c) for c in chunks)
+        # Vectorised: per-step host work is a few NumPy calls over the flattened tokens and page ids, not a
+        # Python loop over the batch's sequences.
+        q_lens = np.fromiter(map(len, chunks), np.int64, n)
+        total = int(q_lens.sum())
         if n > max_seqs or total > num_tokens:
             raise ValueError(f"{n} sequences / {total} tokens do not fit a batch of {max_seqs} / {num_tokens}")
+        if len(kv_lens) != n or len(page_tables) != n:
+            raise ValueError(f"{n} chunks but {len(kv_lens)} kv_lens and {len(page_tables)} page tables")
+        if n and q_lens.min() == 0:
+            raise ValueError(f"sequence {int(np.argmin(q_lens))} has no new tokens")
+        widths = np.fromiter(map(len, page_tables), np.int64, n)
+        if n and widths.max() > pages_per_seq:
+            s = int(np.argmax(widths))
+            raise ValueError(f"sequence {s} holds {widths[s]} pages, more than pages_per_seq={pages_per_seq}")
         token_ids = np.zeros(num_tokens, np.int32)
+        token_ids[:total] = np.fromiter(itertools.chain.from_iterable(chunks), np.int32, total)
         cu = np.zeros(max_seqs + 1, np.int32)
+        np.cumsum(q_lens, out=cu[1 : n + 1])
+        cu[n + 1 :] = total
         kv = np.zeros(max_seqs, np.int32)
+        kv[:n] = kv_lens
         pages = np.zeros((max_seqs, pages_per_seq), np.int32)
+        num_ids = int(widths.sum())
+        if num_ids:
+            rows = np.repeat(np.arange(n), widths)
+            cols = np.arange(num_ids) - np.repeat(np.cumsum(widths) - widths, widths)
+            pages[rows, cols] = np.fromiter(itertools.chain.from_iterable(page_tables), np.int32, num_ids)
         logits_indices = np.zeros(max_seqs, np.int32)
-        offset = 0
-        for s, (chunk, kv_len, table) in enumerate(zip(chunks, kv_lens, page_tables, strict=True)):
-            if not chunk:
-                raise ValueError(f"sequence {s} has no new tokens")
-            if len(table) > pages_per_seq:
-                raise ValueError(f"sequence {s} holds {len(table)} pages, more than pages_per_seq={pages_per_seq}")
-            token_ids[offset : offset + len(chunk)] = chunk
-            offset += len(chunk)
-            cu[s + 1] = offset
-            kv[s] = kv_len
-            pages[s, : len(table)] = table
-            logits_indices[s] = offset - 1
-        cu[n + 1 :] = offset
+        logits_indices[:n] = cu[1 : n + 1] - 1
         return cls(token_ids, AttentionMetadata(cu, kv, pages, np.array([n], np.int32)), logits_indices)
 
 
@@ -123,11 +132,14 @@ class MeshBatch:
         if any(b.num_tokens != t or b.max_seqs != s or b.md.page_indices.shape != batches[0].md.page_indices.shape
                for b in batches):
             raise ValueError("replica batches must share one bucket shape")
-        if entries is None:
-            entries = [(0, j) for j in range(int(batches[0].md.num_seqs[0]))]
         logits = np.zeros(len(batches) * s, np.int32)
-        for i, (r, j) in enumerate(entries):
-            logits[i] = r * t + batches[r].logits_indices[j]
+        if entries is None:
+            n = int(batches[0].md.num_seqs[0])
+            logits[:n] = batches[0].logits_indices[:n]
+        elif len(entries):
+            where = np.asarray(entries, np.int64).reshape(-1, 2)
+            rows = np.stack([b.logits_indices for b in batches])
+            logits[: len(where)] = where[:, 0] * t + rows[where[:, 0], where[:, 1]]
         md = AttentionMetadata(*(np.stack(fs) for fs in zip(*(_fields(b.md) for b in batches))))
         return cls(np.concatenate([b.token_ids for b in batches]), md, logits)
 

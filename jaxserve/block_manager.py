@@ -264,6 +264,8 @@ class BlockManager:
         """A page table the kernels can take: released entries point at the sequence's first held page.
         Attention never reads them (they lie before every query's window; the reference reads and masks them)
         and writes land only at positions past them."""
+        if RELEASED not in page_table:
+            return list(page_table)
         fill = next((p for p in page_table if p != RELEASED), 0)
         return [fill if p == RELEASED else p for p in page_table]
 
@@ -278,6 +280,8 @@ class BlockManager:
         hashes = self._hashes(seq, end)
         for i in range(start, end):
             page, h = self._t(seq)[i], hashes[i]
+            if page == RELEASED:  # already behind the window (async scheduling registers a step later): not kept
+                continue
             # Another sequence may have computed the same content into its own page first; keep that one
             # and let this copy return to the pool when released.
             if h not in self._page_of:

@@ -116,6 +116,8 @@ class StagedEngine(Engine):
     """An ``Engine`` run as stages, each a (scheduler, executor) pair stepped by ``_stage_step``: the
     colocated engine's step, after which a prefill stage hands its finished prompts on (``_hand_off``)."""
 
+    steps_async = False  # a stage hands a sequence on only once its tokens are on the host
+
     def _stage_step(self, scheduler: ReplicatedScheduler, executor: Executor, *, prefill: bool):
         plan = scheduler.schedule()
         executor.release(plan.preempted, finished=False)

@@ -81,6 +81,8 @@ class PrefillEngine(Engine):
     """An ``Engine`` that only prefills: after each step, sequences whose first token was sampled (and that it
     did not finish) leave it with their KV pages as NumPy bytes (``step`` returns them as hand-offs)."""
 
+    steps_async = False  # a sequence leaves once its first token is on the host, before any further step
+
     def __init__(self, config: EngineConfig, **kwargs):
         super().__init__(config, **kwargs)
         self.reader = PageReader(self.executor.runner)

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Sequence as Seq
 
+from jaxserve import async_scheduling
 from jaxserve.checkpoint import resolve_model_path
 from jaxserve.config import ModelConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
@@ -53,6 +54,9 @@ class Engine:
     0 drives the engine; the others call ``follow()``.
     """
 
+    # Subclasses whose steps hand sequences on between stages (jaxserve/disagg.py) step synchronously.
+    steps_async = True
+
     def __init__(self, config: EngineConfig, *, executor_factory=None):
         self.config = config
         if config.model is None:
@@ -86,6 +90,14 @@ class Engine:
         self._requests: dict[str, _Request] = {}
         self._counter = itertools.count()
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        # Async scheduling: the launched step whose tokens are not read yet, as (plan, executor's PendingStep).
+        self._async = self.steps_async and bool(getattr(config, "async_scheduling", False)) and \
+            hasattr(self.executor, "launch") and \
+            getattr(getattr(self.executor, "runner", None), "channel", None) is None
+        self._pending = None
+        self._sync_requests = 0  # live requests whose steps need the host's view of the previous token
+        # True: ``step`` returns outputs of finished requests only (the offline API reads nothing else).
+        self.final_outputs_only = False
 
     # Requests -----------------------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
@@ -117,6 +129,8 @@ class Engine:
             prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None,
         )
         self.stats_counters["prompt_tokens"] += len(ids)
+        if params.structured_outputs is not None or params.prompt_logprobs is not None:
+            self._sync_requests += 1  # steps run synchronously while it is live (jaxserve/async_scheduling.py)
         return request_id
 
     def tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
@@ -168,9 +182,16 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns an output for each request that produced tokens or finished.
 
+        With async scheduling (``EngineConfig.async_scheduling``) the batch is launched and the outputs are
+        those of the batch launched by the previous call, read while this one runs (``jaxserve.async_scheduling``).
+
         A step that fails ends the requests in it (reason "error", ``RequestOutput.error`` saying why) and
         returns their pages; every other request carries on.
         """
+        if self._async_now():
+            return self._step_async()
+        if self._pending is not None:  # a step needing the host's view follows: resolve the one in flight first
+            return self._resolve()
         plan = self.scheduler.schedule()
         self.executor.release(plan.preempted, finished=False)
         if plan.is_empty:
@@ -195,6 +216,50 @@ class Engine:
         self.executor.release(update.finished, finished=False)
         return outputs
 
+    # Async scheduling ---------------------------------------------------------------------------------------
+    def _async_now(self) -> bool:
+        """Whether this step may be launched before the previous step's tokens are on the host."""
+        return self._async and not self._sync_requests
+
+    def _step_async(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        self.executor.release(plan.preempted, finished=False)
+        if plan.is_empty:
+            if self._pending is not None:
+                return self._resolve()
+            return self._collect(self.scheduler.update(plan, []).finished, [])
+        now = time.monotonic()
+        for e in plan.scheduled:
+            req = self._requests.get(e.seq.request_id)
+            if req is not None and req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+        prev = self._pending
+        try:
+            launched = self.executor.launch(plan, None if prev is None else prev[1])
+        except StepFailed as e:
+            outputs = self._resolve() if prev is not None else []
+            return outputs + self._fail_step(plan, e)
+        async_scheduling.commit(self.scheduler, plan)
+        self.stats_counters["steps"] += 1
+        self._pending = (plan, launched)
+        if prev is None:
+            return []
+        return self._resolve(prev)
+
+    def _resolve(self, pending=None) -> list[RequestOutput]:
+        """Read back a launched step's tokens (the one in flight by default) and publish them."""
+        if pending is None:
+            pending, self._pending = self._pending, None
+        plan, launched = pending
+        try:
+            result = self.executor.fetch(launched)
+        except StepFailed as e:
+            return self._fail_step(plan, e)
+        if result.prompt_logprobs:
+            self._record_prompt_logprobs(plan, result.prompt_logprobs)
+        update, tokens = async_scheduling.resolve(self.scheduler, plan, result.token_ids)
+        return self._collect(update.finished, update.updated, _logprobs(plan.scheduled, result), tokens)
+
     def _record_prompt_logprobs(self, plan, scored: dict[int, list[tuple[int, dict[int, float]]]]) -> None:
         for e in plan.scheduled:
             items = scored.get(e.seq.seq_id)
@@ -213,23 +278,25 @@ class Engine:
         return outputs
 
     def _collect(self, finished: list[Sequence], updated: list[Sequence],
-                 logprobs: dict[int, dict[int, float]] | None = None) -> list[RequestOutput]:
+                 logprobs: dict[int, dict[int, float]] | None = None,
+                 tokens: list[int] | None = None) -> list[RequestOutput]:
         changed: dict[str, dict[int, tuple[list[int], str]]] = {}
         now = time.monotonic()
-        for seq in updated:
+        for i, seq in enumerate(updated):
             req = self._requests.get(seq.request_id)
             if req is None:
                 continue
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             self.stats_counters["generation_tokens"] += 1
-            token = seq.last_token
+            token = seq.last_token if tokens is None else tokens[i]
             detok = req.detoks[seq.index]
             delta = detok.add([token])
             if req.logprobs[seq.index] is not None:
                 req.logprobs[seq.index].append(logprobs.get(seq.seq_id, {}))
             if detok.finished and not seq.is_finished:  # a stop string matched in the text
                 self.scheduler.finish(seq, "stop", detok.stop_reason)
+                seq.drop_placeholder()
                 finished.append(seq)
             ids, text = changed.setdefault(seq.request_id, {}).setdefault(seq.index, ([], ""))
             changed[seq.request_id][seq.index] = (ids + [token], text + delta)
@@ -242,12 +309,16 @@ class Engine:
             deltas = changed.get(request_id, {})
             if all(s.is_finished for s in req.seqs):
                 outputs.append(self._finish_request(req, req.seqs, deltas))
-            else:
+            elif not self.final_outputs_only:
                 outputs.append(self._output(req, [s for s in req.seqs if s.index in deltas], deltas, False))
         return outputs
 
     def _finish_request(self, req: _Request, seqs: list[Sequence], deltas=None) -> RequestOutput:
         deltas = dict(deltas or {})
+        if req.params.structured_outputs is not None or req.params.prompt_logprobs is not None:
+            self._sync_requests -= 1
+        for seq in req.seqs:  # a token of a step launched after the sequence's last is never emitted
+            seq.drop_placeholder()
         for seq in seqs:
             tail = req.detoks[seq.index].finish() if not req.detoks[seq.index].finished else ""
             ids, text = deltas.get(seq.index, ([], ""))
@@ -265,8 +336,11 @@ class Engine:
         for seq in sorted(seqs, key=lambda s: s.index):
             ids, text = deltas.get(seq.index, ([], ""))
             lps = req.logprobs[seq.index]
+            out_ids = seq.output_token_ids
+            if out_ids and out_ids[-1] < 0:  # the next step's token, not known yet
+                out_ids = out_ids[:-1]
             completions.append(CompletionOutput(
-                seq.index, req.detoks[seq.index].output_text, list(seq.output_token_ids), seq.finish_reason,
+                seq.index, req.detoks[seq.index].output_text, list(out_ids), seq.finish_reason,
                 seq.stop_reason, list(lps) if lps is not None else None, text, ids,
                 lps[len(lps) - len(ids):] if lps is not None else None,
             ))
@@ -288,6 +362,7 @@ class Engine:
         s = dict(self.scheduler.stats())
         s.update(self.stats_counters)
         s["num_pages"] = self.executor.cache_config.num_pages
+        s["compilations_after_warmup"] = getattr(self.executor, "compilations_after_warmup", 0)
         return s
 
     def describe(self) -> dict:

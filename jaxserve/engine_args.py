@@ -51,6 +51,9 @@ HELP = {
                    "prefill mesh's; needs --prefill-mesh",
     "max_pending_transfers": "prefilled sequences that may wait for room on the decode side before the prefill "
                              "engine pauses (disaggregated serving)",
+    "async_scheduling": "schedule and launch each step before the previous step's tokens reach the host, so the "
+                        "device never waits for the host loop; requests with structured output or prompt logprobs "
+                        "run synchronously",
 }
 
 

@@ -70,6 +70,9 @@ class EngineConfig:
     prefill_mesh: str | None = None
     decode_mesh: str | None = None
     max_pending_transfers: int = 8  # prefilled sequences waiting for the decode side before prefill pauses
+    # Launch step N+1 before step N's tokens reach the host (jaxserve/async_scheduling.py); steps that need the
+    # host's view of the previous token (structured output, prompt logprobs) run synchronously.
+    async_scheduling: bool = True
 
     def __post_init__(self):
         positive = ("page_size", "max_num_seqs", "max_num_batched_tokens")

@@ -9,8 +9,10 @@ The host loop (``jaxserve.engine``) sees only plans going in and ``StepResult`` 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 
@@ -103,6 +105,10 @@ class Executor:
         # host while the device computes the step's logits.
         self.token_masks: Callable[[list, np.ndarray], bool] | None = None
         self._all_allowed = np.full((max_running, (cfg.vocab_size + 31) // 32), -1, np.int32)
+        self.host_wait_seconds = 0.0  # time the host spent blocked in ``fetch`` (scripts/bench_host.py)
+        self.warmed_up = False
+        self.compilations_after_warmup = 0
+        self._last_shape = ""  # the latest launched step's shapes, for the compile guard's warning
         if config.warmup and self.is_leader:
             self.warmup()  # on a multi-process run the followers compile the same shapes as they follow
 
@@ -129,37 +135,87 @@ class Executor:
 
     # One step -----------------------------------------------------------------------------------------------
     def execute(self, plan) -> StepResult:
-        """Run a scheduled plan (``plan.scheduled`` entries, ``plan.replicas`` their data replicas).
-
-        A decode step when every sequence has one new token, else a prefill step that carries the decodes along.
+        """Run a scheduled plan (``plan.scheduled`` entries, ``plan.replicas`` their data replicas) and wait for
+        its tokens: ``fetch(launch(plan))``.
 
         Raises:
           StepFailed: the step raised; the plan's sequences got no token.
         """
+        return self.fetch(self.launch(plan))
+
+    def launch(self, plan, prev: "PendingStep | None" = None) -> "PendingStep":
+        """Dispatch a plan's step and its sampling to the device and return at once (nothing is read back).
+
+        A decode step when every sequence has one new token, else a prefill step that carries the decodes along.
+        With ``prev`` (the step launched just before, not fetched yet), a token id ``-1 - i`` in the plan is
+        row ``i`` of ``prev``'s sampled ids: the device reads it there (async scheduling).
+
+        Raises:
+          StepFailed: the step raised; the plan's sequences got no token.
+        """
+        compiled = compile_counter.count()
         try:
             if self.fault is not None:
                 self.fault(plan)
-            return self._execute(plan.scheduled, plan.replicas)
+            return self._launch(plan.scheduled, plan.replicas, prev)
         except Exception as e:
-            lost = self.runner.cache_lost()
-            if lost:
-                self.runner.reset_cache(self.cache_dtype)
-            raise StepFailed(f"{type(e).__name__}: {e}", cache_lost=lost) from e
+            raise self._failed(e) from e
+        finally:
+            if self.warmed_up and compile_counter.count() != compiled:
+                self._compiled_while_serving(compile_counter.count() - compiled)
 
-    def _execute(self, entries, replicas: list[int]) -> StepResult:
+    def _compiled_while_serving(self, n: int) -> None:
+        """The compile guard: warm-up compiles every shape serving uses, so a compilation now is a bug that
+        stalls the step (counted in ``jaxserve_compilations_after_warmup_total``)."""
+        self.compilations_after_warmup += n
+        logger.warning("%d XLA compilation(s) after warm-up, in the step of shape %s (warm-up should have compiled "
+                       "it; the step waited for the compiler)", n, self._last_shape)
+
+    def fetch(self, pending: "PendingStep") -> StepResult:
+        """Wait for a launched step and bring its results to the host (one device-to-host copy).
+
+        Raises:
+          StepFailed: the step raised on the device.
+        """
+        start = time.perf_counter()
+        try:
+            got = [np.asarray(a) for a in jax.device_get(pending.arrays)]
+            scores = None if pending.scores is None else [np.asarray(a) for a in jax.device_get(pending.scores)]
+        except Exception as e:
+            raise self._failed(e) from e
+        self.host_wait_seconds += time.perf_counter() - start
+        result = StepResult(*(a[: pending.n] for a in got))
+        if scores is not None:
+            result = dataclasses.replace(result, prompt_logprobs=pending.scored.collect(*scores))
+        return result
+
+    def _failed(self, e: Exception) -> StepFailed:
+        lost = self.runner.cache_lost()
+        if lost:
+            self.runner.reset_cache(self.cache_dtype)
+        return StepFailed(f"{type(e).__name__}: {e}", cache_lost=lost)
+
+    def _launch(self, entries, replicas: list[int], prev: "PendingStep | None") -> "PendingStep":
         kind = StepKind.DECODE if all(len(e.token_ids) == 1 for e in entries) else StepKind.PREFILL
         batch = self.make_batch([e.token_ids for e in entries], [e.kv_len for e in entries],
                                 [e.page_table for e in entries], kind=kind, replicas=replicas,
                                 local_page_tables=[e.local_page_table for e in entries])
         scored = ScoreRows.add_rows(entries, batch.logits_indices)  # prompt_logprobs: more logits rows
-        out = self.runner.local(self.runner.run(kind, batch))
-        result = self._sample_step(entries, out)
+        r, t, sl, pg = batch.shape_fields()
+        self._last_shape = f"{kind.name.lower()} (replicas={r}, tokens={t}, slots={sl}, pages={pg})"
+        prev_ids = None
+        if prev is not None:
+            prev_ids = self.runner.place_ids(prev.next_ids) if prev.on_sample_device else prev.next_ids
+        # (two arguments when there is no previous step: what a wrapper of ``run`` written for it expects)
+        replicated = self.runner.run(kind, batch, prev_ids) if prev_ids is not None else self.runner.run(kind, batch)
+        out = self.runner.local(replicated)
+        pending = self._sample_step(entries, out, replicated)
         if scored is not None:
-            got = jax.device_get(self._score(out.logits, scored.targets(self.runner.num_logit_rows)))
-            result = dataclasses.replace(result, prompt_logprobs=scored.collect(*(np.asarray(a) for a in got)))
-        return result
+            pending.scored = scored
+            pending.scores = self._score(out.logits, scored.targets(self.runner.num_logit_rows))
+        return pending
 
-    def _sample_step(self, entries, out: StepOutput) -> StepResult:
+    def _sample_step(self, entries, out: StepOutput, replicated: StepOutput) -> "PendingStep":
         n = len(entries)
         bitmask = self._all_allowed
         if self.token_masks is not None and any(e.seq.sampling_params.structured_outputs for e in entries):
@@ -170,7 +226,7 @@ class Executor:
         rows = [self._penalty_row(e.seq) for e in entries]
         if not any(rows) and bitmask is self._all_allowed and all(_plain_greedy(e.seq) for e in entries):
             # Greedy batches take the argmax the step already computed: no sampler call at all.
-            return StepResult(np.asarray(jax.device_get(out.greedy_ids))[:n])
+            return PendingStep(n, (out.greedy_ids,), replicated.greedy_ids)
         tensors = SamplingTensors.build(
             [e.seq.sampling_params for e in entries], num_slots=self.runner.num_logit_rows,
             seeds=[self._seed(e.seq) for e in entries], num_generated=[e.seq.num_output_tokens for e in entries],
@@ -178,13 +234,15 @@ class Executor:
             logprobs_mode=self.config.logprobs_mode, token_bitmask=bitmask, logit_bias_width=MAX_LOGIT_BIAS,
         )
         use_penalties = any(rows)
+        self._last_shape += (f", sampler (banned={tensors.banned_ids.shape[1]}, mask={tensors.token_bitmask.shape[1]}, "
+                             f"top_logprobs={tensors.num_top_logprobs}, penalties={use_penalties})")
         sampled = self._sample(out.logits, tensors, self._penalties if use_penalties else None)
         if use_penalties:
             self._penalties = sampled.penalty_state
         if not any(e.seq.sampling_params.logprobs is not None for e in entries):
-            return StepResult(np.asarray(jax.device_get(sampled.token_ids))[:n])
-        got = jax.device_get((sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs))
-        return StepResult(*(np.asarray(a)[:n] for a in got))
+            return PendingStep(n, (sampled.token_ids,), sampled.token_ids, True)
+        return PendingStep(n, (sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs),
+                           sampled.token_ids, True)
 
     def make_batch(self, chunks: list[list[int]], kv_lens: list[int], page_tables: list[list[int]], *,
                    kind: StepKind, replicas: list[int] | None = None,
@@ -207,13 +265,16 @@ class Executor:
         else:
             num_tokens = shapes.token_bucket(max(sum(len(chunks[i]) for i in g) for g in groups))
             num_seqs = shapes.prefill_seqs(num_tokens)
-        pages = shapes.page_bucket(max(map(len, page_tables), default=1))
+        pages = shapes.step_pages(kind == StepKind.DECODE, max(map(len, page_tables), default=1))
         if self.runner.local_pool:
             if local_page_tables is None or len(local_page_tables) != len(page_tables):
                 raise ValueError("a model with a windowed page pool needs local_page_tables for every sequence")
             page_tables = [list(t) + [0] * (pages - len(t)) + list(lt)
                            for t, lt in zip(page_tables, local_page_tables, strict=True)]
             pages *= 2
+        if self.num_replicas == 1:  # the common case: no regrouping
+            return MeshBatch.stack([StepBatch.build(chunks, kv_lens, page_tables, num_tokens=num_tokens,
+                                                    max_seqs=num_seqs, pages_per_seq=pages)])
         batches = [StepBatch.build([chunks[i] for i in g], [kv_lens[i] for i in g], [page_tables[i] for i in g],
                                    num_tokens=num_tokens, max_seqs=num_seqs, pages_per_seq=pages) for g in groups]
         slot = {i: (g, j) for g, members in enumerate(groups) for j, i in enumerate(members)}
@@ -267,12 +328,13 @@ class Executor:
         start = time.perf_counter()
         shapes = self.shapes.all_shapes()
         progress = compile_progress.start(len(shapes) + 4, self.config.compilation_cache_dir)
+        ahead = self._compile_ahead(shapes, progress)
         out: StepOutput | None = None
         for decode, num_tokens, num_seqs, pages in shapes:
-            batch = MeshBatch.padding(self.num_replicas, num_tokens=num_tokens, max_seqs=num_seqs,
-                                      pages_per_seq=pages * (2 if self.runner.local_pool else 1))
+            batch = self._padding_batch(num_tokens, num_seqs, pages)
             out = jax.block_until_ready(self.runner.run(StepKind.DECODE if decode else StepKind.PREFILL, batch))
-            progress.tick()
+            if not ahead:
+                progress.tick()
         logits = self.runner.local(out).logits
         # Serving passes the sampler a penalty state produced by jitted code; warm it on one as well.
         pad = np.full((1, self.max_model_len), -1, np.int32)
@@ -288,7 +350,30 @@ class Executor:
                 progress.tick()
         jax.block_until_ready(self._score(logits, np.zeros(self.runner.num_logit_rows, np.int32)))
         progress.finish()
+        self.warmed_up = True
         logger.debug("warm-up compiled the steps and the sampler in %.1fs", time.perf_counter() - start)
+
+    def _padding_batch(self, num_tokens: int, num_seqs: int, pages: int) -> MeshBatch:
+        return MeshBatch.padding(self.num_replicas, num_tokens=num_tokens, max_seqs=num_seqs,
+                                 pages_per_seq=pages * (2 if self.runner.local_pool else 1))
+
+    def _compile_ahead(self, shapes, progress) -> bool:
+        """Compile the step shapes on a thread pool, one per core (XLA's compiler releases the GIL; tracing and
+        lowering do not, so the gain is the compile part); the warm-up then runs each from jax's in-memory cache.
+        Single-process only (followers compile as they follow). Returns whether it ran."""
+        workers = min(len(shapes), os.cpu_count() or 1)
+        if jax.process_count() > 1 or workers < 2:
+            return False
+
+        def compile_one(shape):
+            decode, num_tokens, num_seqs, pages = shape
+            kind = StepKind.DECODE if decode else StepKind.PREFILL
+            self.runner.lower(kind, self._padding_batch(num_tokens, num_seqs, pages)).compile()
+
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool:
+            for _ in pool.map(compile_one, shapes):
+                progress.tick()
+        return True
 
     def describe(self) -> dict:
         """What the device side serves: model, pool and dtypes (plain values, for servers and logs)."""
@@ -305,6 +390,20 @@ class Executor:
             "num_pages": int(self.cache_config.num_pages),
             "dtype": str(np.dtype(self.cache_dtype)),
         }
+
+
+@dataclasses.dataclass
+class PendingStep:
+    """A launched step whose results are still on the device: ``arrays`` are what ``fetch`` reads back (sampled
+    ids, then logprobs and the top-n if asked), ``next_ids`` the sampled ids as the next step may read them
+    (replicated over the mesh already, or on the sampling device and placed when a next step needs them)."""
+
+    n: int  # the plan's entries: rows of the results that are real
+    arrays: tuple
+    next_ids: jax.Array
+    on_sample_device: bool = False
+    scored: ScoreRows | None = None  # prompt logprobs to score, and their device results
+    scores: tuple | None = None
 
 
 def _plain_greedy(seq: Sequence) -> bool:

@@ -24,6 +24,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_options):
         self.engine = make_engine(EngineConfig(model=model, **engine_options))
+        self.engine.final_outputs_only = True  # generate returns whole completions: no per-step outputs to build
         self.tokenizer = self.engine.tokenizer  # None with skip_tokenizer_init=True
         self.model_config = self.engine.model_config
 

@@ -49,6 +49,8 @@ _ENGINE_STATS = (
      "Time prefilled sequences waited between the stages (for a prefill server, or room on the decode side).",
      "counter"),
     ("kv_transfers_pending", "kv_transfers_pending", "Sequences between the prefill and the decode stage.", "gauge"),
+    ("compilations_after_warmup", "compilations_after_warmup",
+     "XLA compilations while serving, after warm-up compiled every shape (each one stalled a step).", "counter"),
 )
 
 

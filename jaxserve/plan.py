@@ -159,7 +159,7 @@ def step_features(plan: SchedulerOutput, shapes: StepShapes, page_size: int,
             pairs += _causal_pairs(e.kv_len - n, e.kv_len, window)
     padded = shapes.seq_bucket(len(plan.scheduled)) if decode else shapes.token_bucket(new)
     slots = padded if decode else shapes.prefill_seqs(padded)
-    width = shapes.page_bucket(max((len(e.page_table) for e in plan.scheduled), default=1))
+    width = shapes.step_pages(decode, max((len(e.page_table) for e in plan.scheduled), default=1))
     return StepFeatures(decode, padded, new, keys, pairs, slots * width * page_size)
 
 

@@ -35,7 +35,7 @@ class StepOutput:
     """What a step returns on device (replicated over the mesh)."""
 
     logits: jax.Array  # f32[num_rows, vocab]  rows past the batch's sequences are zero
-    greedy_ids: jax.Array  # i32[R * S]  argmax of each sequence's logits: the whole sampler for greedy batches
+    greedy_ids: jax.Array  # i32[num_rows]  argmax of each sequence's logits: the whole sampler for greedy batches
 
 
 def jit_step(graphdef: nnx.GraphDef, num_rows: int, out_shardings=None, local_pool: bool = False):
@@ -48,12 +48,16 @@ def jit_step(graphdef: nnx.GraphDef, num_rows: int, out_shardings=None, local_po
     cache must come back with exactly the sharding it went in with, or the next call would compile again.
     """
 
-    def step(params, packed, kv_cache, fields, attention, layout):
-        token_ids, positions, md, logits_indices = device_inputs(MeshBatch.unpack(fields, packed), layout)
+    def step(params, packed, kv_cache, fields, attention, layout, prev_ids=None):
+        batch = MeshBatch.unpack(fields, packed)
+        if prev_ids is not None:  # async scheduling: token -1 - i is row i of the previous step's sampled ids
+            ids = batch.token_ids
+            batch = dataclasses.replace(batch, token_ids=jnp.where(ids < 0, prev_ids[jnp.maximum(-1 - ids, 0)], ids))
+        token_ids, positions, md, logits_indices = device_inputs(batch, layout)
         logits, kv_cache = forward(nnx.merge(graphdef, params), token_ids, positions, md, kv_cache, logits_indices,
                                    attention, layout, local_pool=local_pool)
-        padded = jnp.pad(logits, ((0, num_rows - logits.shape[0]), (0, 0)))
-        return StepOutput(padded, argmax(logits)), kv_cache
+        pad = num_rows - logits.shape[0]
+        return StepOutput(jnp.pad(logits, ((0, pad), (0, 0))), jnp.pad(argmax(logits), (0, pad))), kv_cache
 
     return jax.jit(step, donate_argnums=(2,), static_argnums=(3, 4, 5), out_shardings=out_shardings)
 
@@ -93,15 +97,17 @@ class ModelRunner:
         self.channel = multihost.StepChannel() if jax.process_count() > 1 else None
         # Where this process finds its copy of the (replicated) logits: its first device of the mesh.
         self.sample_device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
-        replicated = NamedSharding(mesh, PartitionSpec())
+        replicated = self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._no_prev = jax.device_put(np.zeros(num_logit_rows, np.int32), replicated)
         outs = (StepOutput(replicated, replicated), jax.tree.map(lambda a: a.sharding, self.kv_cache))
         self.num_logit_rows = num_logit_rows
         # One jit object per kind, so prefill and decode shapes are compiled and cached separately.
         self.local_pool = bool(cache.num_local_pages)  # page tables carry the windowed pool's table after the global
         self._steps = {kind: jit_step(self.graphdef, num_logit_rows, outs, self.local_pool) for kind in StepKind}
 
-    def run(self, kind: StepKind, batch: MeshBatch) -> StepOutput:
-        """Run one step (on process 0 of a multi-process run, the followers run it too)."""
+    def run(self, kind: StepKind, batch: MeshBatch, prev_ids: jax.Array | None = None) -> StepOutput:
+        """Run one step (on process 0 of a multi-process run, the followers run it too). ``prev_ids``: the
+        previous step's sampled ids (see ``jit_step``), placed with ``place_ids``; zeros by default."""
         if batch.num_replicas != self.num_replicas:
             raise ValueError(f"batch has {batch.num_replicas} replicas, the mesh has data={self.num_replicas}")
         if kind == StepKind.DECODE and batch.tokens_per_replica != batch.md.kv_lens.shape[1]:
@@ -109,8 +115,14 @@ class ModelRunner:
                              f"{batch.md.kv_lens.shape[1]} slots")
         payload = batch.pack()
         if self.channel is not None:
+            if prev_ids is not None:
+                raise ValueError("a multi-process run sends followers whole batches: no previous-step ids")
             self.channel.send(int(kind), batch.shape_fields(), payload)
-        return self._run(kind, batch, payload)
+        return self._run(kind, batch, payload, prev_ids)
+
+    def place_ids(self, ids: jax.Array) -> jax.Array:
+        """Sampled ids (i32[num_logit_rows], anywhere on the mesh) placed as a step's ``prev_ids`` input."""
+        return jax.device_put(ids, self._replicated)
 
     def follow(self) -> None:
         """A follower process's loop: run each step process 0 sends, until it sends STOP."""
@@ -144,9 +156,9 @@ class ModelRunner:
     def lower(self, kind: StepKind, batch: MeshBatch):
         """The step a batch would run, lowered (for inspecting the compiled program)."""
         fn, args = self._call_args(kind, batch, batch.pack())
-        return fn.lower(*args)
+        return fn.lower(*args, prev_ids=self._no_prev)
 
-    def _run(self, kind: StepKind, batch: MeshBatch, payload: np.ndarray) -> StepOutput:
+    def _run(self, kind: StepKind, batch: MeshBatch, payload: np.ndarray, prev_ids=None) -> StepOutput:
         if self.debug_checks:
             for r in range(batch.num_replicas):
                 md = batch.replica(r).md
@@ -161,7 +173,7 @@ class ModelRunner:
                     check_values(pool_md, num_tokens=batch.tokens_per_replica, num_pages=pages,
                                  page_size=self.cache_cfg.page_size)
         fn, args = self._call_args(kind, batch, payload)
-        out, self.kv_cache = fn(*args)
+        out, self.kv_cache = fn(*args, prev_ids=self._no_prev if prev_ids is None else prev_ids)
         return out
 
     def cache_lost(self) -> bool:

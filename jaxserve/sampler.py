@@ -100,7 +100,8 @@ class SamplingTensors:
             defaults to all True.
           num_top_logprobs: K; by default 0 if no slot wants top-n logprobs, else ``MAX_TOP_LOGPROBS``,
             so at most two compiled variants exist.
-          max_banned: minimum B; grows to the next power of two if a slot bans more tokens.
+          max_banned: B; a slot banning more tokens has them cleared in ``token_bitmask`` instead when one is
+            given (no new shape), else B grows to the next power of two.
           logprobs_mode: "processed" or "raw" (see the module docstring).
           token_bitmask: i32[num_slots, W] allowed-token bits (structured output); None for no mask at all.
           logit_bias_width: L, the fixed width of the logit_bias inputs (0: none may have a bias).
@@ -150,16 +151,28 @@ class SamplingTensors:
                 banned.append(p.stop_token_ids + (() if p.ignore_eos else tuple(eos_token_ids)))
             else:
                 banned.append(())
+        if token_bitmask is not None and (token_bitmask.shape[0] != num_slots or token_bitmask.dtype != np.int32):
+            raise ValueError(f"token_bitmask: expected i32[{num_slots}, W], got {token_bitmask.dtype}"
+                             f"{list(token_bitmask.shape)}")
         width = max((len(b) for b in banned), default=0)
+        if width > max_banned and token_bitmask is not None and token_bitmask.shape[1]:
+            # Rows banning more than B ids clear their bits in the allowed-token mask instead: same result (the
+            # mask also sets -inf), and B, a compiled shape, never grows while serving.
+            token_bitmask = token_bitmask.copy()
+            words = token_bitmask.view(np.uint32)
+            for s, ids in enumerate(banned):
+                if len(ids) > max_banned:
+                    ids = np.asarray(ids, np.int64)
+                    ids = ids[(ids >= 0) & (ids < 32 * words.shape[1])]
+                    np.bitwise_and.at(words[s], ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+                    banned[s] = ()
+            width = max((len(b) for b in banned), default=0)
         b_cols = max_banned if width <= max_banned else 1 << (width - 1).bit_length()
         banned_ids = np.full((num_slots, b_cols), -1, np.int32)
         for s, ids in enumerate(banned):
             banned_ids[s, : len(ids)] = ids
         if token_bitmask is None:
             token_bitmask = np.zeros((num_slots, 0), np.int32)
-        elif token_bitmask.shape[0] != num_slots or token_bitmask.dtype != np.int32:
-            raise ValueError(f"token_bitmask: expected i32[{num_slots}, W], got {token_bitmask.dtype}"
-                             f"{list(token_bitmask.shape)}")
         bias_ids = np.full((num_slots, logit_bias_width), -1, np.int32)
         bias_values = np.zeros((num_slots, logit_bias_width), np.float32)
         for s, p in enumerate(params):

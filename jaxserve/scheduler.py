@@ -340,17 +340,20 @@ class Scheduler:
         shareable = (seq.num_prompt_tokens - 1) // self.config.page_size * self.config.page_size
         return leader.num_computed_tokens < shareable
 
-    def _check_stop(self, seq: Sequence) -> tuple[str, int | None] | None:
-        sp, token = seq.sampling_params, seq.last_token
+    def _check_stop(self, seq: Sequence, num_tokens: int | None = None) -> tuple[str, int | None] | None:
+        """Whether the sequence stops at its last token, or (async scheduling, where a token of the next step may
+        already be appended) at its first ``num_tokens`` tokens."""
+        n = seq.num_tokens if num_tokens is None else num_tokens
+        sp, token, num_output = seq.sampling_params, seq.token_ids(n - 1, n)[0], n - seq.num_prompt_tokens
         # Stop tokens count only after min_tokens others, matching a sampler that masks them until then.
-        if seq.num_output_tokens > sp.min_tokens:
+        if num_output > sp.min_tokens:
             if token in sp.stop_token_ids:
                 return "stop", token
             if not sp.ignore_eos and token in seq.eos_token_ids:
                 return "stop", None
-        if sp.max_tokens is not None and seq.num_output_tokens >= sp.max_tokens:
+        if sp.max_tokens is not None and num_output >= sp.max_tokens:
             return "length", None
-        if seq.num_tokens >= self.config.max_model_len:
+        if n >= self.config.max_model_len:
             return "length", None
         return None
 

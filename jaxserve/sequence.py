@@ -125,6 +125,18 @@ class Sequence:
         self._token_ids.append(token_id)
         self.output_token_ids.append(token_id)
 
+    def set_token(self, index: int, token_id: int) -> None:
+        """Fill in token ``index`` (of prompt + output), a placeholder appended before its value was known
+        (async scheduling: ``-1 - row``, the row of the step that samples it)."""
+        self._token_ids[index] = token_id
+        self.output_token_ids[index - len(self.prompt_token_ids)] = token_id
+
+    def drop_placeholder(self) -> None:
+        """Remove a trailing placeholder token (a finished sequence's token of a step launched after its last)."""
+        if self._token_ids and self._token_ids[-1] < 0 and self.output_token_ids:
+            self._token_ids.pop()
+            self.output_token_ids.pop()
+
     def set_finished(self, reason: str, stop_reason: int | str | None = None) -> None:
         """Mark finished with reason ``stop``, ``length``, ``abort`` or ``error`` (pages are the caller's business)."""
         if reason not in _STATUS_OF:

@@ -43,6 +43,14 @@ class StepShapes:
     def page_bucket(self, n: int) -> int:
         return bucket(n, 16, max(16, self.pages_per_seq))
 
+    def step_pages(self, decode: bool, n: int) -> int:
+        """The page-table width of a step whose longest table has ``n`` pages. Decode steps have one width, the
+        largest: every decode attention walks each row's pages only up to its length (the CPU path's online
+        softmax loop, the Pallas kernels), so a wider table costs nothing but its few ints, and one page bucket
+        instead of several is that many fewer shapes to compile at start-up. Prefill steps keep the ladder (the
+        CPU path gathers a chunk's whole table)."""
+        return self.page_bucket(self.pages_per_seq if decode else n)
+
     def prefill_seqs(self, num_tokens: int) -> int:
         """A prefill's slot count, a function of its token bucket: padding slots cost a few metadata entries and
         LM-head rows, and the shape count stays one per token bucket."""
@@ -59,6 +67,5 @@ class StepShapes:
 
     def all_shapes(self) -> list[tuple[bool, int, int, int]]:
         """Every compiled shape as (decode, tokens, slots, pages per sequence), prefill first."""
-        steps = [(False, t, self.prefill_seqs(t)) for t in self.token_buckets()]
-        steps += [(True, n, n) for n in self.decode_buckets()]
-        return [(decode, t, s, p) for decode, t, s in steps for p in self.page_buckets()]
+        shapes = [(False, t, self.prefill_seqs(t), p) for t in self.token_buckets() for p in self.page_buckets()]
+        return shapes + [(True, n, n, self.step_pages(True, 1)) for n in self.decode_buckets()]

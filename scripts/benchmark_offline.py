@@ -99,7 +99,7 @@ def probe_decode(engine: Engine, batch: int, context: int, steps: int = 16) -> d
     seen = []
     runner = engine.executor.runner
     real = runner.run
-    runner.run = lambda kind, b: (kind == StepKind.DECODE and seen.append(b), real(kind, b))[1]
+    runner.run = lambda kind, b, *prev: (kind == StepKind.DECODE and seen.append(b), real(kind, b, *prev))[1]
     started: set[str] = set()
     walls, devices = [], []
     try:

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+import jax
 import jax.numpy as jnp
 
 from jaxserve import LLM, SamplingParams, compile_counter
@@ -24,11 +25,20 @@ def hf(model_dir):
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir, tmp_path_factory):
+def shared_engine(model_dir, tmp_path_factory):
     """A warmed-up engine with a pool small enough that the random workload must preempt."""
     return Engine(EngineConfig(model=str(model_dir), page_size=PAGE, num_pages=24, max_model_len=64,
                                max_num_seqs=8, max_num_batched_tokens=64, debug_checks=True, seed=0,
                                compilation_cache_dir=None))
+
+
+@pytest.fixture(params=["async", "sync"])
+def engine(shared_engine, request):
+    """The shared engine with async scheduling on, then off (both run the same compiled shapes)."""
+    assert not shared_engine.has_unfinished()
+    shared_engine._async = request.param == "async"
+    yield shared_engine
+    shared_engine._async = True
 
 
 def run(engine: Engine, arrivals: list[list[tuple[str, list[int], SamplingParams]]]) -> dict:
@@ -198,7 +208,7 @@ def test_decodes_ride_in_the_prompt_step(engine, hf, monkeypatch):
     calls = []
     runner = engine.executor.runner
     real = runner.run
-    monkeypatch.setattr(runner, "run", lambda kind, batch: calls.append(kind.name.lower() + "_step") or real(kind, batch))
+    monkeypatch.setattr(runner, "run", lambda kind, batch, *prev: calls.append(kind.name.lower() + "_step") or real(kind, batch, *prev))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.add_request("first", [5, 6, 7, 8, 9], params)
     engine.step()
@@ -209,3 +219,56 @@ def test_decodes_ride_in_the_prompt_step(engine, hf, monkeypatch):
     results = run(engine, [])
     assert results["first"].outputs[0].token_ids == hf_greedy(hf, [5, 6, 7, 8, 9], 4)
     assert results["second"].outputs[0].token_ids == hf_greedy(hf, [10, 11, 12], 4)
+
+
+def test_max_model_len_boundary_and_the_extra_token_is_dropped(engine, hf):
+    """A sequence ends exactly at max_model_len; under async scheduling the step launched after its last token
+    computes one more for it, which is never emitted, and every page comes back (``run`` checks)."""
+    prompt = list(range(3, 63))  # 60 tokens: room for 4 more in max_model_len=64
+    out = run(engine, [[("edge", prompt, SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True))]])
+    completion = out["edge"].outputs[0]
+    assert completion.finish_reason == "length" and completion.token_ids == hf_greedy(hf, prompt, 4)
+
+
+def test_async_steps_overlap_and_structured_output_runs_synchronously(engine):
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_request("plain", [5, 6, 7], params)
+    first = engine.step()
+    if engine._async:  # the step is in flight, its token not read yet; the next step launches before reading it
+        assert first == [] and engine._pending is not None
+    else:
+        assert engine._pending is None
+    run(engine, [])
+    engine.add_request("json", [7, 8, 9], SamplingParams(max_tokens=3, temperature=0.0,
+                                                          structured_outputs={"json_object": True}))
+    engine.step()
+    assert engine._pending is None, "a step with structured output needs the previous token on the host"
+    assert run(engine, [])["json"].outputs[0].finish_reason in ("length", "stop")
+
+
+def test_many_banned_ids_compile_nothing(engine):
+    """min_tokens with more than 8 stop ids bans them through the allowed-token mask: no new sampler shape."""
+    prompt = [5, 6, 7]
+    free = run(engine, [[("free", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))]])
+    stop_ids = tuple(sorted(set(free["free"].outputs[0].token_ids) | set(range(3, 15))))
+    assert len(stop_ids) > 8
+    compiled, guarded = compile_counter.count(), engine.stats()["compilations_after_warmup"]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, min_tokens=4, stop_token_ids=stop_ids)
+    out = run(engine, [[("ban", prompt, params)]])["ban"].outputs[0]
+    assert compile_counter.count() == compiled and engine.stats()["compilations_after_warmup"] == guarded
+    assert len(out.token_ids) == 4 and not set(out.token_ids) & set(stop_ids)
+
+
+def test_compile_after_warmup_is_counted_and_logged(engine, caplog, monkeypatch):
+    from jaxserve.metrics import ServerMetrics
+    from jaxserve.sampler import sample
+
+    before = engine.stats()["compilations_after_warmup"]
+    monkeypatch.setattr(engine.executor, "_sample", jax.jit(lambda logits, t, p: sample(logits, t, p)))  # cold
+    with caplog.at_level("WARNING", logger="jaxserve.executor"):
+        run(engine, [[("cold", [5, 6], SamplingParams(max_tokens=2, temperature=0.7, seed=1, ignore_eos=True))]])
+    assert engine.stats()["compilations_after_warmup"] > before
+    assert any("after warm-up" in r.getMessage() and "sampler (banned=8" in r.getMessage() for r in caplog.records)
+    metrics = ServerMetrics()
+    metrics.attach_engine(engine.stats, lambda: 0)
+    assert b"jaxserve_compilations_after_warmup_total " in metrics.render()

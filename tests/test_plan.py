@@ -205,9 +205,10 @@ def test_step_features_follow_the_compiled_shape():
     sched.update(sched.schedule(), [0, 0, 0])  # the third prompt's last token beside two decodes
     decode = sched.schedule()
     f = plan.step_features(decode, shapes, eng.page_size)
-    # Three decodes (KV 21, 41, 8 tokens): 4 slots (bucket) x the page-table bucket of 16 pages x 4 tokens.
+    # Three decodes (KV 21, 41, 8 tokens): 4 slots (bucket) x the page table of decode steps, always the full
+    # 64 pages (max_model_len 256 / 4), x 4 tokens.
     assert f.decode and f.padded_tokens == 4 and f.keys_read == 21 + 41 + 8
-    assert f.padded_keys == 4 * 16 * 4
+    assert f.padded_keys == 4 * 64 * 4
 
 
 def test_sliding_window_caps_keys_pairs_and_pages():

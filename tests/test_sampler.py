@@ -347,3 +347,19 @@ def test_argmax_matches_jnp_argmax_with_ties_infinities_and_nan(dtype):
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(x, axis=-1)))
     np.testing.assert_array_equal(np.asarray(got)[1:6], [3, 0, 10, 30, 999])
+
+
+def test_many_banned_ids_fold_into_the_token_mask():
+    """More than max_banned bans with a mask present: the same tokens, and B keeps its compiled width."""
+    logits = random_logits(scale=3.0)
+    bans = tuple(np.argsort(-np.asarray(logits[0]))[:10].tolist())  # the ten best tokens of row 0
+    params = [SP(temperature=0.0, min_tokens=3, stop_token_ids=bans, logprobs=2), SP(temperature=0.0)]
+    mask = np.full((S, 1), -1, np.int32)  # V = 16 tokens: one word per row, all allowed
+    folded = build(params, token_bitmask=mask)
+    grown = build(params)
+    assert folded.banned_ids.shape == (S, 8) and grown.banned_ids.shape == (S, 16)
+    assert (mask == -1).all(), "the caller's mask is not modified"
+    a, b = sample_jit(logits, folded), sample_jit(logits, grown)
+    np.testing.assert_array_equal(np.asarray(a.token_ids)[:2], np.asarray(b.token_ids)[:2])
+    np.testing.assert_allclose(np.asarray(a.top_logprobs)[:2], np.asarray(b.top_logprobs)[:2], rtol=1e-6)
+    assert int(np.asarray(a.token_ids)[0]) not in bans

@@ -3,7 +3,8 @@
     VLLM_CPU_KVCACHE_SPACE=2 /path/to/vllm-venv/bin/python scripts/peers/vllm_generate.py WORKLOAD.json \
         --model M [--dtype float32] [--max-num-seqs 48]
 
-Token-id prompts and ``skip_tokenizer_init`` so no tokenizer is involved. Prints one JSON line:
+Token-id prompts and ``skip_tokenizer_init`` so no tokenizer is involved; the workload's ``params`` (if any) are
+the requests' ``SamplingParams`` keywords. Prints one JSON line:
 {"seconds", "output_tokens", "startup_seconds"}.
 """
 
@@ -26,7 +27,9 @@ def main():
     llm = LLM(model=args.model, dtype=args.dtype, skip_tokenizer_init=True, max_num_seqs=args.max_num_seqs,
               max_model_len=w["max_model_len"], seed=0)
     startup = time.perf_counter() - start
-    params = SamplingParams(max_tokens=w["output_len"], ignore_eos=True, temperature=0.0, detokenize=False)
+    # The workload may carry its own sampling parameters (SamplingParams keywords); greedy by default.
+    options = w.get("params") or dict(max_tokens=w["output_len"], ignore_eos=True, temperature=0.0)
+    params = SamplingParams(**options, detokenize=False)
     prompts = [{"prompt_token_ids": p} for p in w["prompts"]]
     llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0, detokenize=False))
     start = time.perf_counter()

@@ -1,0 +1,226 @@
+"""Host overhead of the engine loop: a model whose device step costs almost nothing, so the host is the cost.
+
+    python scripts/bench_host.py [--concurrency 1,64,256] [--workloads decode,mixed] [--features off,on]
+        [--async-scheduling both|on|off] [--repeats 1] [--compare vllm [--vllm-python PY]] [--model DIR]
+
+The model (written once to ``--model``, default /tmp/jaxserve-host-model-hd32): Llama-shaped, 1 layer, hidden
+64, 4 heads of dim 32 (vLLM's CPU attention has no head_dim 16), vocab 512, fp32, random weights, the byte tokenizer. Workloads, at each concurrency c (max_num_seqs):
+
+- ``decode``: 256 requests (16 at c=1) x 128 output tokens, 8..16-token prompts, all queued at once;
+- ``mixed``: 256 requests (16 at c=1) x 64 output tokens, 32..192-token prompts arriving 8 per step, so
+  prompt chunks ride in the decode steps.
+
+Features ``off``: greedy. ``on``: temperature 0.8, top-p 0.9, repetition 1.1 and frequency 0.1 penalties,
+logprobs=2, a stop string (that never matches; it is checked on every token). EOS is ignored everywhere, so
+every configuration produces the same number of tokens.
+
+Per run it reports output tokens/s, engine steps/s, host µs per step (engine.step() wall time minus the time
+the host spent blocked on the device) and the device idle gap between consecutive steps, i.e. the host time on
+the device's critical path: a watcher thread blocks on each launched step's output and timestamps its
+completion; the gap before step N+1 is ``max(0, launch(N+1) - done(N))`` (steps run in launch order). Gaps are
+means over all steps of the run (and the median). As vLLM's offline ``generate``, the engine builds outputs of
+finished requests only; runs without features use ``skip_tokenizer_init`` (no detokenization, as vLLM's run),
+runs with them load the tokenizer (stop strings are checked on text).
+
+``--compare vllm`` runs the decode workload (greedy, and with features: temperature, top-p, penalties,
+logprobs, no stop string, which vLLM cannot check without a tokenizer) through vLLM's offline engine
+(``skip_tokenizer_init=True``, token-id prompts) in its own virtualenv, at the same concurrency, alternating
+with jaxserve's runs, and prints jaxserve / vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxserve.demo import DEMO_CONFIG, byte_tokenizer, write_random_checkpoint  # noqa: E402
+from jaxserve.engine import Engine  # noqa: E402
+from jaxserve.engine_config import EngineConfig  # noqa: E402
+from jaxserve.sampling_params import SamplingParams  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+# head_dim 32 (not 64 / 4 = 16): vLLM's CPU attention has no kernel for head_dim 16.
+TINY = dict(DEMO_CONFIG, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=4, head_dim=32, vocab_size=512, max_position_embeddings=512, tie_word_embeddings=False)
+MAX_MODEL_LEN = 256
+
+
+def make_model(folder: Path) -> Path:
+    if not (folder / "config.json").exists():
+        write_random_checkpoint(folder, TINY, seed=0, std=0.08)
+        byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def workload(kind: str, concurrency: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    n = 16 if concurrency == 1 else 256
+    if kind == "decode":
+        lens, out_len, per_step = rng.integers(8, 17, n), 128, n
+    else:
+        lens, out_len, per_step = rng.integers(32, 193, n), 64, 8
+    prompts = [rng.integers(3, 256, k).tolist() for k in lens]
+    return {"prompts": prompts, "output_len": out_len, "per_step": per_step, "max_model_len": MAX_MODEL_LEN}
+
+
+def params_for(features: bool, out_len: int, *, stop_strings: bool = True) -> dict:
+    base = dict(max_tokens=out_len, ignore_eos=True)
+    if not features:
+        return dict(base, temperature=0.0)
+    extra = dict(stop=["\x00\x01\x02"]) if stop_strings else {}
+    return dict(base, temperature=0.8, top_p=0.9, repetition_penalty=1.1, frequency_penalty=0.1, logprobs=2,
+                seed=1, **extra)
+
+
+class Timeline:
+    """Launch and completion times of every step the runner runs (a watcher thread waits on each output)."""
+
+    def __init__(self, runner):
+        self.runner, self.real = runner, runner.run
+        self.launched: list[float] = []
+        self.done: list[float] = []
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        runner.run = self._run
+
+    def _run(self, kind, batch, *prev):
+        out = self.real(kind, batch, *prev)
+        self.launched.append(time.perf_counter())
+        self._queue.put(out.greedy_ids)
+        return out
+
+    def _watch(self):
+        while True:
+            a = self._queue.get()
+            if a is None:
+                return
+            jax.block_until_ready(a)
+            self.done.append(time.perf_counter())
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self.runner.run = self.real
+
+    def gaps(self) -> list[float]:
+        return [max(0.0, self.launched[i + 1] - self.done[i]) for i in range(len(self.done) - 1)]
+
+
+def run_jaxserve(engine: Engine, w: dict, features: bool) -> dict:
+    sp = SamplingParams(**params_for(features, w["output_len"]))
+    ex = engine.executor
+    steps0, wait0 = engine.stats_counters["steps"], ex.host_wait_seconds
+    timeline = Timeline(ex.runner)
+    pending = list(enumerate(w["prompts"]))
+    out_tokens, step_wall = 0, 0.0
+    start = time.perf_counter()
+    try:
+        while pending or engine.has_unfinished():
+            for i, p in pending[: w["per_step"]]:
+                engine.add_request(f"h{i}", p, sp)
+            pending = pending[w["per_step"]:]
+            t0 = time.perf_counter()
+            outs = engine.step()
+            step_wall += time.perf_counter() - t0
+            out_tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+        seconds = time.perf_counter() - start
+    finally:
+        timeline.close()
+    steps = engine.stats_counters["steps"] - steps0
+    wait = ex.host_wait_seconds - wait0
+    gaps = timeline.gaps()
+    return {"seconds": seconds, "output_tokens": out_tokens, "steps": steps,
+            "host_us": 1e6 * (step_wall - wait) / max(1, steps),
+            "gap_us": 1e6 * statistics.fmean(gaps) if gaps else 0.0,
+            "gap_median_us": 1e6 * statistics.median(gaps) if gaps else 0.0}
+
+
+def run_vllm(python: str, model: Path, w: dict, features: bool, concurrency: int) -> dict | None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "workload.json"
+        params = params_for(features, w["output_len"], stop_strings=False)
+        path.write_text(json.dumps(dict(w, params=params)))
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+        cmd = [python, str(HERE / "peers" / "vllm_generate.py"), str(path), "--model", str(model), "--dtype",
+               "float32", "--max-num-seqs", str(concurrency)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode:
+            print(f"vllm failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+            return None
+        lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+        return lines[-1] if lines else None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=Path("/tmp/jaxserve-host-model-hd32"))
+    p.add_argument("--concurrency", default="1,64,256")
+    p.add_argument("--workloads", default="decode,mixed")
+    p.add_argument("--features", default="off,on")
+    p.add_argument("--async-scheduling", default="both", choices=("both", "on", "off"))
+    p.add_argument("--repeats", type=int, default=1, help="runs of each configuration, alternating")
+    p.add_argument("--compare", default="", help="'vllm' to run the decode workload through vLLM-CPU too")
+    p.add_argument("--vllm-python", default="/work/venv-vllm/bin/python")
+    p.add_argument("--json", type=Path, default=None, help="also write every run's numbers here")
+    args = p.parse_args()
+    model = make_model(args.model)
+    modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.async_scheduling]
+    results = []
+    for c in [int(x) for x in args.concurrency.split(",")]:
+        engines = {}
+
+        def engine(a: bool, feat: bool) -> Engine:
+            if (a, feat) not in engines:
+                t0 = time.perf_counter()
+                e = engines[a, feat] = Engine(EngineConfig(
+                    model=str(model), max_num_seqs=c, max_num_batched_tokens=max(512, c), max_model_len=MAX_MODEL_LEN,
+                    async_scheduling=a, skip_tokenizer_init=not feat))
+                e.final_outputs_only = True
+                print(f"# concurrency {c}, async_scheduling={a}, tokenizer={feat}: engine ready in "
+                      f"{time.perf_counter() - t0:.1f}s", flush=True)
+            return engines[a, feat]
+
+        for kind in args.workloads.split(","):
+            w = workload(kind, c)
+            for feat in [x == "on" for x in args.features.split(",")]:
+                label = f"c={c:<3} {kind:<6} features={'on ' if feat else 'off'}"
+                for rep in range(args.repeats):
+                    tps = {}
+                    for a in modes:
+                        r = run_jaxserve(engine(a, feat), w, feat)
+                        tps[a] = r["output_tokens"] / r["seconds"]
+                        results.append(dict(r, concurrency=c, workload=kind, features=feat, async_scheduling=a))
+                        print(f"{label} async={'on ' if a else 'off'}: {tps[a]:9.0f} out tok/s  "
+                              f"{r['steps'] / r['seconds']:7.1f} steps/s  host {r['host_us']:7.0f} us/step  "
+                              f"device idle gap (host on the critical path) mean "
+                              f"{r['gap_us']:7.0f} us (median {r['gap_median_us']:.0f})", flush=True)
+                    if "vllm" in args.compare and kind == "decode":
+                        v = run_vllm(args.vllm_python, model, w, feat, c)
+                        if v:
+                            vt = v["output_tokens"] / v["seconds"]
+                            results.append(dict(v, concurrency=c, workload=kind, features=feat, peer="vllm"))
+                            ratios = ", ".join(f"async {'on' if a else 'off'} {t / vt:.2f}x" for a, t in tps.items())
+                            print(f"{label} vllm     : {vt:9.0f} out tok/s (start-up {v['startup_seconds']:.0f}s); "
+                                  f"jaxserve / vllm: {ratios}", flush=True)
+        del engines
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
