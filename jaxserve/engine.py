@@ -258,7 +258,11 @@ class Engine:
         if result.prompt_logprobs:
             self._record_prompt_logprobs(plan, result.prompt_logprobs)
         update, tokens = async_scheduling.resolve(self.scheduler, plan, result.token_ids)
-        return self._collect(update.finished, update.updated, _logprobs(plan.scheduled, result), tokens)
+        outputs = self._collect(update.finished, update.updated, _logprobs(plan.scheduled, result), tokens)
+        # As in the synchronous step: a finished sequence's penalty row returns now (the step in flight that may
+        # still carry it updated the row before any later step can hand the row to another sequence).
+        self.executor.release(update.finished, finished=False)
+        return outputs
 
     def _record_prompt_logprobs(self, plan, scored: dict[int, list[tuple[int, dict[int, float]]]]) -> None:
         for e in plan.scheduled:
