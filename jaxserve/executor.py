@@ -59,7 +59,8 @@ class Executor:
         self.mesh = make_mesh(config.mesh, num_devices=config.num_devices)
         self.num_replicas = int(self.mesh.shape["data"])
         self.is_leader = multihost.is_leader()
-        model, self.model_config, self.folder = load_model(self.model_path, config.dtype, self.mesh)
+        model, self.model_config, self.folder = load_model(self.model_path, config.dtype, self.mesh,
+                                                               config.quantization, config.quantize_lm_head)
         cfg = self.model_config
         limit = cfg.max_context  # max_position_embeddings, stretched by rope scaling where the rope says so
         if config.max_model_len is not None and config.max_model_len > limit:
@@ -67,7 +68,7 @@ class Executor:
                              f"(max_position_embeddings in config.json, with its rope scaling)")
         self.max_model_len = config.max_model_len or limit
         backend = AttentionBackend.resolve(config.attention_backend)
-        self.cache_dtype = backend.cache_dtype(model.embed_tokens.embedding.get_value().dtype)
+        self.cache_dtype = backend.cache_dtype(model.embed_tokens.dtype)
         num_pages = config.num_pages or self._auto_num_pages()
         # A model interleaving windowed and global layers: the windowed layers get a pool of their own, as large
         # as the windows of max_num_seqs sequences need (jaxserve/window_pool.py), and never larger than the
