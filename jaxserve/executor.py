@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import compile_counter, compile_progress
@@ -32,6 +33,7 @@ from jaxserve.sequence import Sequence
 from jaxserve.shapes import StepShapes
 from jaxserve.step_result import StepFailed, StepResult
 from jaxserve.window_pool import window_pages_needed
+from pallas_kernels.quantized_pages import STORAGE as KV_STORAGE
 from sharding import multihost
 from sharding.mesh import make_mesh
 
@@ -69,6 +71,11 @@ class Executor:
         self.max_model_len = config.max_model_len or limit
         backend = AttentionBackend.resolve(config.attention_backend)
         self.cache_dtype = backend.cache_dtype(model.embed_tokens.dtype)
+        if config.kv_cache_dtype != "auto":  # an 8-bit pool with per-token scales (pallas_kernels.quantized_pages)
+            if not backend.supports_kv_cache_dtype(config.kv_cache_dtype):
+                raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported by attention_backend="
+                                 f"{backend.name!r}; the reference (CPU) path reads 8-bit KV pages")
+            self.cache_dtype = jnp.dtype(KV_STORAGE[config.kv_cache_dtype])
         num_pages = config.num_pages or self._auto_num_pages()
         # A model interleaving windowed and global layers: the windowed layers get a pool of their own, as large
         # as the windows of max_num_seqs sequences need (jaxserve/window_pool.py), and never larger than the
