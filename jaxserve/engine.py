@@ -285,6 +285,7 @@ class Engine:
         s = dict(self.scheduler.stats())
         s.update(self.stats_counters)
         s["num_pages"] = self.executor.cache_config.num_pages
+        s["kv_bytes_per_token"] = self.executor.kv_bytes_per_token
         return s
 
     def describe(self) -> dict:

@@ -84,6 +84,12 @@ class Executor:
             cfg.local_window, config.page_size, config.max_num_seqs, config.max_num_batched_tokens))
         self.cache_config = CacheConfig(config.page_size, num_pages, self.num_replicas,
                                         num_local_pages=local * self.num_replicas)
+        self.kv_bytes_per_token = bytes_per_token(cfg, self.cache_dtype)
+        logger.info("KV cache: %d pages of %d tokens (%d tokens), %s%s, %d bytes per token%s; weights %s",
+                    num_pages, config.page_size, num_pages * config.page_size, np.dtype(self.cache_dtype).name,
+                    " with per-token scales" if config.kv_cache_dtype != "auto" else "", self.kv_bytes_per_token,
+                    " (scales included)" if config.kv_cache_dtype != "auto" else "",
+                    self._weights_description(model))
         self.scheduler_config = dataclasses.replace(
             config.scheduler_config(num_pages=self.cache_config.pages_per_replica, max_model_len=self.max_model_len),
             attention_window=cfg.attention_window, local_window=cfg.local_window, local_pages=local)
@@ -111,6 +117,15 @@ class Executor:
         self._all_allowed = np.full((max_running, (cfg.vocab_size + 31) // 32), -1, np.int32)
         if config.warmup and self.is_leader:
             self.warmup()  # on a multi-process run the followers compile the same shapes as they follow
+
+    @staticmethod
+    def _weights_description(model) -> str:
+        """The parameters' dtypes and bytes, e.g. "int8 + float32, 51.2 MiB"."""
+        from flax import nnx
+
+        leaves = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(model))]
+        names = sorted({np.dtype(a.dtype).name for a in leaves})
+        return f"{' + '.join(names)}, {sum(a.nbytes for a in leaves) / 2**20:.1f} MiB"
 
     def _auto_num_pages(self) -> int:
         """Total pages (all replicas) of the pool: each replica's block as large as one device's budget allows."""
@@ -310,6 +325,9 @@ class Executor:
             "page_size": int(self.cache_config.page_size),
             "num_pages": int(self.cache_config.num_pages),
             "dtype": str(np.dtype(self.cache_dtype)),
+            "kv_cache_dtype": self.config.kv_cache_dtype,
+            "kv_bytes_per_token": int(self.kv_bytes_per_token),
+            "quantization": self.config.quantization,
         }
 
 

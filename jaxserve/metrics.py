@@ -41,6 +41,8 @@ _ENGINE_STATS = (
     ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache.", "counter"),
     ("prefix_cache_evictions", "cache_evictions", "Cached pages evicted to make room.", "counter"),
     ("engine_steps", "steps", "Engine steps run.", "counter"),
+    ("kv_cache_bytes_per_token", "kv_bytes_per_token",
+     "KV cache bytes one token takes (all layers, K and V, 8-bit scales included).", "gauge"),
 )
 
 
