@@ -200,7 +200,7 @@ def prequantized_scale(scale: np.ndarray, q_out_in_shape: tuple[int, int], block
     transposed to [in_blocks, out_blocks]."""
     out, inp = q_out_in_shape
     s = np.asarray(scale, np.float32)
-    if block is not None and s.ndim == 2 and s.size > 1:
+    if block is not None and s.ndim == 2:
         want = (-(-out // block), -(-inp // block))
         if s.shape != want:
             raise ValueError(f"block scale shape {s.shape} does not match {want} for a [{out}, {inp}] weight")

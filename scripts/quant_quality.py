@@ -63,10 +63,12 @@ def workload(model_path: str, vocab: int, seqs: int, length: int, prompt: int = 
 
 def teacher_forced_logits(model_path: str, tokens: np.ndarray, *, quantization: str | None = None,
                           kv_cache_dtype: str = "auto", dtype: str = "float32", chunk: int = 16,
-                          page_size: int = 16) -> np.ndarray:
+                          page_size: int = 16, mesh: str | None = None) -> np.ndarray:
     """f32[seqs, length, vocab]: the next-token logits at every position, the prompt fed ``chunk`` tokens at a
     time through the paged cache (the reference attention path)."""
-    mesh = make_mesh()
+    from sharding.mesh import MeshConfig
+
+    mesh = make_mesh(mesh, num_devices=None if mesh is None else MeshConfig.parse(mesh).num_devices)
     model, cfg, _ = load_model(model_path, dtype, mesh, quantization)
     backend = AttentionBackend("reference")
     cache_dtype = backend.cache_dtype(model.embed_tokens.dtype) if kv_cache_dtype == "auto" else STORAGE[kv_cache_dtype]
