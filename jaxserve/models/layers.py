@@ -84,6 +84,9 @@ def int8_rows_matmul(x: jax.Array, weight: jax.Array) -> jax.Array:
     row_scale = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / 127.0
     row_scale = jnp.where(row_scale > 0, row_scale, 1.0)
     xq = jnp.clip(jnp.round(xf / row_scale), -127, 127).astype(jnp.int8)
+    if x.shape[0] == 1:  # XLA:CPU sends a one-row int8 dot to a generic loop over an int32 copy of the weight
+        return jax.lax.dot(jnp.pad(xq, ((0, 1), (0, 0))), weight, preferred_element_type=jnp.int32)[:1].astype(
+            jnp.float32) * row_scale
     acc = jax.lax.dot(xq, weight, preferred_element_type=jnp.int32)
     return acc.astype(jnp.float32) * row_scale
 
