@@ -227,3 +227,20 @@ def test_compare_counts_agreement_and_kl():
     r = compare(a, b)
     assert r["top1"] == 0.5
     assert r["kl"] == pytest.approx((0.1 * np.log(0.1 / 0.6) + 0.8 * np.log(0.8 / 0.3)) / 2)
+
+
+def test_int8_rows_matmul_matches_the_float_product():
+    import jax.numpy as jnp
+
+    from jaxserve.models import layers
+
+    rng = np.random.default_rng(3)
+    w = rng.normal(0, 0.08, size=(96, 40)).astype(np.float32)
+    q, scale = quant.quantize(w, "int8")
+    x = rng.normal(0, 1, size=(3, 96)).astype(np.float32)
+    x[1] *= 100.0  # each row has its own activation scale
+    want = x @ quant.dequantize_host(q, scale)
+    got = np.asarray(layers.int8_rows_matmul(jnp.asarray(x), jnp.asarray(q)) * scale)
+    np.testing.assert_allclose(got, want, rtol=0, atol=0.02 * np.abs(want).max(axis=1, keepdims=True).max())
+    one = np.asarray(layers.int8_rows_matmul(jnp.asarray(x[2:]), jnp.asarray(q)))  # the padded one-row path
+    np.testing.assert_array_equal(one[0], np.asarray(layers.int8_rows_matmul(jnp.asarray(x), jnp.asarray(q)))[2])
