@@ -244,3 +244,31 @@ def test_int8_rows_matmul_matches_the_float_product():
     np.testing.assert_allclose(got, want, rtol=0, atol=0.02 * np.abs(want).max(axis=1, keepdims=True).max())
     one = np.asarray(layers.int8_rows_matmul(jnp.asarray(x[2:]), jnp.asarray(q)))  # the padded one-row path
     np.testing.assert_array_equal(one[0], np.asarray(layers.int8_rows_matmul(jnp.asarray(x), jnp.asarray(q)))[2])
+
+
+def test_int8_kv_with_preemption_prefix_caching_chunked_prefill_and_nan_scales(tmp_path):
+    """The same int8-KV tokens whether prompts are chunked, share cached pages or are preempted and recomputed,
+    and whatever the free pages' scales hold."""
+    import jax.numpy as jnp
+
+    from jaxserve.engine import Engine
+    from pallas_kernels.quantized_pages import QuantizedPages
+    from test_engine import random_workload, run
+
+    path = build_tiny_model("llama", tmp_path / "m")
+    common = dict(model=str(path), page_size=4, max_model_len=64, max_num_seqs=8, seed=0, warmup=False,
+                  compilation_cache_dir=None, kv_cache_dtype="int8", quantization="int8")
+    tight = Engine(EngineConfig(num_pages=24, max_num_batched_tokens=16, debug_checks=True, **common))
+    roomy = Engine(EngineConfig(num_pages=256, max_num_batched_tokens=128, enable_prefix_caching=False, **common))
+    arrivals = random_workload(np.random.default_rng(0), tight.model_config.vocab_size, n=10)
+    got, want = run(tight, arrivals), run(roomy, arrivals)
+    assert tight.scheduler.num_preemptions > 0 and tight.stats()["prefix_cache_hits"] > 0
+    for rid, out in want.items():
+        assert got[rid].outputs[0].token_ids == out.outputs[0].token_ids, rid
+    runner = tight.executor.runner
+    tight.scheduler.block_manager.reset_prefix_cache()
+    runner.kv_cache = [tuple(QuantizedPages(p.values, jnp.full_like(p.scales, jnp.nan), p.dtype) for p in layer)
+                       for layer in runner.kv_cache]
+    again = run(tight, [[(rid + "-again", p, sp) for rid, p, sp in wave] for wave in arrivals])
+    for rid, out in want.items():
+        assert again[rid + "-again"].outputs[0].token_ids == out.outputs[0].token_ids, rid
