@@ -56,8 +56,16 @@ def test_config_and_flags_refuse_bad_combinations():
         EngineConfig(quantize_lm_head=True)
     with pytest.raises(ValueError, match="dtype='float16'"):
         EngineConfig(quantization="int8", dtype="float16")
-    from jaxserve.attention import AttentionBackend
+    import argparse
 
+    from jaxserve.attention import AttentionBackend
+    from jaxserve.engine_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    cfg = engine_config_from_args(parser.parse_args(["--quantization", "int8", "--quantize-lm-head",
+                                                     "--kv-cache-dtype", "fp8"]))
+    assert (cfg.quantization, cfg.quantize_lm_head, cfg.kv_cache_dtype) == ("int8", True, "fp8")
     assert AttentionBackend("reference").supports_kv_cache_dtype("int8")
     assert not AttentionBackend("pallas_tpu").supports_kv_cache_dtype("fp8")
 
@@ -272,3 +280,11 @@ def test_int8_kv_with_preemption_prefix_caching_chunked_prefill_and_nan_scales(t
     again = run(tight, [[(rid + "-again", p, sp) for rid, p, sp in wave] for wave in arrivals])
     for rid, out in want.items():
         assert again[rid + "-again"].outputs[0].token_ids == out.outputs[0].token_ids, rid
+
+
+def test_a_kernel_without_8_bit_pages_is_refused_at_start_up(models):
+    from jaxserve.llm import LLM
+
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported by attention_backend='pallas_gpu'"):
+        LLM(str(models["qwen3"]), kv_cache_dtype="fp8", attention_backend="pallas_gpu", warmup=False,
+            num_pages=16, max_model_len=64, compilation_cache_dir=None)
