@@ -57,10 +57,10 @@ class AttentionBackend:
 
     def supports_kv_cache_dtype(self, kv_cache_dtype: str) -> bool:
         """Whether this backend reads an 8-bit KV pool (``kv_cache_dtype`` other than "auto")."""
-        return kv_cache_dtype == "auto" or self.name == "reference"
+        return kv_cache_dtype == "auto" or self.name in ("reference", "pallas_gpu")
 
     def check_quantized(self) -> None:
-        if self.name != "reference":
+        if not self.supports_kv_cache_dtype("int8"):
             raise ValueError(f"attention_backend={self.name!r} does not read a quantized KV cache; "
                              "use kv_cache_dtype='auto' or attention_backend='reference'")
 

@@ -68,6 +68,7 @@ def test_config_and_flags_refuse_bad_combinations():
     assert (cfg.quantization, cfg.quantize_lm_head, cfg.kv_cache_dtype) == ("int8", True, "fp8")
     assert AttentionBackend("reference").supports_kv_cache_dtype("int8")
     assert not AttentionBackend("pallas_tpu").supports_kv_cache_dtype("fp8")
+    assert AttentionBackend("pallas_gpu").supports_kv_cache_dtype("int8")
 
 
 def test_weights_and_scales_are_sharded_alike_and_the_mesh_matches_one_device(models):
@@ -249,7 +250,7 @@ def test_int8_rows_matmul_matches_the_float_product():
     x[1] *= 100.0  # each row has its own activation scale
     want = x @ quant.dequantize_host(q, scale)
     got = np.asarray(layers.int8_rows_matmul(jnp.asarray(x), jnp.asarray(q)) * scale)
-    np.testing.assert_allclose(got, want, rtol=0, atol=0.02 * np.abs(want).max(axis=1, keepdims=True).max())
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())  # activations to ~14 bits
     one = np.asarray(layers.int8_rows_matmul(jnp.asarray(x[2:]), jnp.asarray(q)))  # the padded one-row path
     np.testing.assert_array_equal(one[0], np.asarray(layers.int8_rows_matmul(jnp.asarray(x), jnp.asarray(q)))[2])
 
@@ -285,6 +286,6 @@ def test_int8_kv_with_preemption_prefix_caching_chunked_prefill_and_nan_scales(t
 def test_a_kernel_without_8_bit_pages_is_refused_at_start_up(models):
     from jaxserve.llm import LLM
 
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported by attention_backend='pallas_gpu'"):
-        LLM(str(models["qwen3"]), kv_cache_dtype="fp8", attention_backend="pallas_gpu", warmup=False,
+    with pytest.raises(ValueError, match="kv_cache_dtype=.fp8. is not supported by attention_backend=.pallas_tpu."):
+        LLM(str(models["qwen3"]), kv_cache_dtype="fp8", attention_backend="pallas_tpu", warmup=False,
             num_pages=16, max_model_len=64, compilation_cache_dir=None)
