@@ -188,7 +188,9 @@ def test_prequantized_checkpoints_load_as_published(models, tmp_path, method, ki
     tokens = np.random.default_rng(2).integers(3, 300, size=(1, 32), dtype=np.int32)
     got = teacher_forced_logits(str(dst), tokens)
     want = teacher_forced_logits(str(ref), tokens)  # the published values, dequantized on the host
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    # int8 weights meet ~14-bit activation rows on CPU (layers.int8_rows_matmul): a little further from fp32
+    tol = 1e-3 if kind == "int8" else 1e-4
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
 
 
 def test_other_quant_methods_are_refused_in_one_line(models, tmp_path):
