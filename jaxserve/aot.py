@@ -49,7 +49,7 @@ from jaxserve.batch import MeshBatch, StepKind
 from jaxserve.config import ModelConfig
 from jaxserve.engine_args import add_engine_args
 from jaxserve.kv_cache import CacheConfig, bytes_per_token, cache_sharding
-from jaxserve.loader import abstract_model, param_shardings, resolve_dtype
+from jaxserve.loader import abstract_model, param_shardings, quantization_plan, resolve_dtype
 from jaxserve.penalty_state import PenaltyState
 from jaxserve.roofline import attention_flops
 from jaxserve.runner import StepOutput, jit_step
@@ -229,14 +229,15 @@ class StepCompiler:
     """The engine's compiled steps and sampler over abstract weights and pool, on a described mesh."""
 
     def __init__(self, cfg: ModelConfig, dtype, mesh, *, page_size: int, num_pages: int, max_num_seqs: int,
-                 backend: AttentionBackend):
+                 backend: AttentionBackend, quantization: str | None = None, quantize_lm_head: bool = False):
         self.cfg, self.dtype, self.mesh, self.backend = cfg, dtype, mesh, backend
         self.num_replicas = int(mesh.shape["data"])
         self.sequence = int(mesh.shape["sequence"])
         self.cache_dtype = backend.cache_dtype(dtype, "tpu")
         self.cache = CacheConfig(page_size, num_pages, self.num_replicas)
         self.rules = model_rules(cfg.num_heads, cfg.num_kv_heads, mesh)
-        self.graphdef, abstract = abstract_model(cfg, dtype)
+        plan, _ = quantization_plan(cfg, dtype, quantization, quantize_lm_head)
+        self.graphdef, abstract = abstract_model(cfg, dtype, plan)
         shardings = param_shardings(abstract, mesh, self.rules)
         flat = dict(nnx.to_flat_state(abstract))
         for path, var in flat.items():
@@ -338,6 +339,8 @@ class Request:
     context: int = 2048
     decode_batches: tuple[int, ...] = DECODE_PROBES
     report_seqs: tuple[int, ...] = (64, 256)
+    quantization: str | None = None  # weights quantized at load ("int8", "fp8"): the 8-bit model's fit
+    quantize_lm_head: bool = False
 
 
 def _ceil(a: int, b: int) -> int:
@@ -379,7 +382,8 @@ def run(req: Request, log=None) -> dict:
         c = cfg if layers == cfg.num_layers else dataclasses.replace(
             cfg, num_layers=layers, sliding_windows=cfg.sliding_windows[:layers])
         return StepCompiler(c, dtype, mesh, page_size=req.page_size, num_pages=num_pages,
-                            max_num_seqs=req.max_num_seqs, backend=backend)
+                            max_num_seqs=req.max_num_seqs, backend=backend, quantization=req.quantization,
+                            quantize_lm_head=req.quantize_lm_head)
 
     full = compiler(cfg.num_layers, 2 * replicas)  # for the exact weight bytes only (nothing compiled)
     weights = full.weight_bytes
@@ -494,7 +498,8 @@ def run(req: Request, log=None) -> dict:
         "active_params_b": cfg.num_active_params / 1e9,
         "num_layers": cfg.num_layers, "topology": req.topology, "device_kind": devices[0].device_kind,
         "chip": dataclasses.asdict(chip), "devices_per_chip": per_chip, "mesh": str(mesh_cfg),
-        "dtype": jnp.dtype(dtype).name, "kv_dtype": jnp.dtype(cache_dtype).name, "page_size": req.page_size,
+        "dtype": jnp.dtype(dtype).name, "kv_dtype": jnp.dtype(cache_dtype).name, "quantization": req.quantization,
+        "page_size": req.page_size,
         "max_num_seqs": req.max_num_seqs, "max_num_batched_tokens": req.max_num_batched_tokens,
         "max_model_len": max_model_len, "hbm_utilization": req.hbm_utilization,
         "jax": jax.__version__, "libtpu": _libtpu_version(),
@@ -526,7 +531,7 @@ def format_report(r: dict) -> str:
     lines = [
         f"{r['architecture']} ({r['model']}, {r['params_b']:.2f}B"
         + (f" total, {r['active_params_b']:.2f}B active per token" if r["active_params_b"] < r["params_b"] else "")
-        + f", {r['dtype']}) on {r['topology']} "
+        + f", {r['dtype']}{', weights ' + r['quantization'] if r.get('quantization') else ''}) on {r['topology']} "
         f"({r['device_kind']}), mesh {r['mesh']}; {r['jax'] and 'jax ' + r['jax']}, {r['libtpu']}",
         f"page_size {r['page_size']}, max_num_seqs {r['max_num_seqs']}, max_num_batched_tokens "
         f"{r['max_num_batched_tokens']}, max_model_len {r['max_model_len']:,}, hbm_utilization {r['hbm_utilization']}",
@@ -583,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   f"{', '.join(PRESETS)}")
     p.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:2x2, v5e:2x4, v6e:2x4, v5p:2x2x1")
     keep = ("dtype", "page_size", "num_pages", "hbm_utilization", "max_model_len", "max_num_seqs",
-            "max_num_batched_tokens", "mesh")
+            "max_num_batched_tokens", "mesh", "quantization", "quantize_lm_head")
     from jaxserve.engine_config import EngineConfig
 
     add_engine_args(p, skip=tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name not in keep),
@@ -602,7 +607,8 @@ def main(argv: list[str] | None = None) -> int:
                   max_model_len=args.max_model_len, num_pages=args.num_pages, hbm_utilization=args.hbm_utilization,
                   buckets=args.buckets, sample_layers=args.sample_layers, context=args.context,
                   decode_batches=tuple(int(x) for x in args.decode_batches.split(",") if x),
-                  report_seqs=tuple(int(x) for x in args.report_seqs.split(",") if x))
+                  report_seqs=tuple(int(x) for x in args.report_seqs.split(",") if x),
+                  quantization=args.quantization, quantize_lm_head=args.quantize_lm_head)
     try:
         report = run(req, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     except AotError as e:

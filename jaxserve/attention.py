@@ -24,6 +24,7 @@ from jaxserve.engine_config import ATTENTION_BACKENDS
 from pallas_kernels import kv_cache_update
 from pallas_kernels import ragged_paged_attention as rpa
 from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.quantized_pages import QuantizedPages, fake_quantize, write_quantized
 from sharding.layout import StepLayout
 
 __all__ = ["AttentionMetadata", "AttentionBackend", "BACKENDS", "ShardedAttention", "window_metadata"]
@@ -53,6 +54,15 @@ class AttentionBackend:
         if self.name == "reference" and platform == "cpu" and jnp.dtype(model_dtype).itemsize == 2:
             return jnp.float32
         return model_dtype
+
+    def supports_kv_cache_dtype(self, kv_cache_dtype: str) -> bool:
+        """Whether this backend reads an 8-bit KV pool (``kv_cache_dtype`` other than "auto")."""
+        return kv_cache_dtype == "auto" or self.name in ("reference", "pallas_gpu")
+
+    def check_quantized(self) -> None:
+        if not self.supports_kv_cache_dtype("int8"):
+            raise ValueError(f"attention_backend={self.name!r} does not read a quantized KV cache; "
+                             "use kv_cache_dtype='auto' or attention_backend='reference'")
 
     @classmethod
     def resolve(cls, name: str, platform: str | None = None) -> "AttentionBackend":
@@ -91,6 +101,9 @@ class AttentionBackend:
     def write(self, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
               md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
         """Write each real row's K/V into its page slot. Returns (k_pages, v_pages)."""
+        if isinstance(k_pages, QuantizedPages):  # an 8-bit pool: quantized as written (pallas_kernels.quantized_pages)
+            self.check_quantized()
+            return write_quantized(rpa.write_kv, k_pages, v_pages, k, v, md)
         if self.name == "pallas_tpu":
             return kv_cache_update.write_kv_tpu(k_pages, v_pages, k, v, md, interpret=self.interpret)
         if self.name == "pallas_gpu":
@@ -107,6 +120,11 @@ class AttentionBackend:
         the pages.
         """
         kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        if isinstance(k_pages, QuantizedPages):
+            # The pages dequantize what they are asked for as they are gathered; a chunk's own rows are taken as
+            # they read back from the pool, so the result does not depend on how a prompt was chunked.
+            self.check_quantized()
+            k, v = fake_quantize(k, k_pages.storage_dtype), fake_quantize(v, v_pages.storage_dtype)
         if self.name == "pallas_tpu":
             return rpa.ragged_paged_attention_tpu(q, k_pages, v_pages, md, interpret=self.interpret, **kw)
         if self.name == "pallas_gpu":
@@ -156,13 +174,13 @@ class ShardedAttention:
     layout: StepLayout
     num_kv_heads: int
 
-    def specs(self, q_shape, kv_shape, page_shape, num_replicas: int):
+    def specs(self, q_shape, kv_shape, pages, num_replicas: int):
         lay = self.layout
         rows = lay.spec(("tokens",), q_shape[:1])[0]
         q_spec = P(rows, lay.spec(("act_heads",), q_shape[1:2])[0], None)
         replicas = lay.spec(("replicas",), (num_replicas,))[0]
         kv_spec = P(replicas, lay.spec(("act_kv_heads",), kv_shape[1:2])[0], None)
-        page_spec = lay.spec(CACHE_AXES, page_shape)
+        page_spec = jax.tree.map(lambda a: lay.spec(CACHE_AXES, a.shape), pages)  # a QuantizedPages: each part's
         return q_spec, kv_spec, page_spec, replicas
 
     def __call__(
@@ -180,7 +198,7 @@ class ShardedAttention:
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         lay, backend, nkv = self.layout, self.backend, self.num_kv_heads
         num_replicas = md.cu_q_lens.shape[0]
-        q_spec, kv_spec, page_spec, replicas = self.specs(q.shape, k.shape, k_pages.shape, num_replicas)
+        q_spec, kv_spec, page_spec, replicas = self.specs(q.shape, k.shape, k_pages, num_replicas)
         md_spec = jax.tree.map(lambda a: P(replicas, *([None] * (a.ndim - 1))), md)
         tensor = lay.size("tensor")
         split = lay.split_sequence

@@ -41,6 +41,7 @@ from jaxserve.outputs import RequestOutput
 from jaxserve.replicas import ReplicatedScheduler
 from jaxserve.sequence import Sequence
 from jaxserve.step_result import StepFailed
+from pallas_kernels.quantized_pages import QuantizedPages
 from sharding.mesh import MeshConfig
 
 logger = logging.getLogger(__name__)
@@ -265,6 +266,13 @@ class DisaggregatedEngine(StagedEngine):
         return info
 
 
+def _plain_pool(runner) -> None:
+    """Refuse a pool the page copy cannot move yet: 8-bit pages carry per-token scales beside their values."""
+    if isinstance(runner.kv_cache[0][0], QuantizedPages):
+        raise ValueError("kv_cache_dtype: prefill/decode disaggregation moves unquantized KV pages only; use "
+                         "kv_cache_dtype='auto' with it")
+
+
 class PageReader:
     """Takes a sequence's KV pages out of a runner's pool into one compact array on that runner's mesh.
 
@@ -274,6 +282,7 @@ class PageReader:
     """
 
     def __init__(self, runner):
+        _plain_pool(runner)
         self.runner = runner
         cfg = runner.cfg
         self.local = [uses_local_pool(cfg, runner.cache_cfg, layer) for layer in range(cfg.num_layers)]
@@ -313,6 +322,7 @@ class PageWriter:
     ``tensor`` size); rows for pages this pool released behind a window, and padded rows, are dropped."""
 
     def __init__(self, runner):
+        _plain_pool(runner)
         self.runner = runner
         cfg = runner.cfg
         self.local = [uses_local_pool(cfg, runner.cache_cfg, layer) for layer in range(cfg.num_layers)]

@@ -367,6 +367,7 @@ class Engine:
         s.update(self.stats_counters)
         s["num_pages"] = self.executor.cache_config.num_pages
         s["compilations_after_warmup"] = getattr(self.executor, "compilations_after_warmup", 0)
+        s["kv_bytes_per_token"] = self.executor.kv_bytes_per_token
         return s
 
     def describe(self) -> dict:

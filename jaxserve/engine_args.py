@@ -9,7 +9,8 @@ import argparse
 import dataclasses
 import typing
 
-from jaxserve.engine_config import ATTENTION_BACKENDS, DTYPES, LOGPROBS_MODES, EngineConfig
+from jaxserve.engine_config import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, LOGPROBS_MODES, QUANTIZATIONS,
+                                   EngineConfig)
 
 HELP = {
     "model": "Hugging Face folder, orbax folder from scripts/convert_checkpoint.py, or hub id "
@@ -54,10 +55,17 @@ HELP = {
     "async_scheduling": "schedule and launch each step before the previous step's tokens reach the host, so the "
                         "device never waits for the host loop; requests with structured output or prompt logprobs "
                         "run synchronously",
+    "quantization": "quantize the weights while loading: int8 (symmetric, one scale per output channel) or fp8 "
+                    "(float8_e4m3fn, one scale per output channel); pre-quantized fp8 / compressed-tensors "
+                    "checkpoints load as published without it (default: none)",
+    "quantize_lm_head": "with --quantization, quantize the LM head and the embeddings too",
+    "kv_cache_dtype": "KV cache storage: auto (the model's dtype), int8 or fp8/fp8_e4m3/fp8_e5m2, with one scale per "
+                      "token and KV head",
 }
 
 
-CHOICES = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "logprobs_mode": LOGPROBS_MODES}
+CHOICES = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "logprobs_mode": LOGPROBS_MODES,
+           "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = (),

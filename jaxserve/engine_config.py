@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 LOGPROBS_MODES = ("processed", "raw")
+QUANTIZATIONS = ("int8", "fp8")  # weight-only, quantized at load (jaxserve/quantization.py)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names; fp8 is e4m3
 
 
 def pages_per_seq(max_model_len: int, page_size: int) -> int:
@@ -73,6 +75,9 @@ class EngineConfig:
     # Launch step N+1 before step N's tokens reach the host (jaxserve/async_scheduling.py); steps that need the
     # host's view of the previous token (structured output, prompt logprobs) run synchronously.
     async_scheduling: bool = True
+    quantization: str | None = None  # weights quantized at load: "int8" or "fp8" (None: as the checkpoint is)
+    quantize_lm_head: bool = False  # quantize the LM head and embeddings too
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8", "fp8" (= "fp8_e4m3"), "fp8_e5m2"
 
     def __post_init__(self):
         positive = ("page_size", "max_num_seqs", "max_num_batched_tokens")
@@ -109,6 +114,17 @@ class EngineConfig:
                               ("logprobs_mode", LOGPROBS_MODES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(map(repr, choices))}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} must be one of "
+                             f"{', '.join(map(repr, QUANTIZATIONS))} (or None)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of "
+                             f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("quantize_lm_head=True needs quantization='int8' or 'fp8'")
+        if self.quantization is not None and self.dtype == "float16":
+            raise ValueError(f"quantization={self.quantization!r} with dtype='float16': quantized weights are "
+                             "dequantized into bfloat16 or float32 activations; use dtype='bfloat16' or 'float32'")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config={self.generation_config!r} must be 'auto', 'vllm' or a folder")
         # The scheduler's own checks, on what is known before the model is: a bad combination fails here.

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import compile_counter, compile_progress
@@ -34,6 +35,7 @@ from jaxserve.sequence import Sequence
 from jaxserve.shapes import StepShapes
 from jaxserve.step_result import StepFailed, StepResult
 from jaxserve.window_pool import window_pages_needed
+from pallas_kernels.quantized_pages import STORAGE as KV_STORAGE
 from sharding import multihost
 from sharding.mesh import make_mesh
 
@@ -63,7 +65,8 @@ class Executor:
         self.mesh = make_mesh(config.mesh, devices, num_devices=config.num_devices)
         self.num_replicas = int(self.mesh.shape["data"])
         self.is_leader = multihost.is_leader()
-        model, self.model_config, self.folder = load_model(self.model_path, config.dtype, self.mesh)
+        model, self.model_config, self.folder = load_model(self.model_path, config.dtype, self.mesh,
+                                                               config.quantization, config.quantize_lm_head)
         cfg = self.model_config
         limit = cfg.max_context  # max_position_embeddings, stretched by rope scaling where the rope says so
         if config.max_model_len is not None and config.max_model_len > limit:
@@ -71,7 +74,13 @@ class Executor:
                              f"(max_position_embeddings in config.json, with its rope scaling)")
         self.max_model_len = config.max_model_len or limit
         backend = AttentionBackend.resolve(config.attention_backend)
-        self.cache_dtype = backend.cache_dtype(model.embed_tokens.embedding.get_value().dtype)
+        self.cache_dtype = backend.cache_dtype(model.embed_tokens.dtype)
+        if config.kv_cache_dtype != "auto":  # an 8-bit pool with per-token scales (pallas_kernels.quantized_pages)
+            if not backend.supports_kv_cache_dtype(config.kv_cache_dtype):
+                raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported by attention_backend="
+                                 f"{backend.name!r}; the reference (CPU) path and the pallas_gpu kernel read 8-bit "
+                                 "KV pages")
+            self.cache_dtype = jnp.dtype(KV_STORAGE[config.kv_cache_dtype])
         num_pages = config.num_pages or self._auto_num_pages()
         # A model interleaving windowed and global layers: the windowed layers get a pool of their own, as large
         # as the windows of max_num_seqs sequences need (jaxserve/window_pool.py), and never larger than the
@@ -80,6 +89,12 @@ class Executor:
             cfg.local_window, config.page_size, config.max_num_seqs, config.max_num_batched_tokens))
         self.cache_config = CacheConfig(config.page_size, num_pages, self.num_replicas,
                                         num_local_pages=local * self.num_replicas)
+        self.kv_bytes_per_token = bytes_per_token(cfg, self.cache_dtype)
+        logger.info("KV cache: %d pages of %d tokens (%d tokens), %s%s, %d bytes per token%s; weights %s",
+                    num_pages, config.page_size, num_pages * config.page_size, np.dtype(self.cache_dtype).name,
+                    " with per-token scales" if config.kv_cache_dtype != "auto" else "", self.kv_bytes_per_token,
+                    " (scales included)" if config.kv_cache_dtype != "auto" else "",
+                    self._weights_description(model))
         self.scheduler_config = dataclasses.replace(
             config.scheduler_config(num_pages=self.cache_config.pages_per_replica, max_model_len=self.max_model_len),
             attention_window=cfg.attention_window, local_window=cfg.local_window, local_pages=local)
@@ -111,6 +126,15 @@ class Executor:
         self._last_shape = ""  # the latest launched step's shapes, for the compile guard's warning
         if config.warmup and self.is_leader:
             self.warmup()  # on a multi-process run the followers compile the same shapes as they follow
+
+    @staticmethod
+    def _weights_description(model) -> str:
+        """The parameters' dtypes and bytes, e.g. "int8 + float32, 51.2 MiB"."""
+        from flax import nnx
+
+        leaves = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(model))]
+        names = sorted({np.dtype(a.dtype).name for a in leaves})
+        return f"{' + '.join(names)}, {sum(a.nbytes for a in leaves) / 2**20:.1f} MiB"
 
     def _auto_num_pages(self) -> int:
         """Total pages (all replicas) of the pool: each replica's block as large as one device's budget allows."""
@@ -389,6 +413,9 @@ class Executor:
             "page_size": int(self.cache_config.page_size),
             "num_pages": int(self.cache_config.num_pages),
             "dtype": str(np.dtype(self.cache_dtype)),
+            "kv_cache_dtype": self.config.kv_cache_dtype,
+            "kv_bytes_per_token": int(self.kv_bytes_per_token),
+            "quantization": self.config.quantization,
         }
 
 

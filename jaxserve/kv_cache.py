@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
+from pallas_kernels.quantized_pages import QuantizedPages, is_quantized_dtype
 from sharding.rules import logical_sharding
 from sharding.rules import cache_heads
 
@@ -53,9 +54,14 @@ class CacheConfig:
 def bytes_per_token(cfg: ModelConfig, dtype, tensor: int = 1) -> int:
     """KV bytes one token occupies across all layers (K and V) on each device holding it: with ``tensor`` > 1,
     a tensor shard's heads (replicated heads included); with 1, the whole token (the seed formula
-    2 * layers * kv_heads * head_dim * bytes)."""
+    2 * layers * kv_heads * head_dim * bytes). An 8-bit pool adds its scales: one float32 per token, KV head and
+    K or V (``pallas_kernels.quantized_pages``)."""
     heads = cache_heads(cfg.num_kv_heads, tensor) // tensor
-    return 2 * cfg.num_layers * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    scales = SCALE_BYTES if is_quantized_dtype(dtype) else 0
+    return 2 * cfg.num_layers * heads * (cfg.head_dim * jnp.dtype(dtype).itemsize + scales)
+
+
+SCALE_BYTES = 4  # one f32 scale per token and KV head of an 8-bit pool
 
 
 def cache_sharding(cfg: ModelConfig, cache: CacheConfig, mesh: Mesh, num_pages: int | None = None):
@@ -76,6 +82,11 @@ def init_kv_cache(cfg: ModelConfig, cache: CacheConfig, dtype, mesh: Mesh) -> li
     for layer in range(cfg.num_layers):
         local = uses_local_pool(cfg, cache, layer)
         shape, sharding = cache_sharding(cfg, cache, mesh, cache.num_local_pages if local else None)
-        zeros = jax.jit(lambda shape=shape: jnp.zeros(shape, dtype), out_shardings=sharding)
+        if is_quantized_dtype(dtype):  # 8-bit values and their scales, each sharded the same way
+            scale_sharding = logical_sharding(CACHE_AXES, shape[:-1] + (1,), mesh)
+            zeros = jax.jit(lambda shape=shape: QuantizedPages.zeros(shape, dtype),
+                            out_shardings=QuantizedPages(sharding, scale_sharding))
+        else:
+            zeros = jax.jit(lambda shape=shape: jnp.zeros(shape, dtype), out_shardings=sharding)
         out.append((zeros(), zeros()))
     return out

@@ -16,7 +16,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxserve.checkpoint import read_checkpoint, resolve_model_path
+from jaxserve import quantization as quant
+from jaxserve.checkpoint import read_checkpoint, resolve_model_path, safetensors_files
 from jaxserve.config import ModelConfig
 from jaxserve.models import registry
 from jaxserve.models.decoder import DecoderLM
@@ -34,6 +35,9 @@ _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 _MIXTRAL = {".block_sparse_moe.": ".mlp.", ".w1.weight": ".gate_proj.weight", ".w3.weight": ".up_proj.weight",
             ".w2.weight": ".down_proj.weight"}
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# Tensors of pre-quantized checkpoints that weight-only serving does not use: static activation scales, the
+# KV cache's calibrated scales (our KV cache computes its own, jaxserve/kv_quant.py).
+_UNUSED_QUANT = re.compile(r"\.(input_scale|k_scale|v_scale|kv_scale|q_scale)$")
 # The stacked layout transformers >= 5 keeps in memory: gate_up_proj [E, 2I, H], down_proj [E, H, I].
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
@@ -51,8 +55,58 @@ def hf_name(path: tuple, cfg: ModelConfig) -> str:
     return registry.family(cfg.architecture).hf_name(path)
 
 
-def abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
-    return nnx.split(nnx.eval_shape(lambda: DecoderLM(cfg, dtype)))
+def abstract_model(cfg: ModelConfig, dtype, plan: dict | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's structure and abstract parameters; ``plan`` (``quantization_plan``) makes weights 8-bit."""
+    return nnx.split(nnx.eval_shape(lambda: quant.apply_plan(DecoderLM(cfg, dtype), plan or {})))
+
+
+def quantization_plan(cfg: ModelConfig, dtype, quantization: str | None = None, quantize_lm_head: bool = False,
+                      folder: Path | None = None) -> tuple[dict, "quant.CheckpointQuant | None"]:
+    """Which weights are 8-bit and how: {our path: QuantizedWeight}, and the checkpoint's own quantization.
+
+    ``quantization`` quantizes at load (every linear layer; the head and embeddings with ``quantize_lm_head``);
+    a pre-quantized checkpoint in ``folder`` (its ``config.json``'s ``quantization_config``) quantizes the layers
+    that have a scale tensor, as published.
+
+    Raises:
+      ValueError: for an unsupported ``quant_method``, or ``quantization`` asked of a pre-quantized checkpoint.
+    """
+    ckq = quant.checkpoint_quant(quant.read_hf_config(folder)) if folder is not None else None
+    if ckq is not None and quantization is not None:
+        raise ValueError(f"quantization={quantization!r}: the checkpoint is already quantized "
+                         f"(quant_method={ckq.method!r}) and loads as published; drop the option")
+    if ckq is None and quantization is None:
+        return {}, None
+    _, abstract = nnx.split(nnx.eval_shape(lambda: DecoderLM(cfg, dtype)))
+    if ckq is None:
+        kind = quant.WEIGHT_DTYPES[quantization]
+        return {p: quant.QuantizedWeight(kind) for p in quant.quantizable_paths(abstract, quantize_lm_head)}, None
+    ours = {hf_name(path, cfg): path for path, _ in nnx.to_flat_state(abstract)}
+    plan = {}
+    suffix = "." + ckq.scale_name
+    for name in quant.tensor_names(safetensors_files(folder)):
+        if not name.endswith(suffix):
+            continue
+        path = ours.get(_our_weight_name(name[: -len(suffix)] + ".weight", cfg))
+        if path is None:
+            raise ValueError(f"checkpoint scale {name} belongs to no weight of {cfg.architecture}")
+        plan[path] = quant.QuantizedWeight(ckq.dtype, ckq.block)
+    return plan, ckq
+
+
+def _our_weight_name(name: str, cfg: ModelConfig) -> str:
+    """A checkpoint weight's name as ``hf_name`` writes ours (a stacked expert weight for one expert's)."""
+    return _expert_weight(name, cfg)[0]
+
+
+def _expert_weight(name: str, cfg: ModelConfig) -> tuple[str, int | None]:
+    """(our name of a checkpoint weight, its expert index or None)."""
+    if cfg.family == "mixtral" and ".block_sparse_moe." in name:
+        for old, new in _MIXTRAL.items():
+            name = name.replace(old, new)
+    if m := _EXPERT.match(name):
+        return f"{m[1]}.{m[3]}", int(m[2])
+    return name, None
 
 
 def param_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
@@ -64,9 +118,14 @@ def param_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
 
 
 def load_model(
-    model: str | Path, dtype: str = "auto", mesh: Mesh | None = None
+    model: str | Path, dtype: str = "auto", mesh: Mesh | None = None, quantization: str | None = None,
+    quantize_lm_head: bool = False,
 ) -> tuple[DecoderLM, ModelConfig, Path]:
     """Load a model folder (HF safetensors or our orbax layout) or a hub id onto ``mesh``.
+
+    With ``quantization`` ("int8", "fp8") the weights are quantized on the host tensor by tensor as they are
+    read, and only the 8-bit values and scales are placed (``jaxserve.quantization``); a pre-quantized checkpoint
+    loads as published.
 
     Raises:
       ValueError: for an unsupported architecture, a pickled checkpoint, or missing / unexpected /
@@ -76,14 +135,19 @@ def load_model(
     cfg = ModelConfig.from_pretrained(folder)
     jdtype = resolve_dtype(dtype, cfg)
     mesh = mesh if mesh is not None else make_mesh()
-    graphdef, abstract = abstract_model(cfg, jdtype)
+    orbax = (folder / ORBAX_DIR).is_dir()
+    if orbax and quantization is not None:
+        raise ValueError(f"quantization={quantization!r} applies to Hugging Face safetensors folders; {folder} is an "
+                         "orbax checkpoint (load the safetensors folder with the option instead)")
+    plan, ckq = quantization_plan(cfg, jdtype, quantization, quantize_lm_head, None if orbax else folder)
+    graphdef, abstract = abstract_model(cfg, jdtype, plan)
     # Validates that the heads split over the mesh's tensor axis (a clear error before any tensor is read).
     shardings = param_shardings(abstract, mesh, model_rules(cfg.num_heads, cfg.num_kv_heads, mesh))
     check_expert_parallel(cfg.moe and cfg.moe.num_experts, int(mesh.shape["expert"]))
-    if (folder / ORBAX_DIR).is_dir():
+    if orbax:
         state = _restore_orbax(folder / ORBAX_DIR, abstract, shardings)
     else:
-        state = _load_safetensors(folder, cfg, abstract, shardings)
+        state = _load_safetensors(folder, cfg, abstract, shardings, ckq)
     return nnx.merge(graphdef, state), cfg, folder
 
 
@@ -92,11 +156,12 @@ def _expert_tensors(name: str, array, cfg: ModelConfig) -> list[tuple[str, int |
     our [in, out] layout); [] if ``name`` is not one."""
     if cfg.moe is None:
         return []
+    stacked, index = _expert_weight(name, cfg)
+    if index is not None:
+        return [(stacked, index, np.asarray(array).T)]
     if cfg.family == "mixtral" and ".block_sparse_moe." in name:
         for old, new in _MIXTRAL.items():
             name = name.replace(old, new)
-    if m := _EXPERT.match(name):
-        return [(f"{m[1]}.{m[3]}", int(m[2]), np.asarray(array).T)]
     if m := _FUSED.match(name):
         array = np.swapaxes(np.asarray(array), 1, 2)
         if m[2] == "down_proj":
@@ -106,31 +171,87 @@ def _expert_tensors(name: str, array, cfg: ModelConfig) -> list[tuple[str, int |
     return []
 
 
-def _load_safetensors(folder: Path, cfg: ModelConfig, abstract: nnx.State, shardings: dict) -> nnx.State:
+def _load_safetensors(folder: Path, cfg: ModelConfig, abstract: nnx.State, shardings: dict,
+                      ckq: "quant.CheckpointQuant | None" = None) -> nnx.State:
     flat = dict(nnx.to_flat_state(abstract))
-    wanted = {hf_name(path, cfg): path for path in flat}
+    sfx = quant.SCALE_SUFFIX
+    scale_of = {p[:-1] + (p[-1][: -len(sfx)],): p for p in flat if p[-1].endswith(sfx)}  # weight -> its scale
+    wanted = {hf_name(path, cfg): path for path in flat if not path[-1].endswith(sfx)}
     placed: dict = {}
     stacks: dict = {}  # stacked expert tensors being filled: path -> (host array, experts filled)
+    pending: dict = {}  # a pre-quantized weight's halves until both are read: path -> {"q": ..., "s": ...}
     unexpected = []
+
+    def put(path, host):
+        """Place one whole tensor (our layout, the checkpoint's dtype), quantizing it first if planned."""
+        target, spath = flat[path].get_value(), scale_of.get(path)
+        if spath is None:
+            placed[path] = place(np.ascontiguousarray(host.astype(target.dtype, copy=False)), shardings[path])
+        elif ckq is None:  # quantized here, on the host: only 8-bit values and scales reach the devices
+            kind = "int8" if target.dtype == np.int8 else "fp8"
+            if path[-1] == "embedding":  # [vocab, embed]: a scale per vocabulary row
+                q, scale = quant.quantize(host.T, kind)
+                q = q.T
+            else:
+                q, scale = quant.quantize(host, kind)
+            placed[path] = place(np.ascontiguousarray(q), shardings[path])
+            placed[spath] = place(scale, shardings[spath])
+        else:
+            pending.setdefault(path, {})["q"] = host
+            flush(path)
+
+    def flush(path):
+        entry, spath, target = pending[path], scale_of[path], flat[path].get_value()
+        if "q" not in entry or "s" not in entry:
+            return
+        if entry["q"].dtype != target.dtype:
+            raise ValueError(f"tensor {hf_name(path, cfg)}: dtype {entry['q'].dtype} has a {ckq.scale_name} but "
+                             f"the {ckq.method} checkpoint's weights should be {target.dtype}")
+        placed[path] = place(np.ascontiguousarray(entry["q"]), shardings[path])
+        placed[spath] = place(np.ascontiguousarray(entry["s"]), shardings[spath])
+        del pending[path]
+
+    def stack(path, index, part, name, dtype=None):
+        """Fill one expert (``index``; None: all) of a stacked tensor; True once every expert is in."""
+        target = flat[path].get_value()
+        host, filled = stacks.setdefault(path, (np.zeros(target.shape, dtype or target.dtype), set()))
+        want = target.shape if index is None else target.shape[1:]
+        if tuple(part.shape) != tuple(want) or (index is not None and index >= target.shape[0]):
+            raise ValueError(f"tensor {name}: checkpoint shape {tuple(part.shape)} (after layout conversion) "
+                             f"does not match the model's {tuple(want)} ({target.shape[0]} experts)")
+        if index is None:
+            host[...] = part
+            filled.update(range(target.shape[0]))
+        else:
+            host[index] = part
+            filled.add(index)
+
     for name, array in read_checkpoint(folder):
+        if ckq is not None and name.endswith("." + ckq.scale_name):
+            wname = name[: -len(ckq.scale_name)] + "weight"
+            path = wanted.get(_our_weight_name(wname, cfg))
+            if path is None or path not in scale_of:
+                unexpected.append(name)
+                continue
+            target = flat[path].get_value()
+            out_in = (target.shape[-1], target.shape[-2])
+            scale = quant.prequantized_scale(array, out_in, ckq.block)
+            if target.ndim == 3:  # one expert's scale
+                stack(scale_of[path], _expert_weight(wname, cfg)[1], scale, name, np.float32)
+            else:
+                pending.setdefault(path, {})["s"] = scale
+                flush(path)
+            continue
+        if ckq is not None and _UNUSED_QUANT.search(name):
+            continue
         if experts := _expert_tensors(name, array, cfg):
             for stacked, index, part in experts:
                 path = wanted.get(stacked)
                 if path is None:
                     unexpected.append(name)
                     continue
-                target = flat[path].get_value()
-                host, filled = stacks.setdefault(path, (np.zeros(target.shape, target.dtype), set()))
-                want = target.shape if index is None else target.shape[1:]
-                if tuple(part.shape) != tuple(want) or (index is not None and index >= target.shape[0]):
-                    raise ValueError(f"tensor {name}: checkpoint shape {tuple(part.shape)} (after layout conversion) "
-                                     f"does not match the model's {tuple(want)} ({target.shape[0]} experts)")
-                if index is None:
-                    host[...] = part
-                    filled.update(range(target.shape[0]))
-                else:
-                    host[index] = part
-                    filled.add(index)
+                # Quantized at load: the stack is filled in fp32, then quantized whole.
+                stack(path, index, part, name, np.float32 if path in scale_of and ckq is None else None)
             continue
         name = name.replace(".block_sparse_moe.", ".mlp.") if cfg.family == "mixtral" else name
         if name not in wanted:
@@ -147,11 +268,16 @@ def _load_safetensors(folder: Path, cfg: ModelConfig, abstract: nnx.State, shard
                 f"tensor {name}: checkpoint shape {tuple(array.shape)} (after layout conversion) does not match "
                 f"the model's {tuple(target.shape)}"
             )
-        host = np.ascontiguousarray(array.astype(target.dtype, copy=False))
-        placed[path] = place(host, shardings[path])
+        put(path, array)
+    weights_of = {s: w for w, s in scale_of.items()}
     for path, (host, filled) in stacks.items():
-        if len(filled) == host.shape[0]:
-            placed[path] = place(host, shardings[path])
+        if len(filled) != host.shape[0]:
+            continue
+        if path in weights_of:
+            pending.setdefault(weights_of[path], {})["s"] = host
+            flush(weights_of[path])
+        else:
+            put(path, host)
     missing = sorted(hf_name(p, cfg) for p in flat if p not in placed)
     if missing or unexpected:
         raise ValueError(

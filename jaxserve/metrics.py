@@ -51,6 +51,8 @@ _ENGINE_STATS = (
     ("kv_transfers_pending", "kv_transfers_pending", "Sequences between the prefill and the decode stage.", "gauge"),
     ("compilations_after_warmup", "compilations_after_warmup",
      "XLA compilations while serving, after warm-up compiled every shape (each one stalled a step).", "counter"),
+    ("kv_cache_bytes_per_token", "kv_bytes_per_token",
+     "KV cache bytes one token takes (all layers, K and V, 8-bit scales included).", "gauge"),
 )
 
 

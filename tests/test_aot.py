@@ -162,3 +162,12 @@ def test_presets_are_the_published_shapes():
     active = {name: ModelConfig.from_hf_dict(aot.PRESETS[name]).num_active_params / 1e9
               for name in ("mixtral-8x7b", "qwen3-30b-a3b")}
     assert active == pytest.approx({"mixtral-8x7b": 12.88, "qwen3-30b-a3b": 3.35}, abs=0.01)
+
+
+def test_int8_weights_report_the_quantized_models_fit(tiny_folder):
+    _needs_libtpu()
+    r = aot.run(_request(tiny_folder, quantization="int8", buckets="probes", decode_batches=(1,)))
+    bf16 = r["params_b"] * 1e9 * 2
+    # Even split perfectly over tensor=4, the bf16 weights would take bf16 / 4 per device; int8 takes less.
+    assert r["memory_per_device"]["weights"] < 0.9 * bf16 / 4
+    assert r["quantization"] == "int8" and "weights int8" in aot.format_report(r)

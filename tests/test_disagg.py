@@ -112,6 +112,8 @@ def test_disaggregated_config_is_checked():
 def test_too_many_devices_is_refused(llama):
     with pytest.raises(ValueError, match="need 12 devices; 8 are available"):
         LLM(str(llama), prefill_mesh="tensor=4", decode_mesh="data=2,tensor=4", **SHAPES)
+    with pytest.raises(ValueError, match="kv_cache_dtype: prefill/decode disaggregation moves unquantized"):
+        LLM(str(llama), prefill_mesh="tensor=1", decode_mesh="tensor=1", kv_cache_dtype="int8", **SHAPES)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

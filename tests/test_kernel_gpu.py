@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_cases import (CONFIGS, DECODE, MIXED, assert_matches_reference, assert_write_matches, build_batch,
-                             device_args, new_rows, random_batch)
+from attention_cases import (CONFIGS, DECODE, MIXED, PREFILL, assert_matches_reference, assert_write_matches,
+                             build_batch, device_args, new_rows, random_batch)
 from pallas_kernels.kv_cache_update import write_kv_gpu
 from pallas_kernels.ragged_paged_attention import AttentionMetadata, ragged_paged_attention_gpu
 from pallas_kernels.ragged_paged_attention.gpu import resolve_block_sizes
@@ -107,3 +107,24 @@ def test_lowers_to_triton_at_serving_shapes(dtype):
         assert "triton" in fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
     write_shapes = (shapes[1], shapes[2], sds((256, 8, 128), dtype), sds((256, 8, 128), dtype), shapes[3])
     assert "triton" in jax.jit(write_kv_gpu).trace(*write_shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("lengths,storage,dtype", [(DECODE, "int8", "float32"), (MIXED, "fp8", "bfloat16"),
+                                                    (PREFILL, "fp8_e5m2", "float32")])
+def test_attention_reads_8_bit_pages_like_the_reference(lengths, storage, dtype):
+    """8-bit pages (values + per-token scales, NaN in every page and slot no sequence uses): the kernel
+    dequantizes what it loads; the reference dequantizes what it gathers."""
+    from pallas_kernels.quantized_pages import STORAGE, QuantizedPages, quantize
+
+    rng = np.random.default_rng(7)
+    batch, _, _ = build_batch(rng, *lengths, group=2, head_dim=64, dtype=dtype)
+    args = device_args(batch)
+    for name in ("k_pages", "v_pages"):
+        values, scales = quantize(args[name], STORAGE[storage])
+        args[name] = QuantizedPages(values, scales, jnp.dtype(dtype))
+    out = ragged_paged_attention_gpu(**args, sm_scale=0.125, sliding_window=7, block_sizes=SMALL_BLOCKS,
+                                     interpret=INTERPRET)
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+    ref = ragged_paged_attention(**args, sm_scale=0.125, sliding_window=7)
+    assert_matches_reference(out, batch, sm_scale=0.125, sliding_window=7, ref=ref)

@@ -45,10 +45,13 @@ class RMSNorm(nnx.Module):
 class Embed(nnx.Module):
     def __init__(self, vocab: int, dim: int, dtype, scale: bool = False):
         self.embedding = _param((vocab, dim), dtype, ("vocab", "embed"))
-        self.scale = scale
+        self.embedding_scale = nnx.data(None)  # f32[vocab] when the embedding is quantized (jaxserve.quantization)
+        self.scale, self.dtype = scale, dtype
 
     def __call__(self, token_ids):
         x = self.embedding[...][token_ids]
+        if self.embedding_scale is not None:
+            x = (x.astype(jnp.float32) * self.embedding_scale[...][token_ids][:, None]).astype(self.dtype)
         if self.scale:  # sqrt(hidden) rounded to the model's dtype first, as the checkpoints were trained
             x = x * jnp.asarray(x.shape[-1] ** 0.5, x.dtype)
         return x
@@ -58,9 +61,11 @@ class Linear(nnx.Module):
     def __init__(self, din: int, dout: int, *, bias: bool, dtype, axes: tuple[str, str]):
         self.weight = _param((din, dout), dtype, axes)
         self.bias = _param((dout,), dtype, axes[1:]) if bias else None
+        self.weight_scale = nnx.data(None)  # set when the weight is quantized (jaxserve.quantization)
 
     def __call__(self, x):
-        return layers.linear(x, self.weight[...], None if self.bias is None else self.bias[...])
+        return layers.linear(x, self.weight[...], None if self.bias is None else self.bias[...],
+                             None if self.weight_scale is None else self.weight_scale[...])
 
 
 class Attention(nnx.Module):
@@ -195,7 +200,12 @@ def forward(
         x, k_pages, v_pages = layer(x, tables[cfg.layer_rope(i)], k_pages, v_pages, layer_md, attention, layout)
         new_cache.append((k_pages, v_pages))
     x = model.norm(x[logits_indices])
-    head = model.embed_tokens.embedding[...].T if model.lm_head is None else model.lm_head.weight[...]
+    head_module = model.embed_tokens if model.lm_head is None else model.lm_head
+    head, head_scale = (getattr(head_module, n) for n in (("embedding", "embedding_scale") if model.lm_head is None
+                                                          else ("weight", "weight_scale")))
+    head = head[...].T if model.lm_head is None else head[...]
+    head_scale = None if head_scale is None else head_scale[...]
     # Each tensor shard computes its vocab slice; then the [N, vocab] logits (not the head) are gathered.
-    logits = layers.soft_cap(_constrain(layers.matmul_f32(x, head), layout, "slots", "act_vocab"), cfg.final_soft_cap)
+    logits = layers.soft_cap(_constrain(layers.matmul_f32(x, head, head_scale), layout, "slots", "act_vocab"),
+                             cfg.final_soft_cap)
     return _constrain(logits, layout, "slots", "logits_vocab"), new_cache

@@ -33,21 +33,80 @@ ACTIVATIONS = {
 }
 
 
-def matmul_f32(x: jax.Array, weight: jax.Array) -> jax.Array:
+def dequantize(weight: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """An 8-bit ``weight`` [..., in, out] times its ``scale`` (f32[..., out] per channel, or f32[in_blocks,
+    out_blocks] per block; ``jaxserve.quantization``), in ``dtype``."""
+    if scale.ndim == weight.ndim - 1:
+        return (weight.astype(jnp.float32) * scale[..., None, :]).astype(dtype)
+    bi, bo = -(-weight.shape[-2] // scale.shape[-2]), -(-weight.shape[-1] // scale.shape[-1])
+    full = jnp.repeat(jnp.repeat(scale, bi, axis=-2)[..., : weight.shape[-2], :], bo, axis=-1)[..., : weight.shape[-1]]
+    return (weight.astype(jnp.float32) * full).astype(dtype)
+
+
+def matmul_f32(x: jax.Array, weight: jax.Array, scale: jax.Array | None = None) -> jax.Array:
     """``x @ weight`` for 2-D ``x``, accumulated and returned in fp32.
+
+    With a ``scale`` the weight is 8-bit (``jaxserve.quantization``): a per-channel scale multiplies the
+    product's columns (the 8-bit values are converted to x's dtype, exactly, inside the dot); a block scale
+    dequantizes the weight first.
 
     Asking for the fp32 result is also what makes bf16 fast on CPU: XLA:CPU runs a bf16 x bf16 -> fp32 matmul
     on the bf16 dot-product instructions (~2x fp32's rate here) but a bf16 -> bf16 one several times slower;
     and its one-row bf16 matmul is ~10x slower than a two-row one, so a single 16-bit row is padded to two.
     """
+    if scale is not None:
+        if scale.ndim == weight.ndim:  # block scales
+            return matmul_f32(x, dequantize(weight, scale, x.dtype))
+        return quantized_matmul(x, weight, scale)
     if x.shape[0] == 1 and x.dtype.itemsize == 2 and jax.default_backend() == "cpu":
         return jnp.dot(jnp.pad(x, ((0, 1), (0, 0))), weight, preferred_element_type=jnp.float32)[:1]
     return jnp.dot(x, weight, preferred_element_type=jnp.float32)
 
 
-def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
-    """``x @ weight (+ bias)`` with weight stored [in, out], accumulated in fp32 and returned in x's dtype."""
-    y = matmul_f32(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[-1])
+def quantized_matmul(x: jax.Array, weight: jax.Array, scale: jax.Array) -> jax.Array:
+    """``x @ (weight * scale)`` for an 8-bit ``weight`` [in, out] with one scale per output channel, in fp32.
+
+    On CPU an int8 weight meets int8 rows: XLA:CPU does not fuse a weight's int8 -> float conversion into the dot
+    (it writes the whole converted matrix, then reads it: more bytes than the 16-bit weight alone), while an
+    int8 x int8 -> int32 dot runs in one library call on the CPU's integer dot instructions. Each row of ``x``
+    is quantized on the fly, in two int8 terms (``int8_rows_matmul``).
+    """
+    if weight.dtype == jnp.int8 and jax.default_backend() == "cpu":
+        return int8_rows_matmul(x, weight) * scale
+    return matmul_f32(x, weight.astype(x.dtype)) * scale
+
+
+def int8_rows_matmul(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """``x @ weight`` (int8 ``weight``) as one int8 x int8 -> int32 dot; f32 result.
+
+    Each row of ``x`` is written as two int8 rows: ``q1 = round(x / a1)`` with ``a1 = max |x| / 127``, and the
+    rounding residual ``q2 = round((x - a1 q1) / a2)`` with its own ``a2``, so ``x`` is carried to about
+    14 bits (finer than bf16's 8-bit mantissa) and the weight-only quantization error is all that remains.
+    Both rows go through the same dot (``[2M, in] @ [in, out]``): the weight is read once, and a single row
+    becomes the two rows XLA:CPU's int8 dot library needs (a one-row int8 dot is compiled to a generic loop over
+    an int32 copy of the weight).
+    """
+
+    def split(v):
+        scale = jnp.max(jnp.abs(v), axis=-1, keepdims=True) / 127.0
+        scale = jnp.where(scale > 0, scale, 1.0)
+        q = jnp.clip(jnp.round(v / scale), -127, 127)
+        return q, scale
+
+    xf = x.astype(jnp.float32)
+    q1, a1 = split(xf)
+    q2, a2 = split(xf - q1 * a1)
+    m = x.shape[0]
+    acc = jax.lax.dot(jnp.concatenate([q1, q2]).astype(jnp.int8), weight, preferred_element_type=jnp.int32)
+    acc = acc.astype(jnp.float32)
+    return acc[:m] * a1 + acc[m:] * a2
+
+
+def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None,
+           scale: jax.Array | None = None) -> jax.Array:
+    """``x @ weight (+ bias)`` with weight stored [in, out], accumulated in fp32 and returned in x's dtype
+    (an 8-bit weight with its ``scale``: see ``matmul_f32``)."""
+    y = matmul_f32(x.reshape(-1, x.shape[-1]), weight, scale).reshape(*x.shape[:-1], weight.shape[-1])
     return (y if bias is None else y + bias).astype(x.dtype)
 
 

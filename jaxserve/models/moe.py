@@ -151,6 +151,13 @@ class Experts(nnx.Module):
         shapes = {"gate_proj": (e, hidden, i), "up_proj": (e, hidden, i), "down_proj": (e, i, hidden)}
         for name, shape in shapes.items():
             setattr(self, name, _param(shape, dtype, EXPERT_AXES[name]))
+            setattr(self, name + "_scale", nnx.data(None))  # set when quantized (jaxserve.quantization)
+
+    def weight(self, name: str, dtype) -> jax.Array:
+        """A stacked weight in ``dtype`` (dequantized from its 8-bit values when quantized)."""
+        scale = getattr(self, name + "_scale")
+        w = getattr(self, name)[...]
+        return w if scale is None else layers.dequantize(w, scale[...], dtype)
 
 
 class SparseMoeBlock(nnx.Module):
@@ -169,8 +176,8 @@ class SparseMoeBlock(nnx.Module):
         """x: [T, H] -> [T, H] in x's dtype."""
         weights, experts = route(x, self.gate.weight[...], self.moe)
         ex = self.experts
-        out = expert_parallel(x, weights, experts, ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...],
-                              self.moe.num_experts, layout)
+        out = expert_parallel(x, weights, experts, ex.weight("gate_proj", x.dtype), ex.weight("up_proj", x.dtype),
+                              ex.weight("down_proj", x.dtype), self.moe.num_experts, layout)
         if self.shared_expert is not None:
             gate = jax.nn.sigmoid(layers.matmul_f32(x, self.shared_expert_gate.weight[...]).astype(x.dtype))
             out = out.astype(x.dtype) + gate * self.shared_expert(x, layout)

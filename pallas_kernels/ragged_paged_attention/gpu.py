@@ -40,6 +40,7 @@ except ImportError:  # pragma: no cover - depends on the jax release
     plgpu = None
 
 from pallas_kernels.metadata import AttentionMetadata, check_shapes
+from pallas_kernels.quantized_pages import QuantizedPages
 from pallas_kernels.ragged_paged_attention.block_sizes import (
     GPU_MAX_ROWS, BlockSizes, get_block_sizes, mode_for)
 from pallas_kernels.ragged_paged_attention.kernel_ops import div_by, matmul, rem_by
@@ -72,7 +73,10 @@ def _kernel(
     num_pages: int,
     pages_per_seq: int,
     num_splits: int,
+    quantized: bool = False,
 ):
+    if quantized:  # 8-bit pages: their f32 scales, one per key row (pallas_kernels.quantized_pages)
+        ks_ref, vs_ref, *out_refs = out_refs  # f32[KVH * num_pages * page_size] each
     kv_head, tile, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq, row0, n = tile_seq_ref[tile], tile_row_ref[tile], tile_len_ref[tile]
     live = (seq >= 0) & (n > 0)
@@ -111,6 +115,11 @@ def _kernel(
         slot = (kv_base + page) * page_size + rem_by(key, page_size)
         k = plgpu.load(k_ref.at[slot[:, None], lanes], mask=key_ok[:, None], other=0.0)
         v = plgpu.load(v_ref.at[slot[:, None], lanes], mask=key_ok[:, None], other=0.0)
+        if quantized:  # dequantized in registers, as loaded: the pool is read in 8 bits
+            ks = plgpu.load(ks_ref.at[slot], mask=key_ok, other=0.0)
+            vs = plgpu.load(vs_ref.at[slot], mask=key_ok, other=0.0)
+            k = (k.astype(jnp.float32) * ks[:, None]).astype(q_ref.dtype)
+            v = (v.astype(jnp.float32) * vs[:, None]).astype(q_ref.dtype)
         s = matmul(q.astype(k.dtype), k, transpose_b=True) * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -185,6 +194,10 @@ def _ragged_paged_attention_gpu(q, k_pages, v_pages, md: AttentionMetadata, *, s
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     pages_per_seq = md.page_indices.shape[1]
     group = num_q_heads // num_kv_heads
+    quantized = isinstance(k_pages, QuantizedPages)
+    scales = (k_pages.scales.reshape(-1), v_pages.scales.reshape(-1)) if quantized else ()
+    if quantized:
+        k_pages, v_pages = k_pages.values, v_pages.values
     rows = max(16, pl.next_power_of_2(sizes.block_q * group))
     splits = sizes.num_splits
     tile_seq, tile_row, tile_len = q_tiles(md, num_tokens, sizes.block_q)
@@ -198,7 +211,7 @@ def _ragged_paged_attention_gpu(q, k_pages, v_pages, md: AttentionMetadata, *, s
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, group=group,
         num_q_heads=num_q_heads, rows=rows, block_kv=sizes.block_kv, page_size=page_size, num_pages=num_pages,
-        pages_per_seq=pages_per_seq, num_splits=splits)
+        pages_per_seq=pages_per_seq, num_splits=splits, quantized=quantized)
     outs = pl.pallas_call(
         kernel,
         grid=(num_kv_heads, tile_seq.shape[0], splits),
@@ -207,7 +220,7 @@ def _ragged_paged_attention_gpu(q, k_pages, v_pages, md: AttentionMetadata, *, s
         interpret=interpret,
         name="ragged_paged_attention_gpu",
     )(tile_seq, tile_row, tile_len, md.cu_q_lens, md.kv_lens, md.page_indices.reshape(-1),
-      q.reshape(flat_rows, head_dim), k_pages.reshape(-1, head_dim), v_pages.reshape(-1, head_dim))
+      q.reshape(flat_rows, head_dim), k_pages.reshape(-1, head_dim), v_pages.reshape(-1, head_dim), *scales)
     out = outs[0] if splits == 1 else _merge_splits(*outs).astype(q.dtype)
     return out.reshape(num_tokens, num_q_heads, head_dim)
 
@@ -227,7 +240,8 @@ def ragged_paged_attention_gpu(
     """Ragged paged attention (mixed decode and prefill) as one Pallas GPU (Triton) kernel.
 
     Same contract as ``reference.ragged_paged_attention``; the pages must already hold this step's K/V
-    (see ``pallas_kernels.kv_cache_update.write_kv_gpu``).
+    (see ``pallas_kernels.kv_cache_update.write_kv_gpu``). ``k_pages`` / ``v_pages`` may be 8-bit
+    ``QuantizedPages``: each key block's values and scales are loaded and dequantized in the kernel.
 
     Args:
       q, k_pages, v_pages, md: as in the reference.
@@ -246,7 +260,8 @@ def ragged_paged_attention_gpu(
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
-    sizes = resolve_block_sizes(q.shape, k_pages.shape, k_pages.dtype, md.kv_lens.shape[0],
+    page_dtype = q.dtype if isinstance(k_pages, QuantizedPages) else k_pages.dtype
+    sizes = resolve_block_sizes(q.shape, k_pages.shape, page_dtype, md.kv_lens.shape[0],
                                 md.page_indices.shape[1], block_sizes)
     return _ragged_paged_attention_gpu(
         q, k_pages, v_pages, md, sm_scale=float(sm_scale),

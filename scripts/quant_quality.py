@@ -1,0 +1,143 @@
+"""Quality of each quantization mode against the unquantized model, teacher-forced.
+
+    python scripts/quant_quality.py --model DIR [--model DIR2 ...] [--modes w_int8,w_fp8,kv_int8,kv_fp8]
+        [--seqs 4] [--len 96] [--chunk 16] [--dtype float32]
+
+Every mode runs the same fixed workload (``--seqs`` sequences of ``--len`` tokens: 16 random prompt tokens drawn with a
+fixed seed, continued greedily by the unquantized model) through
+the decoder in prompt chunks of ``--chunk`` tokens, so later chunks read their context back from the KV pages
+(quantized ones in the KV modes), and takes the next-token distribution at every position. Reported per mode:
+top-1 agreement (the fraction of positions where the quantized model's argmax is the unquantized model's) and the
+mean KL divergence KL(unquantized || quantized) in nats. Output: one markdown row per model and mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jaxserve.attention import AttentionBackend, ShardedAttention  # noqa: E402
+from jaxserve.kv_cache import CacheConfig, init_kv_cache  # noqa: E402
+from jaxserve.loader import load_model  # noqa: E402
+from jaxserve.models.decoder import forward  # noqa: E402
+from pallas_kernels.metadata import AttentionMetadata  # noqa: E402
+from pallas_kernels.quantized_pages import STORAGE  # noqa: E402
+from sharding.layout import StepLayout  # noqa: E402
+from sharding.mesh import make_mesh  # noqa: E402
+from sharding.rules import model_rules  # noqa: E402
+
+# mode -> (weight quantization, kv_cache_dtype)
+MODES = {
+    "w_int8": ("int8", "auto"),
+    "w_fp8": ("fp8", "auto"),
+    "kv_int8": (None, "int8"),
+    "kv_fp8": (None, "fp8"),
+    "kv_fp8_e5m2": (None, "fp8_e5m2"),
+    "w_int8_kv_int8": ("int8", "int8"),
+}
+
+
+def workload(model_path: str, vocab: int, seqs: int, length: int, prompt: int = 16, seed: int = 0,
+             dtype: str = "float32") -> np.ndarray:
+    """i32[seqs, length]: ``prompt`` token ids drawn uniformly (ids 0..2 are special tokens in the test
+    tokenizers), continued greedily by the unquantized model (the text the model itself writes, which is what
+    serving reads back; a random model's distributions over random ids are far flatter than over its own)."""
+    from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    prompts = np.random.default_rng(seed).integers(3, vocab, size=(seqs, prompt), dtype=np.int32)
+    llm = LLM(model_path, dtype=dtype, warmup=False, skip_tokenizer_init=True, compilation_cache_dir=None,
+              max_model_len=max(length, 32), max_num_seqs=seqs, max_num_batched_tokens=max(64, seqs * prompt),
+              num_pages=seqs * (-(-length // 16)) + 2, enable_prefix_caching=False)
+    outs = llm.generate([p.tolist() for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=length - prompt, ignore_eos=True))
+    return np.array([list(p) + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)], np.int32)
+
+
+def teacher_forced_logits(model_path: str, tokens: np.ndarray, *, quantization: str | None = None,
+                          kv_cache_dtype: str = "auto", dtype: str = "float32", chunk: int = 16,
+                          page_size: int = 16, mesh: str | None = None) -> np.ndarray:
+    """f32[seqs, length, vocab]: the next-token logits at every position, the prompt fed ``chunk`` tokens at a
+    time through the paged cache (the reference attention path)."""
+    from sharding.mesh import MeshConfig
+
+    mesh = make_mesh(mesh, num_devices=None if mesh is None else MeshConfig.parse(mesh).num_devices)
+    model, cfg, _ = load_model(model_path, dtype, mesh, quantization)
+    backend = AttentionBackend("reference")
+    cache_dtype = backend.cache_dtype(model.embed_tokens.dtype) if kv_cache_dtype == "auto" else STORAGE[kv_cache_dtype]
+    seqs, length = tokens.shape
+    pages = -(-length // page_size)
+    cache_cfg = CacheConfig(page_size, max(2, pages))
+    layout = StepLayout.create(mesh, model_rules(cfg.num_heads, cfg.num_kv_heads, mesh), split_sequence=False)
+    attention = ShardedAttention(backend, layout, cfg.num_kv_heads)
+
+    @jax.jit
+    def step(model, ids, start, kv):
+        positions = start + jnp.arange(chunk, dtype=jnp.int32)
+        md = AttentionMetadata(cu_q_lens=jnp.array([[0, chunk]], jnp.int32),
+                               kv_lens=(start + chunk).reshape(1, 1).astype(jnp.int32),
+                               page_indices=jnp.arange(pages, dtype=jnp.int32).reshape(1, 1, pages),
+                               num_seqs=jnp.ones((1, 1), jnp.int32))
+        return forward(model, ids, positions, md, kv, jnp.arange(chunk, dtype=jnp.int32), attention, layout)
+
+    out = np.zeros((seqs, length, cfg.vocab_size), np.float32)
+    for s in range(seqs):
+        kv = init_kv_cache(cfg, cache_cfg, cache_dtype, mesh)
+        for start in range(0, length, chunk):
+            logits, kv = step(model, jnp.asarray(tokens[s, start:start + chunk]), jnp.int32(start), kv)
+            out[s, start:start + chunk] = np.asarray(logits)
+    return out
+
+
+def compare(reference: np.ndarray, other: np.ndarray) -> dict[str, float]:
+    """Top-1 agreement and mean KL(reference || other) of next-token distributions over all positions."""
+    ref = reference.reshape(-1, reference.shape[-1]).astype(np.float64)
+    oth = other.reshape(-1, other.shape[-1]).astype(np.float64)
+    logp = ref - np.logaddexp.reduce(ref, axis=-1, keepdims=True)
+    logq = oth - np.logaddexp.reduce(oth, axis=-1, keepdims=True)
+    kl = np.sum(np.exp(logp) * (logp - logq), axis=-1)
+    return {"top1": float(np.mean(ref.argmax(-1) == oth.argmax(-1))), "kl": float(np.mean(kl))}
+
+
+def evaluate(model_path: str, modes, *, seqs: int = 4, length: int = 96, chunk: int = 16,
+             dtype: str = "float32") -> dict[str, dict[str, float]]:
+    from jaxserve.config import ModelConfig
+
+    vocab = ModelConfig.from_pretrained(Path(model_path)).vocab_size
+    tokens = workload(model_path, vocab, seqs, length, dtype=dtype)
+    base = teacher_forced_logits(model_path, tokens, dtype=dtype, chunk=chunk)
+    out = {}
+    for mode in modes:
+        q, kv = MODES[mode]
+        out[mode] = compare(base, teacher_forced_logits(model_path, tokens, quantization=q, kv_cache_dtype=kv,
+                                                        dtype=dtype, chunk=chunk))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", action="append", required=True)
+    p.add_argument("--modes", default="w_int8,w_fp8,kv_int8,kv_fp8")
+    p.add_argument("--seqs", type=int, default=4)
+    p.add_argument("--len", type=int, default=96)
+    p.add_argument("--chunk", type=int, default=16)
+    p.add_argument("--dtype", default="float32")
+    args = p.parse_args()
+    modes = args.modes.split(",")
+    print(f"teacher-forced, {args.seqs} x {args.len} tokens, chunks of {args.chunk}, dtype {args.dtype}\n")
+    print("| model | mode | top-1 agreement | mean KL (nats) |\n| --- | --- | --- | --- |")
+    for model in args.model:
+        for mode, r in evaluate(model, modes, seqs=args.seqs, length=args.len, chunk=args.chunk,
+                                dtype=args.dtype).items():
+            print(f"| {Path(model).name} | {mode} | {r['top1'] * 100:.2f}% | {r['kl']:.5f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

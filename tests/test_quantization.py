@@ -1,0 +1,293 @@
+"""Quantization: 8-bit weights (quantized at load, or pre-quantized checkpoints as published) and the 8-bit KV
+cache, against the unquantized model and against one device."""
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from jaxserve import quantization as quant
+from jaxserve.config import ModelConfig
+from jaxserve.engine_config import EngineConfig
+from jaxserve.loader import load_model
+from tiny import build_tiny_model, train_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from quant_quality import compare, evaluate, teacher_forced_logits  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quant")
+    tok = train_tokenizer()
+    return {f: build_tiny_model(f, root / f, tokenizer=tok, init_std=0.08) for f in ("qwen3", "qwen3_moe", "gemma2")}
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_quantize_is_per_output_channel_and_rounds_to_nearest(kind):
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.08, size=(64, 24)).astype(np.float32)  # [in, out]
+    w[:, 3] *= 50.0  # one loud output channel must not coarsen the others
+    q, scale = quant.quantize(w, kind)
+    assert q.dtype == quant.WEIGHT_DTYPES[kind] and scale.shape == (24,)
+    np.testing.assert_allclose(scale, np.abs(w).max(0) / quant.QMAX[kind], rtol=1e-6)
+    err = np.abs(quant.dequantize_host(q, scale) - w)
+    if kind == "int8":
+        assert np.all(err <= scale / 2 + 1e-7)  # round to nearest
+    else:
+        assert np.all(err <= np.abs(w) * 2.0 ** -4 + scale * 2.0 ** -9)  # e4m3: 3 mantissa bits, nearest
+    assert err[:, 0].max() < err[:, 3].max() / 10
+
+
+def test_config_and_flags_refuse_bad_combinations():
+    with pytest.raises(ValueError, match="quantization='int4'"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp16'"):
+        EngineConfig(kv_cache_dtype="fp16")
+    with pytest.raises(ValueError, match="quantize_lm_head"):
+        EngineConfig(quantize_lm_head=True)
+    with pytest.raises(ValueError, match="dtype='float16'"):
+        EngineConfig(quantization="int8", dtype="float16")
+    import argparse
+
+    from jaxserve.attention import AttentionBackend
+    from jaxserve.engine_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    cfg = engine_config_from_args(parser.parse_args(["--quantization", "int8", "--quantize-lm-head",
+                                                     "--kv-cache-dtype", "fp8"]))
+    assert (cfg.quantization, cfg.quantize_lm_head, cfg.kv_cache_dtype) == ("int8", True, "fp8")
+    assert AttentionBackend("reference").supports_kv_cache_dtype("int8")
+    assert not AttentionBackend("pallas_tpu").supports_kv_cache_dtype("fp8")
+    assert AttentionBackend("pallas_gpu").supports_kv_cache_dtype("int8")
+
+
+def test_weights_and_scales_are_sharded_alike_and_the_mesh_matches_one_device(models):
+    path = models["qwen3_moe"]
+    model, _, _ = load_model(path, "float32", quantization="int8")
+    flat = dict(nnx.to_flat_state(nnx.state(model)))
+    scaled = [p for p in flat if p[-1].endswith("_scale")]
+    assert any("experts" in p for p in scaled) and any("q_proj" in p for p in scaled)
+    assert flat[("embed_tokens", "embedding")].get_value().dtype == np.float32  # not without quantize_lm_head
+    for p in scaled:
+        w = flat[p[:-1] + (p[-1][:-len("_scale")],)].get_value()
+        assert w.dtype == np.int8
+    from jaxserve.llm import LLM  # noqa: F401  (the engine path is covered below)
+
+    tokens = np.random.default_rng(1).integers(3, 300, size=(1, 32), dtype=np.int32)
+    one = teacher_forced_logits(str(path), tokens, quantization="int8", kv_cache_dtype="int8")
+    mesh = teacher_forced_logits(str(path), tokens, quantization="int8", kv_cache_dtype="int8",
+                                 mesh="expert=2,tensor=2")
+    np.testing.assert_allclose(mesh, one, atol=2e-4, rtol=1e-4)
+    sharded, _, _ = load_model(path, "float32", make_mesh_for("expert=2,tensor=2"), quantization="int8")
+    sflat = dict(nnx.to_flat_state(nnx.state(sharded)))
+    for p in scaled:
+        wspec = sflat[p[:-1] + (p[-1][:-len("_scale")],)].get_value().sharding.spec
+        sspec = sflat[p].get_value().sharding.spec
+        assert tuple(sspec) == tuple(wspec)[:-2] + tuple(wspec)[-1:], p  # the input axis dropped
+
+
+def make_mesh_for(spec):
+    from sharding.mesh import MeshConfig, make_mesh
+
+    return make_mesh(spec, num_devices=MeshConfig.parse(spec).num_devices)
+
+
+def test_engine_on_a_data_and_tensor_mesh_gives_one_devices_tokens(models):
+    from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    prompts = [[0, 5, 6, 7, 8, 9] * 3, [0, 40, 41, 42]]
+    got = {}
+    for mesh in (None, "data=2,tensor=2"):
+        llm = LLM(str(models["qwen3"]), quantization="int8", quantize_lm_head=True, kv_cache_dtype="int8",
+                  warmup=False, num_pages=32, max_model_len=64, max_num_batched_tokens=32, max_num_seqs=4,
+                  compilation_cache_dir=None, mesh=mesh, num_devices=4 if mesh else None, page_size=8)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        got[mesh] = [o.outputs[0].token_ids for o in outs]
+        assert llm.engine.executor.describe()["kv_bytes_per_token"] == 2 * 2 * 1 * (16 + 4)
+    assert got[None] == got["data=2,tensor=2"]
+
+
+def _prequantize(src: Path, dst: Path, method: str, *, kind: str = "fp8", strategy: str = "channel",
+                 block: int | None = None) -> Path:
+    """Write ``src``'s weights as a published checkpoint of ``method`` would hold them (HF [out, in] layout)."""
+    dst.mkdir()
+    tensors = load_file(src / "model.safetensors")
+    hf = json.loads((src / "config.json").read_text())
+    out, deq = {}, {}
+    qmax = quant.QMAX[kind]
+    for name, w in tensors.items():
+        if not (name.endswith("_proj.weight") and w.ndim == 2):
+            out[name] = deq[name] = w
+            continue
+        o, i = w.shape
+        if block is not None:
+            nb = (-(-o // block), -(-i // block))
+            pad = np.zeros((nb[0] * block, nb[1] * block), np.float32)
+            pad[:o, :i] = w
+            s = np.abs(pad.reshape(nb[0], block, nb[1], block)).max(axis=(1, 3)) / qmax
+            full = np.repeat(np.repeat(s, block, 0), block, 1)[:o, :i]
+        elif strategy == "tensor":
+            s = np.array(np.abs(w).max() / qmax, np.float32)
+            full = s
+        else:
+            s = (np.abs(w).max(axis=1, keepdims=True) / qmax).astype(np.float32)  # [out, 1]
+            full = s
+        x = w / full
+        q = np.clip(np.rint(x), -127, 127).astype(np.int8) if kind == "int8" else \
+            np.clip(x, -qmax, qmax).astype(ml_dtypes.float8_e4m3fn)
+        out[name] = q
+        scale_name = name + ("_scale_inv" if method == "fp8" else "_scale")
+        out[scale_name] = np.asarray(s, np.float32)
+        deq[name] = (q.astype(np.float32) * full).astype(np.float32)
+        base = name[: -len("weight")]
+        if method == "compressed-tensors":
+            out[base + "input_scale"] = np.ones((1,), np.float32)  # static activation scale: unused here
+    if method == "fp8":
+        hf["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     **({"weight_block_size": [block, block]} if block else {})}
+    else:
+        t = "float" if kind == "fp8" else "int"
+        hf["quantization_config"] = {"quant_method": "compressed-tensors", "format": f"{t}-quantized",
+                                     "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                         "num_bits": 8, "type": t, "symmetric": True, "strategy": strategy}}},
+                                     "ignore": ["lm_head"]}
+    save_file(out, dst / "model.safetensors")
+    (dst / "config.json").write_text(json.dumps(hf))
+    ref = dst.parent / (dst.name + "_dequantized")
+    ref.mkdir()
+    save_file(deq, ref / "model.safetensors")
+    (ref / "config.json").write_text((src / "config.json").read_text())
+    return ref
+
+
+@pytest.mark.parametrize("method,kind,strategy,block", [
+    ("fp8", "fp8", "tensor", None),
+    ("fp8", "fp8", None, 32),  # block-wise weight_scale_inv (the Qwen3 FP8 layout, smaller blocks)
+    ("fp8", "fp8", None, 128),
+    ("compressed-tensors", "fp8", "channel", None),
+    ("compressed-tensors", "int8", "tensor", None),
+])
+def test_prequantized_checkpoints_load_as_published(models, tmp_path, method, kind, strategy, block):
+    src = models["qwen3"]
+    dst = tmp_path / "q"
+    ref = _prequantize(src, dst, method, kind=kind, strategy=strategy or "channel", block=block)
+    model, _, _ = load_model(dst, "float32")
+    flat = dict(nnx.to_flat_state(nnx.state(model)))
+    assert flat[("layers", 0, "mlp", "up_proj", "weight")].get_value().dtype == quant.WEIGHT_DTYPES[kind]
+    tokens = np.random.default_rng(2).integers(3, 300, size=(1, 32), dtype=np.int32)
+    got = teacher_forced_logits(str(dst), tokens)
+    want = teacher_forced_logits(str(ref), tokens)  # the published values, dequantized on the host
+    # int8 weights meet ~14-bit activation rows on CPU (layers.int8_rows_matmul): a little further from fp32
+    tol = 1e-3 if kind == "int8" else 1e-4
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+
+
+def test_other_quant_methods_are_refused_in_one_line(models, tmp_path):
+    for method in ("awq", "gptq", "bitsandbytes"):
+        hf = json.loads((models["qwen3"] / "config.json").read_text())
+        hf["quantization_config"] = {"quant_method": method, "bits": 4}
+        with pytest.raises(ValueError, match=rf"quant_method='{method}' is not supported; supported: .*fp8") as e:
+            quant.checkpoint_quant(hf)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="already quantized"):
+        dst = tmp_path / "fp8"
+        _prequantize(models["qwen3"], dst, "fp8", block=32)
+        load_model(dst, "float32", quantization="int8")
+
+
+def test_capacity_counts_8_bit_pages_and_their_scales(models):
+    from jaxserve.capacity import capacity
+    from sharding.mesh import MeshConfig
+
+    cfg = ModelConfig.from_pretrained(models["qwen3"])
+    kw = dict(hbm_gb=1, dtype="bfloat16", page_size=16, mesh=MeshConfig.parse(None), utilization=0.9,
+              max_model_len=256)
+    bf16, int8 = capacity(cfg, **kw), capacity(cfg, kv_cache_dtype="int8", quantization="int8", **kw)
+    per = 2 * cfg.num_layers * cfg.num_kv_heads
+    assert bf16["kv_bytes_per_token"] == per * cfg.head_dim * 2
+    assert int8["kv_bytes_per_token"] == per * (cfg.head_dim + 4)
+    assert int8["weights_gib_per_device"] < bf16["weights_gib_per_device"]
+    assert int8["pages_per_replica"] > bf16["pages_per_replica"]
+
+
+TARGETS = {"w_int8": 0.97, "kv_int8": 0.98, "w_fp8": 0.93, "kv_fp8": 0.93}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma2"])
+def test_quality_targets_hold_on_tiny_families(models, family):
+    got = evaluate(str(models[family]), list(TARGETS), seqs=2, length=128)
+    for mode, target in TARGETS.items():
+        assert got[mode]["top1"] >= target, (family, mode, got[mode])
+        assert got[mode]["kl"] < 0.01, (family, mode, got[mode])
+
+
+def test_compare_counts_agreement_and_kl():
+    a = np.log(np.array([[[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]]))
+    b = np.log(np.array([[[0.7, 0.2, 0.1], [0.6, 0.1, 0.3]]]))
+    r = compare(a, b)
+    assert r["top1"] == 0.5
+    assert r["kl"] == pytest.approx((0.1 * np.log(0.1 / 0.6) + 0.8 * np.log(0.8 / 0.3)) / 2)
+
+
+def test_int8_rows_matmul_matches_the_float_product():
+    import jax.numpy as jnp
+
+    from jaxserve.models import layers
+
+    rng = np.random.default_rng(3)
+    w = rng.normal(0, 0.08, size=(96, 40)).astype(np.float32)
+    q, scale = quant.quantize(w, "int8")
+    x = rng.normal(0, 1, size=(3, 96)).astype(np.float32)
+    x[1] *= 100.0  # each row has its own activation scale
+    want = x @ quant.dequantize_host(q, scale)
+    got = np.asarray(layers.int8_rows_matmul(jnp.asarray(x), jnp.asarray(q)) * scale)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())  # activations to ~14 bits
+    one = np.asarray(layers.int8_rows_matmul(jnp.asarray(x[2:]), jnp.asarray(q)))  # the padded one-row path
+    np.testing.assert_array_equal(one[0], np.asarray(layers.int8_rows_matmul(jnp.asarray(x), jnp.asarray(q)))[2])
+
+
+def test_int8_kv_with_preemption_prefix_caching_chunked_prefill_and_nan_scales(tmp_path):
+    """The same int8-KV tokens whether prompts are chunked, share cached pages or are preempted and recomputed,
+    and whatever the free pages' scales hold."""
+    import jax.numpy as jnp
+
+    from jaxserve.engine import Engine
+    from pallas_kernels.quantized_pages import QuantizedPages
+    from test_engine import random_workload, run
+
+    path = build_tiny_model("llama", tmp_path / "m")
+    common = dict(model=str(path), page_size=4, max_model_len=64, max_num_seqs=8, seed=0, warmup=False,
+                  compilation_cache_dir=None, kv_cache_dtype="int8", quantization="int8")
+    tight = Engine(EngineConfig(num_pages=24, max_num_batched_tokens=16, debug_checks=True, **common))
+    roomy = Engine(EngineConfig(num_pages=256, max_num_batched_tokens=128, enable_prefix_caching=False, **common))
+    arrivals = random_workload(np.random.default_rng(0), tight.model_config.vocab_size, n=10)
+    got, want = run(tight, arrivals), run(roomy, arrivals)
+    assert tight.scheduler.num_preemptions > 0 and tight.stats()["prefix_cache_hits"] > 0
+    for rid, out in want.items():
+        assert got[rid].outputs[0].token_ids == out.outputs[0].token_ids, rid
+    runner = tight.executor.runner
+    tight.scheduler.block_manager.reset_prefix_cache()
+    runner.kv_cache = [tuple(QuantizedPages(p.values, jnp.full_like(p.scales, jnp.nan), p.dtype) for p in layer)
+                       for layer in runner.kv_cache]
+    again = run(tight, [[(rid + "-again", p, sp) for rid, p, sp in wave] for wave in arrivals])
+    for rid, out in want.items():
+        assert again[rid + "-again"].outputs[0].token_ids == out.outputs[0].token_ids, rid
+
+
+def test_a_kernel_without_8_bit_pages_is_refused_at_start_up(models):
+    from jaxserve.llm import LLM
+
+    with pytest.raises(ValueError, match="kv_cache_dtype=.fp8. is not supported by attention_backend=.pallas_tpu."):
+        LLM(str(models["qwen3"]), kv_cache_dtype="fp8", attention_backend="pallas_tpu", warmup=False,
+            num_pages=16, max_model_len=64, compilation_cache_dir=None)
