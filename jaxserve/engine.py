@@ -79,6 +79,13 @@ class Engine:
         self.model_config = self.executor.model_config
         self.max_model_len = self.executor.max_model_len
         self.scheduler = ReplicatedScheduler(self.executor.scheduler_config, self.executor.num_replicas)
+        self.spec = None
+        if config.speculative_config is not None:
+            from jaxserve.spec.planner import SpecPlanner
+
+            self.spec = SpecPlanner(config.speculative_config, self.max_model_len)
+            for replica in self.scheduler.replicas:
+                replica.spec = self.spec
         self.grammars = (GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
                          if self.tokenizer is not None else None)
         self.structured = StructuredOutputs(self.grammars)
@@ -184,13 +191,18 @@ class Engine:
             result = self.executor.execute(plan)
         except StepFailed as e:
             return self._fail_step(plan, e)
-        tokens = [int(t) for t in result.token_ids]
+        runs = result.spec_tokens or {}  # speculation: entries that emit several tokens
+        tokens = [runs[i] if i in runs else int(t) for i, t in enumerate(result.token_ids)]
         if result.prompt_logprobs:
             self._record_prompt_logprobs(plan, result.prompt_logprobs)
+        before = {e.seq.seq_id: e.seq.num_output_tokens for e in plan.scheduled}
         update = self.scheduler.update(plan, tokens)
         self.structured.accept(update.updated)
         self.stats_counters["steps"] += 1
-        return self._collect(update.finished, update.updated, _logprobs(plan.scheduled, result))
+        logprobs = _logprobs(plan.scheduled, result)
+        for i, lps in (result.spec_logprobs or {}).items():
+            logprobs[plan.scheduled[i].seq.seq_id] = lps
+        return self._collect(update.finished, update.updated, logprobs, before)
 
     def _record_prompt_logprobs(self, plan, scored: dict[int, list[tuple[int, dict[int, float]]]]) -> None:
         for e in plan.scheduled:
@@ -209,8 +221,10 @@ class Engine:
             self.executor.release(self.scheduler.drop_cache(), finished=False)
         return outputs
 
-    def _collect(self, finished: list[Sequence], updated: list[Sequence],
-                 logprobs: dict[int, dict[int, float]] | None = None) -> list[RequestOutput]:
+    def _collect(self, finished: list[Sequence], updated: list[Sequence], logprobs: dict | None = None,
+                 before: dict[int, int] | None = None) -> list[RequestOutput]:
+        """``logprobs``: seq_id -> the entry of its one new token, or a list of entries (a speculated run);
+        ``before``: seq_id -> output tokens before the step (a speculated run appends several)."""
         changed: dict[str, dict[int, tuple[list[int], str]]] = {}
         now = time.monotonic()
         for seq in updated:
@@ -219,17 +233,29 @@ class Engine:
                 continue
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            self.stats_counters["generation_tokens"] += 1
-            token = seq.last_token
+            start = (before or {}).get(seq.seq_id, seq.num_output_tokens - 1)
+            new = seq.output_token_ids[start:]
+            entries = (logprobs or {}).get(seq.seq_id, {})
+            entries = entries if isinstance(entries, list) else [entries]
             detok = req.detoks[seq.index]
-            delta = detok.add([token])
-            if req.logprobs[seq.index] is not None:
-                req.logprobs[seq.index].append(logprobs.get(seq.seq_id, {}))
+            delta, kept = "", []
+            for j, token in enumerate(new):
+                self.stats_counters["generation_tokens"] += 1
+                delta += detok.add([token])
+                kept.append(token)
+                if req.logprobs[seq.index] is not None:
+                    req.logprobs[seq.index].append(entries[j] if j < len(entries) else {})
+                if detok.finished:
+                    break
+            if detok.finished and len(kept) < len(new):  # tokens a run emitted past a stop string are dropped
+                seq.truncate(start + len(kept))
+                if seq.is_finished:  # by a later token's stop id or length: the stop string came first
+                    seq.set_finished("stop", detok.stop_reason)
             if detok.finished and not seq.is_finished:  # a stop string matched in the text
                 self.scheduler.finish(seq, "stop", detok.stop_reason)
                 finished.append(seq)
             ids, text = changed.setdefault(seq.request_id, {}).setdefault(seq.index, ([], ""))
-            changed[seq.request_id][seq.index] = (ids + [token], text + delta)
+            changed[seq.request_id][seq.index] = (ids + kept, text + delta)
         outputs = []
         done = {s.request_id for s in finished}
         for request_id in list(dict.fromkeys([*changed, *done])):
@@ -285,6 +311,8 @@ class Engine:
         s = dict(self.scheduler.stats())
         s.update(self.stats_counters)
         s["num_pages"] = self.executor.cache_config.num_pages
+        if self.spec is not None:
+            s.update(self.spec.counters.stats())
         return s
 
     def describe(self) -> dict:

@@ -45,6 +45,9 @@ HELP = {
     "skip_tokenizer_init": "load no tokenizer: prompts must be token ids and outputs carry token ids, no text",
     "revision": "branch, tag or commit of a hub model (default: the main branch)",
     "download_dir": "folder hub models are downloaded to (default: the Hugging Face cache)",
+    "speculative_config": "speculative decoding, as a JSON object with vLLM's keys, e.g. '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
+                          "(default: none)",
 }
 
 

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jaxserve.spec.config import SpeculativeConfig
 from sharding.mesh import MeshConfig
 
 if TYPE_CHECKING:
@@ -65,6 +66,8 @@ class EngineConfig:
     skip_tokenizer_init: bool = False  # serve token ids only: no tokenizer is loaded, outputs carry no text
     revision: str | None = None  # of a hub model: branch, tag or commit
     download_dir: str | None = None  # where hub models are downloaded (default: the Hugging Face cache)
+    # vLLM's speculative_config: a JSON object (the flag) or a dict, kept as a SpeculativeConfig
+    speculative_config: "str | dict | SpeculativeConfig | None" = None
 
     def __post_init__(self):
         positive = ("page_size", "max_num_seqs", "max_num_batched_tokens")
@@ -84,6 +87,7 @@ class EngineConfig:
         if self.num_devices is not None and (not isinstance(self.num_devices, int) or self.num_devices < 1):
             raise ValueError(f"num_devices={self.num_devices!r} must be a positive integer")
         MeshConfig.parse(self.mesh)  # a malformed spec fails here, naming the part it cannot read
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         for name, choices in (("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS),
                               ("logprobs_mode", LOGPROBS_MODES)):
             if getattr(self, name) not in choices:

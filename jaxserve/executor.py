@@ -10,6 +10,7 @@ The host loop (``jaxserve.engine``) sees only plans going in and ``StepResult`` 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -30,6 +31,8 @@ from jaxserve.sampler import SamplingTensors, sample
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams, sequence_seed
 from jaxserve.sequence import Sequence
 from jaxserve.shapes import StepShapes
+from jaxserve.spec.rows import SpecRows
+from jaxserve.spec.verify import verify
 from jaxserve.step_result import StepFailed, StepResult
 from jaxserve.window_pool import window_pages_needed
 from sharding import multihost
@@ -82,9 +85,15 @@ class Executor:
         self.shapes = StepShapes(config.max_num_seqs, config.max_num_batched_tokens,
                                  self.scheduler_config.pages_per_seq)
         max_running = config.max_num_seqs * self.num_replicas
+        # Speculation: a verified sequence needs a logits row per draft too (jaxserve/spec/rows.py).
+        self.spec = config.speculative_config
+        self.num_spec_tokens = self.spec.num_speculative_tokens if self.spec is not None else 0
+        self._sample_rows = max_running  # the sampler's (and verifier's) slots: one per running sequence
         self.runner = ModelRunner(model, cfg, self.cache_config, self.mesh, cache_dtype=self.cache_dtype,
-                                  num_logit_rows=max_running, backend=backend, debug_checks=config.debug_checks)
-        self._sample = jax.jit(sample)
+                                  num_logit_rows=max_running * (1 + self.num_spec_tokens), backend=backend,
+                                  debug_checks=config.debug_checks)
+        self._sample = jax.jit(sample if not self.spec else functools.partial(_sample_first_rows, max_running))
+        self._verify = jax.jit(verify)
         self._score = jax.jit(score)
         self._reset_rows = jax.jit(PenaltyState.reset_rows)
         # Sampling runs on process 0, on one device, over the step's (replicated) logits. The penalty state lives
@@ -150,8 +159,12 @@ class Executor:
                                 [e.page_table for e in entries], kind=kind, replicas=replicas,
                                 local_page_tables=[e.local_page_table for e in entries])
         scored = ScoreRows.add_rows(entries, batch.logits_indices)  # prompt_logprobs: more logits rows
+        drafts = (SpecRows.add_rows(entries, batch.logits_indices, self.num_spec_tokens, self._sample_rows)
+                  if self.spec is not None else None)
         out = self.runner.local(self.runner.run(kind, batch))
         result = self._sample_step(entries, out)
+        if drafts is not None:
+            result = self._verify_step(entries, out, drafts, result)
         if scored is not None:
             got = jax.device_get(self._score(out.logits, scored.targets(self.runner.num_logit_rows)))
             result = dataclasses.replace(result, prompt_logprobs=scored.collect(*(np.asarray(a) for a in got)))
@@ -170,7 +183,7 @@ class Executor:
             # Greedy batches take the argmax the step already computed: no sampler call at all.
             return StepResult(np.asarray(jax.device_get(out.greedy_ids))[:n])
         tensors = SamplingTensors.build(
-            [e.seq.sampling_params for e in entries], num_slots=self.runner.num_logit_rows,
+            [e.seq.sampling_params for e in entries], num_slots=self._sample_rows,
             seeds=[self._seed(e.seq) for e in entries], num_generated=[e.seq.num_output_tokens for e in entries],
             eos_token_ids=self.eos_token_ids, penalty_rows=rows, commit=[e.needs_sample for e in entries],
             logprobs_mode=self.config.logprobs_mode, token_bitmask=bitmask, logit_bias_width=MAX_LOGIT_BIAS,
@@ -183,6 +196,35 @@ class Executor:
             return StepResult(np.asarray(jax.device_get(sampled.token_ids))[:n])
         got = jax.device_get((sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs))
         return StepResult(*(np.asarray(a)[:n] for a in got))
+
+    def _verify_step(self, entries, out: StepOutput, drafts: SpecRows, result: StepResult) -> StepResult:
+        """Accept or reject the drafts on device (``jaxserve.spec.verify``); the speculating entries' tokens in
+        ``result`` become their emitted runs (accepted drafts, then the correction or bonus token)."""
+        seqs = [entries[i].seq for i in drafts.entries]
+        params = [s.sampling_params for s in seqs]
+        tensors = SamplingTensors.build(params, num_slots=self._sample_rows, seeds=[self._seed(s) for s in seqs],
+                                        num_generated=[s.num_output_tokens for s in seqs],
+                                        logprobs_mode=self.config.logprobs_mode)
+        got = self._verify(out.logits, drafts.rows, drafts.drafts, drafts.num_drafts, tensors)
+        want = [p.logprobs for p in params]
+        if any(n is not None for n in want):
+            accepted, tokens, lps, top_ids, top_lps = (np.asarray(a) for a in jax.device_get(
+                (got.num_accepted, got.tokens, got.logprobs, got.top_ids, got.top_logprobs)))
+        else:
+            accepted, tokens = (np.asarray(a) for a in jax.device_get((got.num_accepted, got.tokens)))
+        token_ids = np.array(result.token_ids, copy=True)
+        runs: dict[int, list[int]] = {}
+        run_logprobs: dict[int, list[dict[int, float]]] = {}
+        for slot, i in enumerate(drafts.entries):
+            a = int(accepted[slot])
+            runs[i] = [int(t) for t in tokens[slot, : a + 1]]
+            token_ids[i] = runs[i][-1]
+            n = want[slot]
+            if n is not None:
+                run_logprobs[i] = [{tok: float(lps[slot, j]),
+                                    **{int(x): float(v) for x, v in zip(top_ids[slot, j, :n], top_lps[slot, j, :n])}}
+                                   for j, tok in enumerate(runs[i])]
+        return dataclasses.replace(result, token_ids=token_ids, spec_tokens=runs, spec_logprobs=run_logprobs)
 
     def make_batch(self, chunks: list[list[int]], kv_lens: list[int], page_tables: list[list[int]], *,
                    kind: StepKind, replicas: list[int] | None = None,
@@ -215,7 +257,15 @@ class Executor:
         batches = [StepBatch.build([chunks[i] for i in g], [kv_lens[i] for i in g], [page_tables[i] for i in g],
                                    num_tokens=num_tokens, max_seqs=num_seqs, pages_per_seq=pages) for g in groups]
         slot = {i: (g, j) for g, members in enumerate(groups) for j, i in enumerate(members)}
-        return MeshBatch.stack(batches, [slot[i] for i in range(len(chunks))])
+        return self._logit_rows(kind, MeshBatch.stack(batches, [slot[i] for i in range(len(chunks))]))
+
+    def _logit_rows(self, kind: StepKind, batch: MeshBatch) -> MeshBatch:
+        """With speculation every prefill step (the kind that verifies drafts) has rows for 1 + k per slot, as
+        many as its tokens allow: a function of the bucket, so no shape is added."""
+        if self.spec is None or kind != StepKind.PREFILL:
+            return batch
+        r, t, s = batch.num_replicas, batch.tokens_per_replica, batch.max_seqs // batch.num_replicas
+        return batch.with_logit_rows(r * max(s, min(t, s * (1 + self.num_spec_tokens))))
 
     # Per-sequence device state ------------------------------------------------------------------------------
     def _seed(self, seq: Sequence) -> int:
@@ -269,6 +319,7 @@ class Executor:
         for decode, num_tokens, num_seqs, pages in shapes:
             batch = MeshBatch.padding(self.num_replicas, num_tokens=num_tokens, max_seqs=num_seqs,
                                       pages_per_seq=pages * (2 if self.runner.local_pool else 1))
+            batch = self._logit_rows(StepKind.DECODE if decode else StepKind.PREFILL, batch)
             out = jax.block_until_ready(self.runner.run(StepKind.DECODE if decode else StepKind.PREFILL, batch))
             progress.tick()
         logits = self.runner.local(out).logits
@@ -278,13 +329,21 @@ class Executor:
         # The sampler is warmed on the runner's own logits: same shape *and* sharding as when serving.
         for logprobs in (None, 1):
             params = [SamplingParams(temperature=1.0, logprobs=logprobs)]
-            tensors = SamplingTensors.build(params, num_slots=self.runner.num_logit_rows, seeds=[0], num_generated=[0],
+            tensors = SamplingTensors.build(params, num_slots=self._sample_rows, seeds=[0], num_generated=[0],
                                             penalty_rows=[0], logprobs_mode=self.config.logprobs_mode,
                                             token_bitmask=self._all_allowed, logit_bias_width=MAX_LOGIT_BIAS)
             for penalties in (None, self._penalties):
                 jax.block_until_ready(self._sample(logits, tensors, penalties))
                 progress.tick()
         jax.block_until_ready(self._score(logits, np.zeros(self.runner.num_logit_rows, np.int32)))
+        if self.spec is not None:
+            k, slots = self.num_spec_tokens, self._sample_rows
+            for logprobs in (None, 1):
+                tensors = SamplingTensors.build([SamplingParams(temperature=1.0, logprobs=logprobs)], num_slots=slots,
+                                                seeds=[0], num_generated=[0], logprobs_mode=self.config.logprobs_mode)
+                jax.block_until_ready(self._verify(logits, np.zeros((slots, k + 1), np.int32),
+                                                   np.full((slots, k), -1, np.int32), np.zeros(slots, np.int32),
+                                                   tensors))
         progress.finish()
         logger.debug("warm-up compiled the steps and the sampler in %.1fs", time.perf_counter() - start)
 
@@ -303,6 +362,11 @@ class Executor:
             "num_pages": int(self.cache_config.num_pages),
             "dtype": str(np.dtype(self.cache_dtype)),
         }
+
+
+def _sample_first_rows(rows: int, logits, tensors, penalty_state=None):
+    """``sample`` over the first ``rows`` logits rows (each sequence's own; speculation adds rows past them)."""
+    return sample(logits[:rows], tensors, penalty_state)
 
 
 def _plain_greedy(seq: Sequence) -> bool:
