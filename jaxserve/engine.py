@@ -64,6 +64,13 @@ class Engine:
         # The tokenizer first: a checkpoint without a usable one fails before anything is compiled.
         folder = resolve_model_path(model_path, revision=config.revision, download_dir=config.download_dir)
         cfg = ModelConfig.from_pretrained(folder)
+        spec = config.speculative_config
+        if spec is not None and spec.model:  # refused before anything is loaded or compiled
+            from jaxserve.spec.draft import check_draft
+
+            check_draft(spec.model, cfg)
+            raise ValueError("speculative_config: draft-model proposals (model=...) are not supported yet; use "
+                             "method='ngram'")
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or folder)
         if config.chat_template is not None and self.tokenizer is not None:
             self.tokenizer.chat_template = resolve_chat_template(config.chat_template)
