@@ -262,3 +262,23 @@ def test_draft_with_another_vocabulary_is_refused_at_start(model_dir, tmp_path):
     with pytest.raises(ValueError, match="vocabulary"):
         Engine(_config(model_dir, warmup=False, speculative_config={"model": str(other),
                                                                      "num_speculative_tokens": 3}))
+
+
+def test_request_switch_and_prometheus_counters(spec):
+    """``"speculative": false`` in an OpenAI body reaches SamplingParams (a non-bool is refused naming it); the
+    engine's counters become Prometheus families."""
+    from pydantic import ValidationError
+
+    from jaxserve.metrics import _EngineStatsCollector
+    from jaxserve.server.openai_protocol import CompletionRequest
+
+    assert CompletionRequest(prompt="hi", speculative=False).sampling_params().speculative is False
+    assert CompletionRequest(prompt="hi").sampling_params().speculative is True
+    with pytest.raises(ValidationError, match="speculative"):
+        CompletionRequest(prompt="hi", speculative="no")
+    with pytest.raises(ValueError, match="speculative"):
+        SamplingParams(speculative=1)
+    families = {f.name: f for f in _EngineStatsCollector(spec.stats, lambda: 0).collect()}
+    for name in ("proposed_tokens", "accepted_tokens", "emitted_tokens", "acceptance_rate", "mean_accepted_length"):
+        assert f"jaxserve_spec_{name}" in families, name
+    assert families["jaxserve_spec_proposed_tokens"].samples[0].value == spec.spec.counters.proposed
