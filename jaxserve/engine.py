@@ -69,8 +69,6 @@ class Engine:
             from jaxserve.spec.draft import check_draft
 
             check_draft(spec.model, cfg)
-            raise ValueError("speculative_config: draft-model proposals (model=...) are not supported yet; use "
-                             "method='ngram'")
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or folder)
         if config.chat_template is not None and self.tokenizer is not None:
             self.tokenizer.chat_template = resolve_chat_template(config.chat_template)

@@ -21,6 +21,8 @@ import numpy as np
 from jaxserve import compile_counter, compile_progress
 from jaxserve.attention import AttentionBackend
 from jaxserve.batch import MeshBatch, StepBatch, StepKind
+from jaxserve.checkpoint import resolve_model_path
+from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.kv_cache import CacheConfig, bytes_per_token
 from jaxserve.loader import load_model
@@ -94,6 +96,16 @@ class Executor:
                                   debug_checks=config.debug_checks)
         self._sample = jax.jit(sample if not self.spec else functools.partial(_sample_first_rows, max_running))
         self._verify = jax.jit(verify)
+        self.drafter = None
+        if self.spec is not None and self.spec.model:
+            from jaxserve.spec.drafter import DraftProposer
+
+            self.drafter = DraftProposer(
+                self.spec.model, dtype=config.dtype, mesh=self.mesh, cache=self.cache_config,
+                cache_dtype=self._draft_cache_dtype(backend), backend=backend, max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                pages_per_seq=self.scheduler_config.pages_per_seq, k=self.num_spec_tokens,
+                debug_checks=config.debug_checks)
         self._score = jax.jit(score)
         self._reset_rows = jax.jit(PenaltyState.reset_rows)
         # Sampling runs on process 0, on one device, over the step's (replicated) logits. The penalty state lives
@@ -125,6 +137,11 @@ class Executor:
         else:  # CPU: cpu_kv_cache_gib is the whole pool, all replicas together
             budget = config.cpu_kv_cache_gib * 2**30 / replicas
             per_page = bytes_per_token(cfg, self.cache_dtype) * page_size
+        if self.config.speculative_config is not None and self.config.speculative_config.model:
+            # the draft's pool mirrors the target's pages (jaxserve/spec/drafter.py): one budget for both
+            draft = ModelConfig.from_pretrained(resolve_model_path(self.config.speculative_config.model))
+            tensor = int(self.mesh.shape["tensor"]) if stats and "bytes_limit" in stats else 1
+            per_page += bytes_per_token(draft, self.cache_dtype, tensor) * page_size
         wanted = config.max_num_seqs * config.pages_per_seq(self.max_model_len)
         pages = int(min(wanted, budget // per_page))
         if jax.process_count() > 1:  # every process must build the same cache shape: process 0's
@@ -151,9 +168,23 @@ class Executor:
             lost = self.runner.cache_lost()
             if lost:
                 self.runner.reset_cache(self.cache_dtype)
+            if self.drafter is not None and self.drafter.cache_lost():  # only proposals depend on it
+                self.drafter.reset_cache()
             raise StepFailed(f"{type(e).__name__}: {e}", cache_lost=lost) from e
 
+    def _draft_cache_dtype(self, backend):
+        from jaxserve.loader import resolve_dtype
+
+        draft = ModelConfig.from_pretrained(resolve_model_path(self.spec.model))
+        return backend.cache_dtype(resolve_dtype(self.config.dtype, draft))
+
     def _execute(self, entries, replicas: list[int]) -> StepResult:
+        tensors = draft_probs = None
+        if any(e.num_proposed for e in entries):
+            tensors = self._spec_tensors([e.seq for e in entries if e.num_proposed])
+        if self.drafter is not None:  # the draft catches up on this step's tokens and proposes
+            entries, draft_probs = self.drafter.propose(
+                entries, replicas, *((tensors.temperature, tensors.rng_key, tensors.rng_step) if tensors else ()))
         kind = StepKind.DECODE if all(len(e.token_ids) == 1 for e in entries) else StepKind.PREFILL
         batch = self.make_batch([e.token_ids for e in entries], [e.kv_len for e in entries],
                                 [e.page_table for e in entries], kind=kind, replicas=replicas,
@@ -164,7 +195,7 @@ class Executor:
         out = self.runner.local(self.runner.run(kind, batch))
         result = self._sample_step(entries, out)
         if drafts is not None:
-            result = self._verify_step(entries, out, drafts, result)
+            result = self._verify_step(entries, out, drafts, result, tensors, draft_probs)
         if scored is not None:
             got = jax.device_get(self._score(out.logits, scored.targets(self.runner.num_logit_rows)))
             result = dataclasses.replace(result, prompt_logprobs=scored.collect(*(np.asarray(a) for a in got)))
@@ -197,15 +228,18 @@ class Executor:
         got = jax.device_get((sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs))
         return StepResult(*(np.asarray(a)[:n] for a in got))
 
-    def _verify_step(self, entries, out: StepOutput, drafts: SpecRows, result: StepResult) -> StepResult:
+    def _spec_tensors(self, seqs) -> SamplingTensors:
+        """The verifier's (and the draft's) per-slot controls for the speculating sequences, in plan order."""
+        return SamplingTensors.build([s.sampling_params for s in seqs], num_slots=self._sample_rows,
+                                     seeds=[self._seed(s) for s in seqs], num_generated=[s.num_output_tokens for s in seqs],
+                                     logprobs_mode=self.config.logprobs_mode)
+
+    def _verify_step(self, entries, out: StepOutput, drafts: SpecRows, result: StepResult, tensors: SamplingTensors,
+                     draft_probs=None) -> StepResult:
         """Accept or reject the drafts on device (``jaxserve.spec.verify``); the speculating entries' tokens in
         ``result`` become their emitted runs (accepted drafts, then the correction or bonus token)."""
-        seqs = [entries[i].seq for i in drafts.entries]
-        params = [s.sampling_params for s in seqs]
-        tensors = SamplingTensors.build(params, num_slots=self._sample_rows, seeds=[self._seed(s) for s in seqs],
-                                        num_generated=[s.num_output_tokens for s in seqs],
-                                        logprobs_mode=self.config.logprobs_mode)
-        got = self._verify(out.logits, drafts.rows, drafts.drafts, drafts.num_drafts, tensors)
+        params = [entries[i].seq.sampling_params for i in drafts.entries]
+        got = self._verify(out.logits, drafts.rows, drafts.drafts, drafts.num_drafts, tensors, draft_probs)
         want = [p.logprobs for p in params]
         if any(n is not None for n in want):
             accepted, tokens, lps, top_ids, top_lps = (np.asarray(a) for a in jax.device_get(
@@ -224,6 +258,8 @@ class Executor:
                 run_logprobs[i] = [{tok: float(lps[slot, j]),
                                     **{int(x): float(v) for x, v in zip(top_ids[slot, j, :n], top_lps[slot, j, :n])}}
                                    for j, tok in enumerate(runs[i])]
+        if self.drafter is not None:
+            self.drafter.commit(entries, {i: len(runs[i]) - 1 for i in runs})
         return dataclasses.replace(result, token_ids=token_ids, spec_tokens=runs, spec_logprobs=run_logprobs)
 
     def make_batch(self, chunks: list[list[int]], kv_lens: list[int], page_tables: list[list[int]], *,
@@ -299,6 +335,8 @@ class Executor:
                 self._free_rows.append(row)
             if finished:
                 self._seeds.pop(seq.seq_id, None)
+            if self.drafter is not None:
+                self.drafter.release(seq.seq_id)
 
     # Multi-process ------------------------------------------------------------------------------------------
     def follow(self) -> None:
@@ -341,9 +379,11 @@ class Executor:
             for logprobs in (None, 1):
                 tensors = SamplingTensors.build([SamplingParams(temperature=1.0, logprobs=logprobs)], num_slots=slots,
                                                 seeds=[0], num_generated=[0], logprobs_mode=self.config.logprobs_mode)
+                probs = (self.drafter.warmup(tensors.temperature, tensors.rng_key, tensors.rng_step)
+                         if self.drafter is not None else None)
                 jax.block_until_ready(self._verify(logits, np.zeros((slots, k + 1), np.int32),
                                                    np.full((slots, k), -1, np.int32), np.zeros(slots, np.int32),
-                                                   tensors))
+                                                   tensors, probs))
         progress.finish()
         logger.debug("warm-up compiled the steps and the sampler in %.1fs", time.perf_counter() - start)
 

@@ -19,10 +19,14 @@ from jaxserve.spec import ngram
 from jaxserve.spec.config import SpeculativeConfig
 
 
-def can_speculate(seq: Sequence) -> bool:
-    p = seq.sampling_params
+def static_ok(p) -> bool:
+    """Whether a request's parameters ever allow speculation."""
     return (p.speculative and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-            and not p.logit_bias and p.structured_outputs is None and seq.num_output_tokens >= p.min_tokens)
+            and not p.logit_bias and p.structured_outputs is None)
+
+
+def can_speculate(seq: Sequence) -> bool:
+    return static_ok(seq.sampling_params) and seq.num_output_tokens >= seq.sampling_params.min_tokens
 
 
 @dataclasses.dataclass
@@ -50,8 +54,6 @@ class SpecPlanner:
     """The proposer the scheduler asks, one per engine (shared by the data replicas' schedulers)."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
-        if config.method != "ngram":
-            raise ValueError(f"speculative_config: method={config.method!r} has no host proposer")
         self.config = config
         self.max_model_len = max_model_len
         self.counters = SpecCounters()
@@ -76,6 +78,8 @@ class SpecPlanner:
         if k <= 0:
             return []
         c = self.config
+        if c.method == "draft_model":  # placeholders: the executor's draft model fills them in before the step
+            return [0] * k
         tokens = np.asarray(seq.token_ids(0, seq.num_tokens), np.int32)
         return ngram.propose(tokens, k, c.prompt_lookup_min, c.prompt_lookup_max)
 
