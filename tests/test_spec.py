@@ -282,3 +282,34 @@ def test_request_switch_and_prometheus_counters(spec):
     for name in ("proposed_tokens", "accepted_tokens", "emitted_tokens", "acceptance_rate", "mean_accepted_length"):
         assert f"jaxserve_spec_{name}" in families, name
     assert families["jaxserve_spec_proposed_tokens"].samples[0].value == spec.spec.counters.proposed
+
+
+# ---- draft model ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory):
+    """A one-layer llama sharing the tiny tokenizer's vocabulary: a draft for the families it cannot copy."""
+    return build_tiny_model("llama", tmp_path_factory.mktemp("draft"), tokenizer=train_tokenizer(),
+                            num_hidden_layers=1, seed=3)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_draft_model_greedy_matches_transformers(family, tmp_path, small_draft):
+    """A target with global attention and one with a windowed pool beside global layers, each with a draft
+    model: itself where it can be one (every draft accepted: the bonus path and the draft's one-token lag), else
+    a one-layer llama (most drafts rejected). Chunked prefill: the 20-token prompt takes two steps."""
+    from tiny import hf_greedy, hf_model
+
+    target = build_tiny_model(family, tmp_path / family, tokenizer=train_tokenizer())
+    draft = small_draft if family == "gemma3" else target
+    engine = Engine(_config(target, warmup=False, max_num_seqs=2, max_num_batched_tokens=16, num_pages=30,
+                            speculative_config={"model": str(draft), "num_speculative_tokens": 3}))
+    prompts = [list(range(3, 23)), [5, 6, 7, 8, 5, 6, 7, 8, 5]]
+    got = run(engine, [(f"p{i}", p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+                       for i, p in enumerate(prompts)])
+    hf = hf_model(target)
+    for i, p in enumerate(prompts):
+        assert got[f"p{i}"].outputs[0].token_ids == hf_greedy(hf, p, 12), (family, i)
+    c = engine.spec.counters
+    assert c.proposed > 0
+    if draft == target:
+        assert c.accepted == c.proposed
