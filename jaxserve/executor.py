@@ -90,12 +90,16 @@ class Executor:
         # Speculation: a verified sequence needs a logits row per draft too (jaxserve/spec/rows.py).
         self.spec = config.speculative_config
         self.num_spec_tokens = self.spec.num_speculative_tokens if self.spec is not None else 0
-        self._sample_rows = max_running  # the sampler's (and verifier's) slots: one per running sequence
+        self._sample_rows = max_running  # the sampler's slots: one per running sequence
+        # The verifier's slots: only steps with at most disable_by_batch_size decodes (per replica) speculate.
+        per_replica = min(config.max_num_seqs, max(1, self.spec.disable_by_batch_size)) if self.spec else 0
+        self._spec_slots = per_replica * self.num_replicas
+        self._spec_rows = per_replica * self.num_spec_tokens  # logits rows a step adds per replica for drafts
         self.runner = ModelRunner(model, cfg, self.cache_config, self.mesh, cache_dtype=self.cache_dtype,
-                                  num_logit_rows=max_running * (1 + self.num_spec_tokens), backend=backend,
+                                  num_logit_rows=max_running + self._spec_rows * self.num_replicas, backend=backend,
                                   debug_checks=config.debug_checks)
         self._sample = jax.jit(sample if not self.spec else functools.partial(_sample_first_rows, max_running))
-        self._verify = jax.jit(verify)
+        self._verify = jax.jit(verify, static_argnames=("with_logprobs",))
         self.drafter = None
         if self.spec is not None and self.spec.model:
             from jaxserve.spec.drafter import DraftProposer
@@ -103,7 +107,7 @@ class Executor:
             self.drafter = DraftProposer(
                 self.spec.model, dtype=config.dtype, mesh=self.mesh, cache=self.cache_config,
                 cache_dtype=self._draft_cache_dtype(backend), backend=backend, max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_batched_tokens=config.max_num_batched_tokens, num_slots=self._spec_slots,
                 pages_per_seq=self.scheduler_config.pages_per_seq, k=self.num_spec_tokens,
                 debug_checks=config.debug_checks)
         self._score = jax.jit(score)
@@ -190,7 +194,7 @@ class Executor:
                                 [e.page_table for e in entries], kind=kind, replicas=replicas,
                                 local_page_tables=[e.local_page_table for e in entries])
         scored = ScoreRows.add_rows(entries, batch.logits_indices)  # prompt_logprobs: more logits rows
-        drafts = (SpecRows.add_rows(entries, batch.logits_indices, self.num_spec_tokens, self._sample_rows)
+        drafts = (SpecRows.add_rows(entries, batch.logits_indices, self.num_spec_tokens, self._spec_slots)
                   if self.spec is not None else None)
         out = self.runner.local(self.runner.run(kind, batch))
         result = self._sample_step(entries, out)
@@ -230,7 +234,7 @@ class Executor:
 
     def _spec_tensors(self, seqs) -> SamplingTensors:
         """The verifier's (and the draft's) per-slot controls for the speculating sequences, in plan order."""
-        return SamplingTensors.build([s.sampling_params for s in seqs], num_slots=self._sample_rows,
+        return SamplingTensors.build([s.sampling_params for s in seqs], num_slots=self._spec_slots,
                                      seeds=[self._seed(s) for s in seqs], num_generated=[s.num_output_tokens for s in seqs],
                                      logprobs_mode=self.config.logprobs_mode)
 
@@ -239,8 +243,9 @@ class Executor:
         """Accept or reject the drafts on device (``jaxserve.spec.verify``); the speculating entries' tokens in
         ``result`` become their emitted runs (accepted drafts, then the correction or bonus token)."""
         params = [entries[i].seq.sampling_params for i in drafts.entries]
-        got = self._verify(out.logits, drafts.rows, drafts.drafts, drafts.num_drafts, tensors, draft_probs)
         want = [p.logprobs for p in params]
+        got = self._verify(out.logits, drafts.rows, drafts.drafts, drafts.num_drafts, tensors, draft_probs,
+                           with_logprobs=any(n is not None for n in want))
         if any(n is not None for n in want):
             accepted, tokens, lps, top_ids, top_lps = (np.asarray(a) for a in jax.device_get(
                 (got.num_accepted, got.tokens, got.logprobs, got.top_ids, got.top_logprobs)))
@@ -296,12 +301,12 @@ class Executor:
         return self._logit_rows(kind, MeshBatch.stack(batches, [slot[i] for i in range(len(chunks))]))
 
     def _logit_rows(self, kind: StepKind, batch: MeshBatch) -> MeshBatch:
-        """With speculation every prefill step (the kind that verifies drafts) has rows for 1 + k per slot, as
-        many as its tokens allow: a function of the bucket, so no shape is added."""
+        """With speculation every prefill step (the kind that verifies drafts) has rows for the drafts of the
+        verifier's slots too, as many as its tokens allow: a function of the bucket, so no shape is added."""
         if self.spec is None or kind != StepKind.PREFILL:
             return batch
         r, t, s = batch.num_replicas, batch.tokens_per_replica, batch.max_seqs // batch.num_replicas
-        return batch.with_logit_rows(r * max(s, min(t, s * (1 + self.num_spec_tokens))))
+        return batch.with_logit_rows(r * max(s, min(t, s + self._spec_rows)))
 
     # Per-sequence device state ------------------------------------------------------------------------------
     def _seed(self, seq: Sequence) -> int:
@@ -375,7 +380,7 @@ class Executor:
                 progress.tick()
         jax.block_until_ready(self._score(logits, np.zeros(self.runner.num_logit_rows, np.int32)))
         if self.spec is not None:
-            k, slots = self.num_spec_tokens, self._sample_rows
+            k, slots = self.num_spec_tokens, self._spec_slots
             for logprobs in (None, 1):
                 tensors = SamplingTensors.build([SamplingParams(temperature=1.0, logprobs=logprobs)], num_slots=slots,
                                                 seeds=[0], num_generated=[0], logprobs_mode=self.config.logprobs_mode)
@@ -383,7 +388,7 @@ class Executor:
                          if self.drafter is not None else None)
                 jax.block_until_ready(self._verify(logits, np.zeros((slots, k + 1), np.int32),
                                                    np.full((slots, k), -1, np.int32), np.zeros(slots, np.int32),
-                                                   tensors, probs))
+                                                   tensors, probs, with_logprobs=logprobs is not None))
         progress.finish()
         logger.debug("warm-up compiled the steps and the sampler in %.1fs", time.perf_counter() - start)
 

@@ -55,7 +55,7 @@ def pick(
 
 class DraftProposer:
     def __init__(self, path: str, *, dtype: str, mesh, cache: CacheConfig, cache_dtype, backend, max_num_seqs: int,
-                 max_num_batched_tokens: int, pages_per_seq: int, k: int, debug_checks: bool):
+                 max_num_batched_tokens: int, num_slots: int, pages_per_seq: int, k: int, debug_checks: bool):
         model, self.cfg, _ = load_model(path, dtype, mesh)
         if self.cfg.local_window is not None:
             raise ValueError(f"speculative_config: the draft model {path!r} interleaves windowed and global layers; "
@@ -67,6 +67,7 @@ class DraftProposer:
         # A catch-up step carries the target's tokens plus at most one lagging token per sequence.
         self.shapes = StepShapes(max_num_seqs, max_num_batched_tokens + max_num_seqs, pages_per_seq)
         self.max_running = max_num_seqs * cache.num_replicas
+        self.num_slots = num_slots  # the verifier's: draft_probs is f32[num_slots, k, V]
         self.runner = ModelRunner(model, self.cfg, self.cache, mesh, cache_dtype=cache_dtype,
                                   num_logit_rows=self.max_running, backend=backend, debug_checks=debug_checks)
         self._pick = jax.jit(pick)
@@ -95,7 +96,7 @@ class DraftProposer:
         if not spec:
             return entries, None
         slot_of = {i: s for s, i in enumerate(run)}
-        e_slots = self.max_running
+        e_slots = self.num_slots
         rows = np.zeros(e_slots, np.int32)
         rows[: len(spec)] = [slot_of[i] for i in spec]
         tokens, q = self._pick(out.logits, rows, temperature, rng_key, rng_step)
@@ -151,7 +152,7 @@ class DraftProposer:
             batch = MeshBatch.padding(self.num_replicas, num_tokens=num_tokens, max_seqs=num_seqs, pages_per_seq=pages)
             out = jax.block_until_ready(self.runner.run(StepKind.DECODE if decode else StepKind.PREFILL, batch))
         logits = self.runner.local(out).logits
-        rows = np.zeros(self.max_running, np.int32)
+        rows = np.zeros(self.num_slots, np.int32)
         tokens, q = self._pick(logits, rows, temperature, rng_key, rng_step)
         return jax.block_until_ready(self._stack((q,) * self.k))
 

@@ -48,6 +48,7 @@ def verify(
     num_drafts: jax.Array,  # i32[E]
     t: SamplingTensors,  # E slots: temperature, top-k/p, min-p, seeds, tokens generated so far
     draft_probs: jax.Array | None = None,  # f32[E, K, V]  a draft model's distributions; None: one-hot drafts
+    with_logprobs: bool = True,  # static: False leaves the logprob outputs empty (-inf) and skips their cost
 ) -> VerifyOutput:
     e_slots, k1 = rows.shape
     k = k1 - 1
@@ -100,6 +101,9 @@ def verify(
     d1 = jnp.pad(d, ((0, 0), (0, 1)))
     tokens = jnp.where(j < num_accepted[:, None], d1, jnp.where(j == num_accepted[:, None], final[:, None], -1))
 
+    if not with_logprobs:
+        e = jnp.full((e_slots, k1), -jnp.inf)
+        return VerifyOutput(num_accepted, tokens, e, jnp.zeros((e_slots, k1, 0), jnp.int32), e[..., None][..., :0])
     source = raw if t.logprobs_mode == "raw" else jnp.where(greedy[:, None, None], raw, processed)
     norm = jax.nn.logsumexp(source, axis=-1)
     chosen = jnp.take_along_axis(source, jnp.maximum(tokens, 0)[..., None], -1)[..., 0] - norm
