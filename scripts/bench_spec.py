@@ -1,8 +1,12 @@
 """Speculative decoding against none, in one process, the configurations alternating round by round.
 
-    python scripts/bench_spec.py --model /tmp/m100 [--k 4 --rounds 2 --large-batch 48 --output-len 64]
+    python scripts/bench_spec.py --model /tmp/m100 --work DIR [--k 4 --rounds 3 --large-batch 48 --output-len 64]
 
-Two workloads, each run on the same engine options with and without ``--speculative-config`` (n-gram):
+``skip`` (batch 1, draft model): a 12-layer target whose layers 3..12 have zero ``o_proj`` and ``down_proj`` (the
+residual passes through them unchanged) and a draft made of its first two layers, norm and head: the draft
+predicts the target exactly, so every proposal is accepted, at a quarter of the target's cost. Both are written
+into ``--work``. Then two workloads, each run on the same engine options with and without
+``--speculative-config`` (n-gram):
 ``copy`` (batch 1): a prompt made of a random 16-token pattern repeated, then the greedy continuation; it reports
 how much of that continuation the n-gram proposer gets right and the output tokens/s. ``large`` (batch
 ``--large-batch``, random prompts of 16..256 tokens): the compute-bound case, where the planner proposes nothing
@@ -21,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
+from jaxserve.demo import DEMO_CONFIG, byte_tokenizer, write_random_checkpoint  # noqa: E402
 from jaxserve.engine import Engine  # noqa: E402
 from jaxserve.engine_config import EngineConfig  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
@@ -41,6 +46,57 @@ def run(engine: Engine, prompts: list[list[int]], output_len: int) -> tuple[floa
     return seconds, sum(map(len, tokens)), tokens
 
 
+SKIP_TARGET = dict(DEMO_CONFIG, hidden_size=512, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=8,
+                   num_key_value_heads=4, vocab_size=8192, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+def make_skip_models(work: Path) -> tuple[Path, Path]:
+    """The ``skip`` target (upper layers zeroed where they write the residual) and its two-layer draft."""
+    from safetensors.numpy import load_file, save_file
+
+    target, draft = work / "skip_target", work / "skip_draft"
+    if not (draft / "config.json").exists():
+        write_random_checkpoint(target, SKIP_TARGET, seed=0, std=0.08)
+        byte_tokenizer().save_pretrained(target)
+        weights = load_file(str(target / "model.safetensors"))
+        for name in weights:
+            layer = name.split(".")[2] if name.startswith("model.layers.") else None
+            if layer is not None and int(layer) >= 2 and name.endswith(("o_proj.weight", "down_proj.weight")):
+                weights[name] = np.zeros_like(weights[name])
+        save_file(weights, str(target / "model.safetensors"))
+        kept = {n: w for n, w in weights.items() if not n.startswith("model.layers.") or int(n.split(".")[2]) < 2}
+        draft.mkdir(parents=True, exist_ok=True)
+        save_file(kept, str(draft / "model.safetensors"))
+        (draft / "config.json").write_text(json.dumps(dict(SKIP_TARGET, num_hidden_layers=2)))
+        byte_tokenizer().save_pretrained(draft)
+    return target, draft
+
+
+def skip_workload(args) -> None:
+    target, draft = make_skip_models(Path(args.work))
+    base = dict(model=str(target), max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, skip_tokenizer_init=True,
+                compilation_cache_dir=args.cache)
+    spec = {"model": str(draft), "num_speculative_tokens": args.k}
+    engines = {"none": Engine(EngineConfig(**base)), "draft": Engine(EngineConfig(**base, speculative_config=spec))}
+    prompt = [np.random.default_rng(args.seed).integers(3, 8192, 32).tolist()]
+    rates, outs = {}, {}
+    for r in range(args.rounds):
+        for mode in (["none", "draft"] if r % 2 == 0 else ["draft", "none"]):
+            e = engines[mode]
+            seconds, tokens, outs[mode] = run(e, prompt, args.copy_output_len)
+            rates.setdefault(mode, []).append(tokens / seconds)
+            extra = ""
+            if e.spec is not None:
+                c = e.spec.counters.stats()
+                extra = (f"; cumulative acceptance {c['spec_acceptance_rate']:.0%}, "
+                         f"{c['spec_mean_accepted_length']:.2f} tokens per verified step")
+            print(f"round {r} skip  {mode:5s}: {tokens} tokens in {seconds:.2f}s = {tokens / seconds:.1f} output "
+                  f"tok/s{extra}", flush=True)
+    a, b = np.median(rates["none"]), np.median(rates["draft"])
+    print(f"skip: none {a:.1f} tok/s, draft {b:.1f} tok/s (median of {args.rounds}) -> {b / a:.2f}x; outputs "
+          f"identical: {outs['none'] == outs['draft']}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -50,9 +106,16 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--copy-output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work", default="/tmp/bench_spec", help="where the skip workload's models are written")
+    p.add_argument("--cache", default=None, help="compilation cache directory (start-up only)")
+    p.add_argument("--only", default="skip,copy,large")
     args = p.parse_args()
+    if "skip" in args.only:
+        skip_workload(args)
+    if "copy" not in args.only and "large" not in args.only:
+        return
     base = dict(model=args.model, max_model_len=512, max_num_seqs=args.large_batch, max_num_batched_tokens=512,
-                compilation_cache_dir=None, num_pages=args.large_batch * 32 + 64)
+                compilation_cache_dir=args.cache, num_pages=args.large_batch * 32 + 64)
     spec_cfg = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     t = time.perf_counter()
     engines = {"none": Engine(EngineConfig(**base)), "ngram": Engine(EngineConfig(**base, speculative_config=spec_cfg))}
