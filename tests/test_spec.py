@@ -313,3 +313,11 @@ def test_draft_model_greedy_matches_transformers(family, tmp_path, small_draft):
     assert c.proposed > 0
     if draft == target:
         assert c.accepted == c.proposed
+
+
+def test_grpc_speculative_field_reaches_sampling_params():
+    from jaxserve.protos import jaxserve_pb2 as pb
+    from jaxserve.server.grpc_api import sampling_params_from_proto
+
+    assert sampling_params_from_proto(pb.SamplingParams(speculative=False)).speculative is False
+    assert sampling_params_from_proto(pb.SamplingParams()).speculative is True
