@@ -32,7 +32,7 @@ from jaxserve.runner import ModelRunner, StepOutput
 from jaxserve.sampler import SamplingTensors, sample
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams, sequence_seed
 from jaxserve.sequence import Sequence
-from jaxserve.shapes import StepShapes
+from jaxserve.shapes import StepShapes, bucket
 from jaxserve.spec.rows import SpecRows
 from jaxserve.spec.verify import verify
 from jaxserve.step_result import StepFailed, StepResult
@@ -84,8 +84,10 @@ class Executor:
         self.scheduler_config = dataclasses.replace(
             config.scheduler_config(num_pages=self.cache_config.pages_per_replica, max_model_len=self.max_model_len),
             attention_window=cfg.attention_window, local_window=cfg.local_window, local_pages=local)
+        spec = config.speculative_config  # a verified sequence alone: 1 + k rows, a bucket of its own
         self.shapes = StepShapes(config.max_num_seqs, config.max_num_batched_tokens,
-                                 self.scheduler_config.pages_per_seq)
+                                 self.scheduler_config.pages_per_seq,
+                                 16 if spec is None else min(16, bucket(1 + spec.num_speculative_tokens, 4, 16)))
         max_running = config.max_num_seqs * self.num_replicas
         # Speculation: a verified sequence needs a logits row per draft too (jaxserve/spec/rows.py).
         self.spec = config.speculative_config

@@ -2,9 +2,9 @@
 
     python scripts/bench_spec.py --model /tmp/m100 --work DIR [--k 4 --rounds 3 --large-batch 48 --output-len 64]
 
-``skip`` (batch 1, draft model): a 12-layer target whose layers 3..12 have zero ``o_proj`` and ``down_proj`` (the
+``skip`` (batch 1, draft model): a 24-layer target whose layers 3..24 have zero ``o_proj`` and ``down_proj`` (the
 residual passes through them unchanged) and a draft made of its first two layers, norm and head: the draft
-predicts the target exactly, so every proposal is accepted, at a quarter of the target's cost. Both are written
+predicts the target exactly, so every proposal is accepted, at about a tenth of the target's cost. Both are written
 into ``--work``. Then two workloads, each run on the same engine options with and without
 ``--speculative-config`` (n-gram):
 ``copy`` (batch 1): a prompt made of a random 16-token pattern repeated, then the greedy continuation; it reports
@@ -46,7 +46,7 @@ def run(engine: Engine, prompts: list[list[int]], output_len: int) -> tuple[floa
     return seconds, sum(map(len, tokens)), tokens
 
 
-SKIP_TARGET = dict(DEMO_CONFIG, hidden_size=512, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=8,
+SKIP_TARGET = dict(DEMO_CONFIG, hidden_size=512, intermediate_size=1536, num_hidden_layers=24, num_attention_heads=8,
                    num_key_value_heads=4, vocab_size=8192, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
 

@@ -65,7 +65,7 @@ class DraftProposer:
         self.cache = dataclasses.replace(cache, num_local_pages=0)
         self.cache_dtype = cache_dtype
         # A catch-up step carries the target's tokens plus at most one lagging token per sequence.
-        self.shapes = StepShapes(max_num_seqs, max_num_batched_tokens + max_num_seqs, pages_per_seq)
+        self.shapes = StepShapes(max_num_seqs, max_num_batched_tokens + max_num_seqs, pages_per_seq, 4)
         self.max_running = max_num_seqs * cache.num_replicas
         self.num_slots = num_slots  # the verifier's: draft_probs is f32[num_slots, k, V]
         self.runner = ModelRunner(model, self.cfg, self.cache, mesh, cache_dtype=cache_dtype,
