@@ -104,6 +104,9 @@ class Executor:
         self._verify = jax.jit(verify, static_argnames=("with_logprobs",))
         self.drafter = None
         if self.spec is not None and self.spec.model:
+            if jax.process_count() > 1:  # its steps would need a channel of their own to the followers
+                raise ValueError("speculative_config: a draft model is not supported on a multi-process run; use "
+                                 "method='ngram'")
             from jaxserve.spec.drafter import DraftProposer
 
             self.drafter = DraftProposer(
