@@ -240,7 +240,8 @@ class Executor:
     def _spec_tensors(self, seqs) -> SamplingTensors:
         """The verifier's (and the draft's) per-slot controls for the speculating sequences, in plan order."""
         return SamplingTensors.build([s.sampling_params for s in seqs], num_slots=self._spec_slots,
-                                     seeds=[self._seed(s) for s in seqs], num_generated=[s.num_output_tokens for s in seqs],
+                                     seeds=[self._seed(s) for s in seqs],
+                                     num_generated=[s.num_output_tokens for s in seqs],
                                      logprobs_mode=self.config.logprobs_mode)
 
     def _verify_step(self, entries, out: StepOutput, drafts: SpecRows, result: StepResult, tensors: SamplingTensors,

@@ -74,8 +74,8 @@ def make_skip_models(work: Path) -> tuple[Path, Path]:
 
 def skip_workload(args) -> None:
     target, draft = make_skip_models(Path(args.work))
-    base = dict(model=str(target), max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, skip_tokenizer_init=True,
-                compilation_cache_dir=args.cache)
+    base = dict(model=str(target), max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+                skip_tokenizer_init=True, compilation_cache_dir=args.cache)
     spec = {"model": str(draft), "num_speculative_tokens": args.k}
     engines = {"none": Engine(EngineConfig(**base)), "draft": Engine(EngineConfig(**base, speculative_config=spec))}
     prompt = [np.random.default_rng(args.seed).integers(3, 8192, 32).tolist()]
