@@ -2,9 +2,9 @@
 
     python scripts/bench_spec.py --model /tmp/m100 --work DIR [--k 4 --rounds 3 --large-batch 48 --output-len 64]
 
-``skip`` (batch 1, draft model): a 24-layer target whose layers 3..24 have zero ``o_proj`` and ``down_proj`` (the
+``skip`` (batch 1, draft model): a ``--skip-layers``-layer target whose layers 3.. have zero ``o_proj`` and ``down_proj`` (the
 residual passes through them unchanged) and a draft made of its first two layers, norm and head: the draft
-predicts the target exactly, so every proposal is accepted, at about a tenth of the target's cost. Both are written
+predicts the target exactly, so every proposal is accepted, at a fraction of the target's cost. Both are written
 into ``--work``. Then two workloads, each run on the same engine options with and without
 ``--speculative-config`` (n-gram):
 ``copy`` (batch 1): a prompt made of a random 16-token pattern repeated, then the greedy continuation; it reports
@@ -50,13 +50,13 @@ SKIP_TARGET = dict(DEMO_CONFIG, hidden_size=512, intermediate_size=1536, num_hid
                    num_key_value_heads=4, vocab_size=8192, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
 
-def make_skip_models(work: Path) -> tuple[Path, Path]:
+def make_skip_models(work: Path, layers: int) -> tuple[Path, Path]:
     """The ``skip`` target (upper layers zeroed where they write the residual) and its two-layer draft."""
     from safetensors.numpy import load_file, save_file
 
-    target, draft = work / "skip_target", work / "skip_draft"
+    target, draft = work / f"skip_target{layers}", work / f"skip_draft{layers}"
     if not (draft / "config.json").exists():
-        write_random_checkpoint(target, SKIP_TARGET, seed=0, std=0.08)
+        write_random_checkpoint(target, dict(SKIP_TARGET, num_hidden_layers=layers), seed=0, std=0.08)
         byte_tokenizer().save_pretrained(target)
         weights = load_file(str(target / "model.safetensors"))
         for name in weights:
@@ -73,7 +73,7 @@ def make_skip_models(work: Path) -> tuple[Path, Path]:
 
 
 def skip_workload(args) -> None:
-    target, draft = make_skip_models(Path(args.work))
+    target, draft = make_skip_models(Path(args.work), args.skip_layers)
     base = dict(model=str(target), max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
                 skip_tokenizer_init=True, compilation_cache_dir=args.cache)
     spec = {"model": str(draft), "num_speculative_tokens": args.k}
@@ -109,6 +109,7 @@ def main() -> None:
     p.add_argument("--work", default="/tmp/bench_spec", help="where the skip workload's models are written")
     p.add_argument("--cache", default=None, help="compilation cache directory (start-up only)")
     p.add_argument("--only", default="skip,copy,large")
+    p.add_argument("--skip-layers", type=int, default=24, help="layers of the skip target (the draft has 2)")
     args = p.parse_args()
     if "skip" in args.only:
         skip_workload(args)
