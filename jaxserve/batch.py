@@ -149,10 +149,21 @@ class MeshBatch:
         empty = StepBatch.build([], [], [], num_tokens=num_tokens, max_seqs=max_seqs, pages_per_seq=pages_per_seq)
         return cls.stack([empty] * replicas)
 
-    # The wire format: header fields (R, T, S, P) and one int32 payload, the arrays in field order.
-    def shape_fields(self) -> tuple[int, int, int, int]:
-        return (self.num_replicas, self.tokens_per_replica, int(self.md.kv_lens.shape[1]),
-                int(self.md.page_indices.shape[2]))
+    def with_logit_rows(self, num_rows: int) -> "MeshBatch":
+        """The batch with ``num_rows`` logits rows (>= R * S; the new ones read row 0 until set): speculation
+        verifies several rows per sequence."""
+        extra = num_rows - self.logits_indices.shape[0]
+        if extra < 0:
+            raise ValueError(f"num_rows={num_rows} is below the batch's {self.logits_indices.shape[0]} logits rows")
+        return dataclasses.replace(self, logits_indices=np.pad(self.logits_indices, (0, extra)))
+
+    # The wire format: header fields (R, T, S, P[, L]) and one int32 payload, the arrays in field order; L, the
+    # logits rows, is sent only when it is not R * S.
+    def shape_fields(self) -> tuple[int, ...]:
+        fields = (self.num_replicas, self.tokens_per_replica, int(self.md.kv_lens.shape[1]),
+                  int(self.md.page_indices.shape[2]))
+        rows = int(self.logits_indices.shape[0])
+        return fields if rows == fields[0] * fields[2] else (*fields, rows)
 
     def pack(self) -> np.ndarray:
         arrays = (self.token_ids, *_fields(self.md), self.logits_indices)
@@ -162,7 +173,8 @@ class MeshBatch:
     def field_shapes(fields: tuple[int, ...]) -> list[tuple[int, ...]]:
         """The shapes of the packed arrays, in field order, for header fields (R, T, S, P)."""
         r, t, s, p = fields[:4]
-        return [(r * t,), (r, s + 1), (r, s), (r, s, p), (r, 1), (r * s,)]
+        rows = fields[4] if len(fields) > 4 and fields[4] else r * s
+        return [(r * t,), (r, s + 1), (r, s), (r, s, p), (r, 1), (rows,)]
 
     @classmethod
     def unpack(cls, fields: tuple[int, ...], payload) -> "MeshBatch":

@@ -199,6 +199,15 @@ class BlockManager:
             self._refcount[page] = 1
             self._t(seq).append(page)
 
+    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+        """Return the pages past the first ``num_tokens`` tokens to the pool (speculation's rollback: KV
+        written for rejected draft tokens). They were never registered: registration stops at the computed
+        tokens, which these pages lie past."""
+        table = self._t(seq)
+        keep = self.pages_for(num_tokens)
+        while len(table) > keep:
+            self._release(table.pop())
+
     def _take_page(self) -> int:
         if self.pool.num_free:
             return self.pool.allocate(1)[0]

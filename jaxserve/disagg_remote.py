@@ -84,6 +84,9 @@ class PrefillEngine(Engine):
     steps_async = False  # a sequence leaves once its first token is on the host, before any further step
 
     def __init__(self, config: EngineConfig, **kwargs):
+        if config.speculative_config is not None:
+            raise ValueError("speculative_config cannot be combined with --role prefill/decode (disaggregated "
+                             "serving does not verify drafts)")
         super().__init__(config, **kwargs)
         self.reader = PageReader(self.executor.runner)
 
@@ -438,6 +441,9 @@ class RemotePrefillEngine(StagedEngine):
     """The decode process's engine: prompts prefilled by prefill processes, decodes run here (module doc)."""
 
     def __init__(self, config: EngineConfig, prefill_urls: list[str], **kwargs):
+        if config.speculative_config is not None:
+            raise ValueError("speculative_config cannot be combined with --role prefill/decode (disaggregated "
+                             "serving does not verify drafts)")
         super().__init__(config, **kwargs)
         self.remote = RemotePrefill(prefill_urls, self)
         self.decode_scheduler = self.scheduler

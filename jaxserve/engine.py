@@ -68,6 +68,11 @@ class Engine:
         # The tokenizer first: a checkpoint without a usable one fails before anything is compiled.
         folder = resolve_model_path(model_path, revision=config.revision, download_dir=config.download_dir)
         cfg = ModelConfig.from_pretrained(folder)
+        spec = config.speculative_config
+        if spec is not None and spec.model:  # refused before anything is loaded or compiled
+            from jaxserve.spec.draft import check_draft
+
+            check_draft(spec.model, cfg)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or folder)
         if config.chat_template is not None and self.tokenizer is not None:
             self.tokenizer.chat_template = resolve_chat_template(config.chat_template)
@@ -83,6 +88,13 @@ class Engine:
         self.model_config = self.executor.model_config
         self.max_model_len = self.executor.max_model_len
         self.scheduler = ReplicatedScheduler(self.executor.scheduler_config, self.executor.num_replicas)
+        self.spec = None
+        if config.speculative_config is not None:
+            from jaxserve.spec.planner import SpecPlanner
+
+            self.spec = SpecPlanner(config.speculative_config, self.max_model_len)
+            for replica in self.scheduler.replicas:
+                replica.spec = self.spec
         self.grammars = (GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
                          if self.tokenizer is not None else None)
         self.structured = StructuredOutputs(self.grammars)
@@ -91,8 +103,9 @@ class Engine:
         self._counter = itertools.count()
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         # Async scheduling: the launched step whose tokens are not read yet, as (plan, executor's PendingStep).
+        # Speculation verifies on the host's view of each sequence (jaxserve/spec/): its steps run synchronously.
         self._async = self.steps_async and bool(getattr(config, "async_scheduling", False)) and \
-            hasattr(self.executor, "launch") and \
+            config.speculative_config is None and hasattr(self.executor, "launch") and \
             getattr(getattr(self.executor, "runner", None), "channel", None) is None
         self._pending = None
         self._sync_requests = 0  # live requests whose steps need the host's view of the previous token
@@ -205,13 +218,18 @@ class Engine:
             result = self.executor.execute(plan)
         except StepFailed as e:
             return self._fail_step(plan, e)
-        tokens = [int(t) for t in result.token_ids]
+        runs = result.spec_tokens or {}  # speculation: entries that emit several tokens
+        tokens = [runs[i] if i in runs else int(t) for i, t in enumerate(result.token_ids)]
         if result.prompt_logprobs:
             self._record_prompt_logprobs(plan, result.prompt_logprobs)
+        before = {e.seq.seq_id: e.seq.num_output_tokens for e in plan.scheduled}
         update = self.scheduler.update(plan, tokens)
         self.structured.accept(update.updated)
         self.stats_counters["steps"] += 1
-        outputs = self._collect(update.finished, update.updated, _logprobs(plan.scheduled, result))
+        logprobs = _logprobs(plan.scheduled, result)
+        for i, lps in (result.spec_logprobs or {}).items():
+            logprobs[plan.scheduled[i].seq.seq_id] = lps
+        outputs = self._collect(update.finished, update.updated, logprobs, before=before)
         # A finished sequence's penalty row returns now: its siblings may run on, and new sequences need rows.
         self.executor.release(update.finished, finished=False)
         return outputs
@@ -258,7 +276,7 @@ class Engine:
         if result.prompt_logprobs:
             self._record_prompt_logprobs(plan, result.prompt_logprobs)
         update, tokens = async_scheduling.resolve(self.scheduler, plan, result.token_ids)
-        outputs = self._collect(update.finished, update.updated, _logprobs(plan.scheduled, result), tokens)
+        outputs = self._collect(update.finished, update.updated, _logprobs(plan.scheduled, result), tokens=tokens)
         # As in the synchronous step: a finished sequence's penalty row returns now (the step in flight that may
         # still carry it updated the row before any later step can hand the row to another sequence).
         self.executor.release(update.finished, finished=False)
@@ -281,9 +299,12 @@ class Engine:
             self.executor.release(self.scheduler.drop_cache(), finished=False)
         return outputs
 
-    def _collect(self, finished: list[Sequence], updated: list[Sequence],
-                 logprobs: dict[int, dict[int, float]] | None = None,
-                 tokens: list[int] | None = None) -> list[RequestOutput]:
+    def _collect(self, finished: list[Sequence], updated: list[Sequence], logprobs: dict | None = None, *,
+                 tokens: list[int] | None = None, before: dict[int, int] | None = None) -> list[RequestOutput]:
+        """``logprobs``: seq_id -> the entry of its one new token, or a list of entries (a speculated run);
+        ``tokens``: each updated sequence's new token, read back by async scheduling (its last token may be the
+        next step's placeholder); ``before``: seq_id -> output tokens before the step (a speculated run appends
+        several)."""
         changed: dict[str, dict[int, tuple[list[int], str]]] = {}
         now = time.monotonic()
         for i, seq in enumerate(updated):
@@ -292,18 +313,33 @@ class Engine:
                 continue
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            self.stats_counters["generation_tokens"] += 1
-            token = seq.last_token if tokens is None else tokens[i]
+            if tokens is not None:  # async scheduling: one token per sequence, never a speculated run
+                start, new = seq.num_output_tokens, [tokens[i]]
+            else:
+                start = (before or {}).get(seq.seq_id, seq.num_output_tokens - 1)
+                new = seq.output_token_ids[start:]
+            entries = (logprobs or {}).get(seq.seq_id, {})
+            entries = entries if isinstance(entries, list) else [entries]
             detok = req.detoks[seq.index]
-            delta = detok.add([token])
-            if req.logprobs[seq.index] is not None:
-                req.logprobs[seq.index].append(logprobs.get(seq.seq_id, {}))
+            delta, kept = "", []
+            for j, token in enumerate(new):
+                self.stats_counters["generation_tokens"] += 1
+                delta += detok.add([token])
+                kept.append(token)
+                if req.logprobs[seq.index] is not None:
+                    req.logprobs[seq.index].append(entries[j] if j < len(entries) else {})
+                if detok.finished:
+                    break
+            if detok.finished and len(kept) < len(new):  # tokens a run emitted past a stop string are dropped
+                seq.truncate(start + len(kept))
+                if seq.is_finished:  # by a later token's stop id or length: the stop string came first
+                    seq.set_finished("stop", detok.stop_reason)
             if detok.finished and not seq.is_finished:  # a stop string matched in the text
                 self.scheduler.finish(seq, "stop", detok.stop_reason)
                 seq.drop_placeholder()
                 finished.append(seq)
             ids, text = changed.setdefault(seq.request_id, {}).setdefault(seq.index, ([], ""))
-            changed[seq.request_id][seq.index] = (ids + [token], text + delta)
+            changed[seq.request_id][seq.index] = (ids + kept, text + delta)
         outputs = []
         done = {s.request_id for s in finished}
         for request_id in list(dict.fromkeys([*changed, *done])):
@@ -368,6 +404,8 @@ class Engine:
         s["num_pages"] = self.executor.cache_config.num_pages
         s["compilations_after_warmup"] = getattr(self.executor, "compilations_after_warmup", 0)
         s["kv_bytes_per_token"] = self.executor.kv_bytes_per_token
+        if self.spec is not None:
+            s.update(self.spec.counters.stats())
         return s
 
     def describe(self) -> dict:

@@ -61,6 +61,9 @@ HELP = {
     "quantize_lm_head": "with --quantization, quantize the LM head and the embeddings too",
     "kv_cache_dtype": "KV cache storage: auto (the model's dtype), int8 or fp8/fp8_e4m3/fp8_e5m2, with one scale per "
                       "token and KV head",
+    "speculative_config": "speculative decoding, as a JSON object with vLLM's keys, e.g. '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
+                          "(default: none)",
 }
 
 

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jaxserve.spec.config import SpeculativeConfig
 from sharding.mesh import MeshConfig
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ class EngineConfig:
     quantization: str | None = None  # weights quantized at load: "int8" or "fp8" (None: as the checkpoint is)
     quantize_lm_head: bool = False  # quantize the LM head and embeddings too
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8", "fp8" (= "fp8_e4m3"), "fp8_e5m2"
+    # vLLM's speculative_config: a JSON object (the flag) or a dict, kept as a SpeculativeConfig
+    speculative_config: "str | dict | SpeculativeConfig | None" = None
 
     def __post_init__(self):
         positive = ("page_size", "max_num_seqs", "max_num_batched_tokens")
@@ -110,6 +113,10 @@ class EngineConfig:
                     raise ValueError(f"{name}: {e}") from None
         if not isinstance(self.max_pending_transfers, int) or self.max_pending_transfers < 1:
             raise ValueError(f"max_pending_transfers={self.max_pending_transfers!r} must be a positive integer")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.speculative_config is not None and self.prefill_mesh is not None:
+            raise ValueError("speculative_config cannot be combined with prefill_mesh/decode_mesh (disaggregated "
+                             "serving does not verify drafts)")
         for name, choices in (("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS),
                               ("logprobs_mode", LOGPROBS_MODES)):
             if getattr(self, name) not in choices:

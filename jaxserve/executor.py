@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -23,6 +24,8 @@ import numpy as np
 from jaxserve import compile_counter, compile_progress
 from jaxserve.attention import AttentionBackend
 from jaxserve.batch import MeshBatch, StepBatch, StepKind
+from jaxserve.checkpoint import resolve_model_path
+from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
 from jaxserve.kv_cache import CacheConfig, bytes_per_token
 from jaxserve.loader import load_model
@@ -32,7 +35,9 @@ from jaxserve.runner import ModelRunner, StepOutput
 from jaxserve.sampler import SamplingTensors, sample
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams, sequence_seed
 from jaxserve.sequence import Sequence
-from jaxserve.shapes import StepShapes
+from jaxserve.shapes import StepShapes, bucket
+from jaxserve.spec.rows import SpecRows
+from jaxserve.spec.verify import verify
 from jaxserve.step_result import StepFailed, StepResult
 from jaxserve.window_pool import window_pages_needed
 from pallas_kernels.quantized_pages import STORAGE as KV_STORAGE
@@ -98,12 +103,37 @@ class Executor:
         self.scheduler_config = dataclasses.replace(
             config.scheduler_config(num_pages=self.cache_config.pages_per_replica, max_model_len=self.max_model_len),
             attention_window=cfg.attention_window, local_window=cfg.local_window, local_pages=local)
+        spec = config.speculative_config  # a verified sequence alone: 1 + k rows, a bucket of its own
         self.shapes = StepShapes(config.max_num_seqs, config.max_num_batched_tokens,
-                                 self.scheduler_config.pages_per_seq)
+                                 self.scheduler_config.pages_per_seq,
+                                 16 if spec is None else min(16, bucket(1 + spec.num_speculative_tokens, 4, 16)))
         max_running = config.max_num_seqs * self.num_replicas
+        # Speculation: a verified sequence needs a logits row per draft too (jaxserve/spec/rows.py).
+        self.spec = config.speculative_config
+        self.num_spec_tokens = self.spec.num_speculative_tokens if self.spec is not None else 0
+        self._sample_rows = max_running  # the sampler's slots: one per running sequence
+        # The verifier's slots: only steps with at most disable_by_batch_size decodes (per replica) speculate.
+        per_replica = min(config.max_num_seqs, max(1, self.spec.disable_by_batch_size)) if self.spec else 0
+        self._spec_slots = per_replica * self.num_replicas
+        self._spec_rows = per_replica * self.num_spec_tokens  # logits rows a step adds per replica for drafts
         self.runner = ModelRunner(model, cfg, self.cache_config, self.mesh, cache_dtype=self.cache_dtype,
-                                  num_logit_rows=max_running, backend=backend, debug_checks=config.debug_checks)
-        self._sample = jax.jit(sample)
+                                  num_logit_rows=max_running + self._spec_rows * self.num_replicas, backend=backend,
+                                  debug_checks=config.debug_checks)
+        self._sample = jax.jit(sample if not self.spec else functools.partial(_sample_first_rows, max_running))
+        self._verify = jax.jit(verify, static_argnames=("with_logprobs",))
+        self.drafter = None
+        if self.spec is not None and self.spec.model:
+            if jax.process_count() > 1:  # its steps would need a channel of their own to the followers
+                raise ValueError("speculative_config: a draft model is not supported on a multi-process run; use "
+                                 "method='ngram'")
+            from jaxserve.spec.drafter import DraftProposer
+
+            self.drafter = DraftProposer(
+                self.spec.model, dtype=config.dtype, mesh=self.mesh, cache=self.cache_config,
+                cache_dtype=self._draft_cache_dtype(backend), backend=backend, max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens, num_slots=self._spec_slots,
+                pages_per_seq=self.scheduler_config.pages_per_seq, k=self.num_spec_tokens,
+                debug_checks=config.debug_checks)
         self._score = jax.jit(score)
         self._reset_rows = jax.jit(PenaltyState.reset_rows)
         # Sampling runs on process 0, on one device, over the step's (replicated) logits. The penalty state lives
@@ -148,6 +178,11 @@ class Executor:
         else:  # CPU: cpu_kv_cache_gib is the whole pool, all replicas together
             budget = config.cpu_kv_cache_gib * 2**30 / replicas
             per_page = bytes_per_token(cfg, self.cache_dtype) * page_size
+        if self.config.speculative_config is not None and self.config.speculative_config.model:
+            # the draft's pool mirrors the target's pages (jaxserve/spec/drafter.py): one budget for both
+            draft = ModelConfig.from_pretrained(resolve_model_path(self.config.speculative_config.model))
+            tensor = int(self.mesh.shape["tensor"]) if stats and "bytes_limit" in stats else 1
+            per_page += bytes_per_token(draft, self.cache_dtype, tensor) * page_size
         wanted = config.max_num_seqs * config.pages_per_seq(self.max_model_len)
         pages = int(min(wanted, budget // per_page))
         if jax.process_count() > 1:  # every process must build the same cache shape: process 0's
@@ -203,23 +238,42 @@ class Executor:
         """
         start = time.perf_counter()
         try:
-            got = [np.asarray(a) for a in jax.device_get(pending.arrays)]
+            # A verifying step (speculation) was read back as it ran: the engine steps synchronously with it.
+            result = pending.result if pending.result is not None else self._read(pending)
             scores = None if pending.scores is None else [np.asarray(a) for a in jax.device_get(pending.scores)]
         except Exception as e:
             raise self._failed(e) from e
         self.host_wait_seconds += time.perf_counter() - start
-        result = StepResult(*(a[: pending.n] for a in got))
         if scores is not None:
             result = dataclasses.replace(result, prompt_logprobs=pending.scored.collect(*scores))
         return result
+
+    @staticmethod
+    def _read(pending: "PendingStep") -> StepResult:
+        got = [np.asarray(a) for a in jax.device_get(pending.arrays)]
+        return StepResult(*(a[: pending.n] for a in got))
 
     def _failed(self, e: Exception) -> StepFailed:
         lost = self.runner.cache_lost()
         if lost:
             self.runner.reset_cache(self.cache_dtype)
+        if self.drafter is not None and self.drafter.cache_lost():  # only proposals depend on it
+            self.drafter.reset_cache()
         return StepFailed(f"{type(e).__name__}: {e}", cache_lost=lost)
 
+    def _draft_cache_dtype(self, backend):
+        from jaxserve.loader import resolve_dtype
+
+        draft = ModelConfig.from_pretrained(resolve_model_path(self.spec.model))
+        return backend.cache_dtype(resolve_dtype(self.config.dtype, draft))
+
     def _launch(self, entries, replicas: list[int], prev: "PendingStep | None") -> "PendingStep":
+        tensors = draft_probs = None
+        if any(e.num_proposed for e in entries):
+            tensors = self._spec_tensors([e.seq for e in entries if e.num_proposed])
+        if self.drafter is not None:  # the draft catches up on this step's tokens and proposes
+            entries, draft_probs = self.drafter.propose(
+                entries, replicas, *((tensors.temperature, tensors.rng_key, tensors.rng_step) if tensors else ()))
         kind = StepKind.DECODE if all(len(e.token_ids) == 1 for e in entries) else StepKind.PREFILL
         batch = self.make_batch([e.token_ids for e in entries], [e.kv_len for e in entries],
                                 [e.page_table for e in entries], kind=kind, replicas=replicas,
@@ -227,6 +281,8 @@ class Executor:
         scored = ScoreRows.add_rows(entries, batch.logits_indices)  # prompt_logprobs: more logits rows
         r, t, sl, pg = batch.shape_fields()
         self._last_shape = f"{kind.name.lower()} (replicas={r}, tokens={t}, slots={sl}, pages={pg})"
+        drafts = (SpecRows.add_rows(entries, batch.logits_indices, self.num_spec_tokens, self._spec_slots)
+                  if self.spec is not None else None)
         prev_ids = None
         if prev is not None:
             prev_ids = self.runner.place_ids(prev.next_ids) if prev.on_sample_device else prev.next_ids
@@ -234,6 +290,8 @@ class Executor:
         replicated = self.runner.run(kind, batch, prev_ids) if prev_ids is not None else self.runner.run(kind, batch)
         out = self.runner.local(replicated)
         pending = self._sample_step(entries, out, replicated)
+        if drafts is not None:
+            pending.result = self._verify_step(entries, out, drafts, self._read(pending), tensors, draft_probs)
         if scored is not None:
             pending.scored = scored
             pending.scores = self._score(out.logits, scored.targets(self.runner.num_logit_rows))
@@ -252,7 +310,7 @@ class Executor:
             # Greedy batches take the argmax the step already computed: no sampler call at all.
             return PendingStep(n, (out.greedy_ids,), replicated.greedy_ids)
         tensors = SamplingTensors.build(
-            [e.seq.sampling_params for e in entries], num_slots=self.runner.num_logit_rows,
+            [e.seq.sampling_params for e in entries], num_slots=self._sample_rows,
             seeds=[self._seed(e.seq) for e in entries], num_generated=[e.seq.num_output_tokens for e in entries],
             eos_token_ids=self.eos_token_ids, penalty_rows=rows, commit=[e.needs_sample for e in entries],
             logprobs_mode=self.config.logprobs_mode, token_bitmask=bitmask, logit_bias_width=MAX_LOGIT_BIAS,
@@ -267,6 +325,42 @@ class Executor:
             return PendingStep(n, (sampled.token_ids,), sampled.token_ids, True)
         return PendingStep(n, (sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs),
                            sampled.token_ids, True)
+
+    def _spec_tensors(self, seqs) -> SamplingTensors:
+        """The verifier's (and the draft's) per-slot controls for the speculating sequences, in plan order."""
+        return SamplingTensors.build([s.sampling_params for s in seqs], num_slots=self._spec_slots,
+                                     seeds=[self._seed(s) for s in seqs],
+                                     num_generated=[s.num_output_tokens for s in seqs],
+                                     logprobs_mode=self.config.logprobs_mode)
+
+    def _verify_step(self, entries, out: StepOutput, drafts: SpecRows, result: StepResult, tensors: SamplingTensors,
+                     draft_probs=None) -> StepResult:
+        """Accept or reject the drafts on device (``jaxserve.spec.verify``); the speculating entries' tokens in
+        ``result`` become their emitted runs (accepted drafts, then the correction or bonus token)."""
+        params = [entries[i].seq.sampling_params for i in drafts.entries]
+        want = [p.logprobs for p in params]
+        got = self._verify(out.logits, drafts.rows, drafts.drafts, drafts.num_drafts, tensors, draft_probs,
+                           with_logprobs=any(n is not None for n in want))
+        if any(n is not None for n in want):
+            accepted, tokens, lps, top_ids, top_lps = (np.asarray(a) for a in jax.device_get(
+                (got.num_accepted, got.tokens, got.logprobs, got.top_ids, got.top_logprobs)))
+        else:
+            accepted, tokens = (np.asarray(a) for a in jax.device_get((got.num_accepted, got.tokens)))
+        token_ids = np.array(result.token_ids, copy=True)
+        runs: dict[int, list[int]] = {}
+        run_logprobs: dict[int, list[dict[int, float]]] = {}
+        for slot, i in enumerate(drafts.entries):
+            a = int(accepted[slot])
+            runs[i] = [int(t) for t in tokens[slot, : a + 1]]
+            token_ids[i] = runs[i][-1]
+            n = want[slot]
+            if n is not None:
+                run_logprobs[i] = [{tok: float(lps[slot, j]),
+                                    **{int(x): float(v) for x, v in zip(top_ids[slot, j, :n], top_lps[slot, j, :n])}}
+                                   for j, tok in enumerate(runs[i])]
+        if self.drafter is not None:
+            self.drafter.commit(entries, {i: len(runs[i]) - 1 for i in runs})
+        return dataclasses.replace(result, token_ids=token_ids, spec_tokens=runs, spec_logprobs=run_logprobs)
 
     def make_batch(self, chunks: list[list[int]], kv_lens: list[int], page_tables: list[list[int]], *,
                    kind: StepKind, replicas: list[int] | None = None,
@@ -302,7 +396,15 @@ class Executor:
         batches = [StepBatch.build([chunks[i] for i in g], [kv_lens[i] for i in g], [page_tables[i] for i in g],
                                    num_tokens=num_tokens, max_seqs=num_seqs, pages_per_seq=pages) for g in groups]
         slot = {i: (g, j) for g, members in enumerate(groups) for j, i in enumerate(members)}
-        return MeshBatch.stack(batches, [slot[i] for i in range(len(chunks))])
+        return self._logit_rows(kind, MeshBatch.stack(batches, [slot[i] for i in range(len(chunks))]))
+
+    def _logit_rows(self, kind: StepKind, batch: MeshBatch) -> MeshBatch:
+        """With speculation every prefill step (the kind that verifies drafts) has rows for the drafts of the
+        verifier's slots too, as many as its tokens allow: a function of the bucket, so no shape is added."""
+        if self.spec is None or kind != StepKind.PREFILL:
+            return batch
+        r, t, s = batch.num_replicas, batch.tokens_per_replica, batch.max_seqs // batch.num_replicas
+        return batch.with_logit_rows(r * max(s, min(t, s + self._spec_rows)))
 
     # Per-sequence device state ------------------------------------------------------------------------------
     def _seed(self, seq: Sequence) -> int:
@@ -336,6 +438,8 @@ class Executor:
                 self._free_rows.append(row)
             if finished:
                 self._seeds.pop(seq.seq_id, None)
+            if self.drafter is not None:
+                self.drafter.release(seq.seq_id)
 
     # Multi-process ------------------------------------------------------------------------------------------
     def follow(self) -> None:
@@ -355,7 +459,7 @@ class Executor:
         ahead = self._compile_ahead(shapes, progress)
         out: StepOutput | None = None
         for decode, num_tokens, num_seqs, pages in shapes:
-            batch = self._padding_batch(num_tokens, num_seqs, pages)
+            batch = self._padding_batch(decode, num_tokens, num_seqs, pages)
             out = jax.block_until_ready(self.runner.run(StepKind.DECODE if decode else StepKind.PREFILL, batch))
             if not ahead:
                 progress.tick()
@@ -366,20 +470,31 @@ class Executor:
         # The sampler is warmed on the runner's own logits: same shape *and* sharding as when serving.
         for logprobs in (None, 1):
             params = [SamplingParams(temperature=1.0, logprobs=logprobs)]
-            tensors = SamplingTensors.build(params, num_slots=self.runner.num_logit_rows, seeds=[0], num_generated=[0],
+            tensors = SamplingTensors.build(params, num_slots=self._sample_rows, seeds=[0], num_generated=[0],
                                             penalty_rows=[0], logprobs_mode=self.config.logprobs_mode,
                                             token_bitmask=self._all_allowed, logit_bias_width=MAX_LOGIT_BIAS)
             for penalties in (None, self._penalties):
                 jax.block_until_ready(self._sample(logits, tensors, penalties))
                 progress.tick()
         jax.block_until_ready(self._score(logits, np.zeros(self.runner.num_logit_rows, np.int32)))
+        if self.spec is not None:
+            k, slots = self.num_spec_tokens, self._spec_slots
+            for logprobs in (None, 1):
+                tensors = SamplingTensors.build([SamplingParams(temperature=1.0, logprobs=logprobs)], num_slots=slots,
+                                                seeds=[0], num_generated=[0], logprobs_mode=self.config.logprobs_mode)
+                probs = (self.drafter.warmup(tensors.temperature, tensors.rng_key, tensors.rng_step)
+                         if self.drafter is not None else None)
+                jax.block_until_ready(self._verify(logits, np.zeros((slots, k + 1), np.int32),
+                                                   np.full((slots, k), -1, np.int32), np.zeros(slots, np.int32),
+                                                   tensors, probs, with_logprobs=logprobs is not None))
         progress.finish()
         self.warmed_up = True
         logger.debug("warm-up compiled the steps and the sampler in %.1fs", time.perf_counter() - start)
 
-    def _padding_batch(self, num_tokens: int, num_seqs: int, pages: int) -> MeshBatch:
-        return MeshBatch.padding(self.num_replicas, num_tokens=num_tokens, max_seqs=num_seqs,
-                                 pages_per_seq=pages * (2 if self.runner.local_pool else 1))
+    def _padding_batch(self, decode: bool, num_tokens: int, num_seqs: int, pages: int) -> MeshBatch:
+        batch = MeshBatch.padding(self.num_replicas, num_tokens=num_tokens, max_seqs=num_seqs,
+                                  pages_per_seq=pages * (2 if self.runner.local_pool else 1))
+        return self._logit_rows(StepKind.DECODE if decode else StepKind.PREFILL, batch)
 
     def _compile_ahead(self, shapes, progress) -> bool:
         """Compile the step shapes on a thread pool, one per core (XLA's compiler releases the GIL; tracing and
@@ -392,7 +507,7 @@ class Executor:
         def compile_one(shape):
             decode, num_tokens, num_seqs, pages = shape
             kind = StepKind.DECODE if decode else StepKind.PREFILL
-            self.runner.lower(kind, self._padding_batch(num_tokens, num_seqs, pages)).compile()
+            self.runner.lower(kind, self._padding_batch(decode, num_tokens, num_seqs, pages)).compile()
 
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool:
             for _ in pool.map(compile_one, shapes):
@@ -431,6 +546,12 @@ class PendingStep:
     on_sample_device: bool = False
     scored: ScoreRows | None = None  # prompt logprobs to score, and their device results
     scores: tuple | None = None
+    result: StepResult | None = None  # a verifying step's result, read back as it ran (speculation)
+
+
+def _sample_first_rows(rows: int, logits, tensors, penalty_state=None):
+    """``sample`` over the first ``rows`` logits rows (each sequence's own; speculation adds rows past them)."""
+    return sample(logits[:rows], tensors, penalty_state)
 
 
 def _plain_greedy(seq: Sequence) -> bool:

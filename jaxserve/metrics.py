@@ -53,6 +53,18 @@ _ENGINE_STATS = (
      "XLA compilations while serving, after warm-up compiled every shape (each one stalled a step).", "counter"),
     ("kv_cache_bytes_per_token", "kv_bytes_per_token",
      "KV cache bytes one token takes (all layers, K and V, 8-bit scales included).", "gauge"),
+    ("spec_proposed_tokens", "spec_proposed_tokens", "Speculative decoding: draft tokens proposed and verified.",
+     "counter"),
+    ("spec_accepted_tokens", "spec_accepted_tokens", "Speculative decoding: draft tokens the target accepted.",
+     "counter"),
+    ("spec_emitted_tokens", "spec_emitted_tokens", "Speculative decoding: tokens emitted by verified sequences "
+     "(accepted drafts plus the correction or bonus token).", "counter"),
+    ("spec_verified_sequences", "spec_verified_sequences", "Speculative decoding: sequence-steps that verified "
+     "drafts.", "counter"),
+    ("spec_acceptance_rate", "spec_acceptance_rate", "Speculative decoding: accepted over proposed draft tokens, "
+     "since start.", "gauge"),
+    ("spec_mean_accepted_length", "spec_mean_accepted_length", "Speculative decoding: tokens emitted per verified "
+     "sequence-step, since start.", "gauge"),
 )
 
 

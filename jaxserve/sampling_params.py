@@ -58,6 +58,7 @@ class SamplingParams:
     cache_salt: str | None = None
     structured_outputs: StructuredOutputsParams | None = None
     prompt_logprobs: int | None = None
+    speculative: bool = True  # False: this request's tokens are never proposed/verified ahead (engine speculation)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
 
     def __post_init__(self):
@@ -103,6 +104,7 @@ class SamplingParams:
             ("ignore_eos", isinstance(self.ignore_eos, bool), "must be a bool"),
             ("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool), "must be a bool"),
             ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "must be a bool"),
+            ("speculative", isinstance(self.speculative, bool), "must be a bool"),
             ("cache_salt", self.cache_salt is None or isinstance(self.cache_salt, str), "must be a string or None"),
             ("structured_outputs", self.structured_outputs is None
              or isinstance(self.structured_outputs, StructuredOutputsParams),

@@ -24,6 +24,7 @@ class ScheduledSequence:
     page_table: list[int]  # snapshot of seq.page_table, covering kv_len tokens
     needs_sample: bool  # the step reaches the end of the sequence's tokens, so its last row's logits are sampled
     local_page_table: list[int] = dataclasses.field(default_factory=list)  # the windowed layers' pool, if any
+    num_proposed: int = 0  # speculation: the last this-many token_ids are draft tokens the step verifies
 
     @property
     def num_new_tokens(self) -> int:
@@ -86,6 +87,7 @@ class Scheduler:
         self._requests: dict[str, list[Sequence]] = {}  # live request id -> its sequences
         self._finished_in_schedule: list[Sequence] = []
         self.num_preemptions = 0
+        self.spec = None  # a jaxserve.spec.planner.SpecPlanner when the engine speculates
 
     # ---- queries ------------------------------------------------------------------------------------------
     @property
@@ -210,15 +212,22 @@ class Scheduler:
         preempted: list[Sequence] = []
         # Prefill chunks leave one token of budget for each decode queued behind them, so decodes keep going.
         decodes_left = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
+        speculating = self.spec is not None and self.spec.active(decodes_left)
         # A prompt that reports prompt_logprobs needs a logits row per token of its chunk, not one: its chunk
         # takes logits rows (at most max_num_seqs per step) from the sequences scheduled with it.
         extra_rows = 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            draft: list[int] = []
             if seq.num_uncomputed_tokens == 1:
                 decodes_left -= 1
                 n = 1
+                if speculating:
+                    draft = self.spec.propose(seq, budget - decodes_left - 1)
+                    if draft and not bm.can_grow(seq, seq.num_computed_tokens + 1 + len(draft)):
+                        draft = []  # never preempt anyone for a speculation
+                    n += len(draft)
             else:
                 n = self._chunk(seq.num_uncomputed_tokens, budget - decodes_left)
                 if n and scores_prompt(seq):
@@ -246,7 +255,9 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break  # seq was the last running sequence
             bm.grow(seq, kv_len)
-            plan.append(self._entry(seq, n, kv_len))
+            plan.append(self._entry(seq, n, kv_len) if not draft else ScheduledSequence(
+                seq, [seq.last_token, *draft], kv_len, BlockManager.readable_table(seq.page_table), True,
+                BlockManager.readable_table(seq.local_page_table), num_proposed=len(draft)))
             budget -= n
             i += 1
 
@@ -279,7 +290,8 @@ class Scheduler:
 
     def update(self, output: SchedulerOutput, sampled_token_ids: Seq[int]) -> UpdateResult:
         """Record a finished step: one sampled token per entry of ``output.scheduled`` (ignored where
-        ``needs_sample`` is false, or where the sequence was aborted/finished since ``schedule``)."""
+        ``needs_sample`` is false, or where the sequence was aborted/finished since ``schedule``); an entry that
+        verified draft tokens gets a list instead: the accepted drafts, then the correction or bonus token."""
         if len(sampled_token_ids) != len(output.scheduled):
             raise ValueError(
                 f"got {len(sampled_token_ids)} sampled tokens for {len(output.scheduled)} scheduled sequences"
@@ -290,6 +302,9 @@ class Scheduler:
         for entry, token in zip(output.scheduled, sampled_token_ids):
             seq = entry.seq
             if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != entry.num_computed_before:
+                continue
+            if entry.num_proposed:
+                self._update_speculated(entry, list(token), updated, finished)
                 continue
             seq.num_computed_tokens = entry.kv_len
             bm.register(seq)
@@ -302,6 +317,30 @@ class Scheduler:
                 self.finish(seq, *stop)
                 finished.append(seq)
         return UpdateResult(updated, finished)
+
+    def _update_speculated(self, entry: ScheduledSequence, tokens: list[int], updated: list[Sequence],
+                           finished: list[Sequence]) -> None:
+        """Roll a verified run back to what was accepted: the KV of the last token and of the accepted drafts
+        stays, that of rejected drafts is dropped (length cut, pages past the tokens returned to the pool), and
+        the tokens are appended one by one, each checked for a stop, so nothing past a stop is kept."""
+        seq, bm = entry.seq, self.block_manager
+        accepted = len(tokens) - 1
+        seq.num_computed_tokens = entry.num_computed_before + 1 + accepted
+        emitted = 0
+        for token in tokens:
+            seq.append_token(int(token))
+            emitted += 1
+            stop = self._check_stop(seq)
+            if stop is not None:
+                self.finish(seq, *stop)
+                finished.append(seq)
+                break
+        updated.append(seq)
+        if not seq.is_finished:
+            bm.register(seq)  # full pages of accepted tokens only: num_computed_tokens ends at the accepted run
+            bm.shrink(seq, seq.num_tokens)
+        if self.spec is not None:
+            self.spec.record(entry.num_proposed, accepted, emitted)
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def _chunk(self, remaining: int, budget: int) -> int:

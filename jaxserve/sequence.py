@@ -136,6 +136,11 @@ class Sequence:
         if self._token_ids and self._token_ids[-1] < 0 and self.output_token_ids:
             self._token_ids.pop()
             self.output_token_ids.pop()
+    def truncate(self, num_output_tokens: int) -> None:
+        """Keep only the first ``num_output_tokens`` output tokens (a stop string matched inside a run of
+        several tokens that one step emitted); the caller finishes the sequence."""
+        del self.output_token_ids[num_output_tokens:]
+        del self._token_ids[self.num_prompt_tokens + num_output_tokens:]
 
     def set_finished(self, reason: str, stop_reason: int | str | None = None) -> None:
         """Mark finished with reason ``stop``, ``length``, ``abort`` or ``error`` (pages are the caller's business)."""

@@ -33,9 +33,10 @@ class StepShapes:
     max_num_seqs: int
     max_num_batched_tokens: int
     pages_per_seq: int  # page-table width that holds a max_model_len sequence
+    min_token_bucket: int = 16  # speculation lowers it: a lone verified sequence runs 1 + k rows, not 16
 
     def token_bucket(self, n: int) -> int:
-        return bucket(n, 16, max(16, self.max_num_batched_tokens))
+        return bucket(n, self.min_token_bucket, max(16, self.max_num_batched_tokens))
 
     def seq_bucket(self, n: int) -> int:
         return bucket(n, 1, self.max_num_seqs)
@@ -57,7 +58,7 @@ class StepShapes:
         return min(self.max_num_seqs, num_tokens)
 
     def token_buckets(self) -> list[int]:
-        return ladder(self.token_bucket, 16)
+        return ladder(self.token_bucket, self.min_token_bucket)
 
     def decode_buckets(self) -> list[int]:
         return ladder(self.seq_bucket, 1)

@@ -21,6 +21,10 @@ class StepResult:
     top_logprobs: np.ndarray | None = None  # f32[N, K]
     # seq_id -> [(prompt position, {token: logprob, then the top-n})] of the prompt tokens scored this step
     prompt_logprobs: dict[int, list[tuple[int, dict[int, float]]]] | None = None
+    # speculation: plan index -> the tokens a verified entry emits (accepted drafts, then ``token_ids[i]``), and
+    # their logprob entries ({token: logprob, then the top-n}) where the request asked
+    spec_tokens: dict[int, list[int]] | None = None
+    spec_logprobs: dict[int, list[dict[int, float]]] | None = None
 
 
 class StepFailed(RuntimeError):

@@ -72,6 +72,10 @@ class WindowedBlockManager:
         self.full.grow(seq, num_tokens)
         self.windowed.grow(seq, num_tokens)
 
+    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+        self.full.shrink(seq, num_tokens)
+        self.windowed.shrink(seq, num_tokens)
+
     def release_behind(self, seq: Sequence) -> int:
         return self.windowed.release_behind(seq)
 

@@ -168,6 +168,12 @@ def main() -> None:
     print(f"jaxserve: {len(w['prompts'])} requests in {res['seconds']:.2f}s = {len(w['prompts']) / res['seconds']:.2f} "
           f"req/s, {in_tok / res['seconds']:.0f} input tok/s, {out_tps:.1f} output tok/s, {res['steps']} steps, "
           f"mean step {1e3 * res['seconds'] / res['steps']:.1f} ms")
+    if engine.spec is not None:  # speculative decoding's counters (jaxserve/spec/planner.py)
+        sp = engine.spec.counters.stats()
+        print(f"  speculation: {sp['spec_proposed_tokens']} proposed, {sp['spec_accepted_tokens']} accepted "
+              f"({sp['spec_acceptance_rate']:.0%}), {sp['spec_emitted_tokens']} emitted over "
+              f"{sp['spec_verified_sequences']} verified sequence-steps ({sp['spec_mean_accepted_length']:.2f} "
+              f"tokens each)")
     # Compute bound of the whole workload: every prompt's prefill plus every decode step's matmuls.
     flops = sum(prefill_cost(cfg, itemsize, len(pr)).flops for pr in w["prompts"])
     flops += sum(decode_cost(cfg, itemsize, 1, len(pr) + t).flops for pr in w["prompts"]

@@ -28,7 +28,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
            "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}
 _OPTIONAL = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "seed", "logprobs", "skip_special_tokens")
+             "frequency_penalty", "seed", "logprobs", "skip_special_tokens", "speculative")
 
 
 class Undecodable:

@@ -92,6 +92,7 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     cache_salt: str | None = None  # vLLM's: prefix-cache pages are shared only between requests with this salt
+    speculative: StrictBool | None = None  # false: no speculative decoding for this request
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -164,7 +165,7 @@ class _SamplingFields(_Body):
             stop_token_ids=tuple(self.stop_token_ids) if self.stop_token_ids else None, ignore_eos=self.ignore_eos,
             logprobs=logprobs, min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
-            structured_outputs=self.structured(), logit_bias=self._logit_bias(),
+            structured_outputs=self.structured(), logit_bias=self._logit_bias(), speculative=self.speculative,
         )
 
     def _logit_bias(self) -> dict[int, float] | None:
