@@ -279,7 +279,7 @@ class Executor:
                                 [e.page_table for e in entries], kind=kind, replicas=replicas,
                                 local_page_tables=[e.local_page_table for e in entries])
         scored = ScoreRows.add_rows(entries, batch.logits_indices)  # prompt_logprobs: more logits rows
-        r, t, sl, pg = batch.shape_fields()
+        r, t, sl, pg = batch.shape_fields()[:4]
         self._last_shape = f"{kind.name.lower()} (replicas={r}, tokens={t}, slots={sl}, pages={pg})"
         drafts = (SpecRows.add_rows(entries, batch.logits_indices, self.num_spec_tokens, self._spec_slots)
                   if self.spec is not None else None)
@@ -391,8 +391,8 @@ class Executor:
                            for t, lt in zip(page_tables, local_page_tables, strict=True)]
             pages *= 2
         if self.num_replicas == 1:  # the common case: no regrouping
-            return MeshBatch.stack([StepBatch.build(chunks, kv_lens, page_tables, num_tokens=num_tokens,
-                                                    max_seqs=num_seqs, pages_per_seq=pages)])
+            return self._logit_rows(kind, MeshBatch.stack([StepBatch.build(
+                chunks, kv_lens, page_tables, num_tokens=num_tokens, max_seqs=num_seqs, pages_per_seq=pages)]))
         batches = [StepBatch.build([chunks[i] for i in g], [kv_lens[i] for i in g], [page_tables[i] for i in g],
                                    num_tokens=num_tokens, max_seqs=num_seqs, pages_per_seq=pages) for g in groups]
         slot = {i: (g, j) for g, members in enumerate(groups) for j, i in enumerate(members)}
