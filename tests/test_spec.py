@@ -321,3 +321,34 @@ def test_grpc_speculative_field_reaches_sampling_params():
 
     assert sampling_params_from_proto(pb.SamplingParams(speculative=False)).speculative is False
     assert sampling_params_from_proto(pb.SamplingParams()).speculative is True
+
+
+# ---- every family ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer()
+
+
+@pytest.mark.parametrize("family", list(__import__("tiny").FAMILIES))
+def test_greedy_identity_on_every_family(family, tmp_path, tokenizer, monkeypatch):
+    """A one-layer model of each family (two for gemma) speculating with n-gram drafts replaced by an oracle's (transformers'
+    greedy continuation, every third proposal corrupted at its third token): the output is transformers' greedy
+    one. The 20-token prompt is prefilled in two chunks beside a decoding sequence."""
+    from tiny import hf_greedy, hf_model
+
+    layers = 2 if family.startswith("gemma") else 1  # gemma: a windowed layer and a global one
+    target = build_tiny_model(family, tmp_path / family, tokenizer=tokenizer, num_hidden_layers=layers)
+    engine = Engine(_config(target, warmup=False, max_num_seqs=2, max_num_batched_tokens=16, num_pages=16,
+                            max_model_len=32, speculative_config=NGRAM))
+    prompts = [list(range(3, 23)), [5, 6, 7, 8, 5, 6, 7, 8, 5]]
+    hf = hf_model(target)
+    want = {(f"p{i}", 0): hf_greedy(hf, p, 7) for i, p in enumerate(prompts)}
+    oracle = Oracle(engine.spec, want)
+    oracle.calls = 2  # the first proposal is a corrupted one: a cut run, then full ones
+    monkeypatch.setattr(engine.spec, "propose", oracle)
+    got = run(engine, [(f"p{i}", p, SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))
+                       for i, p in enumerate(prompts)])
+    for i in range(len(prompts)):
+        assert got[f"p{i}"].outputs[0].token_ids == want[(f"p{i}", 0)], (family, i)
+    c = engine.spec.counters
+    assert oracle.calls >= 4 and 0 < c.accepted < c.proposed
