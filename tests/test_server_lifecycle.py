@@ -17,9 +17,10 @@ from server_harness import free_port, parse_metrics, start_server
 
 MAX_WAITING = 64
 FLOOD_GRPC, FLOOD_HTTP = 50, 8
-# At SIGTERM the flood below holds 50+ queued sequences of 100 tokens (600+ batched steps) and the short stream
-# at most 40 steps left, so at a few ms per step the grace period sits well between the two.
-GRACE = 0.6
+# One sequence runs at a time. At SIGTERM the stream A has at most 100 steps left and the flood below holds 50+
+# queued sequences of 100 tokens (5,000+ steps), so from a fraction of a ms to 15 ms per step the grace period
+# sits well between the two.
+GRACE = 1.5
 LONG = {"prompt": "Continuous batching admits new requests", "max_tokens": 100, "ignore_eos": True}
 
 
@@ -32,7 +33,8 @@ def _health(channel) -> int:
 def server(request):
     """Checks the start-up states on the way: health 503 / NOT_SERVING and requests refused until warm."""
     http_port, grpc_port = free_port(), free_port()
-    srv = start_server(request, "lifecycle", ["--max-waiting-requests", str(MAX_WAITING), "--shutdown-grace-period",
+    srv = start_server(request, "lifecycle", ["--max-num-seqs", "1", "--max-waiting-requests", str(MAX_WAITING),
+                                              "--shutdown-grace-period",
                                               str(GRACE)], http_port=http_port, grpc_port=grpc_port, wait=False)
     try:
         deadline = time.monotonic() + 120
@@ -112,7 +114,7 @@ def test_sigterm_drains_then_exits_zero(server):
             done_before = finished(server.metrics())
             # A: a short stream, in flight when SIGTERM arrives; it must complete.
             async with client.stream("POST", "/v1/completions", json={
-                    "prompt": "The quick brown fox", "max_tokens": 40, "ignore_eos": True, "stream": True}) as a:
+                    "prompt": "The quick brown fox", "max_tokens": 100, "ignore_eos": True, "stream": True}) as a:
                 lines = a.aiter_lines()
                 first = await anext(lines)
                 assert first.startswith("data: ")
