@@ -291,14 +291,7 @@ class AsyncEngine:
             raise
 
     def _take(self, block: bool) -> list:
-        items = []
-        try:
-            items.append(self._intake.get(block=block))
-            while True:
-                items.append(self._intake.get_nowait())
-        except queue.Empty:
-            pass
-        return items
+        return take_all(self._intake, block)
 
     def _run(self, engine) -> None:
         while True:
@@ -498,3 +491,15 @@ def _log_ready(info: dict, seconds: float) -> None:
 class _Failed:
     request_id: str
     error: BaseException
+
+
+def take_all(q: queue.Queue, block: bool) -> list:
+    """Everything queued in ``q`` now (waiting for a first item if ``block``)."""
+    items = []
+    try:
+        items.append(q.get(block=block))
+        while True:
+            items.append(q.get_nowait())
+    except queue.Empty:
+        pass
+    return items

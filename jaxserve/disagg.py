@@ -124,11 +124,7 @@ class StagedEngine(Engine):
         executor.release(plan.preempted, finished=False)
         if plan.is_empty:
             return self._collect(scheduler.update(plan, []).finished, [])
-        now = time.monotonic()
-        for e in plan.scheduled:
-            req = self._requests.get(e.seq.request_id)
-            if req is not None and req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
+        self._mark_scheduled(plan)
         try:
             result = executor.execute(plan)
         except StepFailed as e:

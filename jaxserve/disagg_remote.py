@@ -35,6 +35,7 @@ from collections import deque
 
 import numpy as np
 
+from jaxserve.async_engine import take_all
 from jaxserve.disagg import PageReader, PageWriter, StagedEngine
 from jaxserve.engine import Engine
 from jaxserve.engine_config import EngineConfig
@@ -180,13 +181,7 @@ class PrefillServer:
         engine = self.engine
         while not self._stop.is_set():
             block = not engine.has_unfinished()
-            items = []
-            try:
-                items.append(self._intake.get(block=block))
-                while True:
-                    items.append(self._intake.get_nowait())
-            except queue.Empty:
-                pass
+            items = take_all(self._intake, block)
             for item in items:
                 if item is None:
                     return

@@ -209,11 +209,7 @@ class Engine:
         self.executor.release(plan.preempted, finished=False)
         if plan.is_empty:
             return self._collect(self.scheduler.update(plan, []).finished, [])
-        now = time.monotonic()
-        for e in plan.scheduled:
-            req = self._requests.get(e.seq.request_id)
-            if req is not None and req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
+        self._mark_scheduled(plan)
         try:
             result = self.executor.execute(plan)
         except StepFailed as e:
@@ -246,11 +242,7 @@ class Engine:
             if self._pending is not None:
                 return self._resolve()
             return self._collect(self.scheduler.update(plan, []).finished, [])
-        now = time.monotonic()
-        for e in plan.scheduled:
-            req = self._requests.get(e.seq.request_id)
-            if req is not None and req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
+        self._mark_scheduled(plan)
         prev = self._pending
         try:
             launched = self.executor.launch(plan, None if prev is None else prev[1])
@@ -281,6 +273,14 @@ class Engine:
         # still carry it updated the row before any later step can hand the row to another sequence).
         self.executor.release(update.finished, finished=False)
         return outputs
+
+    def _mark_scheduled(self, plan) -> None:
+        """Stamp the first time each request of ``plan`` is scheduled (its queueing time in the metrics)."""
+        now = time.monotonic()
+        for e in plan.scheduled:
+            req = self._requests.get(e.seq.request_id)
+            if req is not None and req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
 
     def _record_prompt_logprobs(self, plan, scored: dict[int, list[tuple[int, dict[int, float]]]]) -> None:
         for e in plan.scheduled:
