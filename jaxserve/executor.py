@@ -291,7 +291,7 @@ class Executor:
         out = self.runner.local(replicated)
         pending = self._sample_step(entries, out, replicated)
         if drafts is not None:
-            pending.result = self._verify_step(entries, out, drafts, self._read(pending), tensors, draft_probs)
+            pending.result = self._verify_step(entries, out, drafts, pending, tensors, draft_probs)
         if scored is not None:
             pending.scored = scored
             pending.scores = self._score(out.logits, scored.targets(self.runner.num_logit_rows))
@@ -333,19 +333,22 @@ class Executor:
                                      num_generated=[s.num_output_tokens for s in seqs],
                                      logprobs_mode=self.config.logprobs_mode)
 
-    def _verify_step(self, entries, out: StepOutput, drafts: SpecRows, result: StepResult, tensors: SamplingTensors,
-                     draft_probs=None) -> StepResult:
-        """Accept or reject the drafts on device (``jaxserve.spec.verify``); the speculating entries' tokens in
-        ``result`` become their emitted runs (accepted drafts, then the correction or bonus token)."""
+    def _verify_step(self, entries, out: StepOutput, drafts: SpecRows, pending: "PendingStep",
+                     tensors: SamplingTensors, draft_probs=None) -> StepResult:
+        """Accept or reject the drafts on device (``jaxserve.spec.verify``) and read the step back in one copy:
+        the sampled tokens of ``pending``, in which the speculating entries' tokens become their emitted runs
+        (accepted drafts, then the correction or bonus token)."""
         params = [entries[i].seq.sampling_params for i in drafts.entries]
         want = [p.logprobs for p in params]
+        with_logprobs = any(n is not None for n in want)
         got = self._verify(out.logits, drafts.rows, drafts.drafts, drafts.num_drafts, tensors, draft_probs,
-                           with_logprobs=any(n is not None for n in want))
-        if any(n is not None for n in want):
-            accepted, tokens, lps, top_ids, top_lps = (np.asarray(a) for a in jax.device_get(
-                (got.num_accepted, got.tokens, got.logprobs, got.top_ids, got.top_logprobs)))
-        else:
-            accepted, tokens = (np.asarray(a) for a in jax.device_get((got.num_accepted, got.tokens)))
+                           with_logprobs=with_logprobs)
+        verified = (got.num_accepted, got.tokens) + ((got.logprobs, got.top_ids, got.top_logprobs)
+                                                     if with_logprobs else ())
+        sampled, verified = jax.device_get((pending.arrays, verified))
+        result = StepResult(*(np.asarray(a)[: pending.n] for a in sampled))
+        accepted, tokens, *rest = (np.asarray(a) for a in verified)
+        lps, top_ids, top_lps = rest if with_logprobs else (None, None, None)
         token_ids = np.array(result.token_ids, copy=True)
         runs: dict[int, list[int]] = {}
         run_logprobs: dict[int, list[dict[int, float]]] = {}
