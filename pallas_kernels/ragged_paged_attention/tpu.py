@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.metadata import AttentionMetadata, check_shapes
+from pallas_kernels.quantized_pages import QuantizedPages
 from pallas_kernels.ragged_paged_attention.block_sizes import (
     TPU_MAX_ROWS, BlockSizes, get_block_sizes, mode_for)
 from pallas_kernels.ragged_paged_attention.kernel_ops import div_by, matmul
@@ -59,24 +60,28 @@ def _kernel(
     block_start_ref,  # SMEM i32[nb + 1]
     work_seq_ref,  # SMEM i32[nb + S]
     q_ref,  # VMEM [hb, R, D], R = block_q * group
-    k_hbm,  # HBM [KVH, num_pages, page_size, D]
+    k_hbm,  # HBM [KVH, num_pages, page_size, D] (8-bit values when quantized)
     v_hbm,  # HBM [KVH, num_pages, page_size, D]
-    o_ref,  # VMEM [hb, R, D]
-    k_buf,  # VMEM [2, hb, block_kv, D]
-    v_buf,  # VMEM [2, hb, block_kv, D]
-    sems,  # DMA semaphores [2 slots, 2 (K, V)]
-    m_ref,  # VMEM f32[hb, R, 128] running max, replicated across lanes
-    l_ref,  # VMEM f32[hb, R, 128] running sum
-    acc_ref,  # VMEM f32[hb, R, D] running numerator
-    *,
+    *refs,  # [ks_hbm, vs_hbm: HBM f32[S, KVH, 1, key_span] (``sequence_scales``) when quantized], then:
+    # o_ref  VMEM [hb, R, D]
+    # k_buf, v_buf  VMEM [2, hb, block_kv, D] in the pages' dtype
+    # [ks_buf, vs_buf  VMEM f32[2, hb, 1, block_kv] when quantized]
+    # sems  DMA semaphores [2 slots, 4 (K, V, K scales, V scales)]
+    # m_ref, l_ref  VMEM f32[hb, R, 128] running max and sum, replicated across lanes
+    # acc_ref  VMEM f32[hb, R, D] running numerator
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
     block_q: int,
     group: int,
     pages_per_seq: int,
+    quantized: bool = False,
 ):
     del num_seqs_ref  # the work list already excludes padding slots
+    if quantized:
+        ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems, m_ref, l_ref, acc_ref = refs
+    else:
+        o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
     heads_per_block, rows, _ = q_ref.shape
     block_kv = k_buf.shape[2]
     page_size = k_hbm.shape[2]
@@ -97,7 +102,8 @@ def _kernel(
         return r0, r1, base, lo, hi
 
     def page_copies(seq, kv_block, slot, lo, hi):
-        """(needed, K copy, V copy) for each page of the block; unneeded pages are never copied nor waited on."""
+        """(needed, copies) for each page of the block: K and V (and, for 8-bit pages, their scales); unneeded
+        pages are never copied nor waited on."""
         copies = []
         for j in range(pages_per_block):
             p = kv_block * pages_per_block + j
@@ -105,26 +111,36 @@ def _kernel(
             page = pages_ref[seq * pages_per_seq + jnp.minimum(p, pages_per_seq - 1)]
             src = (pl.ds(head0, heads_per_block), page)
             dst = (slot, slice(None), pl.ds(j * page_size, page_size))
-            copies.append((
-                needed,
-                pltpu.make_async_copy(k_hbm.at[src], k_buf.at[dst], sems.at[slot, 0]),
-                pltpu.make_async_copy(v_hbm.at[src], v_buf.at[dst], sems.at[slot, 1]),
-            ))
+            copies.append((needed, [pltpu.make_async_copy(k_hbm.at[src], k_buf.at[dst], sems.at[slot, 0]),
+                                    pltpu.make_async_copy(v_hbm.at[src], v_buf.at[dst], sems.at[slot, 1])]))
         return copies
 
+    def scale_copies(seq, kv_block, slot):
+        """8-bit pages: the block's key scales, one lane-aligned run of the sequence's scale row per K and V."""
+        if not quantized:
+            return []
+        src = (seq, pl.ds(head0, heads_per_block), slice(None), pl.ds(pl.multiple_of(kv_block * block_kv, block_kv),
+                                                                     block_kv))
+        return [pltpu.make_async_copy(ks_hbm.at[src], ks_buf.at[slot], sems.at[slot, 2]),
+                pltpu.make_async_copy(vs_hbm.at[src], vs_buf.at[slot], sems.at[slot, 3])]
+
     def start(seq, kv_block, slot, lo, hi):
-        for needed, k_copy, v_copy in page_copies(seq, kv_block, slot, lo, hi):
+        for needed, page in page_copies(seq, kv_block, slot, lo, hi):
             @pl.when(needed)
             def _():
-                k_copy.start()
-                v_copy.start()
+                for copy in page:
+                    copy.start()
+        for copy in scale_copies(seq, kv_block, slot):
+            copy.start()
 
     def wait(seq, kv_block, slot, lo, hi):
-        for needed, k_copy, v_copy in page_copies(seq, kv_block, slot, lo, hi):
+        for needed, page in page_copies(seq, kv_block, slot, lo, hi):
             @pl.when(needed)
             def _():
-                k_copy.wait()
-                v_copy.wait()
+                for copy in page:
+                    copy.wait()
+        for copy in scale_copies(seq, kv_block, slot):
+            copy.wait()
 
     def attend(kv_block, slot, r0, r1, base, lo, hi):
         token = first_row + div_by(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group)
@@ -136,12 +152,25 @@ def _kernel(
         key_col = kv_block * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
         # Pages outside [lo, hi] were not copied: the slot holds stale data or NaN there, and 0 * NaN is NaN.
         fetched = (key_col >= lo) & (key_col <= hi)
+        if quantized:
+            key_row = kv_block * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+            fetched_row = (key_row >= lo) & (key_row <= hi)
         for i in range(heads_per_block):
-            k = k_buf[slot, i]
-            # Select in fp32: not every TPU generation has bf16 VPU ops.
-            v = jnp.where(fetched, v_buf[slot, i].astype(jnp.float32), 0.0).astype(v_buf.dtype)
+            if quantized:
+                # 8-bit values widen exactly to the model's dtype; each key's scale multiplies its column of the
+                # scores (q . s k = s (q . k)) and of the probabilities (sum p s v): block_kv scales per row
+                # instead of block_kv * head_dim multiplies. Unfetched keys' scales may be stale or NaN: zeroed.
+                k = k_buf[slot, i].astype(jnp.float32).astype(q_ref.dtype)
+                v = jnp.where(fetched, v_buf[slot, i].astype(jnp.float32), 0.0).astype(q_ref.dtype)
+                k_scale = jnp.where(fetched_row, ks_buf[slot, i], 0.0) * sm_scale
+                v_scale = jnp.where(fetched_row, vs_buf[slot, i], 0.0)
+            else:
+                k = k_buf[slot, i]
+                # Select in fp32: not every TPU generation has bf16 VPU ops.
+                v = jnp.where(fetched, v_buf[slot, i].astype(jnp.float32), 0.0).astype(v_buf.dtype)
+                k_scale = sm_scale
             q = q_ref[i].astype(k.dtype)
-            s = matmul(q, k, transpose_b=True) * sm_scale
+            s = matmul(q, k, transpose_b=True) * k_scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             s = jnp.where(visible, s, -jnp.inf)
@@ -152,7 +181,7 @@ def _kernel(
             p = jnp.exp(s - m_safe)
             alpha = jnp.exp(m_prev - m_safe)
             l_next = alpha * l_ref[i][:, :1] + jnp.sum(p, axis=1, keepdims=True)
-            pv = matmul(p.astype(v.dtype), v)
+            pv = matmul((p * v_scale if quantized else p).astype(v.dtype), v)
             acc_ref[i] = alpha * acc_ref[i] + pv
             m_ref[i] = jnp.broadcast_to(m_next, (rows, _LANES))
             l_ref[i] = jnp.broadcast_to(l_next, (rows, _LANES))
@@ -195,6 +224,33 @@ def _kernel(
         l = l_ref[i][:, :1]
         # Padding rows (and rows of no sequence) never saw a key: l == 0, output 0.
         o_ref[i] = jnp.where(l > 0, acc_ref[i] / jnp.where(l > 0, l, 1.0), 0.0).astype(o_ref.dtype)
+
+
+def sequence_scales(
+    scales: jax.Array,  # f32[KVH, num_pages, page_size, 1]
+    page_indices: jax.Array,  # i32[S, P]
+    key_span: int,
+) -> jax.Array:  # f32[S, KVH, 1, key_span]
+    """Each sequence's key scales in key order (its page table's pages, gathered), padded to ``key_span``.
+
+    A page's scales cannot be DMA'd on their own: TPU memory tiles the two minor dims of an array, so
+    ``page_size`` f32 scales are either lanes of a 128-lane tile (a DMA at a lane offset that is not a multiple
+    of 128 is illegal) or a column padded to 128 lanes. Gathered per sequence, a KV block's scales are one
+    lane-aligned run (``block_kv`` a multiple of 128), fetched with one DMA. The gather reads
+    ``S * P * page_size`` scales per K and V, 4 bytes per key against the ``head_dim`` bytes of its 8-bit values.
+    Page-table entries past a sequence's pages may be garbage: clipped here, never visible in the kernel.
+    """
+    num_kv_heads, num_pages, page_size, _ = scales.shape
+    num_slots, pages_per_seq = page_indices.shape
+    pages = jnp.clip(page_indices, 0, num_pages - 1)
+    # Gathered along the page axis of the [KVH, page_size, num_pages] view: TPU lays the pool out pages-minor
+    # (no padding of the size-1 axis), and this gather reads that layout as it is, without relaying the pool out.
+    by_slot = scales[..., 0].transpose(0, 2, 1)
+    gathered = jnp.take(by_slot, pages.reshape(-1), axis=2)  # [KVH, page_size, S * P]
+    gathered = gathered.reshape(num_kv_heads, page_size, num_slots, pages_per_seq).transpose(2, 0, 3, 1)
+    gathered = gathered.reshape(num_slots, num_kv_heads, pages_per_seq * page_size)
+    gathered = jnp.pad(gathered, ((0, 0), (0, 0), (0, key_span - pages_per_seq * page_size)))
+    return gathered[:, :, None, :]
 
 
 def _sublanes(dtype) -> int:
@@ -245,20 +301,30 @@ def _ragged_paged_attention_tpu(q, k_pages, v_pages, md: AttentionMetadata, *, s
 
     q_spec = pl.BlockSpec((heads, rows, head_dim), lambda h, b, *_: (h, b, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    quantized = isinstance(k_pages, QuantizedPages)
+    # 8-bit pages: the values and their per-token scales are two pools each, DMA'd page by page side by side.
+    if quantized:
+        block_kv = sizes.block_kv
+        key_span = -(-pages_per_seq * k_pages.shape[2] // block_kv) * block_kv
+        pools = (k_pages.values, v_pages.values, *(sequence_scales(p.scales, md.page_indices, key_span)
+                                                     for p in (k_pages, v_pages)))
+    else:
+        pools = (k_pages, v_pages)
+    kv_buf = pltpu.VMEM((2, heads, sizes.block_kv, head_dim), pools[0].dtype)
+    scale_buf = pltpu.VMEM((2, heads, 1, sizes.block_kv), jnp.float32)
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, block_q=block_q,
-        group=group, pages_per_seq=pages_per_seq)
+        group=group, pages_per_seq=pages_per_seq, quantized=quantized)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(num_kv_heads // heads, num_blocks),
-            in_specs=[q_spec, any_spec, any_spec],
+            in_specs=[q_spec] + [any_spec] * len(pools),
             out_specs=q_spec,
             scratch_shapes=[
-                pltpu.VMEM((2, heads, sizes.block_kv, head_dim), k_pages.dtype),
-                pltpu.VMEM((2, heads, sizes.block_kv, head_dim), k_pages.dtype),
-                pltpu.SemaphoreType.DMA((2, 2)),
+                kv_buf, kv_buf, *([scale_buf, scale_buf] if quantized else []),
+                pltpu.SemaphoreType.DMA((2, len(pools))),
                 pltpu.VMEM((heads, rows, _LANES), jnp.float32),
                 pltpu.VMEM((heads, rows, _LANES), jnp.float32),
                 pltpu.VMEM((heads, rows, head_dim), jnp.float32),
@@ -270,7 +336,7 @@ def _ragged_paged_attention_tpu(q, k_pages, v_pages, md: AttentionMetadata, *, s
         interpret=interpret,
         name="ragged_paged_attention_tpu",
     )(md.cu_q_lens, md.kv_lens, md.page_indices.reshape(-1), md.num_seqs, block_start, work_seq, q_heads_major,
-      k_pages, v_pages)
+      *pools)
     out = out.reshape(num_kv_heads, padded, group, head_dim).transpose(1, 0, 2, 3)
     return out.reshape(padded, num_q_heads, head_dim)[:num_tokens]
 
@@ -309,7 +375,9 @@ def ragged_paged_attention_tpu(
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
-    sizes = resolve_block_sizes(q.shape, k_pages.shape, k_pages.dtype, md.kv_lens.shape[0], block_sizes)
+    # 8-bit pages are computed on in q's dtype once dequantized: they share its block-size entries.
+    page_dtype = q.dtype if isinstance(k_pages, QuantizedPages) else k_pages.dtype
+    sizes = resolve_block_sizes(q.shape, k_pages.shape, page_dtype, md.kv_lens.shape[0], block_sizes)
     return _ragged_paged_attention_tpu(
         q, k_pages, v_pages, md, sm_scale=float(sm_scale),
         sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap), sizes=sizes,
