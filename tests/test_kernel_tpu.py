@@ -10,10 +10,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
 
-from attention_cases import (CONFIGS, MIXED, assert_matches_reference, assert_write_matches, build_batch,
-                             device_args, new_rows, random_batch)
+from attention_cases import (CONFIGS, DECODE, MIXED, PREFILL, assert_matches_reference, assert_write_matches,
+                             build_batch, device_args, new_rows, random_batch)
 from pallas_kernels.kv_cache_update import write_kv_tpu
-from pallas_kernels.ragged_paged_attention import AttentionMetadata, ragged_paged_attention_tpu
+from pallas_kernels.quantized_pages import STORAGE, QuantizedPages, quantize
+from pallas_kernels.ragged_paged_attention import AttentionMetadata, ragged_paged_attention, ragged_paged_attention_tpu
 
 SMALL_BLOCKS = dict(block_q=4, block_kv=8)
 
@@ -149,10 +150,11 @@ def test_lowers_to_mosaic_at_serving_shapes(window, soft_cap):
         lowering_platforms=("tpu",)).as_text()
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_compiles_with_mosaic_for_v5e(dtype):
-    """The real Mosaic compiler (libtpu, compile-only: no TPU needed) accepts both kernels. Skipped without
-    libtpu; scripts/compile_tpu_kernels.py covers more generations and shapes."""
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [("bfloat16", "auto"), ("float32", "auto"), ("bfloat16", "int8"),
+                                                  ("bfloat16", "fp8")])
+def test_compiles_with_mosaic_for_v5e(dtype, kv_cache_dtype):
+    """The real Mosaic compiler (libtpu, compile-only: no TPU needed) accepts both kernels, and attention over
+    8-bit pages. Skipped without libtpu; scripts/compile_tpu_kernels.py covers more generations and shapes."""
     pytest.importorskip("libtpu")
     from jax.experimental import topologies
     from jax.sharding import SingleDeviceSharding
@@ -160,10 +162,69 @@ def test_compiles_with_mosaic_for_v5e(dtype):
     device = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[0]
     sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=SingleDeviceSharding(device))
     pool = sds((8, 256, 16, 128), dtype)
+    if kv_cache_dtype != "auto":
+        pool = QuantizedPages(sds(pool.shape, STORAGE[kv_cache_dtype]), sds((8, 256, 16, 1), jnp.float32),
+                              jnp.dtype(dtype))
     for tokens, slots in ((8, 8), (256, 8)):
         md = AttentionMetadata(sds((slots + 1,), jnp.int32), sds((slots,), jnp.int32), sds((slots, 32), jnp.int32),
                                sds((1,), jnp.int32))
         attend = jax.jit(lambda *a: ragged_paged_attention_tpu(*a, sm_scale=0.088, sliding_window=128, soft_cap=30.0))
         attend.trace(sds((tokens, 32, 128), dtype), pool, pool, md).lower().compile()
-        new = sds((tokens, 8, 128), dtype)
-        jax.jit(write_kv_tpu).trace(pool, pool, new, new, md).lower().compile()
+        if kv_cache_dtype == "auto":  # 8-bit rows are written by the reference scatter (jaxserve.attention)
+            new = sds((tokens, 8, 128), dtype)
+            jax.jit(write_kv_tpu).trace(pool, pool, new, new, md).lower().compile()
+
+
+def quantized_args(batch, storage):
+    """The batch's pools written as 8-bit pages: values and per-token scales of every slot, so pages and slots
+    no sequence uses (NaN in the batch) hold NaN scales, and NaN or garbage values."""
+    args = device_args(batch)
+    for name in ("k_pages", "v_pages"):
+        values, scales = quantize(args[name], STORAGE[storage])
+        unused = jnp.isnan(args[name]).any(axis=-1, keepdims=True)
+        args[name] = QuantizedPages(values, jnp.where(unused, jnp.nan, scales), args["q"].dtype)
+    assert np.isnan(np.asarray(args["k_pages"].scales)).any()
+    return args
+
+
+# (lengths, storage, dtype, group, head_dim, window, soft_cap, block sizes): decode, prefill and mixed batches;
+# int8 and both fp8 formats; fp32 and bf16 queries; windows, soft caps, a DMA of two heads' pages and scales.
+QUANTIZED_CASES = [
+    (DECODE, "int8", "float32", 1, 64, None, None, dict(block_q=1, block_kv=8)),
+    (PREFILL, "fp8_e5m2", "float32", 2, 64, None, 2.5, SMALL_BLOCKS),
+    (MIXED, "fp8", "bfloat16", 2, 64, 7, None, SMALL_BLOCKS),
+    (MIXED, "int8", "bfloat16", 4, 128, 5, 3.0, dict(block_q=4, block_kv=12, kv_heads_per_block=2)),
+]
+
+
+@pytest.mark.parametrize("lengths,storage,dtype,group,head_dim,window,soft_cap,blocks", QUANTIZED_CASES)
+def test_attention_reads_8_bit_pages_like_the_reference(lengths, storage, dtype, group, head_dim, window, soft_cap,
+                                                       blocks):
+    """The kernel dequantizes the 8-bit pages it DMAs; the reference dequantizes what it gathers."""
+    rng = np.random.default_rng(17)
+    batch, _, _ = build_batch(rng, *lengths, group=group, head_dim=head_dim, dtype=dtype)
+    args = quantized_args(batch, storage)
+    kw = dict(sm_scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
+    out = ragged_paged_attention_tpu(**args, block_sizes=blocks, interpret=True, **kw)
+    assert out.dtype == jnp.dtype(dtype)
+    assert_matches_reference(out, batch, ref=ragged_paged_attention(**args, **kw), **kw)
+
+
+def test_8_bit_pages_under_tpu_simulator_have_no_races():
+    """The scale DMAs beside the page DMAs: every one waited on, none out of bounds, no race on two cores."""
+    rng = np.random.default_rng(4)
+    batch, _, _ = build_batch(rng, [1, 3, 0, 1], [6, 9, 2, 13], group=2, head_dim=64)
+    args = quantized_args(batch, "int8")
+    params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, out_of_bounds_reads="raise")
+    out = ragged_paged_attention_tpu(**args, sm_scale=0.125, sliding_window=8, block_sizes=SMALL_BLOCKS,
+                                     interpret=params)
+    ref = ragged_paged_attention(**args, sm_scale=0.125, sliding_window=8)
+    assert_matches_reference(out, batch, sm_scale=0.125, sliding_window=8, ref=ref)
+    assert tpu_interpreter.races is not None and not tpu_interpreter.races.races_found
+
+
+def test_8_bit_pages_need_lane_aligned_kv_blocks_when_compiled():
+    rng = np.random.default_rng(10)
+    args = quantized_args(build_batch(rng, [2, 1], [6, 3])[0], "int8")
+    with pytest.raises(ValueError, match="block_kv=8 must be a multiple of 128 for 8-bit KV pages"):
+        ragged_paged_attention_tpu(**args, sm_scale=1.0, block_sizes=dict(block_kv=8))

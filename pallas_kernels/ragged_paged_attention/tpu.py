@@ -27,9 +27,18 @@ one launch and a staged copy of the new rows (about T*KVH*D elements, small next
 reads); its DMAs move whole page runs, two per decode row and two per full page of a prefill chunk. This is an
 argument from DMA counts, not a measurement: no TPU was available when this was written.
 
+8-bit pages (``QuantizedPages``): the 8-bit values are DMA'd page by page exactly as 16-bit ones (a quarter or
+half of the bytes), widened in VMEM to the model's dtype (exact for int8 and both fp8 formats), and each key's
+f32 scale multiplies its column of the scores before the softmax and of the probabilities before ``p @ v`` --
+``q . (s k) = s (q . k)`` and ``sum_j p_j s_j v_j`` --, which is the dequantization at ``block_kv`` multiplies
+per row instead of ``block_kv * head_dim``. The scales cannot be DMA'd page by page (``sequence_scales`` says
+why): the wrapper gathers each sequence's scales in key order through its page table, and one lane-aligned DMA
+per K and V fetches a KV block's scales beside its pages (``block_kv`` a multiple of 128 when compiled).
+
 Not checkable on CPU: the flattened page table lives in SMEM, so ``num_slots * pages_per_seq`` int32 must fit
 there. The Mosaic compiler (libtpu, compile-only) accepts this kernel on v4/v5e/v5p/v6e for bf16 and fp32 and
-page sizes 8-64 (``scripts/compile_tpu_kernels.py``).
+page sizes 8-64, and with int8, float8_e4m3fn and float8_e5m2 pages under bf16 and fp32 queries on all four
+(``scripts/compile_tpu_kernels.py``).
 """
 
 from __future__ import annotations
@@ -357,7 +366,9 @@ def ragged_paged_attention_tpu(
     """Ragged paged attention (mixed decode and prefill) as one Pallas Mosaic TPU kernel.
 
     Same contract as ``reference.ragged_paged_attention``; the pages must already hold this step's K/V
-    (see ``pallas_kernels.kv_cache_update.write_kv_tpu``).
+    (see ``pallas_kernels.kv_cache_update.write_kv_tpu``). ``k_pages`` / ``v_pages`` may be 8-bit
+    ``QuantizedPages`` (int8, float8_e4m3fn or float8_e5m2 values with per-token f32 scales): the 8-bit values
+    are DMA'd and dequantized in the kernel.
 
     Args:
       q, k_pages, v_pages, md: as in the reference.
@@ -378,6 +389,9 @@ def ragged_paged_attention_tpu(
     # 8-bit pages are computed on in q's dtype once dequantized: they share its block-size entries.
     page_dtype = q.dtype if isinstance(k_pages, QuantizedPages) else k_pages.dtype
     sizes = resolve_block_sizes(q.shape, k_pages.shape, page_dtype, md.kv_lens.shape[0], block_sizes)
+    if isinstance(k_pages, QuantizedPages) and not interpret and sizes.block_kv % _LANES:
+        raise ValueError(f"TPU block_kv={sizes.block_kv} must be a multiple of {_LANES} for 8-bit KV pages (a "
+                         "block's scales are fetched as one lane-aligned run)")
     return _ragged_paged_attention_tpu(
         q, k_pages, v_pages, md, sm_scale=float(sm_scale),
         sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap), sizes=sizes,
