@@ -57,7 +57,7 @@ class AttentionBackend:
 
     def supports_kv_cache_dtype(self, kv_cache_dtype: str) -> bool:
         """Whether this backend reads an 8-bit KV pool (``kv_cache_dtype`` other than "auto")."""
-        return kv_cache_dtype == "auto" or self.name in ("reference", "pallas_gpu")
+        return kv_cache_dtype == "auto" or self.name in ("reference", "pallas_gpu", "pallas_tpu")
 
     def check_quantized(self) -> None:
         if not self.supports_kv_cache_dtype("int8"):

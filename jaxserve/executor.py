@@ -83,8 +83,7 @@ class Executor:
         if config.kv_cache_dtype != "auto":  # an 8-bit pool with per-token scales (pallas_kernels.quantized_pages)
             if not backend.supports_kv_cache_dtype(config.kv_cache_dtype):
                 raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported by attention_backend="
-                                 f"{backend.name!r}; the reference (CPU) path and the pallas_gpu kernel read 8-bit "
-                                 "KV pages")
+                                 f"{backend.name!r}")
             self.cache_dtype = jnp.dtype(KV_STORAGE[config.kv_cache_dtype])
         num_pages = config.num_pages or self._auto_num_pages()
         # A model interleaving windowed and global layers: the windowed layers get a pool of their own, as large

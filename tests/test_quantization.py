@@ -67,7 +67,7 @@ def test_config_and_flags_refuse_bad_combinations():
                                                      "--kv-cache-dtype", "fp8"]))
     assert (cfg.quantization, cfg.quantize_lm_head, cfg.kv_cache_dtype) == ("int8", True, "fp8")
     assert AttentionBackend("reference").supports_kv_cache_dtype("int8")
-    assert not AttentionBackend("pallas_tpu").supports_kv_cache_dtype("fp8")
+    assert AttentionBackend("pallas_tpu").supports_kv_cache_dtype("fp8")
     assert AttentionBackend("pallas_gpu").supports_kv_cache_dtype("int8")
 
 
@@ -285,9 +285,19 @@ def test_int8_kv_with_preemption_prefix_caching_chunked_prefill_and_nan_scales(t
         assert again[rid + "-again"].outputs[0].token_ids == out.outputs[0].token_ids, rid
 
 
-def test_a_kernel_without_8_bit_pages_is_refused_at_start_up(models):
+def test_tpu_kernel_over_int8_pages_gives_the_reference_paths_greedy_tokens(models):
+    """The whole engine with an int8 KV cache: the Pallas TPU kernel (interpret mode on CPU) reading the 8-bit
+    pages gives the tokens of the reference path reading the same pages, over chunked prompts and decodes."""
     from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
 
-    with pytest.raises(ValueError, match="kv_cache_dtype=.fp8. is not supported by attention_backend=.pallas_tpu."):
-        LLM(str(models["qwen3"]), kv_cache_dtype="fp8", attention_backend="pallas_tpu", warmup=False,
-            num_pages=16, max_model_len=64, compilation_cache_dir=None)
+    prompts = [[0, 5, 6, 7, 8, 9] * 4, [0, 40, 41, 42], [3, 9, 27, 81, 50, 11, 7]]  # 24 tokens: two chunks
+    got = {}
+    for backend in ("reference", "pallas_tpu"):
+        llm = LLM(str(models["qwen3"]), kv_cache_dtype="int8", attention_backend=backend, warmup=False,
+                  num_pages=32, page_size=4, max_model_len=48, max_num_batched_tokens=16, max_num_seqs=4,
+                  compilation_cache_dir=None)
+        assert llm.engine.executor.cache_dtype == np.int8
+        outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        got[backend] = [o.outputs[0].token_ids for o in outs]
+    assert got["pallas_tpu"] == got["reference"]
