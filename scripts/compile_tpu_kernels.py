@@ -7,7 +7,11 @@ plain lowering check none of those.
   pip install "jax[tpu]==$(python -c 'import jax; print(jax.__version__)')"   # or the matching libtpu alone
   PYTHONPATH=. python scripts/compile_tpu_kernels.py                          # v4, v5e, v5p, v6e
   PYTHONPATH=. python scripts/compile_tpu_kernels.py --topologies v5e:2x2 --page-sizes 16,32
+  PYTHONPATH=. python scripts/compile_tpu_kernels.py --kv-cache-dtypes int8,fp8,fp8_e5m2   # 8-bit pages only
 
+``--kv-cache-dtypes`` (default ``auto,int8,fp8,fp8_e5m2``): ``auto`` compiles attention and the KV write over
+pages in each query dtype; each 8-bit format compiles attention over ``QuantizedPages`` of that format (values
+plus per-token f32 scales) for each query dtype (8-bit rows are written by the reference scatter, plain XLA).
 Exits non-zero if any kernel fails to compile.
 """
 
@@ -20,6 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may hold libtpu (nothing runs on chips)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -27,6 +32,7 @@ from jax.experimental import topologies  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 from pallas_kernels.kv_cache_update import write_kv_tpu  # noqa: E402
+from pallas_kernels.quantized_pages import STORAGE, QuantizedPages  # noqa: E402
 from pallas_kernels.ragged_paged_attention import AttentionMetadata, ragged_paged_attention_tpu  # noqa: E402
 
 
@@ -36,6 +42,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--page-sizes", default="16,32")
     parser.add_argument("--head-dims", default="64,128")
+    parser.add_argument("--kv-cache-dtypes", default="auto,int8,fp8,fp8_e5m2")
     args = parser.parse_args()
     i32 = jnp.int32
     failures = 0
@@ -46,9 +53,13 @@ def main() -> None:
         def sds(shape, dtype):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-        for dtype, page_size, head_dim in itertools.product(
-                args.dtypes.split(","), map(int, args.page_sizes.split(",")), map(int, args.head_dims.split(","))):
+        for kv_dtype, dtype, page_size, head_dim in itertools.product(
+                args.kv_cache_dtypes.split(","), args.dtypes.split(","), map(int, args.page_sizes.split(",")),
+                map(int, args.head_dims.split(","))):
             pool = sds((8, 512, page_size, head_dim), dtype)
+            if kv_dtype != "auto":
+                pool = QuantizedPages(sds(pool.shape, STORAGE[kv_dtype]), sds((8, 512, page_size, 1), jnp.float32),
+                                      jnp.dtype(dtype))
             # (tokens, slots, group, window, soft cap): decode, a prefill chunk, a large mixed batch.
             for tokens, slots, group, window, cap in ((8, 8, 4, None, None), (512, 8, 8, 256, 30.0),
                                                       (128, 64, 1, None, None)):
@@ -58,9 +69,12 @@ def main() -> None:
                 attend = jax.jit(lambda *a, w=window, c=cap: ragged_paged_attention_tpu(
                     *a, sm_scale=head_dim**-0.5, sliding_window=w, soft_cap=c))
                 new = sds((tokens, 8, head_dim), dtype)
-                for name, fn, operands in (("attention", attend, (q, pool, pool, md)),
-                                           ("write_kv", jax.jit(write_kv_tpu), (pool, pool, new, new, md))):
-                    label = (f"{device.device_kind:12s} {name:9s} {dtype:8s} page {page_size:3d} "
+                kernels = [("attention", attend, (q, pool, pool, md))]
+                if kv_dtype == "auto":
+                    kernels.append(("write_kv", jax.jit(write_kv_tpu), (pool, pool, new, new, md)))
+                for name, fn, operands in kernels:
+                    pages = "pages " + (str(pool.dtype) if kv_dtype == "auto" else str(STORAGE[kv_dtype].dtype))
+                    label = (f"{device.device_kind:12s} {name:9s} q {dtype:8s} {pages:21s} page {page_size:3d} "
                              f"head_dim {head_dim:3d} T={tokens} S={slots} group={group}")
                     try:
                         fn.trace(*operands).lower().compile()
