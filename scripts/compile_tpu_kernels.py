@@ -12,6 +12,8 @@ plain lowering check none of those.
 ``--kv-cache-dtypes`` (default ``auto,int8,fp8,fp8_e5m2``): ``auto`` compiles attention and the KV write over
 pages in each query dtype; each 8-bit format compiles attention over ``QuantizedPages`` of that format (values
 plus per-token f32 scales) for each query dtype (8-bit rows are written by the reference scatter, plain XLA).
+Each line that compiles reports the temporary HBM XLA allocates around the kernel (``memory_analysis``): the
+pool has 8 KV heads and ``--num-pages`` pages (512), so a copy of the pool shows there.
 Exits non-zero if any kernel fails to compile.
 """
 
@@ -43,6 +45,7 @@ def main() -> None:
     parser.add_argument("--page-sizes", default="16,32")
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--kv-cache-dtypes", default="auto,int8,fp8,fp8_e5m2")
+    parser.add_argument("--num-pages", type=int, default=512, help="pages of the pool (8 KV heads)")
     args = parser.parse_args()
     i32 = jnp.int32
     failures = 0
@@ -56,10 +59,10 @@ def main() -> None:
         for kv_dtype, dtype, page_size, head_dim in itertools.product(
                 args.kv_cache_dtypes.split(","), args.dtypes.split(","), map(int, args.page_sizes.split(",")),
                 map(int, args.head_dims.split(","))):
-            pool = sds((8, 512, page_size, head_dim), dtype)
+            pool = sds((8, args.num_pages, page_size, head_dim), dtype)
             if kv_dtype != "auto":
-                pool = QuantizedPages(sds(pool.shape, STORAGE[kv_dtype]), sds((8, 512, page_size, 1), jnp.float32),
-                                      jnp.dtype(dtype))
+                scales = sds((8, args.num_pages, page_size, 1), jnp.float32)
+                pool = QuantizedPages(sds(pool.shape, STORAGE[kv_dtype]), scales, jnp.dtype(dtype))
             # (tokens, slots, group, window, soft cap): decode, a prefill chunk, a large mixed batch.
             for tokens, slots, group, window, cap in ((8, 8, 4, None, None), (512, 8, 8, 256, 30.0),
                                                       (128, 64, 1, None, None)):
@@ -77,8 +80,8 @@ def main() -> None:
                     label = (f"{device.device_kind:12s} {name:9s} q {dtype:8s} {pages:21s} page {page_size:3d} "
                              f"head_dim {head_dim:3d} T={tokens} S={slots} group={group}")
                     try:
-                        fn.trace(*operands).lower().compile()
-                        print(f"{label}: ok", flush=True)
+                        temp = fn.trace(*operands).lower().compile().memory_analysis().temp_size_in_bytes
+                        print(f"{label}: ok (XLA temp {temp / 2**20:.2f} MiB)", flush=True)
                     except Exception as e:  # report every configuration, then fail
                         failures += 1
                         print(f"{label}: FAILED {str(e).strip().splitlines()[0][:300]}", flush=True)
