@@ -287,16 +287,17 @@ def test_int8_kv_with_preemption_prefix_caching_chunked_prefill_and_nan_scales(t
 
 def test_tpu_kernel_over_int8_pages_gives_the_reference_paths_greedy_tokens(models):
     """The whole engine with an int8 KV cache: the Pallas TPU kernel (interpret mode on CPU) reading the 8-bit
-    pages gives the tokens of the reference path reading the same pages, over chunked prompts and decodes."""
+    pages, on a tensor=2 mesh (each shard's kernel gets its own quantized pages inside shard_map), gives the
+    tokens of the reference path on one device, over chunked prompts and decodes."""
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
 
     prompts = [[0, 5, 6, 7, 8, 9] * 4, [0, 40, 41, 42], [3, 9, 27, 81, 50, 11, 7]]  # 24 tokens: two chunks
     got = {}
-    for backend in ("reference", "pallas_tpu"):
+    for backend, mesh in (("reference", None), ("pallas_tpu", "tensor=2")):
         llm = LLM(str(models["qwen3"]), kv_cache_dtype="int8", attention_backend=backend, warmup=False,
                   num_pages=32, page_size=4, max_model_len=48, max_num_batched_tokens=16, max_num_seqs=4,
-                  compilation_cache_dir=None)
+                  compilation_cache_dir=None, mesh=mesh, num_devices=2 if mesh else None)
         assert llm.engine.executor.cache_dtype == np.int8
         outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         got[backend] = [o.outputs[0].token_ids for o in outs]
