@@ -48,7 +48,8 @@ from jaxserve.attention import AttentionBackend, ShardedAttention
 from jaxserve.batch import MeshBatch, StepKind
 from jaxserve.config import ModelConfig
 from jaxserve.engine_args import add_engine_args
-from jaxserve.kv_cache import CacheConfig, bytes_per_token, cache_sharding
+from jaxserve.kv_cache import CACHE_AXES, CacheConfig, bytes_per_token, cache_sharding
+from jaxserve.engine_config import KV_CACHE_DTYPES
 from jaxserve.loader import abstract_model, param_shardings, quantization_plan, resolve_dtype
 from jaxserve.penalty_state import PenaltyState
 from jaxserve.roofline import attention_flops
@@ -58,7 +59,8 @@ from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from jaxserve.shapes import StepShapes
 from sharding.mesh import MeshConfig, make_mesh
 from sharding.layout import StepLayout
-from sharding.rules import check_expert_parallel, model_rules
+from sharding.rules import check_expert_parallel, logical_sharding, model_rules
+from pallas_kernels.quantized_pages import STORAGE as KV_STORAGE, QuantizedPages
 
 GiB = 2**30
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -229,11 +231,12 @@ class StepCompiler:
     """The engine's compiled steps and sampler over abstract weights and pool, on a described mesh."""
 
     def __init__(self, cfg: ModelConfig, dtype, mesh, *, page_size: int, num_pages: int, max_num_seqs: int,
-                 backend: AttentionBackend, quantization: str | None = None, quantize_lm_head: bool = False):
+                 backend: AttentionBackend, quantization: str | None = None, quantize_lm_head: bool = False,
+                 cache_dtype=None):
         self.cfg, self.dtype, self.mesh, self.backend = cfg, dtype, mesh, backend
         self.num_replicas = int(mesh.shape["data"])
         self.sequence = int(mesh.shape["sequence"])
-        self.cache_dtype = backend.cache_dtype(dtype, "tpu")
+        self.cache_dtype = cache_dtype or backend.cache_dtype(dtype, "tpu")
         self.cache = CacheConfig(page_size, num_pages, self.num_replicas)
         self.rules = model_rules(cfg.num_heads, cfg.num_kv_heads, mesh)
         plan, _ = quantization_plan(cfg, dtype, quantization, quantize_lm_head)
@@ -245,6 +248,10 @@ class StepCompiler:
         self.params = nnx.from_flat_state(flat)
         shape, sharding = cache_sharding(cfg, self.cache, mesh)
         pool = jax.ShapeDtypeStruct(shape, self.cache_dtype, sharding=sharding)
+        if jnp.dtype(self.cache_dtype).itemsize == 1:  # 8-bit pages and their per-token scales, as the engine's
+            scale_sharding = logical_sharding(CACHE_AXES, shape[:-1] + (1,), mesh)
+            pool = QuantizedPages(pool, jax.ShapeDtypeStruct(shape[:-1] + (1,), jnp.float32, sharding=scale_sharding))
+            sharding = QuantizedPages(sharding, scale_sharding)
         self.kv_cache = [(pool, pool) for _ in range(cfg.num_layers)]
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.outs = (StepOutput(self.replicated, self.replicated), [(sharding, sharding)] * cfg.num_layers)
@@ -341,6 +348,7 @@ class Request:
     report_seqs: tuple[int, ...] = (64, 256)
     quantization: str | None = None  # weights quantized at load ("int8", "fp8"): the 8-bit model's fit
     quantize_lm_head: bool = False
+    kv_cache_dtype: str = "auto"  # 8-bit KV pages ("int8", "fp8", ...): their fit, and the TPU kernel reading them
 
 
 def _ceil(a: int, b: int) -> int:
@@ -371,7 +379,10 @@ def run(req: Request, log=None) -> dict:
     hbm = chip.hbm_bytes / per_chip
     peak_flops, peak_bw = chip.peak_flops / per_chip, chip.hbm_bytes_per_s / per_chip
     backend = AttentionBackend.resolve("auto", "tpu")
-    cache_dtype = backend.cache_dtype(dtype, "tpu")
+    if req.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise AotError(f"kv_cache_dtype={req.kv_cache_dtype!r} must be one of {', '.join(KV_CACHE_DTYPES)}")
+    cache_dtype = (backend.cache_dtype(dtype, "tpu") if req.kv_cache_dtype == "auto"
+                   else jnp.dtype(KV_STORAGE[req.kv_cache_dtype]))
     replicas, tensor = mesh_cfg.data, mesh_cfg.tensor
     max_model_len = min(req.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     shapes = StepShapes(req.max_num_seqs, req.max_num_batched_tokens, _ceil(max_model_len, req.page_size))
@@ -383,7 +394,7 @@ def run(req: Request, log=None) -> dict:
             cfg, num_layers=layers, sliding_windows=cfg.sliding_windows[:layers])
         return StepCompiler(c, dtype, mesh, page_size=req.page_size, num_pages=num_pages,
                             max_num_seqs=req.max_num_seqs, backend=backend, quantization=req.quantization,
-                            quantize_lm_head=req.quantize_lm_head)
+                            quantize_lm_head=req.quantize_lm_head, cache_dtype=cache_dtype)
 
     full = compiler(cfg.num_layers, 2 * replicas)  # for the exact weight bytes only (nothing compiled)
     weights = full.weight_bytes
@@ -531,7 +542,8 @@ def format_report(r: dict) -> str:
     lines = [
         f"{r['architecture']} ({r['model']}, {r['params_b']:.2f}B"
         + (f" total, {r['active_params_b']:.2f}B active per token" if r["active_params_b"] < r["params_b"] else "")
-        + f", {r['dtype']}{', weights ' + r['quantization'] if r.get('quantization') else ''}) on {r['topology']} "
+        + f", {r['dtype']}{', weights ' + r['quantization'] if r.get('quantization') else ''}"
+        + (f", KV {r['kv_dtype']}" if r.get("kv_dtype") not in (None, r["dtype"]) else "") + f") on {r['topology']} "
         f"({r['device_kind']}), mesh {r['mesh']}; {r['jax'] and 'jax ' + r['jax']}, {r['libtpu']}",
         f"page_size {r['page_size']}, max_num_seqs {r['max_num_seqs']}, max_num_batched_tokens "
         f"{r['max_num_batched_tokens']}, max_model_len {r['max_model_len']:,}, hbm_utilization {r['hbm_utilization']}",
@@ -588,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   f"{', '.join(PRESETS)}")
     p.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:2x2, v5e:2x4, v6e:2x4, v5p:2x2x1")
     keep = ("dtype", "page_size", "num_pages", "hbm_utilization", "max_model_len", "max_num_seqs",
-            "max_num_batched_tokens", "mesh", "quantization", "quantize_lm_head")
+            "max_num_batched_tokens", "mesh", "quantization", "quantize_lm_head", "kv_cache_dtype")
     from jaxserve.engine_config import EngineConfig
 
     add_engine_args(p, skip=tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name not in keep),
@@ -608,7 +620,8 @@ def main(argv: list[str] | None = None) -> int:
                   buckets=args.buckets, sample_layers=args.sample_layers, context=args.context,
                   decode_batches=tuple(int(x) for x in args.decode_batches.split(",") if x),
                   report_seqs=tuple(int(x) for x in args.report_seqs.split(",") if x),
-                  quantization=args.quantization, quantize_lm_head=args.quantize_lm_head)
+                  quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
+                  kv_cache_dtype=args.kv_cache_dtype)
     try:
         report = run(req, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     except AotError as e:

@@ -171,3 +171,18 @@ def test_int8_weights_report_the_quantized_models_fit(tiny_folder):
     # Even split perfectly over tensor=4, the bf16 weights would take bf16 / 4 per device; int8 takes less.
     assert r["memory_per_device"]["weights"] < 0.9 * bf16 / 4
     assert r["quantization"] == "int8" and "weights int8" in aot.format_report(r)
+
+
+def test_int8_kv_pages_compile_inside_the_serving_steps(tiny_folder):
+    """The whole prefill and decode steps with an 8-bit pool on a v5e mesh: the reference scatter writes values
+    and scales, the Pallas TPU kernel reads them inside shard_map (2 KV heads kept by 4 tensor shards); the
+    pool, scales included, is donated and aliased, and sized by its bytes."""
+    _needs_libtpu()
+    r = aot.run(_request(tiny_folder, kv_cache_dtype="int8", buckets="probes", decode_batches=(1,)))
+    m = r["memory_per_device"]
+    assert r["kv_dtype"] == "int8" and "KV int8" in aot.format_report(r)
+    assert m["kv_bytes_per_page"] == 16 * 2 * 2 * (128 + 4)  # page x layers x K/V x (values + scale), one head
+    assert m["pool_pages"] == 4 * 16
+    pool = m["kv_bytes_per_page"] * m["pool_pages"]
+    for step in r["steps"]:  # TPU lays the scales out pages-minor: 64 pages pad to 128 lanes, 16 KiB of 528 KiB
+        assert pool <= step["alias"] <= 1.05 * pool
