@@ -252,8 +252,8 @@ def sequence_scales(
     num_kv_heads, num_pages, page_size, _ = scales.shape
     num_slots, pages_per_seq = page_indices.shape
     pages = jnp.clip(page_indices, 0, num_pages - 1)
-    # Gathered along the page axis of the [KVH, page_size, num_pages] view: TPU lays the pool out pages-minor
-    # (no padding of the size-1 axis), and this gather reads that layout as it is, without relaying the pool out.
+    # Gathered along the page axis of the [KVH, page_size, num_pages] view, the pool's own TPU layout (pages
+    # minor, so the size-1 axis is not padded). XLA may still copy the pool page-major first (docs/kernels.md).
     by_slot = scales[..., 0].transpose(0, 2, 1)
     gathered = jnp.take(by_slot, pages.reshape(-1), axis=2)  # [KVH, page_size, S * P]
     gathered = gathered.reshape(num_kv_heads, page_size, num_slots, pages_per_seq).transpose(2, 0, 3, 1)
@@ -311,7 +311,7 @@ def _ragged_paged_attention_tpu(q, k_pages, v_pages, md: AttentionMetadata, *, s
     q_spec = pl.BlockSpec((heads, rows, head_dim), lambda h, b, *_: (h, b, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     quantized = isinstance(k_pages, QuantizedPages)
-    # 8-bit pages: the values and their per-token scales are two pools each, DMA'd page by page side by side.
+    # 8-bit pages: the values are DMA'd page by page, the scales block by block from each sequence's gathered row.
     if quantized:
         block_kv = sizes.block_kv
         key_span = -(-pages_per_seq * k_pages.shape[2] // block_kv) * block_kv
