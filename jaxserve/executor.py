@@ -41,6 +41,7 @@ from jaxserve.spec.verify import verify
 from jaxserve.step_result import StepFailed, StepResult
 from jaxserve.window_pool import window_pages_needed
 from pallas_kernels.quantized_pages import STORAGE as KV_STORAGE
+from pallas_kernels.ragged_paged_attention.tpu import check_8_bit_page_size
 from sharding import multihost
 from sharding.mesh import make_mesh
 
@@ -84,6 +85,8 @@ class Executor:
             if not backend.supports_kv_cache_dtype(config.kv_cache_dtype):
                 raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported by attention_backend="
                                  f"{backend.name!r}")
+            if backend.name == "pallas_tpu" and not backend.interpret:
+                check_8_bit_page_size(config.page_size)
             self.cache_dtype = jnp.dtype(KV_STORAGE[config.kv_cache_dtype])
         num_pages = config.num_pages or self._auto_num_pages()
         # A model interleaving windowed and global layers: the windowed layers get a pool of their own, as large

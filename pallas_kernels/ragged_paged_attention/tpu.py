@@ -262,6 +262,15 @@ def sequence_scales(
     return gathered[:, :, None, :]
 
 
+def check_8_bit_page_size(page_size: int) -> None:
+    """Compiled, 8-bit pages must be a power of two in size: each is DMA'd to offset ``j * page_size`` of the
+    8-bit VMEM buffer, which Mosaic accepts only at offsets its (up to 32-row) tiling divides (page size 48 is
+    refused: "Offsets along tiled dimensions must be aligned to tiles"; 8 to 128 compile)."""
+    if page_size & (page_size - 1):
+        raise ValueError(f"page_size={page_size}: the Pallas TPU kernel reads 8-bit KV pages whose size is a "
+                         "power of two only")
+
+
 def _sublanes(dtype) -> int:
     return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
 
@@ -389,9 +398,11 @@ def ragged_paged_attention_tpu(
     # 8-bit pages are computed on in q's dtype once dequantized: they share its block-size entries.
     page_dtype = q.dtype if isinstance(k_pages, QuantizedPages) else k_pages.dtype
     sizes = resolve_block_sizes(q.shape, k_pages.shape, page_dtype, md.kv_lens.shape[0], block_sizes)
-    if isinstance(k_pages, QuantizedPages) and not interpret and sizes.block_kv % _LANES:
-        raise ValueError(f"TPU block_kv={sizes.block_kv} must be a multiple of {_LANES} for 8-bit KV pages (a "
-                         "block's scales are fetched as one lane-aligned run)")
+    if isinstance(k_pages, QuantizedPages) and not interpret:
+        check_8_bit_page_size(k_pages.shape[2])
+        if sizes.block_kv % _LANES:
+            raise ValueError(f"TPU block_kv={sizes.block_kv} must be a multiple of {_LANES} for 8-bit KV pages (a "
+                             "block's scales are fetched as one lane-aligned run)")
     return _ragged_paged_attention_tpu(
         q, k_pages, v_pages, md, sm_scale=float(sm_scale),
         sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap), sizes=sizes,
