@@ -41,7 +41,7 @@ from jaxserve.engine import Engine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.outputs import RequestOutput
 from jaxserve.request_stream import EngineNotReady
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, sequence_seed
 from jaxserve.sequence import Sequence
 from jaxserve.structured_output import StructuredOutputsParams
 
@@ -92,10 +92,8 @@ class PrefillEngine(Engine):
         self.reader = PageReader(self.executor.runner)
 
     def add_prefill(self, request_id: str, ids: list[int], params: SamplingParams, request_index: int) -> None:
-        if params.n != 1:
+        if params.n != 1:  # the decode process sends each of a request's n outputs as its own call
             raise ValueError(f"n={params.n}: a prefill process serves one sequence per request")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not served across processes (use the one-process engine)")
         self.add_request(request_id, ids, params)
         for seq in self.scheduler.get_request(request_id):
             seq.request_index = request_index  # the decode side's: seeds of unseeded sampling depend on it
@@ -220,6 +218,9 @@ class PrefillServer:
                           "error": o.error,
                           "logprobs": {str(k): v for k, v in lps.items()} if lps else None,
                           "num_cached_tokens": int(o.metrics.num_cached_tokens or 0) if o.metrics else 0}
+                if o.prompt_logprobs is not None:
+                    header["prompt_logprobs"] = [None if e is None else {str(k): v for k, v in e.items()}
+                                                 for e in o.prompt_logprobs]
                 meta, data = kv.get(o.request_id, (None, b""))
                 if meta is None and not o.finished:
                     continue
@@ -284,6 +285,7 @@ class RemotePrefill:
         self.calls: dict[int, _Remote] = {}  # seq_id -> sent, or received and waiting for room
         self.results: queue.Queue = queue.Queue()
         self._rr = itertools.count()
+        self._pinned: dict[str, _Endpoint] = {}  # request id -> where its first output went: its siblings follow
 
     # the Scheduler-like interface of a stage
     def live(self) -> list[_Endpoint]:
@@ -292,10 +294,6 @@ class RemotePrefill:
 
     def add(self, seq: Sequence) -> list[Sequence]:
         p = seq.sampling_params
-        if p.n != 1:
-            raise ValueError(f"n={p.n}: a decode process with prefill servers serves n=1 requests")
-        if p.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not served across processes (use the one-process engine)")
         limit = self.engine.max_model_len
         if seq.num_prompt_tokens >= limit:
             raise ValueError(f"prompt_token_ids has {seq.num_prompt_tokens} tokens; max_model_len={limit} leaves "
@@ -306,8 +304,10 @@ class RemotePrefill:
         if not self.live():
             reasons = "; ".join(f"{e.url}: {e.last_error}" for e in self.endpoints)
             raise EngineNotReady(f"no prefill server is reachable ({reasons})")
-        self.queue.append(_Remote(seq, time.monotonic()))
-        return [seq]
+        seqs = [seq] + [seq.make_sibling(i) for i in range(1, p.n)]  # each of the n outputs is its own call
+        now = time.monotonic()
+        self.queue.extend(_Remote(s, now) for s in seqs)
+        return seqs
 
     def holds(self, seq: Sequence) -> bool:
         return seq.seq_id in self.calls or any(r.seq is seq for r in self.queue)
@@ -328,6 +328,8 @@ class RemotePrefill:
         if r is not None and r.call is not None and r.result is None:
             r.call.cancel()  # the prefill process aborts the request and frees its pages
         seq.set_finished(reason, stop_reason)
+        if not self.get_request(seq.request_id):
+            self._pinned.pop(seq.request_id, None)
 
     def has_unfinished(self) -> bool:
         return bool(self.queue or self.calls)
@@ -354,16 +356,30 @@ class RemotePrefill:
                     self.results.put((r, RuntimeError("no prefill server is reachable (" + "; ".join(
                         f"{e.url}: {e.last_error}" for e in self.endpoints) + ")")))
                 return
-            ep = live[next(self._rr) % len(live)]
             r = self.queue.popleft()
-            r.url, r.sent = ep.url, time.monotonic()
-            self.calls[r.seq.seq_id] = r
             seq = r.seq
+            ep = self._pinned.pop(seq.request_id, None) if seq.index else None  # the prompt's pages are there
+            if ep is None or ep not in live:
+                ep = live[next(self._rr) % len(live)]
+            if seq.index + 1 < seq.sampling_params.n:
+                self._pinned[seq.request_id] = ep
+            r.url, r.sent = ep.url, time.monotonic()
+            self.calls[seq.seq_id] = r
             msg = {"request_id": f"{seq.request_id}#{seq.seq_id}", "prompt_token_ids": seq.prompt_token_ids,
-                   "params": params_to_json(seq.sampling_params), "request_index": seq.request_index,
+                   "params": params_to_json(self.call_params(seq)), "request_index": seq.request_index,
                    "engine_seed": self.engine.config.seed}
             r.call = ep.run(json.dumps(msg).encode())
             threading.Thread(target=self._receive, args=(ep, r), daemon=True).start()
+
+    def call_params(self, seq: Sequence) -> SamplingParams:
+        """One output's parameters for its prefill call: ``n`` = 1, and the seed the sequence samples with here
+        (``sequence_seed`` of its request and output index) as its explicit seed, so the prefill process samples
+        the first token from the same stream; prompt logprobs are asked of the first output only."""
+        p = seq.sampling_params
+        seed = sequence_seed(p, engine_seed=self.engine.config.seed, request_index=seq.request_index,
+                             sample_index=seq.index)
+        return dataclasses.replace(p, n=1, seed=seed - (1 << 64) if seed >= 1 << 63 else seed,
+                                   prompt_logprobs=p.prompt_logprobs if seq.index == 0 else None)
 
     def _receive(self, ep: _Endpoint, r: _Remote) -> None:
         import grpc
@@ -445,6 +461,7 @@ class RemotePrefillEngine(StagedEngine):
         self.scheduler = _RemoteStages(self.remote, self.decode_scheduler)
         self.writer = PageWriter(self.executor.runner)
         self._landed: deque[_Remote] = deque()  # received, waiting for room on this side
+        self._held: list = []  # received before their request's first output (which brings prompt logprobs)
         self.stats_counters.update(kv_transfers=0, kv_transfer_bytes=0, kv_transfer_seconds=0.0,
                                    kv_transfer_queue_seconds=0.0, decode_steps=0, prefill_steps=0)
 
@@ -462,11 +479,15 @@ class RemotePrefillEngine(StagedEngine):
 
     def _receive(self) -> list[RequestOutput]:
         outputs = []
+        held, self._held = self._held, []
         while True:
-            try:
-                r, error = self.remote.results.get_nowait()
-            except queue.Empty:
-                return outputs
+            if held:
+                r, error = held.pop(0)
+            else:
+                try:
+                    r, error = self.remote.results.get_nowait()
+                except queue.Empty:
+                    return outputs
             seq = r.seq
             if seq.is_finished or not self.remote.holds(seq):
                 continue  # cancelled meanwhile
@@ -481,11 +502,20 @@ class RemotePrefillEngine(StagedEngine):
                     outputs.append(out)
                 continue
             h = r.result
+            lead = seq.leader
+            if lead is not None and seq.sampling_params.prompt_logprobs is not None and not lead.is_finished \
+                    and not lead.num_output_tokens:
+                self._held.append((r, None))  # the first output carries the prompt's logprobs: it goes first
+                continue
             if h.get("error"):
                 out = self.abort_request(seq.request_id, "error", error=f"prefill server {r.url}: {h['error']}")
                 if out is not None:
                     outputs.append(out)
                 continue
+            req = self._requests.get(seq.request_id)
+            if h.get("prompt_logprobs") is not None and req is not None:
+                req.prompt_logprobs = [None if e is None else {int(k): v for k, v in e.items()}
+                                       for e in h["prompt_logprobs"]]
             seq.append_token(int(h["token"]))
             seq.num_computed_tokens = seq.num_prompt_tokens
             seq.num_cached_tokens = int(h.get("num_cached_tokens") or 0)
