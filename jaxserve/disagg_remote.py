@@ -33,6 +33,7 @@ import threading
 import time
 from collections import deque
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.async_engine import take_all
@@ -108,14 +109,14 @@ class PrefillEngine(Engine):
             seq = req.seqs[0]
             replica, holder = self.scheduler.detach(seq)
             staged, full, local, nbytes = self.reader.read(replica, holder, seq.num_computed_tokens)
-            host = np.ascontiguousarray(np.asarray(staged))  # the device-to-host copy has landed ...
+            host = [np.ascontiguousarray(np.asarray(a)) for a in staged]  # the device-to-host copy has landed ...
             self.scheduler.replicas[replica].block_manager.free(holder)  # ... so the pages are free again
             self.executor.release([seq])
             self.structured.release([seq])
             del self._requests[out.request_id]
-            kv = {"shape": list(host.shape), "dtype": str(host.dtype), "full": full, "local": local,
-                  "nbytes": nbytes, "num_cached_tokens": seq.num_cached_tokens}
-            handoffs.append((out.request_id, kv, host.tobytes()))
+            kv = {"parts": [{"shape": list(a.shape), "dtype": a.dtype.name} for a in host], "full": full,
+                  "local": local, "nbytes": nbytes, "num_cached_tokens": seq.num_cached_tokens}
+            handoffs.append((out.request_id, kv, b"".join(a.tobytes() for a in host)))
         return outputs, handoffs
 
 
@@ -162,6 +163,10 @@ class PrefillServer:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"engine seed {msg['engine_seed']} differs from this prefill server's --seed "
                           f"{self.config.seed}; start both with the same --seed")
+        if msg.get("kv_cache_dtype", "auto") != self.config.kv_cache_dtype:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"kv_cache_dtype {msg.get('kv_cache_dtype', 'auto')!r} differs from this prefill server's "
+                          f"--kv-cache-dtype {self.config.kv_cache_dtype!r}; start both with the same one")
         rid = str(msg["request_id"])
         out: queue.Queue = queue.Queue()
         self._intake.put(("add", rid, msg, out))
@@ -367,7 +372,7 @@ class RemotePrefill:
             self.calls[seq.seq_id] = r
             msg = {"request_id": f"{seq.request_id}#{seq.seq_id}", "prompt_token_ids": seq.prompt_token_ids,
                    "params": params_to_json(self.call_params(seq)), "request_index": seq.request_index,
-                   "engine_seed": self.engine.config.seed}
+                   "engine_seed": self.engine.config.seed, "kv_cache_dtype": self.engine.config.kv_cache_dtype}
             r.call = ep.run(json.dumps(msg).encode())
             threading.Thread(target=self._receive, args=(ep, r), daemon=True).start()
 
@@ -543,8 +548,13 @@ class RemotePrefillEngine(StagedEngine):
             self._landed.popleft()
             self.remote.forget(seq)
             kv = r.result["kv"]
-            host = np.frombuffer(r.data, dtype=np.dtype(kv["dtype"])).reshape(kv["shape"])
-            self.writer.write(host, kv["full"], kv["local"], replica, seq)
+            host, offset = [], 0
+            for part in kv["parts"]:
+                dtype = jnp.dtype(part["dtype"])  # knows the 8-bit float names NumPy alone does not
+                count = int(np.prod(part["shape"]))
+                host.append(np.frombuffer(r.data, dtype, count, offset).reshape(part["shape"]))
+                offset += count * dtype.itemsize
+            self.writer.write(tuple(host), kv["full"], kv["local"], replica, seq)
             now = time.monotonic()
             self.stats_counters["kv_transfers"] += 1
             self.stats_counters["kv_transfer_bytes"] += int(kv["nbytes"])

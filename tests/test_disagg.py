@@ -3,6 +3,8 @@ pages copied between the two engines' pools; outputs identical to the colocated 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from jaxserve import LLM
@@ -112,8 +114,6 @@ def test_disaggregated_config_is_checked():
 def test_too_many_devices_is_refused(llama):
     with pytest.raises(ValueError, match="need 12 devices; 8 are available"):
         LLM(str(llama), prefill_mesh="tensor=4", decode_mesh="data=2,tensor=4", **SHAPES)
-    with pytest.raises(ValueError, match="kv_cache_dtype: prefill/decode disaggregation moves unquantized"):
-        LLM(str(llama), prefill_mesh="tensor=1", decode_mesh="tensor=1", kv_cache_dtype="int8", **SHAPES)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -145,3 +145,53 @@ def test_decode_side_full_prefills_wait_bounded_and_nothing_is_dropped(disagg, c
     assert 1 <= most_waiting < e.config.max_pending_transfers + e.config.max_num_seqs
     want = _tokens(colocated.generate(prompts, sp))
     assert [[done[f"full{i}"]] for i in range(len(prompts))] == want
+
+
+@pytest.fixture(scope="module")
+def colocated_int8(llama):
+    return LLM(str(llama), kv_cache_dtype="int8", **SHAPES)
+
+
+INT8_PARAMS = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+               SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)]
+
+
+def test_8bit_kv_cache_pages_move_with_their_scales(llama, colocated_int8):
+    # tensor 1 -> 4 with 2 KV heads: the decode pool stores each head twice, so values and scales are remapped.
+    disagg = LLM(str(llama), prefill_mesh="tensor=1", decode_mesh="tensor=4", kv_cache_dtype="int8", **SHAPES)
+    for sp in INT8_PARAMS:
+        assert _tokens(disagg.generate(PROMPTS[:3], sp)) == _tokens(colocated_int8.generate(PROMPTS[:3], sp)), sp
+    s = disagg.engine.stats()
+    # Every byte moved is counted: int8 values plus one f32 scale per token and head, K and V.
+    assert s["kv_transfers"] == 6 and s["kv_transfer_bytes"] % (2 * 2 * 2 * 8 * (16 + 4)) == 0
+
+
+def _run(engine, prompts, sp):
+    ids = [engine.add_request(None, p, sp) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids]
+
+
+def test_8bit_kv_cache_across_processes(llama, colocated_int8):
+    """The gRPC byte path of --role prefill/decode (both ends in this process): 8-bit values and their scales
+    travel together; a decode side with another KV dtype is refused by the prefill server, naming the flag."""
+    from jaxserve.disagg_remote import PrefillServer, RemotePrefillEngine
+
+    cfg = EngineConfig(model=str(llama), kv_cache_dtype="int8", **SHAPES)
+    server = PrefillServer(cfg, "127.0.0.1", 0)
+    server.start()
+    try:
+        url = [f"127.0.0.1:{server.port}"]
+        decode = RemotePrefillEngine(cfg, prefill_urls=url)
+        got = [[c.token_ids for c in o.outputs] for o in _run(decode, PROMPTS[:3], INT8_PARAMS[0])]
+        assert got == _tokens(colocated_int8.generate(PROMPTS[:3], INT8_PARAMS[0]))
+        assert decode.stats()["kv_transfers"] == 3
+        plain = RemotePrefillEngine(dataclasses.replace(cfg, kv_cache_dtype="auto"), prefill_urls=url)
+        out = _run(plain, PROMPTS[:1], INT8_PARAMS[0])[0]
+        assert out.outputs[0].finish_reason == "error" and "--kv-cache-dtype" in out.error
+    finally:
+        server.stop()
