@@ -177,20 +177,26 @@ def _run(engine, prompts, sp):
 
 
 def test_8bit_kv_cache_across_processes(llama, colocated_int8):
-    """The gRPC byte path of --role prefill/decode (both ends in this process): 8-bit values and their scales
-    travel together; a decode side with another KV dtype is refused by the prefill server, naming the flag."""
+    """--role prefill/decode with both ends in this process: 8-bit values and their scales travel together,
+    pulled through JAX's transfer server and as bytes over the gRPC stream; a decode side with another KV dtype
+    is refused by the prefill server, naming the flag."""
     from jaxserve.disagg_remote import PrefillServer, RemotePrefillEngine
 
     cfg = EngineConfig(model=str(llama), kv_cache_dtype="int8", **SHAPES)
-    server = PrefillServer(cfg, "127.0.0.1", 0)
+    server = PrefillServer(cfg, "127.0.0.1", 0, kv_transfer="jax")
     server.start()
     try:
         url = [f"127.0.0.1:{server.port}"]
-        decode = RemotePrefillEngine(cfg, prefill_urls=url)
-        got = [[c.token_ids for c in o.outputs] for o in _run(decode, PROMPTS[:3], INT8_PARAMS[0])]
-        assert got == _tokens(colocated_int8.generate(PROMPTS[:3], INT8_PARAMS[0]))
-        assert decode.stats()["kv_transfers"] == 3
-        plain = RemotePrefillEngine(dataclasses.replace(cfg, kv_cache_dtype="auto"), prefill_urls=url)
+        decode = RemotePrefillEngine(cfg, prefill_urls=url, kv_transfer="jax")
+        want = _tokens(colocated_int8.generate(PROMPTS[:3], INT8_PARAMS[0]))
+        # Pulled through JAX's transfer server (values and scales as two arrays), then over the byte stream.
+        assert [[c.token_ids for c in o.outputs] for o in _run(decode, PROMPTS[:3], INT8_PARAMS[0])] == want
+        assert decode.stats()["kv_transfer_pulls"] == 3 and server.engine.stats()["kv_transfer_offers"] == 3
+        decode.remote.transfer = None
+        assert [[c.token_ids for c in o.outputs] for o in _run(decode, PROMPTS[:3], INT8_PARAMS[0])] == want
+        assert decode.stats()["kv_transfers"] == 6 and decode.stats()["kv_transfer_pulls"] == 3
+        plain = RemotePrefillEngine(dataclasses.replace(cfg, kv_cache_dtype="auto"), prefill_urls=url,
+                                    kv_transfer="grpc")
         out = _run(plain, PROMPTS[:1], INT8_PARAMS[0])[0]
         assert out.outputs[0].finish_reason == "error" and "--kv-cache-dtype" in out.error
     finally:

@@ -79,6 +79,11 @@ def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentPar
     d.add_argument("--kv-port", type=int, default=50061, help="--role prefill: the port of its KV service")
     d.add_argument("--prefill-url", default=None,
                    help="--role decode: the prefill processes, HOST:PORT[,HOST:PORT...]")
+    d.add_argument("--kv-transfer", choices=("auto", "jax", "grpc"), default="auto",
+                   help="--role prefill/decode: how KV pages cross: jax (JAX's transfer server; the gRPC stream "
+                        "carries only the control messages), grpc (page bytes over the gRPC stream), auto (jax "
+                        "where this platform's client starts a transfer server, else grpc; both ends must agree "
+                        "to use jax)")
     d.add_argument("--decode-url", default=None,
                    help="--role router: the decode servers, HOST:HTTP_PORT:GRPC_PORT[,...]")
     s.add_argument("--host", default="127.0.0.1", help="address both servers listen on (0.0.0.0: every interface)")
