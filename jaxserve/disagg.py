@@ -138,11 +138,16 @@ class StagedEngine(Engine):
             return outs
         if result.prompt_logprobs:
             self._record_prompt_logprobs(plan, result.prompt_logprobs)
-        update = scheduler.update(plan, [int(t) for t in result.token_ids])
+        runs = result.spec_tokens or {}  # speculation (n-gram, on the decode side): entries emitting several
+        before = {e.seq.seq_id: e.seq.num_output_tokens for e in plan.scheduled}
+        update = scheduler.update(plan, [runs[i] if i in runs else int(t) for i, t in enumerate(result.token_ids)])
         self.structured.accept(update.updated)
         self.stats_counters["steps"] += 1
         self.stats_counters["prefill_steps" if prefill else "decode_steps"] += 1
-        outputs = self._collect(update.finished, update.updated, _logprobs(plan.scheduled, result))
+        logprobs = _logprobs(plan.scheduled, result)
+        for i, lps in (result.spec_logprobs or {}).items():
+            logprobs[plan.scheduled[i].seq.seq_id] = lps
+        outputs = self._collect(update.finished, update.updated, logprobs, before=before)
         # A finished sequence's penalty row goes back now, not when its request ends: a sibling may still be on the
         # other side, and this stage's rows are only enough for its own running sequences.
         executor.release([s for s in (*update.updated, *update.finished) if s.is_finished], finished=False)
@@ -174,7 +179,8 @@ class DisaggregatedEngine(StagedEngine):
         base = dataclasses.replace(config, prefill_mesh=None, decode_mesh=None)
         # The decode side needs no prefix cache: every sequence arrives with its KV computed.
         decode_config = dataclasses.replace(base, mesh=config.decode_mesh, enable_prefix_caching=False)
-        prefill_config = dataclasses.replace(base, mesh=config.prefill_mesh)
+        # Speculation (n-gram) verifies decodes: the decode side's; the prefill side runs prompts only.
+        prefill_config = dataclasses.replace(base, mesh=config.prefill_mesh, speculative_config=None)
         factory = executor_factory or Executor
         super().__init__(decode_config, executor_factory=functools.partial(
             factory, devices=devices[n_prefill:n_prefill + n_decode]))

@@ -90,8 +90,8 @@ class PrefillEngine(Engine):
 
     def __init__(self, config: EngineConfig, **kwargs):
         if config.speculative_config is not None:
-            raise ValueError("speculative_config cannot be combined with --role prefill/decode (disaggregated "
-                             "serving does not verify drafts)")
+            raise ValueError("speculative_config: speculation verifies decodes, which run on the decode side; start "
+                             "the prefill process without --speculative-config")
         super().__init__(config, **kwargs)
         self.reader = PageReader(self.executor.runner)
         self.transfer = None  # a JaxTransfer, set by the server
@@ -498,9 +498,10 @@ class RemotePrefillEngine(StagedEngine):
     """The decode process's engine: prompts prefilled by prefill processes, decodes run here (module doc)."""
 
     def __init__(self, config: EngineConfig, prefill_urls: list[str], kv_transfer: str = "auto", **kwargs):
-        if config.speculative_config is not None:
-            raise ValueError("speculative_config cannot be combined with --role prefill/decode (disaggregated "
-                             "serving does not verify drafts)")
+        if config.speculative_config is not None and config.speculative_config.model:
+            raise ValueError("speculative_config: a draft model cannot be used by a decode process (it would need "
+                             "the prompt's KV in the draft's pool too, which prefill processes do not compute); use "
+                             "method 'ngram'")
         super().__init__(config, **kwargs)
         from jaxserve import kv_transfer as kvt
 
