@@ -102,6 +102,16 @@ def test_forwarding_matches_colocated_and_cancels(request, cluster):
     while aborted() == before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert aborted() == before + 1
+    with grpc.insecure_channel(router.grpc) as ch:  # and a cancelled gRPC call
+        call = pb_grpc.JaxServeStub(ch).Generate(pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=PROMPT_IDS),
+            sampling_params=pb.SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True)), timeout=60)
+        next(call)
+        call.cancel()
+    deadline = time.monotonic() + 30
+    while aborted() == before + 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert aborted() == before + 2
     for d in decodes:
         assert pages_idle(d.wait_metrics(pages_idle, timeout=30))
 
