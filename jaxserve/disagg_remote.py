@@ -497,7 +497,8 @@ class _RemoteStages:
 class RemotePrefillEngine(StagedEngine):
     """The decode process's engine: prompts prefilled by prefill processes, decodes run here (module doc)."""
 
-    def __init__(self, config: EngineConfig, prefill_urls: list[str], kv_transfer: str = "auto", **kwargs):
+    def __init__(self, config: EngineConfig, prefill_urls: list[str], kv_transfer: str = "auto",
+                 transfer_host: str = "127.0.0.1", **kwargs):
         if config.speculative_config is not None and config.speculative_config.model:
             raise ValueError("speculative_config: a draft model cannot be used by a decode process (it would need "
                              "the prompt's KV in the draft's pool too, which prefill processes do not compute); use "
@@ -505,7 +506,7 @@ class RemotePrefillEngine(StagedEngine):
         super().__init__(config, **kwargs)
         from jaxserve import kv_transfer as kvt
 
-        self.remote = RemotePrefill(prefill_urls, self, kvt.start(kv_transfer, "127.0.0.1"))
+        self.remote = RemotePrefill(prefill_urls, self, kvt.start(kv_transfer, transfer_host))
         self.decode_scheduler = self.scheduler
         self.scheduler = _RemoteStages(self.remote, self.decode_scheduler)
         self.writer = PageWriter(self.executor.runner)
