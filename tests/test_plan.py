@@ -277,3 +277,20 @@ def test_mixed_window_model_is_planned_per_layer(tmp_path):
                                  num_pages=64)
     assert (sc.local_window, sc.local_pages) == (planned["local_window"], planned["local_pages"])
     assert None in cfg.sliding_windows and planned["layer_windows"] == cfg.sliding_windows
+
+    # Sized from a memory budget, the engine's global pool gets the pages the planner counts, more than pricing
+    # every page at every layer's bytes would give, and both pools together fit the budget.
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.kv_cache import bytes_per_token
+
+    per_token = bytes_per_token(cfg, jnp.float32)
+    budget = 24 * 4 * per_token  # 24 pages of every layer
+    sized = Engine(EngineConfig(model=str(path), page_size=4, max_model_len=64, max_num_seqs=4,
+                                max_num_batched_tokens=16, cpu_kv_cache_gib=budget / 2**30, warmup=False,
+                                compilation_cache_dir=None, dtype="float32"))
+    fields = plan.window_fields(cfg.sliding_windows, page_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    pages = sized.executor.cache_config.num_pages
+    assert pages == plan.pool_pages(budget, per_token, 4, fields) > 24
+    assert sum(a.nbytes for a in jax.tree.leaves(sized.executor.runner.kv_cache)) <= budget
