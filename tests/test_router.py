@@ -52,6 +52,48 @@ def test_parse_decode_urls():
             parse_decode_urls(bad)
 
 
+def test_pool_probes_back_off_and_picks_the_least_loaded():
+    """Liveness and choice without processes: /health answers come from an httpx mock transport."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from jaxserve import router as rt
+
+    answers = {"a:1": [httpx.ConnectError("refused")] * 3 + [200], "b:1": [503, 200]}
+
+    def health(req: httpx.Request) -> httpx.Response:
+        a = answers[req.url.netloc.decode()].pop(0)
+        if isinstance(a, Exception):
+            raise a
+        return httpx.Response(a, json={"status": "ok" if a == 200 else "starting"})
+
+    async def run():
+        pool = rt.Pool([("http://a:1", "a:2"), ("http://b:1", "b:2")], CollectorRegistry())
+        a, b = pool.backends
+        with pytest.raises(rt.NoBackend, match=r"no decode server is reachable \(a:1: not probed yet; b:1"):
+            pool.pick("http")
+        async with httpx.AsyncClient(transport=httpx.MockTransport(health)) as client:
+            backoffs = []
+            for _ in range(3):  # unreachable: each failed probe doubles the wait before the next
+                before = time.monotonic()
+                await pool._probe(client, a)
+                backoffs.append(round(a.next_probe - before, 1))
+            assert backoffs == [0.5, 1.0, 2.0] and not a.live and "ConnectError: refused" in a.reason
+            await pool._probe(client, b)  # answers but is not ready: probed again in a second, no back-off
+            assert not b.live and b.reason == "health 503 (starting)" and b.backoff == rt.BACKOFF_MIN_S
+            await pool._probe(client, a)
+            await pool._probe(client, b)
+        assert a.live and b.live and a.backoff == rt.BACKOFF_MIN_S
+        with pool.use(a):  # the one with fewer requests in flight; equals in turn
+            assert {pool.pick("http").name for _ in range(4)} == {"b:1"}
+        assert {pool.pick("http").name for _ in range(4)} == {"a:1", "b:1"}
+        for x in pool.backends:
+            await x.channel.close()
+
+    asyncio.run(run())
+
+
 def test_forwarding_matches_colocated_and_cancels(request, cluster):
     _, decodes, router = cluster
     client = openai.OpenAI(base_url=router.http + "/v1", api_key="unused", max_retries=0)
