@@ -210,14 +210,11 @@ class _Relay(Response):
             try:
                 async for chunk in self.upstream.aiter_raw():
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                outcome = "ok"
+                self.router.pool.requests.labels(self.backend.name, "http", "ok").inc()
             except httpx.TransportError as e:
                 message = self.router.failed(self.backend, _reason(e), "http")
                 await send({"type": "http.response.body", "more_body": True,
                             "body": f"data: {json.dumps(_error_body(message, 500))}\n\ndata: [DONE]\n\n".encode()})
-                outcome = None
-            if outcome:
-                self.router.pool.requests.labels(self.backend.name, "http", "ok").inc()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         relayer = asyncio.ensure_future(relay())
