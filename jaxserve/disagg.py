@@ -138,11 +138,16 @@ class StagedEngine(Engine):
             return outs
         if result.prompt_logprobs:
             self._record_prompt_logprobs(plan, result.prompt_logprobs)
-        update = scheduler.update(plan, [int(t) for t in result.token_ids])
+        runs = result.spec_tokens or {}  # speculation (n-gram, on the decode side): entries emitting several
+        before = {e.seq.seq_id: e.seq.num_output_tokens for e in plan.scheduled}
+        update = scheduler.update(plan, [runs[i] if i in runs else int(t) for i, t in enumerate(result.token_ids)])
         self.structured.accept(update.updated)
         self.stats_counters["steps"] += 1
         self.stats_counters["prefill_steps" if prefill else "decode_steps"] += 1
-        outputs = self._collect(update.finished, update.updated, _logprobs(plan.scheduled, result))
+        logprobs = _logprobs(plan.scheduled, result)
+        for i, lps in (result.spec_logprobs or {}).items():
+            logprobs[plan.scheduled[i].seq.seq_id] = lps
+        outputs = self._collect(update.finished, update.updated, logprobs, before=before)
         # A finished sequence's penalty row goes back now, not when its request ends: a sibling may still be on the
         # other side, and this stage's rows are only enough for its own running sequences.
         executor.release([s for s in (*update.updated, *update.finished) if s.is_finished], finished=False)
@@ -174,7 +179,8 @@ class DisaggregatedEngine(StagedEngine):
         base = dataclasses.replace(config, prefill_mesh=None, decode_mesh=None)
         # The decode side needs no prefix cache: every sequence arrives with its KV computed.
         decode_config = dataclasses.replace(base, mesh=config.decode_mesh, enable_prefix_caching=False)
-        prefill_config = dataclasses.replace(base, mesh=config.prefill_mesh)
+        # Speculation (n-gram) verifies decodes: the decode side's; the prefill side runs prompts only.
+        prefill_config = dataclasses.replace(base, mesh=config.prefill_mesh, speculative_config=None)
         factory = executor_factory or Executor
         super().__init__(decode_config, executor_factory=functools.partial(
             factory, devices=devices[n_prefill:n_prefill + n_decode]))
@@ -262,41 +268,42 @@ class DisaggregatedEngine(StagedEngine):
         return info
 
 
-def _plain_pool(runner) -> None:
-    """Refuse a pool the page copy cannot move yet: 8-bit pages carry per-token scales beside their values."""
-    if isinstance(runner.kv_cache[0][0], QuantizedPages):
-        raise ValueError("kv_cache_dtype: prefill/decode disaggregation moves unquantized KV pages only; use "
-                         "kv_cache_dtype='auto' with it")
+def _parts(pages) -> tuple:
+    """The arrays one layer's K (or V) pool keeps: its values, and an 8-bit pool's scales after them."""
+    return (pages.values, pages.scales) if isinstance(pages, QuantizedPages) else (pages,)
 
 
 class PageReader:
-    """Takes a sequence's KV pages out of a runner's pool into one compact array on that runner's mesh.
+    """Takes a sequence's KV pages out of a runner's pool into compact arrays on that runner's mesh.
 
-    One jitted gather over every layer (the windowed layers read the model's windowed pool where it has one):
-    ``[layers, 2 (K, V), cache heads, pages, page_size, head_dim]``, heads split over ``tensor`` as in the cache,
-    pages whole. Page counts are padded to powers of two so few shapes compile (padded rows read page 0).
+    One jitted gather over every layer (the windowed layers read the model's windowed pool where it has one)
+    into a tuple of ``[layers, 2 (K, V), cache heads, pages, page_size, head_dim]`` arrays: the values, and for
+    an 8-bit pool its scales (``head_dim`` 1) after them, so the scales move with the values they belong to.
+    Heads split over ``tensor`` as in the cache, pages whole. Page counts are padded to powers of two so few
+    shapes compile (padded rows read page 0).
     """
 
     def __init__(self, runner):
-        _plain_pool(runner)
         self.runner = runner
         cfg = runner.cfg
         self.local = [uses_local_pool(cfg, runner.cache_cfg, layer) for layer in range(cfg.num_layers)]
-        spec = runner.kv_cache[0][0].sharding.spec
+        spec = _parts(runner.kv_cache[0][0])[0].sharding.spec
         self.heads = int(runner.kv_cache[0][0].shape[0])
+        sharding = NamedSharding(runner.mesh, PartitionSpec(None, None, _first(spec)))
         self._gather = jax.jit(self._gather_fn,
-                               out_shardings=NamedSharding(runner.mesh, PartitionSpec(None, None, _first(spec))))
+                               out_shardings=tuple(sharding for _ in _parts(runner.kv_cache[0][0])))
 
     def _gather_fn(self, cache, full_ids, local_ids):
-        out = []
+        out = [[] for _ in _parts(cache[0][0])]
         for (k, v), local in zip(cache, self.local):
             ids = local_ids if local else full_ids
-            out.append(jnp.stack([k[:, ids], v[:, ids]]))
-        return jnp.stack(out)
+            for part, kp, vp in zip(out, _parts(k), _parts(v)):
+                part.append(jnp.stack([kp[:, ids], vp[:, ids]]))
+        return tuple(jnp.stack(part) for part in out)
 
     def read(self, replica: int, holder: PageHolder, num_tokens: int):
-        """(staged array, table positions of its full-pool rows, of its windowed-pool rows, bytes of KV): the
-        pages holding ``holder``'s first ``num_tokens`` tokens that it still holds."""
+        """(staged arrays, table positions of their full-pool rows, of their windowed-pool rows, bytes of KV
+        (scales included)): the pages holding ``holder``'s first ``num_tokens`` tokens that it still holds."""
         cc = self.runner.cache_cfg
         held = -(-num_tokens // cc.page_size)
         full = [i for i, p in enumerate(holder.page_table[:held]) if p != RELEASED]
@@ -306,24 +313,24 @@ class PageReader:
         staged = self._gather(self.runner.kv_cache,
                               _ids([holder.page_table[i] for i in full], width, replica * cc.pages_per_replica, 0),
                               _ids([holder.local_page_table[i] for i in local], width, replica * local_per, 0))
-        per_layer_page = staged.nbytes // (width * len(self.local))
+        per_layer_page = sum(a.nbytes for a in staged) // (width * len(self.local))
         nbytes = per_layer_page * sum(len(local) if lo else len(full) for lo in self.local)
         return staged, full, local, int(nbytes)
 
 
 class PageWriter:
-    """Writes pages taken by a ``PageReader`` (of any runner of the same model, any mesh) into this runner's
-    pool: ``jax.device_put`` onto this mesh, then a jitted scatter (cache donated) into the sequence's pages.
-    Cache heads are remapped when the reader's mesh stores the model's KV heads differently (another
-    ``tensor`` size); rows for pages this pool released behind a window, and padded rows, are dropped."""
+    """Writes pages taken by a ``PageReader`` (of any runner of the same model and KV cache dtype, any mesh)
+    into this runner's pool: ``jax.device_put`` onto this mesh, then a jitted scatter (cache donated) into the
+    sequence's pages, an 8-bit pool's scales with its values. Cache heads are remapped when the reader's mesh
+    stores the model's KV heads differently (another ``tensor`` size); rows for pages this pool released behind
+    a window, and padded rows, are dropped."""
 
     def __init__(self, runner):
-        _plain_pool(runner)
         self.runner = runner
         cfg = runner.cfg
         self.local = [uses_local_pool(cfg, runner.cache_cfg, layer) for layer in range(cfg.num_layers)]
         self.heads = int(runner.kv_cache[0][0].shape[0])
-        self._head_spec = _first(runner.kv_cache[0][0].sharding.spec)
+        self._head_spec = _first(_parts(runner.kv_cache[0][0])[0].sharding.spec)
         self._scatters: dict[int, object] = {}
 
     def staging(self, src_heads: int) -> NamedSharding:
@@ -339,27 +346,43 @@ class PageWriter:
             # This cache's head c holds model head c * kv // heads; take it from a source head holding it.
             head_map = np.array([(c * kv // self.heads) * src_heads // kv for c in range(self.heads)], np.int32)
 
+            def put(pages, rows, ids):
+                if isinstance(pages, QuantizedPages):  # rows: (values, scales), stored as they were
+                    return QuantizedPages(pages.values.at[:, ids].set(rows[0], mode="drop"),
+                                          pages.scales.at[:, ids].set(rows[1], mode="drop"), pages.dtype)
+                return pages.at[:, ids].set(rows[0].astype(pages.dtype), mode="drop")
+
             def scatter(cache, staged, full_ids, local_ids):
                 if src_heads != self.heads:
-                    staged = staged[:, :, head_map]
+                    staged = tuple(a[:, :, head_map] for a in staged)
                 out = []
                 for layer, ((k, v), local) in enumerate(zip(cache, self.local)):
                     ids = local_ids if local else full_ids
-                    out.append((k.at[:, ids].set(staged[layer, 0].astype(k.dtype), mode="drop"),
-                                v.at[:, ids].set(staged[layer, 1].astype(v.dtype), mode="drop")))
+                    out.append((put(k, [a[layer, 0] for a in staged], ids),
+                                put(v, [a[layer, 1] for a in staged], ids)))
                 return out
 
             fn = self._scatters[src_heads] = jax.jit(
                 scatter, donate_argnums=(0,), out_shardings=jax.tree.map(lambda a: a.sharding, self.runner.kv_cache))
         return fn
 
+    def check(self, dtypes: list) -> None:
+        """ValueError unless pages of these part dtypes (values first, then any scales) fit this pool."""
+        mine = [a.dtype for a in _parts(self.runner.kv_cache[0][0])]
+        quantized = len(mine) == 2
+        if len(dtypes) != len(mine) or (quantized and jnp.dtype(dtypes[0]) != mine[0]):
+            raise ValueError(f"kv_cache_dtype: the pages sent are {_kind(dtypes)}, this pool is {_kind(mine)}; "
+                             "both sides need the same --kv-cache-dtype")
+
     def write(self, staged, full: list[int], local: list[int], replica: int, seq: Sequence):
-        """Dispatch the write of ``staged`` (a jax array on any mesh, or a NumPy array) into ``seq``'s tables
-        at positions ``full``/``local``; returns the staged array as placed on this mesh."""
+        """Dispatch the write of ``staged`` (a ``PageReader``'s tuple of jax arrays on any mesh, or of NumPy
+        arrays) into ``seq``'s tables at positions ``full``/``local``; returns the staged arrays as placed on
+        this mesh."""
+        self.check([a.dtype for a in staged])
         cc = self.runner.cache_cfg
-        width = staged.shape[3]
-        src_heads = int(staged.shape[2])
-        moved = jax.device_put(staged, self.staging(src_heads))
+        width = staged[0].shape[3]
+        src_heads = int(staged[0].shape[2])
+        moved = tuple(jax.device_put(a, self.staging(src_heads)) for a in staged)
         local_per = cc.num_local_pages // cc.num_replicas if cc.num_local_pages else 0
         full_ids = _ids([seq.page_table[i] for i in full], width, replica * cc.pages_per_replica, cc.num_pages,
                         released=cc.num_pages)
@@ -381,7 +404,11 @@ class KVMover:
         on the destination mesh (ready once the pages have left the source) and the bytes of KV moved."""
         staged, full, local, nbytes = self.reader.read(src_replica, holder, seq.num_computed_tokens)
         moved = self.writer.write(staged, full, local, dst_replica, seq)
-        return [moved], nbytes
+        return list(moved), nbytes
+
+
+def _kind(dtypes: list) -> str:
+    return f"{jnp.dtype(dtypes[0]).name} with scales" if len(dtypes) == 2 else "unquantized"
 
 
 def _first(spec: PartitionSpec):

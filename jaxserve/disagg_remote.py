@@ -3,16 +3,17 @@
 A prefill process (``--role prefill --kv-port P``) runs an engine on its own devices and serves one gRPC method,
 ``jaxserve.disagg.v1.Prefill/Run``: given a prompt, its sampling parameters and the request's index, it runs
 the prompt (chunked, with prefix caching), samples the first token exactly as the colocated engine would, and
-streams back a JSON header (the token, its logprobs, a finish reason if the token ended the request, the KV
-layout) followed by the KV pages' bytes in chunks of at most ``CHUNK_BYTES``. The pages are read out of its
-pool with one gather and one device-to-host copy, and freed as soon as that copy has landed on the host.
+streams back a JSON header (the token, its logprobs and prompt logprobs, a finish reason if the token ended the
+request, the KV layout). The pages are read out of its pool with one gather and freed once it has run; then
+either offered to JAX's transfer server, the header naming the offer (``jaxserve/kv_transfer.py``, when both
+sides run one: ``--kv-transfer``), or copied to the host and streamed after the header in chunks of at most
+``CHUNK_BYTES``.
 
 The decode process (``--role decode --prefill-url HOST:P[,HOST:P...]``) is the front door: clients speak the
 usual OpenAI and gRPC APIs to it. Its engine (``RemotePrefillEngine``) sends each new request to a prefill
 process (round robin over the live ones), emits the first token when it arrives, writes the received pages
-into its own pool (``PageWriter``: ``jax.device_put`` of the bytes, one scatter) once it has room, and decodes
-with continuous batching. On CPU this gRPC byte stream is the transfer; JAX's cross-process device transfer is
-not used.
+into its own pool (``PageWriter``: ``jax.device_put`` onto its mesh, one scatter) once it has room, and decodes
+with continuous batching. Pulled pages are fetched by the call's receiving thread, before the engine sees them.
 
 Failure and load: a prefill call that fails ends its request with an error naming the prefill server; a
 server that cannot be reached is skipped for ``RETRY_DEAD_S`` seconds, and with none left new requests are
@@ -33,6 +34,8 @@ import threading
 import time
 from collections import deque
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.async_engine import take_all
@@ -41,7 +44,7 @@ from jaxserve.engine import Engine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.outputs import RequestOutput
 from jaxserve.request_stream import EngineNotReady
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, sequence_seed
 from jaxserve.sequence import Sequence
 from jaxserve.structured_output import StructuredOutputsParams
 
@@ -80,25 +83,34 @@ def params_from_json(d: dict) -> SamplingParams:
 # ---- the prefill process ---------------------------------------------------------------------------------------
 class PrefillEngine(Engine):
     """An ``Engine`` that only prefills: after each step, sequences whose first token was sampled (and that it
-    did not finish) leave it with their KV pages as NumPy bytes (``step`` returns them as hand-offs)."""
+    did not finish) leave it with their KV pages (``step_prefill`` returns them as hand-offs): offered to JAX's
+    transfer server (``transfer``) for requests whose decode side pulls them, else as NumPy bytes."""
 
     steps_async = False  # a sequence leaves once its first token is on the host, before any further step
 
     def __init__(self, config: EngineConfig, **kwargs):
         if config.speculative_config is not None:
-            raise ValueError("speculative_config cannot be combined with --role prefill/decode (disaggregated "
-                             "serving does not verify drafts)")
+            raise ValueError("speculative_config: speculation verifies decodes, which run on the decode side; start "
+                             "the prefill process without --speculative-config")
         super().__init__(config, **kwargs)
         self.reader = PageReader(self.executor.runner)
+        self.transfer = None  # a JaxTransfer, set by the server
+        self._pulled: set[str] = set()  # request ids whose pages the decode side pulls through it
+        self.stats_counters.update(kv_transfer_offers=0)
 
-    def add_prefill(self, request_id: str, ids: list[int], params: SamplingParams, request_index: int) -> None:
-        if params.n != 1:
+    def add_prefill(self, request_id: str, ids: list[int], params: SamplingParams, request_index: int,
+                    pull: bool = False) -> None:
+        if params.n != 1:  # the decode process sends each of a request's n outputs as its own call
             raise ValueError(f"n={params.n}: a prefill process serves one sequence per request")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not served across processes (use the one-process engine)")
         self.add_request(request_id, ids, params)
         for seq in self.scheduler.get_request(request_id):
             seq.request_index = request_index  # the decode side's: seeds of unseeded sampling depend on it
+        if pull and self.transfer is not None:
+            self._pulled.add(request_id)
+
+    def abort_request(self, request_id: str, reason: str = "abort", **kwargs):
+        self._pulled.discard(request_id)
+        return super().abort_request(request_id, reason, **kwargs)
 
     def step_prefill(self) -> tuple[list[RequestOutput], list[tuple[str, dict, bytes]]]:
         outputs = self.step()
@@ -110,25 +122,39 @@ class PrefillEngine(Engine):
             seq = req.seqs[0]
             replica, holder = self.scheduler.detach(seq)
             staged, full, local, nbytes = self.reader.read(replica, holder, seq.num_computed_tokens)
-            host = np.ascontiguousarray(np.asarray(staged))  # the device-to-host copy has landed ...
+            pull = out.request_id in self._pulled
+            self._pulled.discard(out.request_id)
+            if pull:
+                jax.block_until_ready(staged)  # the gather has run: its copy no longer needs the pool ...
+            else:
+                staged = [np.ascontiguousarray(np.asarray(a)) for a in staged]  # (or the copy to the host)
             self.scheduler.replicas[replica].block_manager.free(holder)  # ... so the pages are free again
             self.executor.release([seq])
             self.structured.release([seq])
             del self._requests[out.request_id]
-            kv = {"shape": list(host.shape), "dtype": str(host.dtype), "full": full, "local": local,
-                  "nbytes": nbytes, "num_cached_tokens": seq.num_cached_tokens}
-            handoffs.append((out.request_id, kv, host.tobytes()))
+            kv = {"parts": [{"shape": list(a.shape), "dtype": jnp.dtype(a.dtype).name} for a in staged],
+                  "full": full, "local": local, "nbytes": nbytes, "num_cached_tokens": seq.num_cached_tokens}
+            if pull:
+                kv["pull"] = self.transfer.offer(staged)
+                self.stats_counters["kv_transfer_offers"] += 1
+                data = b""
+            else:
+                data = b"".join(a.tobytes() for a in staged)
+            handoffs.append((out.request_id, kv, data))
         return outputs, handoffs
 
 
 class PrefillServer:
     """The prefill process's gRPC service around a ``PrefillEngine`` stepped by one thread."""
 
-    def __init__(self, config: EngineConfig, host: str, port: int, engine_factory=None):
+    def __init__(self, config: EngineConfig, host: str, port: int, engine_factory=None, kv_transfer: str = "auto"):
         import grpc
+
+        from jaxserve import kv_transfer as kvt
 
         self.config = config
         self.engine = (engine_factory or PrefillEngine)(config)
+        self.engine.transfer = kvt.start(kv_transfer, host)
         self.stats = self.engine.stats()  # the engine's latest, refreshed by its thread after each iteration
         self._intake: queue.Queue = queue.Queue()
         self._streams: dict[str, queue.Queue] = {}
@@ -164,6 +190,10 @@ class PrefillServer:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"engine seed {msg['engine_seed']} differs from this prefill server's --seed "
                           f"{self.config.seed}; start both with the same --seed")
+        if msg.get("kv_cache_dtype", "auto") != self.config.kv_cache_dtype:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"kv_cache_dtype {msg.get('kv_cache_dtype', 'auto')!r} differs from this prefill server's "
+                          f"--kv-cache-dtype {self.config.kv_cache_dtype!r}; start both with the same one")
         rid = str(msg["request_id"])
         out: queue.Queue = queue.Queue()
         self._intake.put(("add", rid, msg, out))
@@ -189,7 +219,8 @@ class PrefillServer:
                 if kind == "add":
                     try:
                         engine.add_prefill(rid, [int(t) for t in msg["prompt_token_ids"]],
-                                           params_from_json(msg["params"]), int(msg["request_index"]))
+                                           params_from_json(msg["params"]), int(msg["request_index"]),
+                                           pull=msg.get("kv_transfer") == "jax")
                         self._streams[rid] = out
                     except Exception as e:  # noqa: BLE001 - reported to the caller
                         out.put(e if isinstance(e, ValueError) else RuntimeError(f"{type(e).__name__}: {e}"))
@@ -220,6 +251,9 @@ class PrefillServer:
                           "error": o.error,
                           "logprobs": {str(k): v for k, v in lps.items()} if lps else None,
                           "num_cached_tokens": int(o.metrics.num_cached_tokens or 0) if o.metrics else 0}
+                if o.prompt_logprobs is not None:
+                    header["prompt_logprobs"] = [None if e is None else {str(k): v for k, v in e.items()}
+                                                 for e in o.prompt_logprobs]
                 meta, data = kv.get(o.request_id, (None, b""))
                 if meta is None and not o.finished:
                     continue
@@ -237,9 +271,11 @@ def serve_prefill(args) -> int:
     """``jaxserve serve --role prefill``: the prefill service until SIGTERM/SIGINT."""
     import signal
 
-    server = PrefillServer(args.engine_config, args.host, args.kv_port)
+    server = PrefillServer(args.engine_config, args.host, args.kv_port, kv_transfer=args.kv_transfer)
     server.start()
-    print(f"jaxserve prefill ready: kv=grpc://{args.host}:{server.port} path={server.engine.model_path}", flush=True)
+    t = server.engine.transfer
+    print(f"jaxserve prefill ready: kv=grpc://{args.host}:{server.port} "
+          f"transfer={'jax://' + t.address if t else 'grpc'} path={server.engine.model_path}", flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
@@ -257,6 +293,7 @@ class _Remote:
     call: object = None
     result: dict | None = None  # the header, once received
     data: bytes = b""
+    arrays: tuple | None = None  # the pages, pulled through JAX's transfer server
     sent: float = 0.0
     landed: float = 0.0
 
@@ -275,15 +312,17 @@ class _Endpoint:
 class RemotePrefill:
     """The decode process's prefill stage: sequences sent to prefill processes, and their results."""
 
-    def __init__(self, urls: list[str], engine: RemotePrefillEngine):
+    def __init__(self, urls: list[str], engine: RemotePrefillEngine, transfer=None):
         if not urls:
             raise ValueError("prefill_url: a decode process needs at least one prefill server (HOST:PORT)")
         self.endpoints = [_Endpoint(u) for u in urls]
         self.engine = engine
+        self.transfer = transfer  # a JaxTransfer: pages are pulled through it, not sent over the stream
         self.queue: deque[_Remote] = deque()  # not sent yet
         self.calls: dict[int, _Remote] = {}  # seq_id -> sent, or received and waiting for room
         self.results: queue.Queue = queue.Queue()
         self._rr = itertools.count()
+        self._pinned: dict[str, _Endpoint] = {}  # request id -> where its first output went: its siblings follow
 
     # the Scheduler-like interface of a stage
     def live(self) -> list[_Endpoint]:
@@ -292,10 +331,6 @@ class RemotePrefill:
 
     def add(self, seq: Sequence) -> list[Sequence]:
         p = seq.sampling_params
-        if p.n != 1:
-            raise ValueError(f"n={p.n}: a decode process with prefill servers serves n=1 requests")
-        if p.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not served across processes (use the one-process engine)")
         limit = self.engine.max_model_len
         if seq.num_prompt_tokens >= limit:
             raise ValueError(f"prompt_token_ids has {seq.num_prompt_tokens} tokens; max_model_len={limit} leaves "
@@ -306,8 +341,10 @@ class RemotePrefill:
         if not self.live():
             reasons = "; ".join(f"{e.url}: {e.last_error}" for e in self.endpoints)
             raise EngineNotReady(f"no prefill server is reachable ({reasons})")
-        self.queue.append(_Remote(seq, time.monotonic()))
-        return [seq]
+        seqs = [seq] + [seq.make_sibling(i) for i in range(1, p.n)]  # each of the n outputs is its own call
+        now = time.monotonic()
+        self.queue.extend(_Remote(s, now) for s in seqs)
+        return seqs
 
     def holds(self, seq: Sequence) -> bool:
         return seq.seq_id in self.calls or any(r.seq is seq for r in self.queue)
@@ -328,6 +365,8 @@ class RemotePrefill:
         if r is not None and r.call is not None and r.result is None:
             r.call.cancel()  # the prefill process aborts the request and frees its pages
         seq.set_finished(reason, stop_reason)
+        if not self.get_request(seq.request_id):
+            self._pinned.pop(seq.request_id, None)
 
     def has_unfinished(self) -> bool:
         return bool(self.queue or self.calls)
@@ -354,16 +393,31 @@ class RemotePrefill:
                     self.results.put((r, RuntimeError("no prefill server is reachable (" + "; ".join(
                         f"{e.url}: {e.last_error}" for e in self.endpoints) + ")")))
                 return
-            ep = live[next(self._rr) % len(live)]
             r = self.queue.popleft()
-            r.url, r.sent = ep.url, time.monotonic()
-            self.calls[r.seq.seq_id] = r
             seq = r.seq
+            ep = self._pinned.pop(seq.request_id, None) if seq.index else None  # the prompt's pages are there
+            if ep is None or ep not in live:
+                ep = live[next(self._rr) % len(live)]
+            if seq.index + 1 < seq.sampling_params.n:
+                self._pinned[seq.request_id] = ep
+            r.url, r.sent = ep.url, time.monotonic()
+            self.calls[seq.seq_id] = r
             msg = {"request_id": f"{seq.request_id}#{seq.seq_id}", "prompt_token_ids": seq.prompt_token_ids,
-                   "params": params_to_json(seq.sampling_params), "request_index": seq.request_index,
-                   "engine_seed": self.engine.config.seed}
+                   "params": params_to_json(self.call_params(seq)), "request_index": seq.request_index,
+                   "engine_seed": self.engine.config.seed, "kv_cache_dtype": self.engine.config.kv_cache_dtype,
+                   "kv_transfer": "jax" if self.transfer is not None else "grpc"}
             r.call = ep.run(json.dumps(msg).encode())
             threading.Thread(target=self._receive, args=(ep, r), daemon=True).start()
+
+    def call_params(self, seq: Sequence) -> SamplingParams:
+        """One output's parameters for its prefill call: ``n`` = 1, and the seed the sequence samples with here
+        (``sequence_seed`` of its request and output index) as its explicit seed, so the prefill process samples
+        the first token from the same stream; prompt logprobs are asked of the first output only."""
+        p = seq.sampling_params
+        seed = sequence_seed(p, engine_seed=self.engine.config.seed, request_index=seq.request_index,
+                             sample_index=seq.index)
+        return dataclasses.replace(p, n=1, seed=seed - (1 << 64) if seed >= 1 << 63 else seed,
+                                   prompt_logprobs=p.prompt_logprobs if seq.index == 0 else None)
 
     def _receive(self, ep: _Endpoint, r: _Remote) -> None:
         import grpc
@@ -373,6 +427,14 @@ class RemotePrefill:
             header = json.loads(next(it))
             chunks = [c for c in it]
             r.data = b"".join(chunks)
+            kv = header.get("kv") or {}
+            if kv.get("pull"):
+                try:
+                    r.arrays = self.transfer.pull(kv["pull"], kv["parts"], ep.url.rpartition(":")[0])
+                except Exception as e:  # noqa: BLE001 - the request fails with the reason
+                    self.results.put((r, RuntimeError(f"pulling the KV pages from the prefill server at {ep.url} "
+                                                      f"failed: {type(e).__name__}: {e}")))
+                    return
             r.result = header
             r.landed = time.monotonic()
             self.results.put((r, None))
@@ -435,18 +497,24 @@ class _RemoteStages:
 class RemotePrefillEngine(StagedEngine):
     """The decode process's engine: prompts prefilled by prefill processes, decodes run here (module doc)."""
 
-    def __init__(self, config: EngineConfig, prefill_urls: list[str], **kwargs):
-        if config.speculative_config is not None:
-            raise ValueError("speculative_config cannot be combined with --role prefill/decode (disaggregated "
-                             "serving does not verify drafts)")
+    def __init__(self, config: EngineConfig, prefill_urls: list[str], kv_transfer: str = "auto",
+                 transfer_host: str = "127.0.0.1", **kwargs):
+        if config.speculative_config is not None and config.speculative_config.model:
+            raise ValueError("speculative_config: a draft model cannot be used by a decode process (it would need "
+                             "the prompt's KV in the draft's pool too, which prefill processes do not compute); use "
+                             "method 'ngram'")
         super().__init__(config, **kwargs)
-        self.remote = RemotePrefill(prefill_urls, self)
+        from jaxserve import kv_transfer as kvt
+
+        self.remote = RemotePrefill(prefill_urls, self, kvt.start(kv_transfer, transfer_host))
         self.decode_scheduler = self.scheduler
         self.scheduler = _RemoteStages(self.remote, self.decode_scheduler)
         self.writer = PageWriter(self.executor.runner)
         self._landed: deque[_Remote] = deque()  # received, waiting for room on this side
+        self._held: list = []  # received before their request's first output (which brings prompt logprobs)
         self.stats_counters.update(kv_transfers=0, kv_transfer_bytes=0, kv_transfer_seconds=0.0,
-                                   kv_transfer_queue_seconds=0.0, decode_steps=0, prefill_steps=0)
+                                   kv_transfer_queue_seconds=0.0, decode_steps=0, prefill_steps=0,
+                                   kv_transfer_pulls=0)
 
     def step(self) -> list[RequestOutput]:
         outputs = self._receive()
@@ -462,11 +530,15 @@ class RemotePrefillEngine(StagedEngine):
 
     def _receive(self) -> list[RequestOutput]:
         outputs = []
+        held, self._held = self._held, []
         while True:
-            try:
-                r, error = self.remote.results.get_nowait()
-            except queue.Empty:
-                return outputs
+            if held:
+                r, error = held.pop(0)
+            else:
+                try:
+                    r, error = self.remote.results.get_nowait()
+                except queue.Empty:
+                    return outputs
             seq = r.seq
             if seq.is_finished or not self.remote.holds(seq):
                 continue  # cancelled meanwhile
@@ -481,11 +553,20 @@ class RemotePrefillEngine(StagedEngine):
                     outputs.append(out)
                 continue
             h = r.result
+            lead = seq.leader
+            if lead is not None and seq.sampling_params.prompt_logprobs is not None and not lead.is_finished \
+                    and not lead.num_output_tokens:
+                self._held.append((r, None))  # the first output carries the prompt's logprobs: it goes first
+                continue
             if h.get("error"):
                 out = self.abort_request(seq.request_id, "error", error=f"prefill server {r.url}: {h['error']}")
                 if out is not None:
                     outputs.append(out)
                 continue
+            req = self._requests.get(seq.request_id)
+            if h.get("prompt_logprobs") is not None and req is not None:
+                req.prompt_logprobs = [None if e is None else {int(k): v for k, v in e.items()}
+                                       for e in h["prompt_logprobs"]]
             seq.append_token(int(h["token"]))
             seq.num_computed_tokens = seq.num_prompt_tokens
             seq.num_cached_tokens = int(h.get("num_cached_tokens") or 0)
@@ -513,8 +594,17 @@ class RemotePrefillEngine(StagedEngine):
             self._landed.popleft()
             self.remote.forget(seq)
             kv = r.result["kv"]
-            host = np.frombuffer(r.data, dtype=np.dtype(kv["dtype"])).reshape(kv["shape"])
-            self.writer.write(host, kv["full"], kv["local"], replica, seq)
+            pages, offset = r.arrays, 0
+            if pages is None:  # bytes from the stream
+                pages = []
+                for part in kv["parts"]:
+                    dtype = jnp.dtype(part["dtype"])  # knows the 8-bit float names NumPy alone does not
+                    count = int(np.prod(part["shape"]))
+                    pages.append(np.frombuffer(r.data, dtype, count, offset).reshape(part["shape"]))
+                    offset += count * dtype.itemsize
+            self.writer.write(tuple(pages), kv["full"], kv["local"], replica, seq)
+            if r.arrays is not None:
+                self.stats_counters["kv_transfer_pulls"] += 1
             now = time.monotonic()
             self.stats_counters["kv_transfers"] += 1
             self.stats_counters["kv_transfer_bytes"] += int(kv["nbytes"])
@@ -529,4 +619,5 @@ class RemotePrefillEngine(StagedEngine):
     def describe(self) -> dict:
         info = super().describe()
         info["prefill_urls"] = [e.url for e in self.remote.endpoints]
+        info["kv_transfer"] = "jax" if self.remote.transfer is not None else "grpc"
         return info

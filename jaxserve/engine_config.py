@@ -114,9 +114,10 @@ class EngineConfig:
         if not isinstance(self.max_pending_transfers, int) or self.max_pending_transfers < 1:
             raise ValueError(f"max_pending_transfers={self.max_pending_transfers!r} must be a positive integer")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        if self.speculative_config is not None and self.prefill_mesh is not None:
-            raise ValueError("speculative_config cannot be combined with prefill_mesh/decode_mesh (disaggregated "
-                             "serving does not verify drafts)")
+        if self.speculative_config is not None and self.speculative_config.model and self.prefill_mesh is not None:
+            raise ValueError("speculative_config: a draft model cannot be combined with prefill_mesh/decode_mesh "
+                             "(the decode side would need the prompt's KV in the draft's pool too); use "
+                             "method 'ngram'")
         for name, choices in (("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS),
                               ("logprobs_mode", LOGPROBS_MODES)):
             if getattr(self, name) not in choices:

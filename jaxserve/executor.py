@@ -180,6 +180,13 @@ class Executor:
         else:  # CPU: cpu_kv_cache_gib is the whole pool, all replicas together
             budget = config.cpu_kv_cache_gib * 2**30 / replicas
             per_page = bytes_per_token(cfg, self.cache_dtype) * page_size
+        if cfg.local_window is not None:  # interleaved: the windowed layers' own pool first, then the global
+            # pool, whose pages hold only the global layers' KV (jaxserve/window_pool.py)
+            windowed = sum(w is not None for w in cfg.sliding_windows) / cfg.num_layers
+            local = window_pages_needed(cfg.local_window, page_size, config.max_num_seqs,
+                                        config.max_num_batched_tokens)
+            budget -= local * per_page * windowed
+            per_page *= 1 - windowed
         if self.config.speculative_config is not None and self.config.speculative_config.model:
             # the draft's pool mirrors the target's pages (jaxserve/spec/drafter.py): one budget for both
             draft = ModelConfig.from_pretrained(resolve_model_path(self.config.speculative_config.model))

@@ -28,6 +28,12 @@ chip, with the cost per million output tokens at that rate and ``--chip-hour-usd
 model: ``calibrate`` measures this machine's steps, ``--aot`` and ``--chip`` are roofline predictions, and
 neither knows the server's network or tokenization time.
 
+Windowed attention is planned per layer: a step's keys read and prompt query-key pairs are averaged over the
+layers (a windowed layer reads at most its window), and so is the KV a disaggregated prompt moves. A model that
+interleaves windowed and global layers (Gemma 2/3) gets the engine's two pools: the windowed layers' own pool,
+sized as the engine sizes it, and a global pool whose pages hold only the global layers' KV (with ``--chip``,
+as many as the HBM left after the weights and the windowed pool holds).
+
 The workload generator draws the same lengths and Poisson arrivals as ``scripts/benchmark_serving.py`` for the
 same ``--seed``, so a simulation can be held against a measured run of the real server.
 """
@@ -142,21 +148,42 @@ class StepFeatures:
 FEATURES = ("constant_s", "per_padded_token_s", "per_padded_key_s", "per_prompt_pair_s")
 
 
+Windows = "int | None | Seq[int | None]"
+
+
+def layer_groups(window) -> tuple[tuple[int | None, float], ...]:
+    """(window, fraction of the layers) pairs: ``window`` is one window for every layer (None: global) or the
+    per-layer windows of a model (``ModelConfig.sliding_windows``; Gemma 2/3 interleave windowed and global)."""
+    if window is None or isinstance(window, int):
+        return ((window, 1.0),)
+    n = len(window)
+    return tuple((w, sum(x == w for x in window) / n) for w in dict.fromkeys(window)) or ((None, 1.0),)
+
+
+def kv_tokens(length: int, window: Windows = None) -> float:
+    """Tokens of KV a ``length``-token sequence holds and a query at its end reads, averaged over the layers
+    (a windowed layer holds and reads at most its window): times the all-layer KV bytes per token, its bytes."""
+    return sum(f * (length if w is None else min(length, w)) for w, f in layer_groups(window))
+
+
 def step_features(plan: SchedulerOutput, shapes: StepShapes, page_size: int,
-                  transferred: frozenset[int] = frozenset(), window: int | None = None) -> StepFeatures:
+                  transferred: frozenset[int] = frozenset(), window: Windows = None) -> StepFeatures:
     """The features of one planned step. ``transferred``: sequence ids whose prompt KV arrived from elsewhere
     (disaggregation): their first step reads the cache and decodes one token instead of computing the prompt.
-    ``window``: a model whose every layer attends to a sliding window reads at most that many keys per query."""
-    decode, new, keys, pairs = True, 0, 0, 0.0
+    ``window``: the attention window of every layer, or the per-layer windows; keys read and query-key pairs
+    are averaged over the layers (a windowed layer reads at most its window per query), so times the all-layer
+    KV bytes per token they give the bytes read."""
+    decode, new, keys, pairs = True, 0, 0.0, 0.0
+    groups = layer_groups(window)
     for e in plan.scheduled:
         n = e.num_new_tokens
         if e.seq.seq_id in transferred and e.num_computed_before == 0:
             n = 1
         new += n
-        keys += e.kv_len if window is None else min(e.kv_len, window)
+        keys += kv_tokens(e.kv_len, window)
         if n > 1:
             decode = False
-            pairs += _causal_pairs(e.kv_len - n, e.kv_len, window)
+            pairs += sum(f * _causal_pairs(e.kv_len - n, e.kv_len, w) for w, f in groups)
     padded = shapes.seq_bucket(len(plan.scheduled)) if decode else shapes.token_bucket(new)
     slots = padded if decode else shapes.prefill_seqs(padded)
     width = shapes.step_pages(decode, max((len(e.page_table) for e in plan.scheduled), default=1))
@@ -319,12 +346,57 @@ class EngineShape:
     page_size: int = 16
     enable_prefix_caching: bool = False
     # Every layer windowed (Mistral-style): pages behind the window are released (the real scheduler's rule) and
-    # steps read at most this many keys. Models interleaving windowed and global layers are planned as global.
+    # steps read at most this many keys.
     attention_window: int | None = None
+    # Windowed and global layers interleaved (Gemma 2/3): the windowed layers' own pool of ``local_pages`` pages
+    # recycled behind ``local_window``, as the engine sizes it (``window_fields``), and each layer's window for
+    # the keys a step reads. ``num_pages`` is then the global layers' pool.
+    local_window: int | None = None
+    local_pages: int = 0
+    layer_windows: tuple[int | None, ...] = ()
 
     def scheduler(self, **overrides) -> Scheduler:
         fields = dataclasses.asdict(self) | overrides
+        del fields["layer_windows"]
         return Scheduler(SchedulerConfig(**fields))
+
+    def shapes(self, max_num_batched_tokens: int | None = None) -> StepShapes:
+        return StepShapes(self.max_num_seqs, max_num_batched_tokens or self.max_num_batched_tokens,
+                          -(-self.max_model_len // self.page_size))
+
+    @property
+    def windows(self) -> Windows:
+        """What ``step_features`` takes: the per-layer windows, else the one window of every layer."""
+        return self.layer_windows or self.attention_window
+
+
+def window_fields(windows: Seq[int | None], *, page_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                  num_pages: int | None = None) -> dict:
+    """``EngineShape`` fields for a model with these per-layer windows, as the engine sets its scheduler up
+    (``Executor``): one window for all layers, or the windowed layers' own pool beside the global one."""
+    from jaxserve.window_pool import window_pages_needed
+
+    windows = tuple(windows)
+    given = [w for w in windows if w is not None]
+    if not given:
+        return {}
+    if len(given) == len(windows):
+        return {"attention_window": max(given)}
+    local = window_pages_needed(max(given), page_size, max_num_seqs, max_num_batched_tokens)
+    return {"local_window": max(given), "local_pages": min(local, num_pages) if num_pages else local,
+            "layer_windows": windows}
+
+
+def pool_pages(kv_bytes: float, kv_bytes_per_token: float, page_size: int, fields: dict) -> int:
+    """Global-pool pages that ``kv_bytes`` of memory hold (``kv_bytes_per_token``: every layer's), after the
+    windowed layers' own pool when the model has one (``window_fields``): its pages hold only the windowed
+    layers' KV, and the global pool's only the global layers'."""
+    windows = fields.get("layer_windows")
+    if not windows:
+        return int(kv_bytes // (kv_bytes_per_token * page_size))
+    windowed = sum(w is not None for w in windows) / len(windows)
+    kv_bytes -= fields["local_pages"] * page_size * kv_bytes_per_token * windowed
+    return int(kv_bytes // (kv_bytes_per_token * (1 - windowed) * page_size))
 
     def shapes(self, max_num_batched_tokens: int | None = None) -> StepShapes:
         return StepShapes(self.max_num_seqs, max_num_batched_tokens or self.max_num_batched_tokens,
@@ -377,8 +449,17 @@ def simulate(requests: Seq[PlannedRequest], deployment: Deployment, model, engin
     prompt_tokens = max(deployment.chunk, engine.max_num_seqs)
 
     def make(n: int, max_num_batched_tokens: int) -> list[_Instance]:
-        return [_Instance(engine.scheduler(max_num_batched_tokens=max_num_batched_tokens),
-                          engine.shapes(max_num_batched_tokens), model) for _ in range(n)]
+        overrides = {"max_num_batched_tokens": max_num_batched_tokens}
+        if engine.local_window is not None:  # the windowed pool as the engine sizes it for this token budget
+            from jaxserve.window_pool import window_pages_needed
+
+            overrides["local_pages"] = min(engine.num_pages, window_pages_needed(
+                engine.local_window, engine.page_size, engine.max_num_seqs, max_num_batched_tokens))
+        out = [_Instance(engine.scheduler(**overrides), engine.shapes(max_num_batched_tokens), model)
+               for _ in range(n)]
+        for inst in out:
+            inst.window = engine.windows
+        return out
 
     if deployment.prefill == 0:
         entry, decoders = make(deployment.decode, prompt_tokens), []
@@ -436,7 +517,7 @@ def simulate(requests: Seq[PlannedRequest], deployment: Deployment, model, engin
                 for seq in update.finished:
                     r = tracks[seq.request_id].request
                     if r.output_len > 1:
-                        delay = r.prompt_len * kv_bytes_per_token / transfer_bytes_per_s
+                        delay = kv_tokens(r.prompt_len, engine.windows) * kv_bytes_per_token / transfer_bytes_per_s
                         heapq.heappush(events, (now + delay, next(order), "landed", seq.request_id))
             touched.add(k)
         else:  # a prompt's KV landed on the decode side
@@ -582,7 +663,7 @@ def calibrate(engine, *, contexts: Seq[int] = (), decode_steps: int = 8, seed: i
                     plan = recorder.plans[-1]
                     if not plan.is_empty:
                         samples.append((step_features(plan, shapes, engine.config.page_size,
-                                                      window=engine.model_config.attention_window), seconds))
+                                                      window=engine.model_config.sliding_windows), seconds))
                 log(f"calibrate: context {c}, {b} sequences: {len(samples)} steps timed")
     finally:
         engine.scheduler = recorder._inner
@@ -614,7 +695,8 @@ def _calibrate_main(argv: list[str]) -> int:
                    "max_num_batched_tokens": engine.config.max_num_batched_tokens,
                    "max_model_len": engine.max_model_len, "page_size": engine.config.page_size,
                    "num_pages": engine.executor.cache_config.pages_per_replica,
-                   "attention_window": engine.model_config.attention_window},
+                   "attention_window": engine.model_config.attention_window,
+                   "sliding_windows": list(engine.model_config.sliding_windows)},
         "kv_bytes_per_token": bytes_per_token(engine.model_config, engine.executor.cache_dtype),
         "fit_relative_error_median": float(np.median(errors)),
         "samples": [[dataclasses.asdict(f), s] for f, s in samples],
@@ -695,17 +777,31 @@ def _simulate_main(argv: list[str]) -> int:
         p.error(f"--chips {chips} is not a multiple of --chips-per-instance {per_instance}")
     n_inst = chips // per_instance
     eng = calibrated.get("engine", {})
+    max_num_seqs = args.max_num_seqs or eng.get("max_num_seqs", 256)
+    # Each layer's window: the model's (--chip), the calibrated engine's, or the aot report's model's.
+    if args.chip:
+        windows = _model_config(args.model).sliding_windows
+    elif "sliding_windows" in eng:
+        windows = eng["sliding_windows"]
+    elif eng.get("attention_window"):
+        windows = [eng["attention_window"]]
+    else:
+        windows = _report_windows(calibrated)
     pages = args.num_pages or eng.get("num_pages") or calibrated.get("memory_per_device", {}).get("pool_pages")
+    # The windowed layers' pool beside the global one (Gemma 2/3), sized as the engine sizes it.
+    fields = window_fields(windows, page_size=args.page_size, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=eng.get("max_num_batched_tokens", 2048), num_pages=pages)
     if not pages and args.chip:  # what is left of 90% of the instance's HBM after the weights
         hbm = CHIPS[args.chip][2] * per_instance * 0.9 - model.weight_bytes
-        pages = int(hbm // (model.kv_bytes_per_token * args.page_size))
+        pages = pool_pages(hbm, model.kv_bytes_per_token, args.page_size, fields)
         if pages < 1:
             p.error(f"the weights ({model.weight_bytes / GiB:.1f} GiB) do not fit {per_instance} x {args.chip}")
+        if fields.get("local_pages"):
+            fields["local_pages"] = min(fields["local_pages"], pages)
     engine = EngineShape(
-        max_num_seqs=args.max_num_seqs or eng.get("max_num_seqs", 256),
+        max_num_seqs=max_num_seqs,
         max_model_len=args.max_model_len or eng.get("max_model_len") or calibrated.get("max_model_len", 4096),
-        num_pages=pages or 65536, page_size=args.page_size,
-        attention_window=eng.get("attention_window") if not args.chip else _model_config(args.model).attention_window)
+        num_pages=pages or 65536, page_size=args.page_size, **fields)
     kv_token = args.kv_bytes_per_token
     if kv_token is None:
         kv_token = calibrated.get("kv_bytes_per_token") or getattr(model, "kv_bytes_per_token", 0.0)
@@ -779,6 +875,14 @@ def _model_config(name: str) -> ModelConfig:
         from jaxserve.aot import model_config  # the preset shapes
 
         return model_config(name)
+
+
+def _report_windows(report: dict) -> list:
+    """The per-layer windows of an aot report's model, where its name resolves to a config (else none)."""
+    try:
+        return list(_model_config(report["model"]).sliding_windows) if report.get("model") else []
+    except Exception:  # noqa: BLE001 - a report of a model this machine cannot resolve: planned as global
+        return []
 
 
 def _rate_ceiling(model, engine: EngineShape, base: Seq[PlannedRequest], instances: int) -> float:

@@ -17,6 +17,10 @@ from jaxserve.server.args import parse_args
 def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") -> int:
     args = parse_args(argv, prog=prog)
     logs.setup(args.log_level)
+    if args.role == "router":  # no engine, no jax
+        from jaxserve.router import run_router
+
+        return asyncio.run(run_router(args))
     from sharding import multihost  # after logging is set up: importing it loads jax
 
     if multihost.initialize(args.coordinator_address, args.num_processes, args.process_id) \
@@ -31,7 +35,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") 
 
         from jaxserve.disagg_remote import RemotePrefillEngine
 
-        args.engine_factory = functools.partial(RemotePrefillEngine, prefill_urls=args.prefill_url.split(","))
+        args.engine_factory = functools.partial(RemotePrefillEngine, prefill_urls=args.prefill_url.split(","),
+                                                kv_transfer=args.kv_transfer, transfer_host=args.host)
     from jaxserve.server.app import serve  # importing it loads grpc
 
     code = asyncio.run(serve(args))

@@ -3,6 +3,8 @@ pages copied between the two engines' pools; outputs identical to the colocated 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from jaxserve import LLM
@@ -112,8 +114,6 @@ def test_disaggregated_config_is_checked():
 def test_too_many_devices_is_refused(llama):
     with pytest.raises(ValueError, match="need 12 devices; 8 are available"):
         LLM(str(llama), prefill_mesh="tensor=4", decode_mesh="data=2,tensor=4", **SHAPES)
-    with pytest.raises(ValueError, match="kv_cache_dtype: prefill/decode disaggregation moves unquantized"):
-        LLM(str(llama), prefill_mesh="tensor=1", decode_mesh="tensor=1", kv_cache_dtype="int8", **SHAPES)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -145,3 +145,85 @@ def test_decode_side_full_prefills_wait_bounded_and_nothing_is_dropped(disagg, c
     assert 1 <= most_waiting < e.config.max_pending_transfers + e.config.max_num_seqs
     want = _tokens(colocated.generate(prompts, sp))
     assert [[done[f"full{i}"]] for i in range(len(prompts))] == want
+
+
+@pytest.fixture(scope="module")
+def colocated_int8(llama):
+    return LLM(str(llama), kv_cache_dtype="int8", **SHAPES)
+
+
+INT8_PARAMS = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+               SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)]
+
+
+def test_8bit_kv_cache_pages_move_with_their_scales(llama, colocated_int8):
+    # tensor 1 -> 4 with 2 KV heads: the decode pool stores each head twice, so values and scales are remapped.
+    disagg = LLM(str(llama), prefill_mesh="tensor=1", decode_mesh="tensor=4", kv_cache_dtype="int8", **SHAPES)
+    for sp in INT8_PARAMS:
+        assert _tokens(disagg.generate(PROMPTS[:3], sp)) == _tokens(colocated_int8.generate(PROMPTS[:3], sp)), sp
+    s = disagg.engine.stats()
+    # Every byte moved is counted: int8 values plus one f32 scale per token and head, K and V.
+    assert s["kv_transfers"] == 6 and s["kv_transfer_bytes"] % (2 * 2 * 2 * 8 * (16 + 4)) == 0
+
+
+def _run(engine, prompts, sp):
+    ids = [engine.add_request(None, p, sp) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids]
+
+
+def test_8bit_kv_cache_across_processes(llama, colocated_int8):
+    """--role prefill/decode with both ends in this process: 8-bit values and their scales travel together,
+    pulled through JAX's transfer server and as bytes over the gRPC stream, to a decode side that speculates; a
+    decode side with another KV dtype is refused by the prefill server, naming the flag."""
+    from jaxserve.disagg_remote import PrefillServer, RemotePrefillEngine
+
+    cfg = EngineConfig(model=str(llama), kv_cache_dtype="int8", **SHAPES)
+    server = PrefillServer(cfg, "127.0.0.1", 0, kv_transfer="jax")
+    server.start()
+    try:
+        url = [f"127.0.0.1:{server.port}"]
+        # The decode side speculates (n-gram; greedy output unchanged), the prefill side does not.
+        decode = RemotePrefillEngine(dataclasses.replace(cfg, speculative_config=NGRAM), prefill_urls=url,
+                                     kv_transfer="jax")
+        prompts = PROMPTS[:2] + [[5, 6, 7, 8] * 5]
+        want = _tokens(colocated_int8.generate(prompts, INT8_PARAMS[0]))
+        # Pulled through JAX's transfer server (values and scales as two arrays), then over the byte stream.
+        assert [[c.token_ids for c in o.outputs] for o in _run(decode, prompts, INT8_PARAMS[0])] == want
+        assert decode.stats()["kv_transfer_pulls"] == 3 and server.engine.stats()["kv_transfer_offers"] == 3
+        decode.remote.transfer = None
+        assert [[c.token_ids for c in o.outputs] for o in _run(decode, prompts, INT8_PARAMS[0])] == want
+        assert decode.stats()["kv_transfers"] == 6 and decode.stats()["kv_transfer_pulls"] == 3
+        assert decode.stats()["spec_proposed_tokens"] > 0
+        with pytest.raises(ValueError, match="start the prefill process without --speculative-config"):
+            PrefillServer(dataclasses.replace(cfg, speculative_config=NGRAM), "127.0.0.1", 0)
+        plain = RemotePrefillEngine(dataclasses.replace(cfg, kv_cache_dtype="auto"), prefill_urls=url,
+                                    kv_transfer="grpc")
+        out = _run(plain, PROMPTS[:1], INT8_PARAMS[0])[0]
+        assert out.outputs[0].finish_reason == "error" and "--kv-cache-dtype" in out.error
+    finally:
+        server.stop()
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def test_ngram_speculation_on_the_decode_side(llama, colocated):
+    llm = LLM(str(llama), prefill_mesh="tensor=1", decode_mesh="tensor=1", speculative_config=NGRAM, **SHAPES)
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 4 + [12]]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    got, want = llm.generate(prompts, sp), colocated.generate(prompts, sp)
+    assert _tokens(got) == _tokens(want)
+    for a, b in zip(want, got):
+        assert len(b.outputs[0].logprobs) == 12
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys() and all(abs(x[k] - y[k]) < 1e-4 for k in x)
+    s = llm.engine.stats()
+    assert s["spec_proposed_tokens"] > 0 and s["kv_transfers"] == 2
+    with pytest.raises(ValueError, match="a draft model cannot be combined with prefill_mesh"):
+        EngineConfig(prefill_mesh="tensor=1", decode_mesh="tensor=1",
+                     speculative_config={"model": str(llama), "num_speculative_tokens": 2})

@@ -227,3 +227,70 @@ def test_sliding_window_caps_keys_pairs_and_pages():
     sched.update(prompt, [0])
     sched.schedule()  # the decode releases the pages its window has passed, as the engine's scheduler does
     assert sched.block_manager.stats()["pages_released_behind_window"] > 0
+
+
+def test_mixed_window_model_is_planned_per_layer(tmp_path):
+    """Gemma-style interleaved windowed and global layers: keys, pairs and transfer bytes are averaged over the
+    layers, the global pool holds only the global layers' KV beside the windowed layers' own pool, sized as the
+    engine sizes it, and the simulated scheduler recycles the windowed pool as the engine's does."""
+    from jaxserve.engine import Engine
+    from jaxserve.engine_config import EngineConfig
+    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.sequence import Sequence
+    from jaxserve.window_pool import window_pages_needed
+    from tiny import build_tiny_model
+
+    windows = (8, 8, None)  # two windowed layers for each global one
+    assert plan.kv_tokens(40, windows) == pytest.approx(2 / 3 * 8 + 1 / 3 * 40)
+    assert plan.kv_tokens(40, None) == 40 and plan.kv_tokens(40, 8) == 8
+    fields = plan.window_fields(windows, page_size=4, max_num_seqs=8, max_num_batched_tokens=64, num_pages=256)
+    local = window_pages_needed(8, 4, 8, 64)
+    assert fields == {"local_window": 8, "local_pages": local, "layer_windows": windows}
+    assert plan.window_fields((None, None), page_size=4, max_num_seqs=8, max_num_batched_tokens=64) == {}
+    assert plan.window_fields((8, 8), page_size=4, max_num_seqs=8, max_num_batched_tokens=64) == \
+        {"attention_window": 8}
+    # Capacity: the global pool's pages carry a third of the KV bytes, after the windowed pool's share.
+    budget, per_token = 1e6, 96.0
+    as_global = plan.pool_pages(budget, per_token, 4, {})
+    mixed = plan.pool_pages(budget, per_token, 4, fields)
+    assert mixed == int((budget - local * 4 * per_token * 2 / 3) // (per_token / 3 * 4)) and mixed > 2 * as_global
+
+    eng = EngineShape(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_pages=256, page_size=4,
+                      **fields)
+    sched, shapes = eng.scheduler(), eng.shapes()
+    sched.add(Sequence("g", [1] * 40, SamplingParams(max_tokens=4, ignore_eos=True)))
+    prompt = sched.schedule()
+    f = plan.step_features(prompt, shapes, eng.page_size, window=eng.windows)
+    assert f.keys_read == pytest.approx(plan.kv_tokens(40, windows))
+    assert f.prompt_pairs == pytest.approx(2 / 3 * plan._causal_pairs(0, 40, 8) + 1 / 3 * 40 * 41 / 2)
+    sched.update(prompt, [0])
+    sched.schedule()
+    stats = sched.block_manager.stats()
+    assert stats["window_pages_total"] == local and stats["pages_released_behind_window"] > 0
+
+    # The engine sets up the same pools for a Gemma checkpoint (its scheduler config is what the planner builds).
+    path = build_tiny_model("gemma2", tmp_path / "gemma2")
+    engine = Engine(EngineConfig(model=str(path), page_size=4, max_model_len=64, max_num_seqs=4,
+                                 max_num_batched_tokens=16, num_pages=64, warmup=False, compilation_cache_dir=None))
+    cfg, sc = engine.model_config, engine.executor.scheduler_config
+    planned = plan.window_fields(cfg.sliding_windows, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                                 num_pages=64)
+    assert (sc.local_window, sc.local_pages) == (planned["local_window"], planned["local_pages"])
+    assert None in cfg.sliding_windows and planned["layer_windows"] == cfg.sliding_windows
+
+    # Sized from a memory budget, the engine's global pool gets the pages the planner counts, more than pricing
+    # every page at every layer's bytes would give, and both pools together fit the budget.
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.kv_cache import bytes_per_token
+
+    per_token = bytes_per_token(cfg, jnp.float32)
+    budget = 24 * 4 * per_token  # 24 pages of every layer
+    sized = Engine(EngineConfig(model=str(path), page_size=4, max_model_len=64, max_num_seqs=4,
+                                max_num_batched_tokens=16, cpu_kv_cache_gib=budget / 2**30, warmup=False,
+                                compilation_cache_dir=None, dtype="float32"))
+    fields = plan.window_fields(cfg.sliding_windows, page_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    pages = sized.executor.cache_config.num_pages
+    assert pages == plan.pool_pages(budget, per_token, 4, fields) > 24
+    assert sum(a.nbytes for a in jax.tree.leaves(sized.executor.runner.kv_cache)) <= budget

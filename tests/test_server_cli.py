@@ -81,6 +81,10 @@ def test_vllm_names_and_the_jaxserve_command(monkeypatch):
     (["--dtype", "int8"], "invalid choice"),
     (["--max-logprobs", "21"], "--max-logprobs=21"),
     (["--max-n", "0"], "--max-n=0"),
+    (["--role", "router"], "--role router needs --decode-url"),
+    (["--decode-url", "h:1:2"], "--decode-url is for --role router"),
+    (["--role", "router", "--decode-url", "h:8000"], "expected HOST:HTTP_PORT:GRPC_PORT"),
+    (["--role", "decode", "--prefill-url", "h:1", "--kv-transfer", "nccl"], "invalid choice"),
 ])
 def test_bad_options_exit_with_a_message(capsys, argv, needle):
     with pytest.raises(SystemExit) as e:

@@ -71,13 +71,21 @@ def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentPar
 
     s = p.add_argument_group("server")
     d = p.add_argument_group("disaggregated serving across processes")
-    d.add_argument("--role", choices=("colocated", "prefill", "decode"), default="colocated",
+    d.add_argument("--role", choices=("colocated", "prefill", "decode", "router"), default="colocated",
                    help="colocated: one engine does everything; prefill: a prefill process (gRPC KV service on "
-                        "--kv-port, no client APIs); decode: the front door (OpenAI and gRPC APIs) whose prompts "
-                        "are prefilled by the --prefill-url processes")
+                        "--kv-port, no client APIs); decode: a server (OpenAI and gRPC APIs) whose prompts "
+                        "are prefilled by the --prefill-url processes; router: no engine, a front door forwarding "
+                        "each request to a live --decode-url server")
     d.add_argument("--kv-port", type=int, default=50061, help="--role prefill: the port of its KV service")
     d.add_argument("--prefill-url", default=None,
                    help="--role decode: the prefill processes, HOST:PORT[,HOST:PORT...]")
+    d.add_argument("--kv-transfer", choices=("auto", "jax", "grpc"), default="auto",
+                   help="--role prefill/decode: how KV pages cross: jax (JAX's transfer server; the gRPC stream "
+                        "carries only the control messages), grpc (page bytes over the gRPC stream), auto (jax "
+                        "where this platform's client starts a transfer server, else grpc; both ends must agree "
+                        "to use jax)")
+    d.add_argument("--decode-url", default=None,
+                   help="--role router: the decode servers, HOST:HTTP_PORT:GRPC_PORT[,...]")
     s.add_argument("--host", default="127.0.0.1", help="address both servers listen on (0.0.0.0: every interface)")
     s.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (0: a free port)")
     s.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: a free port)")
@@ -159,6 +167,16 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.se
         parser.error("--role decode needs --prefill-url HOST:PORT[,HOST:PORT...]")
     if args.role != "decode" and args.prefill_url:
         parser.error("--prefill-url is for --role decode")
+    if (args.role == "router") != bool(args.decode_url):
+        parser.error("--role router needs --decode-url HOST:HTTP_PORT:GRPC_PORT[,...]" if args.role == "router"
+                     else "--decode-url is for --role router")
+    if args.decode_url:
+        from jaxserve.router import parse_decode_urls
+
+        try:
+            parse_decode_urls(args.decode_url)
+        except ValueError as e:
+            parser.error(str(e))
     if args.role != "colocated" and args.prefill_mesh is not None:
         parser.error("--prefill-mesh/--decode-mesh split one process; not with --role")
     if not 0 <= args.kv_port <= 65535:
