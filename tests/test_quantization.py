@@ -232,12 +232,18 @@ def test_quality_targets_hold_on_tiny_families(models, family):
         assert got[mode]["kl"] < 0.01, (family, mode, got[mode])
 
 
-def test_compare_counts_agreement_and_kl():
-    a = np.log(np.array([[[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]]))
-    b = np.log(np.array([[[0.7, 0.2, 0.1], [0.6, 0.1, 0.3]]]))
+def test_compare_counts_agreement_kl_and_near_ties():
+    a = np.log(np.array([[[0.7, 0.2, 0.1], [0.1, 0.1, 0.8], [0.41, 0.39, 0.2]]]))
+    b = np.log(np.array([[[0.7, 0.2, 0.1], [0.6, 0.1, 0.3], [0.39, 0.41, 0.2]]]))
     r = compare(a, b)
-    assert r["top1"] == 0.5
-    assert r["kl"] == pytest.approx((0.1 * np.log(0.1 / 0.6) + 0.8 * np.log(0.8 / 0.3)) / 2)
+    assert r["top1"] == pytest.approx(1 / 3)
+    assert r["kl"] == pytest.approx((0.1 * np.log(0.1 / 0.6) + 0.8 * np.log(0.8 / 0.3)
+                                     + 0.41 * np.log(0.41 / 0.39) + 0.39 * np.log(0.39 / 0.41)) / 3)
+    # each position's top-1/top-2 gap moves by 0, log(0.3/0.1) - log(0.8/0.1), and -2 log(0.41/0.39)
+    moves = np.array([0.0, np.log(0.3 / 0.1) - np.log(0.8 / 0.1), -2 * np.log(0.41 / 0.39)])
+    assert r["pert"] == pytest.approx(np.sqrt(np.mean(moves ** 2)))
+    # only the third gap (log(0.41/0.39)) is below it; one of the two disagreements is there
+    assert r["near_ties"] == pytest.approx(1 / 3) and r["flips_in_ties"] == 0.5
 
 
 def test_int8_rows_matmul_matches_the_float_product():
