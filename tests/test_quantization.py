@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant")
     tok = train_tokenizer()
-    return {f: build_tiny_model(f, root / f, tokenizer=tok, init_std=0.08) for f in ("qwen3", "qwen3_moe", "gemma2")}
+    return {f: build_tiny_model(f, root / f, tokenizer=tok, init_std=0.08) for f in ("qwen3", "qwen3_moe", "gemma2", "qwen2_moe")}
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
@@ -118,16 +118,21 @@ def test_engine_on_a_data_and_tensor_mesh_gives_one_devices_tokens(models):
     assert got[None] == got["data=2,tensor=2"]
 
 
+ROUTERS = ("mlp.gate.weight", "shared_expert_gate.weight")
+
+
 def _prequantize(src: Path, dst: Path, method: str, *, kind: str = "fp8", strategy: str = "channel",
-                 block: int | None = None) -> Path:
-    """Write ``src``'s weights as a published checkpoint of ``method`` would hold them (HF [out, in] layout)."""
+                 block: int | None = None, routers: bool = False) -> Path:
+    """Write ``src``'s weights as a published checkpoint of ``method`` would hold them (HF [out, in] layout);
+    with ``routers`` the MoE routers too (a compressed-tensors "Linear" target without an ignore entry for
+    them)."""
     dst.mkdir()
     tensors = load_file(src / "model.safetensors")
     hf = json.loads((src / "config.json").read_text())
     out, deq = {}, {}
     qmax = quant.QMAX[kind]
     for name, w in tensors.items():
-        if not (name.endswith("_proj.weight") and w.ndim == 2):
+        if not ((name.endswith("_proj.weight") or (routers and name.endswith(ROUTERS))) and w.ndim == 2):
             out[name] = deq[name] = w
             continue
         o, i = w.shape
@@ -191,6 +196,27 @@ def test_prequantized_checkpoints_load_as_published(models, tmp_path, method, ki
     # int8 weights meet ~14-bit activation rows on CPU (layers.int8_rows_matmul): a little further from fp32
     tol = 1e-3 if kind == "int8" else 1e-4
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("method,kind,block", [("compressed-tensors", "int8", None), ("fp8", "fp8", 32)])
+def test_prequantized_moe_checkpoints_keep_routers_in_the_model_dtype(models, tmp_path, method, kind, block):
+    """Experts, shared expert and routers of a published 8-bit MoE checkpoint: the experts stay 8-bit, the routers
+    (and the shared expert's gate) are dequantized once at load and score experts in the model dtype."""
+    src = models["qwen2_moe"]
+    ref = _prequantize(src, tmp_path / "q", method, kind=kind, block=block, routers=True)
+    model, _, _ = load_model(tmp_path / "q", "float32")
+    flat = dict(nnx.to_flat_state(nnx.state(model)))
+    assert flat[("layers", 0, "mlp", "experts", "up_proj")].get_value().dtype == quant.WEIGHT_DTYPES[kind]
+    tokens = np.random.default_rng(4).integers(3, 300, size=(1, 32), dtype=np.int32)
+    got = teacher_forced_logits(str(tmp_path / "q"), tokens)
+    want = teacher_forced_logits(str(ref), tokens)
+    tol = 1e-3 if kind == "int8" else 1e-4
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+    deq = load_file(ref / "model.safetensors")
+    for path, hf in ((("layers", 0, "mlp", "gate", "weight"), "model.layers.0.mlp.gate.weight"),
+                     (("layers", 1, "mlp", "shared_expert_gate", "weight"), "model.layers.1.mlp.shared_expert_gate.weight")):
+        assert path[:-1] + ("weight_scale",) not in flat and flat[path].get_value().dtype == np.float32
+        np.testing.assert_array_equal(np.asarray(flat[path].get_value()), deq[hf].T)  # the published values
 
 
 def test_other_quant_methods_are_refused_in_one_line(models, tmp_path):
