@@ -48,6 +48,47 @@ def test_quantize_is_per_output_channel_and_rounds_to_nearest(kind):
     assert err[:, 0].max() < err[:, 3].max() / 10
 
 
+def _nearest_even(x: np.ndarray, dtype) -> np.ndarray:
+    """Round-to-nearest-even of ``x`` onto ``dtype``'s finite values, computed exactly in float64."""
+    codes = np.arange(256, dtype=np.uint8)
+    vals = codes.view(dtype).astype(np.float64)
+    keep = np.isfinite(vals) & ~((vals == 0) & (codes != 0))  # one zero (code 0: even)
+    order = np.argsort(vals[keep])
+    vals, codes = vals[keep][order], codes[keep][order]
+    i = np.clip(np.searchsorted(vals, x), 1, len(vals) - 1)
+    lo, hi = vals[i - 1], vals[i]
+    tie_lo = np.where(codes[i - 1] % 2 == 0, lo, hi)
+    return np.where(x - lo < hi - x, lo, np.where(x - lo > hi - x, hi, tie_lo))
+
+
+@pytest.mark.parametrize("storage", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_rounds_to_nearest_even_directly_from_f32(storage):
+    """The KV write (XLA's cast) and the weight quantizer (ml_dtypes) round x / scale once, to the nearest fp8
+    value, ties to even: no detour through float16 or bfloat16, which would round twice."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import quantized_pages as qp
+
+    dtype = np.dtype(qp.STORAGE[storage])
+    grid = np.unique(np.arange(256, dtype=np.uint8).view(dtype).astype(np.float64))
+    grid = grid[np.isfinite(grid) & (grid >= 0)]
+    mid = (grid[1:] + grid[:-1]) / 2  # exact midpoints, and points a hair either side of them
+    y = np.concatenate([mid, mid * (1 + 2.0 ** -20), mid * (1 - 2.0 ** -20)])
+    y = np.concatenate([y, -y]).astype(np.float32)
+    top = float(qp.qmax(dtype))
+    rows = np.concatenate([y, np.full(-len(y) % 63, 0.0, np.float32)]).reshape(-1, 63)
+    rows = np.concatenate([rows, np.full((len(rows), 1), top, np.float32)], axis=1)  # each row's max: scale 1
+    want = _nearest_even(rows.astype(np.float64), dtype)
+    values, scales = qp.quantize(jnp.asarray(rows), dtype)
+    np.testing.assert_array_equal(np.asarray(scales), 1.0)
+    np.testing.assert_array_equal(np.asarray(values).astype(np.float64), want)
+    assert np.any(rows.astype(np.float16).astype(dtype).astype(np.float64) != want)  # the trap is in the data
+    if storage == "fp8_e4m3":  # weights at load: [in, out], per output channel
+        q, scale = quant.quantize(rows.T, "fp8")
+        np.testing.assert_array_equal(scale, 1.0)
+        np.testing.assert_array_equal(q.astype(np.float64), want.T)
+
+
 def test_config_and_flags_refuse_bad_combinations():
     with pytest.raises(ValueError, match="quantization='int4'"):
         EngineConfig(quantization="int4")
@@ -263,6 +304,22 @@ def test_quality_targets_hold_on_tiny_families(models, family):
     for mode in HOLDS[family]:
         assert got[mode]["top1"] >= TARGETS[mode], (family, mode, got[mode])
         assert got[mode]["kl"] < 0.01, (family, mode, got[mode])
+
+
+def test_noise_diagnostic_perturbs_the_quantized_weights_by_int8s_rounding_error(models):
+    from quant_quality import noisy_copy
+
+    src = load_file(models["qwen2_moe"] / "model.safetensors")
+    with noisy_copy(str(models["qwen2_moe"])) as noisy:
+        got = load_file(Path(noisy) / "model.safetensors")
+    for name, w in src.items():
+        quantized = name.endswith("_proj.weight") and w.ndim == 2
+        if not quantized:  # routers, shared-expert gate, norms, embedding, head: untouched
+            np.testing.assert_array_equal(got[name], w, err_msg=name)
+            continue
+        want = np.abs(w).max(axis=1, keepdims=True) / 127 / np.sqrt(12)  # HF [out, in]: per output channel
+        ratio = np.std((got[name] - w) / want)
+        assert 0.8 < ratio < 1.2, (name, ratio)
 
 
 def test_compare_counts_agreement_kl_and_near_ties():
