@@ -90,7 +90,8 @@ def quantization_plan(cfg: ModelConfig, dtype, quantization: str | None = None, 
         path = ours.get(_our_weight_name(name[: -len(suffix)] + ".weight", cfg))
         if path is None:
             raise ValueError(f"checkpoint scale {name} belongs to no weight of {cfg.architecture}")
-        plan[path] = quant.QuantizedWeight(ckq.dtype, ckq.block)
+        if not quant.is_router(path):  # an 8-bit router is dequantized at load (_load_safetensors)
+            plan[path] = quant.QuantizedWeight(ckq.dtype, ckq.block)
     return plan, ckq
 
 
@@ -185,7 +186,10 @@ def _load_safetensors(folder: Path, cfg: ModelConfig, abstract: nnx.State, shard
     def put(path, host):
         """Place one whole tensor (our layout, the checkpoint's dtype), quantizing it first if planned."""
         target, spath = flat[path].get_value(), scale_of.get(path)
-        if spath is None:
+        if ckq is not None and quant.is_router(path) and host.dtype.itemsize == 1:  # published 8-bit router
+            pending.setdefault(path, {})["q"] = host
+            flush(path)
+        elif spath is None:
             placed[path] = place(np.ascontiguousarray(host.astype(target.dtype, copy=False)), shardings[path])
         elif ckq is None:  # quantized here, on the host: only 8-bit values and scales reach the devices
             kind = "int8" if target.dtype == np.int8 else "fp8"
@@ -201,9 +205,15 @@ def _load_safetensors(folder: Path, cfg: ModelConfig, abstract: nnx.State, shard
             flush(path)
 
     def flush(path):
-        entry, spath, target = pending[path], scale_of[path], flat[path].get_value()
+        entry, target = pending[path], flat[path].get_value()
         if "q" not in entry or "s" not in entry:
             return
+        if quant.is_router(path):  # dequantized once: the router scores experts in the model dtype (moe.route)
+            w = quant.dequantize_host(entry["q"], entry["s"]).astype(target.dtype)
+            placed[path] = place(np.ascontiguousarray(w), shardings[path])
+            del pending[path]
+            return
+        spath = scale_of[path]
         if entry["q"].dtype != target.dtype:
             raise ValueError(f"tensor {hf_name(path, cfg)}: dtype {entry['q'].dtype} has a {ckq.scale_name} but "
                              f"the {ckq.method} checkpoint's weights should be {target.dtype}")
@@ -230,7 +240,7 @@ def _load_safetensors(folder: Path, cfg: ModelConfig, abstract: nnx.State, shard
         if ckq is not None and name.endswith("." + ckq.scale_name):
             wname = name[: -len(ckq.scale_name)] + "weight"
             path = wanted.get(_our_weight_name(wname, cfg))
-            if path is None or path not in scale_of:
+            if path is None or (path not in scale_of and not quant.is_router(path)):
                 unexpected.append(name)
                 continue
             target = flat[path].get_value()

@@ -12,7 +12,8 @@ Two sources:
   weights with ``weight_scale_inv``, one per tensor or one per ``weight_block_size`` block) and
   ``"compressed-tensors"`` FP8 / INT8 weights (symmetric, ``weight_scale`` per channel or per tensor). The values
   are kept as published; a per-tensor scale becomes a per-channel one (repeated), a block scale stays a block
-  scale. Which layers are quantized is read from the checkpoint itself (the layers that have a scale tensor).
+  scale. Which layers are quantized is read from the checkpoint itself (the layers that have a scale tensor);
+  an 8-bit MoE router (a checkpoint whose scheme targets every linear module) is dequantized once at load.
 
 Our layout: a quantized ``[in, out]`` weight (``[E, in, out]`` for experts) has a float32 sibling parameter
 named ``<name>_scale``: ``[out]`` (``[E, out]``) per channel, or ``[ceil(in / B), ceil(out / B)]`` for ``B``-blocks.
@@ -82,6 +83,15 @@ def expand_blocks(scale, shape, xp=jnp):
 # Which weights, in which layout
 
 
+ROUTERS = ("gate", "shared_expert_gate")  # MoE: the router [hidden, experts] and Qwen2-MoE's shared-expert gate
+
+
+def is_router(path: tuple) -> bool:
+    """Whether ``path`` is an MoE router's weight. Routers stay in the model dtype: they are tiny, and their
+    top-k choice flips on small changes. A published checkpoint's 8-bit router is dequantized at load."""
+    return len(path) >= 2 and path[-1] == "weight" and path[-2] in ROUTERS
+
+
 def quantizable_paths(state: nnx.State, lm_head: bool) -> list[tuple]:
     """The paths of the weights ``quantization=...`` quantizes: every 2-D linear ``weight`` and the stacked
     expert weights; the LM head and the embedding only with ``lm_head``. MoE routers stay in the model dtype
@@ -92,7 +102,7 @@ def quantizable_paths(state: nnx.State, lm_head: bool) -> list[tuple]:
         if name == "embedding" or path[0] == "lm_head":
             if lm_head:
                 out.append(path)
-        elif name == "weight" and var.get_value().ndim == 2 and path[-2] not in ("gate", "shared_expert_gate"):
+        elif name == "weight" and var.get_value().ndim == 2 and not is_router(path):
             out.append(path)
         elif len(path) >= 2 and path[-2] == "experts":
             out.append(path)

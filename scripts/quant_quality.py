@@ -1,19 +1,22 @@
 """Quality of each quantization mode against the unquantized model, teacher-forced.
 
-    python scripts/quant_quality.py --model DIR [--model DIR2 ...] [--modes w_int8,w_fp8,kv_int8,kv_fp8]
-        [--seqs 4] [--len 96] [--chunk 16] [--dtype float32]
+    python scripts/quant_quality.py [--model DIR ...] [--tiny all|FAMILY,... [--tiny-hidden 256]]
+        [--modes w_int8,w_fp8,kv_int8,kv_fp8] [--seqs 4] [--len 96] [--chunk 16] [--dtype float32]
 
 Every mode runs the same fixed workload (``--seqs`` sequences of ``--len`` tokens: 16 random prompt tokens drawn with a
 fixed seed, continued greedily by the unquantized model) through
 the decoder in prompt chunks of ``--chunk`` tokens, so later chunks read their context back from the KV pages
 (quantized ones in the KV modes), and takes the next-token distribution at every position. Reported per mode:
 top-1 agreement (the fraction of positions where the quantized model's argmax is the unquantized model's) and the
-mean KL divergence KL(unquantized || quantized) in nats. Output: one markdown row per model and mode.
+mean KL divergence KL(unquantized || quantized) in nats, and the near-tie evidence of ``compare``: how far the mode
+moves the top-1/top-2 logit gap (root mean square), the fraction of positions whose gap is smaller than that, and
+the share of the disagreements that fall on those positions. Output: one markdown row per model and mode.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -42,6 +45,12 @@ MODES = {
     "kv_fp8_e5m2": (None, "fp8_e5m2"),
     "w_int8_kv_int8": ("int8", "int8"),
 }
+# Diagnostic modes, to tell the quantizer's faults from the model's sensitivity:
+#   w_int8_dequant  int8 weights, but the served CPU int8 x int8 dot (two int8 terms per activation row) replaced
+#                   by the weight dequantized to the activations' dtype: the activation terms' own error
+#   w_int8_noise    no quantization: each linear weight plus Gaussian noise of int8's per-channel rounding error
+#                   (std = max_i |w[i, o]| / 127 / sqrt(12)): what any perturbation of that size does
+DIAGNOSTIC_MODES = ("w_int8_dequant", "w_int8_noise")
 
 
 def workload(model_path: str, vocab: int, seqs: int, length: int, prompt: int = 16, seed: int = 0,
@@ -97,13 +106,27 @@ def teacher_forced_logits(model_path: str, tokens: np.ndarray, *, quantization: 
 
 
 def compare(reference: np.ndarray, other: np.ndarray) -> dict[str, float]:
-    """Top-1 agreement and mean KL(reference || other) of next-token distributions over all positions."""
+    """Top-1 agreement and mean KL(reference || other) of next-token distributions over all positions, and how
+    many positions are near-ties for this mode's perturbation.
+
+    ``pert`` is the root mean square, over positions, of how much the mode moves the reference's top-1/top-2
+    logit gap; ``near_ties`` is the fraction of positions whose gap is below ``pert`` (any perturbation of that
+    size can flip them), and ``flips_in_ties`` the fraction of the disagreements that fall on those positions.
+    """
     ref = reference.reshape(-1, reference.shape[-1]).astype(np.float64)
     oth = other.reshape(-1, other.shape[-1]).astype(np.float64)
     logp = ref - np.logaddexp.reduce(ref, axis=-1, keepdims=True)
     logq = oth - np.logaddexp.reduce(oth, axis=-1, keepdims=True)
     kl = np.sum(np.exp(logp) * (logp - logq), axis=-1)
-    return {"top1": float(np.mean(ref.argmax(-1) == oth.argmax(-1))), "kl": float(np.mean(kl))}
+    rows = np.arange(len(ref))
+    second, first = np.argsort(ref, axis=-1)[:, -2:].T
+    gap = ref[rows, first] - ref[rows, second]
+    pert = float(np.sqrt(np.mean(((oth[rows, first] - oth[rows, second]) - gap) ** 2)))
+    flips = ref.argmax(-1) != oth.argmax(-1)
+    ties = gap < pert
+    return {"top1": float(1.0 - np.mean(flips)), "kl": float(np.mean(kl)), "pert": pert,
+            "near_ties": float(np.mean(ties)),
+            "flips_in_ties": float(np.sum(flips & ties) / max(1, np.sum(flips)))}
 
 
 def evaluate(model_path: str, modes, *, seqs: int = 4, length: int = 96, chunk: int = 16,
@@ -115,28 +138,122 @@ def evaluate(model_path: str, modes, *, seqs: int = 4, length: int = 96, chunk: 
     base = teacher_forced_logits(model_path, tokens, dtype=dtype, chunk=chunk)
     out = {}
     for mode in modes:
-        q, kv = MODES[mode]
-        out[mode] = compare(base, teacher_forced_logits(model_path, tokens, quantization=q, kv_cache_dtype=kv,
-                                                        dtype=dtype, chunk=chunk))
+        if mode == "w_int8_dequant":
+            with dequantized_weights():
+                other = teacher_forced_logits(model_path, tokens, quantization="int8", dtype=dtype, chunk=chunk)
+        elif mode == "w_int8_noise":
+            with noisy_copy(model_path) as noisy:
+                other = teacher_forced_logits(noisy, tokens, dtype=dtype, chunk=chunk)
+        else:
+            q, kv = MODES[mode]
+            other = teacher_forced_logits(model_path, tokens, quantization=q, kv_cache_dtype=kv, dtype=dtype,
+                                          chunk=chunk)
+        out[mode] = compare(base, other)
     return out
+
+
+@contextlib.contextmanager
+def dequantized_weights():
+    """Inside: a per-channel 8-bit weight is dequantized to the activations' dtype before its matmul (the plain
+    path), instead of the CPU int8 x int8 dot with int8 activation terms (``layers.int8_rows_matmul``)."""
+    from jaxserve.models import layers
+
+    served = layers.quantized_matmul
+    layers.quantized_matmul = lambda x, w, scale: layers.matmul_f32(x, layers.dequantize(w, scale, x.dtype))
+    try:
+        yield
+    finally:
+        layers.quantized_matmul = served
+
+
+@contextlib.contextmanager
+def noisy_copy(model_path: str, seed: int = 0):
+    """A temporary copy of the checkpoint whose quantizable linear weights (HF ``[out, in]``: the attention and
+    MLP projections, every expert's; not routers, embeddings or the head) carry Gaussian noise of int8's
+    per-output-channel rounding error."""
+    import re
+    import shutil
+    import tempfile
+
+    from safetensors.numpy import load_file, save_file
+
+    linear = re.compile(r"(_proj|\.w[123])\.weight$")
+    rng = np.random.default_rng(seed)
+    with tempfile.TemporaryDirectory(prefix="quant_noise_") as tmp:
+        dst = Path(tmp) / "model"
+        shutil.copytree(model_path, dst)
+        for f in sorted(dst.glob("*.safetensors")):
+            tensors = load_file(f)
+            for name, w in tensors.items():
+                if w.ndim == 2 and linear.search(name):
+                    w32 = w.astype(np.float32)
+                    std = np.abs(w32).max(axis=1, keepdims=True) / 127.0 / np.sqrt(12.0)
+                    tensors[name] = (w32 + rng.normal(size=w.shape) * std).astype(w.dtype)
+            save_file(tensors, f)
+        yield str(dst)
+
+
+def tiny_models(families: str, hidden: int = 64, gemma_unit_norms: bool = False) -> list[str]:
+    """Build ``tests/tiny.py`` families (comma-separated, or "all") with weights at std 0.08 in a temporary folder
+    (the tests' shapes at hidden 64; a wider ``hidden`` keeps everything else and doubles it for the MLP).
+
+    ``tests/tiny.py`` draws every norm weight near 1; Gemma multiplies by ``1 + w``, so its norms (q/k norms
+    included) scale by ~2. ``gemma_unit_norms`` subtracts 1 from the Gemma families' norm weights (scaling by
+    ~1, as the other families do) to show what that scaling does to their sensitivity."""
+    import atexit
+    import shutil
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tiny import FAMILIES, build_tiny_model, train_tokenizer
+
+    names = list(FAMILIES) if families == "all" else families.split(",")
+    root = Path(tempfile.mkdtemp(prefix="quant_quality_"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    tok = train_tokenizer()
+    wide = {} if hidden == 64 else dict(hidden_size=hidden, intermediate_size=2 * hidden)
+    paths = [build_tiny_model(f, root / (f if hidden == 64 else f"{f}_h{hidden}"), tokenizer=tok, init_std=0.08,
+                              **wide) for f in names]
+    if gemma_unit_norms:
+        from safetensors.numpy import load_file, save_file
+
+        for f, path in zip(names, paths):
+            if f.startswith("gemma"):
+                tensors = load_file(path / "model.safetensors")
+                save_file({k: v - 1.0 if k.endswith("norm.weight") else v for k, v in tensors.items()},
+                          path / "model.safetensors")
+    return [str(p) for p in paths]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", action="append", required=True)
-    p.add_argument("--modes", default="w_int8,w_fp8,kv_int8,kv_fp8")
+    p.add_argument("--model", action="append", default=[])
+    p.add_argument("--tiny", default=None, help="comma-separated tests/tiny.py families (or 'all') to build at "
+                   "weight std 0.08 in a temporary folder and measure, after the --model folders")
+    p.add_argument("--tiny-hidden", type=int, default=64, help="hidden size of the --tiny models (intermediate: 2x)")
+    p.add_argument("--gemma-unit-norms", action="store_true", help="--tiny Gemma models with norms scaling by ~1 "
+                   "instead of ~2 (see tiny_models)")
+    p.add_argument("--modes", default="w_int8,w_fp8,kv_int8,kv_fp8",
+                   help=f"comma-separated: {', '.join(MODES)}, or the diagnostics {', '.join(DIAGNOSTIC_MODES)}")
     p.add_argument("--seqs", type=int, default=4)
     p.add_argument("--len", type=int, default=96)
     p.add_argument("--chunk", type=int, default=16)
     p.add_argument("--dtype", default="float32")
     args = p.parse_args()
     modes = args.modes.split(",")
+    models = list(args.model)
+    if args.tiny:
+        models += tiny_models(args.tiny, args.tiny_hidden, args.gemma_unit_norms)
+    if not models:
+        p.error("give --model and/or --tiny")
     print(f"teacher-forced, {args.seqs} x {args.len} tokens, chunks of {args.chunk}, dtype {args.dtype}\n")
-    print("| model | mode | top-1 agreement | mean KL (nats) |\n| --- | --- | --- | --- |")
-    for model in args.model:
+    print("| model | mode | top-1 agreement | mean KL (nats) | gap perturbation | positions with gap below it "
+          "| disagreements among them |\n| --- | --- | --- | --- | --- | --- | --- |")
+    for model in models:
         for mode, r in evaluate(model, modes, seqs=args.seqs, length=args.len, chunk=args.chunk,
                                 dtype=args.dtype).items():
-            print(f"| {Path(model).name} | {mode} | {r['top1'] * 100:.2f}% | {r['kl']:.5f} |", flush=True)
+            print(f"| {Path(model).name} | {mode} | {r['top1'] * 100:.2f}% | {r['kl']:.5f} | {r['pert']:.4f} "
+                  f"| {r['near_ties'] * 100:.1f}% | {r['flips_in_ties'] * 100:.0f}% |", flush=True)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant")
     tok = train_tokenizer()
-    return {f: build_tiny_model(f, root / f, tokenizer=tok, init_std=0.08) for f in ("qwen3", "qwen3_moe", "gemma2")}
+    families = ("qwen3", "qwen3_moe", "gemma2", "qwen2_moe", "llama_tied_headdim", "qwen2", "llama_mha_bias")
+    return {f: build_tiny_model(f, root / f, tokenizer=tok, init_std=0.08) for f in families}
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
@@ -45,6 +46,47 @@ def test_quantize_is_per_output_channel_and_rounds_to_nearest(kind):
     else:
         assert np.all(err <= np.abs(w) * 2.0 ** -4 + scale * 2.0 ** -9)  # e4m3: 3 mantissa bits, nearest
     assert err[:, 0].max() < err[:, 3].max() / 10
+
+
+def _nearest_even(x: np.ndarray, dtype) -> np.ndarray:
+    """Round-to-nearest-even of ``x`` onto ``dtype``'s finite values, computed exactly in float64."""
+    codes = np.arange(256, dtype=np.uint8)
+    vals = codes.view(dtype).astype(np.float64)
+    keep = np.isfinite(vals) & ~((vals == 0) & (codes != 0))  # one zero (code 0: even)
+    order = np.argsort(vals[keep])
+    vals, codes = vals[keep][order], codes[keep][order]
+    i = np.clip(np.searchsorted(vals, x), 1, len(vals) - 1)
+    lo, hi = vals[i - 1], vals[i]
+    tie_lo = np.where(codes[i - 1] % 2 == 0, lo, hi)
+    return np.where(x - lo < hi - x, lo, np.where(x - lo > hi - x, hi, tie_lo))
+
+
+@pytest.mark.parametrize("storage", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_rounds_to_nearest_even_directly_from_f32(storage):
+    """The KV write (XLA's cast) and the weight quantizer (ml_dtypes) round x / scale once, to the nearest fp8
+    value, ties to even: no detour through float16 or bfloat16, which would round twice."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import quantized_pages as qp
+
+    dtype = np.dtype(qp.STORAGE[storage])
+    grid = np.unique(np.arange(256, dtype=np.uint8).view(dtype).astype(np.float64))
+    grid = grid[np.isfinite(grid) & (grid >= 0)]
+    mid = (grid[1:] + grid[:-1]) / 2  # exact midpoints, and points a hair either side of them
+    y = np.concatenate([mid, mid * (1 + 2.0 ** -20), mid * (1 - 2.0 ** -20)])
+    y = np.concatenate([y, -y]).astype(np.float32)
+    top = float(qp.qmax(dtype))
+    rows = np.concatenate([y, np.full(-len(y) % 63, 0.0, np.float32)]).reshape(-1, 63)
+    rows = np.concatenate([rows, np.full((len(rows), 1), top, np.float32)], axis=1)  # each row's max: scale 1
+    want = _nearest_even(rows.astype(np.float64), dtype)
+    values, scales = qp.quantize(jnp.asarray(rows), dtype)
+    np.testing.assert_array_equal(np.asarray(scales), 1.0)
+    np.testing.assert_array_equal(np.asarray(values).astype(np.float64), want)
+    assert np.any(rows.astype(np.float16).astype(dtype).astype(np.float64) != want)  # the trap is in the data
+    if storage == "fp8_e4m3":  # weights at load: [in, out], per output channel
+        q, scale = quant.quantize(rows.T, "fp8")
+        np.testing.assert_array_equal(scale, 1.0)
+        np.testing.assert_array_equal(q.astype(np.float64), want.T)
 
 
 def test_config_and_flags_refuse_bad_combinations():
@@ -118,16 +160,21 @@ def test_engine_on_a_data_and_tensor_mesh_gives_one_devices_tokens(models):
     assert got[None] == got["data=2,tensor=2"]
 
 
+ROUTERS = ("mlp.gate.weight", "shared_expert_gate.weight")
+
+
 def _prequantize(src: Path, dst: Path, method: str, *, kind: str = "fp8", strategy: str = "channel",
-                 block: int | None = None) -> Path:
-    """Write ``src``'s weights as a published checkpoint of ``method`` would hold them (HF [out, in] layout)."""
+                 block: int | None = None, routers: bool = False) -> Path:
+    """Write ``src``'s weights as a published checkpoint of ``method`` would hold them (HF [out, in] layout);
+    with ``routers`` the MoE routers too (a compressed-tensors "Linear" target without an ignore entry for
+    them)."""
     dst.mkdir()
     tensors = load_file(src / "model.safetensors")
     hf = json.loads((src / "config.json").read_text())
     out, deq = {}, {}
     qmax = quant.QMAX[kind]
     for name, w in tensors.items():
-        if not (name.endswith("_proj.weight") and w.ndim == 2):
+        if not ((name.endswith("_proj.weight") or (routers and name.endswith(ROUTERS))) and w.ndim == 2):
             out[name] = deq[name] = w
             continue
         o, i = w.shape
@@ -193,6 +240,28 @@ def test_prequantized_checkpoints_load_as_published(models, tmp_path, method, ki
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("method,kind,block", [("compressed-tensors", "int8", None), ("fp8", "fp8", 32)])
+def test_prequantized_moe_checkpoints_keep_routers_in_the_model_dtype(models, tmp_path, method, kind, block):
+    """Experts, shared expert and routers of a published 8-bit MoE checkpoint: the experts stay 8-bit, the routers
+    (and the shared expert's gate) are dequantized once at load and score experts in the model dtype."""
+    src = models["qwen2_moe"]
+    ref = _prequantize(src, tmp_path / "q", method, kind=kind, block=block, routers=True)
+    model, _, _ = load_model(tmp_path / "q", "float32")
+    flat = dict(nnx.to_flat_state(nnx.state(model)))
+    assert flat[("layers", 0, "mlp", "experts", "up_proj")].get_value().dtype == quant.WEIGHT_DTYPES[kind]
+    tokens = np.random.default_rng(4).integers(3, 300, size=(1, 32), dtype=np.int32)
+    got = teacher_forced_logits(str(tmp_path / "q"), tokens)
+    want = teacher_forced_logits(str(ref), tokens)
+    tol = 1e-3 if kind == "int8" else 1e-4
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+    deq = load_file(ref / "model.safetensors")
+    for path, hf in ((("layers", 0, "mlp", "gate", "weight"), "model.layers.0.mlp.gate.weight"),
+                     (("layers", 1, "mlp", "shared_expert_gate", "weight"),
+                      "model.layers.1.mlp.shared_expert_gate.weight")):
+        assert path[:-1] + ("weight_scale",) not in flat and flat[path].get_value().dtype == np.float32
+        np.testing.assert_array_equal(np.asarray(flat[path].get_value()), deq[hf].T)  # the published values
+
+
 def test_other_quant_methods_are_refused_in_one_line(models, tmp_path):
     for method in ("awq", "gptq", "bitsandbytes"):
         hf = json.loads((models["qwen3"] / "config.json").read_text())
@@ -222,22 +291,49 @@ def test_capacity_counts_8_bit_pages_and_their_scales(models):
 
 
 TARGETS = {"w_int8": 0.97, "kv_int8": 0.98, "w_fp8": 0.93, "kv_fp8": 0.93}
+ALL_MODES = tuple(TARGETS)
+# The families and modes whose targets hold (docs/benchmarks.md, "Quantization"); the others miss on near-ties of
+# these nearly flat random models and are reported there, not tested.
+HOLDS = {"qwen3_moe": ALL_MODES, "gemma2": ALL_MODES, "llama_tied_headdim": ALL_MODES, "qwen2": ALL_MODES,
+         "llama_mha_bias": ("w_int8", "kv_int8", "kv_fp8")}
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gemma2"])
+@pytest.mark.parametrize("family", list(HOLDS))
 def test_quality_targets_hold_on_tiny_families(models, family):
-    got = evaluate(str(models[family]), list(TARGETS), seqs=2, length=128)
-    for mode, target in TARGETS.items():
-        assert got[mode]["top1"] >= target, (family, mode, got[mode])
+    got = evaluate(str(models[family]), list(HOLDS[family]), seqs=2, length=128)
+    for mode in HOLDS[family]:
+        assert got[mode]["top1"] >= TARGETS[mode], (family, mode, got[mode])
         assert got[mode]["kl"] < 0.01, (family, mode, got[mode])
 
 
-def test_compare_counts_agreement_and_kl():
-    a = np.log(np.array([[[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]]))
-    b = np.log(np.array([[[0.7, 0.2, 0.1], [0.6, 0.1, 0.3]]]))
+def test_noise_diagnostic_perturbs_the_quantized_weights_by_int8s_rounding_error(models):
+    from quant_quality import noisy_copy
+
+    src = load_file(models["qwen2_moe"] / "model.safetensors")
+    with noisy_copy(str(models["qwen2_moe"])) as noisy:
+        got = load_file(Path(noisy) / "model.safetensors")
+    for name, w in src.items():
+        quantized = name.endswith("_proj.weight") and w.ndim == 2
+        if not quantized:  # routers, shared-expert gate, norms, embedding, head: untouched
+            np.testing.assert_array_equal(got[name], w, err_msg=name)
+            continue
+        want = np.abs(w).max(axis=1, keepdims=True) / 127 / np.sqrt(12)  # HF [out, in]: per output channel
+        ratio = np.std((got[name] - w) / want)
+        assert 0.8 < ratio < 1.2, (name, ratio)
+
+
+def test_compare_counts_agreement_kl_and_near_ties():
+    a = np.log(np.array([[[0.7, 0.2, 0.1], [0.1, 0.1, 0.8], [0.41, 0.39, 0.2]]]))
+    b = np.log(np.array([[[0.7, 0.2, 0.1], [0.6, 0.1, 0.3], [0.39, 0.41, 0.2]]]))
     r = compare(a, b)
-    assert r["top1"] == 0.5
-    assert r["kl"] == pytest.approx((0.1 * np.log(0.1 / 0.6) + 0.8 * np.log(0.8 / 0.3)) / 2)
+    assert r["top1"] == pytest.approx(1 / 3)
+    assert r["kl"] == pytest.approx((0.1 * np.log(0.1 / 0.6) + 0.8 * np.log(0.8 / 0.3)
+                                     + 0.41 * np.log(0.41 / 0.39) + 0.39 * np.log(0.39 / 0.41)) / 3)
+    # each position's top-1/top-2 gap moves by 0, log(0.3/0.1) - log(0.8/0.1), and -2 log(0.41/0.39)
+    moves = np.array([0.0, np.log(0.3 / 0.1) - np.log(0.8 / 0.1), -2 * np.log(0.41 / 0.39)])
+    assert r["pert"] == pytest.approx(np.sqrt(np.mean(moves ** 2)))
+    # only the third gap (log(0.41/0.39)) is below it; one of the two disagreements is there
+    assert r["near_ties"] == pytest.approx(1 / 3) and r["flips_in_ties"] == 0.5
 
 
 def test_int8_rows_matmul_matches_the_float_product():
