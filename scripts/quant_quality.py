@@ -193,13 +193,9 @@ def noisy_copy(model_path: str, seed: int = 0):
         yield str(dst)
 
 
-def tiny_models(families: str, hidden: int = 64, gemma_unit_norms: bool = False) -> list[str]:
+def tiny_models(families: str, hidden: int = 64) -> list[str]:
     """Build ``tests/tiny.py`` families (comma-separated, or "all") with weights at std 0.08 in a temporary folder
-    (the tests' shapes at hidden 64; a wider ``hidden`` keeps everything else and doubles it for the MLP).
-
-    ``tests/tiny.py`` draws every norm weight near 1; Gemma multiplies by ``1 + w``, so its norms (q/k norms
-    included) scale by ~2. ``gemma_unit_norms`` subtracts 1 from the Gemma families' norm weights (scaling by
-    ~1, as the other families do) to show what that scaling does to their sensitivity."""
+    (the tests' shapes at hidden 64; a wider ``hidden`` keeps everything else and doubles it for the MLP)."""
     import atexit
     import shutil
     import tempfile
@@ -214,14 +210,6 @@ def tiny_models(families: str, hidden: int = 64, gemma_unit_norms: bool = False)
     wide = {} if hidden == 64 else dict(hidden_size=hidden, intermediate_size=2 * hidden)
     paths = [build_tiny_model(f, root / (f if hidden == 64 else f"{f}_h{hidden}"), tokenizer=tok, init_std=0.08,
                               **wide) for f in names]
-    if gemma_unit_norms:
-        from safetensors.numpy import load_file, save_file
-
-        for f, path in zip(names, paths):
-            if f.startswith("gemma"):
-                tensors = load_file(path / "model.safetensors")
-                save_file({k: v - 1.0 if k.endswith("norm.weight") else v for k, v in tensors.items()},
-                          path / "model.safetensors")
     return [str(p) for p in paths]
 
 
@@ -231,8 +219,6 @@ def main() -> None:
     p.add_argument("--tiny", default=None, help="comma-separated tests/tiny.py families (or 'all') to build at "
                    "weight std 0.08 in a temporary folder and measure, after the --model folders")
     p.add_argument("--tiny-hidden", type=int, default=64, help="hidden size of the --tiny models (intermediate: 2x)")
-    p.add_argument("--gemma-unit-norms", action="store_true", help="--tiny Gemma models with norms scaling by ~1 "
-                   "instead of ~2 (see tiny_models)")
     p.add_argument("--modes", default="w_int8,w_fp8,kv_int8,kv_fp8",
                    help=f"comma-separated: {', '.join(MODES)}, or the diagnostics {', '.join(DIAGNOSTIC_MODES)}")
     p.add_argument("--seqs", type=int, default=4)
@@ -243,7 +229,7 @@ def main() -> None:
     modes = args.modes.split(",")
     models = list(args.model)
     if args.tiny:
-        models += tiny_models(args.tiny, args.tiny_hidden, args.gemma_unit_norms)
+        models += tiny_models(args.tiny, args.tiny_hidden)
     if not models:
         p.error("give --model and/or --tiny")
     print(f"teacher-forced, {args.seqs} x {args.len} tokens, chunks of {args.chunk}, dtype {args.dtype}\n")

@@ -96,10 +96,13 @@ def build_tiny_model(family: str, path: Path, *, tokenizer: PreTrainedTokenizerF
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = model_cls(config).eval()
-    with torch.no_grad():  # norms start at 1 and biases at 0; randomise them so a mix-up would show
+    # Norms start at 1 (Gemma's at 0: it scales by 1 + w) and biases at 0; randomise them so a mix-up would show,
+    # keeping every family's norms scaling by about 1 as trained checkpoints do.
+    norm_center = 0.0 if config.model_type.startswith("gemma") else 1.0
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                p.copy_(norm_center + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn_like(p))
     model.save_pretrained(path, safe_serialization=True)
