@@ -2,7 +2,7 @@
 
     python scripts/bench_host.py [--concurrency 1,64,256] [--workloads decode,mixed] [--features off,on]
         [--async-scheduling both|on|off] [--repeats 1] [--compare vllm [--vllm-python PY]] [--model DIR]
-        [--profile OUT.pstats] [--json OUT.json]
+        [--phases] [--profile OUT.pstats] [--json OUT.json]
 
 The model (written once to ``--model``, default /tmp/jaxserve-host-model-hd32): Llama-shaped, 1 layer, hidden
 64, 4 heads of dim 32 (vLLM's CPU attention has no head_dim 16), vocab 512, fp32, random weights, the byte tokenizer. Workloads, at each concurrency c (max_num_seqs):
@@ -24,8 +24,9 @@ move with the load, so each run also prints CPU times, which move far less: the 
 ``step()`` ("cpu": the host loop; "dispatch" is its share in the compiled step's call, including whatever
 XLA:CPU runs on the dispatching thread before the call returns) and the whole process's
 ("process cpu": the host loop and XLA:CPU's threads, i.e. this machine's "device" too), and the load average.
-The first line names the commit. ``--profile`` writes a cProfile of jaxserve's runs (start-up excluded) and
-prints its top functions. As vLLM's offline ``generate``, the engine builds outputs of
+The first line names the commit. ``--phases`` splits the engine thread's CPU per step by phase (schedule,
+launch, commit, fetch, resolve, outputs); ``--profile`` writes a cProfile of jaxserve's runs (start-up
+excluded) and prints its top functions. As vLLM's offline ``generate``, the engine builds outputs of
 finished requests only; runs without features use ``skip_tokenizer_init`` (no detokenization, as vLLM's run),
 runs with them load the tokenizer (stop strings are checked on text).
 
@@ -134,10 +135,49 @@ class Timeline:
         return [max(0.0, self.launched[i + 1] - self.done[i]) for i in range(len(self.done) - 1)]
 
 
-def run_jaxserve(engine: Engine, w: dict, features: bool, profile: cProfile.Profile | None = None) -> dict:
+class Phases:
+    """Engine-thread CPU time (``time.thread_time``) spent in each phase of ``Engine.step``, by wrapping the methods
+    that make up a step (``--phases``). Wrapping costs ~1 µs per call, a few per step."""
+
+    def __init__(self, engine: Engine):
+        from jaxserve import async_scheduling
+
+        ex = engine.executor
+        self.cpu: dict[str, float] = {}
+        self._undo = []
+        for obj, name, label in [(engine.scheduler, "schedule", "schedule"), (ex, "make_batch", "launch: batch"),
+                                 (ex, "_sample_step", "launch: sampling"), (ex.runner, "run", "launch: step call"),
+                                 (ex, "launch", "launch (all)"), (ex, "fetch", "fetch"),
+                                 (async_scheduling, "commit", "commit"), (async_scheduling, "resolve", "resolve"),
+                                 (engine, "_collect", "outputs"), (engine, "_mark_scheduled", "queue stamps"),
+                                 (engine, "step", "step (all)")]:
+            self._wrap(obj, name, label)
+
+    def _wrap(self, obj, name, label):
+        real = getattr(obj, name)
+        own = name in vars(obj)  # an instance attribute (or a module function) to put back, not a class method
+
+        def timed(*a, **k):
+            c0 = time.thread_time()
+            try:
+                return real(*a, **k)
+            finally:
+                self.cpu[label] = self.cpu.get(label, 0.0) + time.thread_time() - c0
+
+        setattr(obj, name, timed)
+        self._undo.append(lambda: setattr(obj, name, real) if own else delattr(obj, name))
+
+    def close(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+
+
+def run_jaxserve(engine: Engine, w: dict, features: bool, profile: cProfile.Profile | None = None,
+                 phases: bool = False) -> dict:
     sp = SamplingParams(**params_for(features, w["output_len"]))
     ex = engine.executor
     steps0, wait0 = engine.stats_counters["steps"], ex.host_wait_seconds
+    split = Phases(engine) if phases else None
     timeline = Timeline(ex.runner)
     pending = list(enumerate(w["prompts"]))
     out_tokens, step_wall, step_cpu = 0, 0.0, 0.0
@@ -160,6 +200,8 @@ def run_jaxserve(engine: Engine, w: dict, features: bool, profile: cProfile.Prof
         if profile is not None:
             profile.disable()
         timeline.close()
+        if split is not None:
+            split.close()
     steps = engine.stats_counters["steps"] - steps0
     wait = ex.host_wait_seconds - wait0
     gaps = timeline.gaps()
@@ -173,6 +215,7 @@ def run_jaxserve(engine: Engine, w: dict, features: bool, profile: cProfile.Prof
             # of the engine thread's CPU: the step's dispatch (``ModelRunner.run``: packing, the host-to-device
             # copy, the jit call and what XLA:CPU runs on the calling thread before it returns)
             "dispatch_cpu_us": 1e6 * timeline.dispatch_cpu / max(1, steps),
+            "phases_cpu_us": {k: 1e6 * v / max(1, steps) for k, v in (split.cpu.items() if split else ())},
             "gap_us": 1e6 * statistics.fmean(gaps) if gaps else 0.0,
             "gap_median_us": 1e6 * statistics.median(gaps) if gaps else 0.0}
 
@@ -204,6 +247,9 @@ def main() -> None:
     p.add_argument("--compare", default="", help="'vllm' to run the decode workload through vLLM-CPU too")
     p.add_argument("--vllm-python", default="/work/venv-vllm/bin/python")
     p.add_argument("--json", type=Path, default=None, help="also write every run's numbers here")
+    p.add_argument("--phases", action="store_true",
+                   help="also print the engine thread's CPU per step in each phase of a step (schedule, launch, "
+                        "commit, fetch, resolve, outputs)")
     p.add_argument("--profile", type=Path, default=None,
                    help="cProfile jaxserve's runs (not engine start-up, not vLLM) into this pstats file and print "
                         "the top functions")
@@ -235,7 +281,7 @@ def main() -> None:
                 for rep in range(args.repeats):
                     tps = {}
                     for a in modes:
-                        r = run_jaxserve(engine(a, feat), w, feat, profile)
+                        r = run_jaxserve(engine(a, feat), w, feat, profile, args.phases)
                         tps[a] = r["output_tokens"] / r["seconds"]
                         results.append(dict(r, concurrency=c, workload=kind, features=feat, async_scheduling=a,
                                             load=_load()))
@@ -245,6 +291,9 @@ def main() -> None:
                               f"process cpu {r['process_cpu_us']:5.0f})  device idle gap "
                               f"(host on the critical path) mean {r['gap_us']:7.0f} us (median "
                               f"{r['gap_median_us']:.0f})  load {_load()}", flush=True)
+                        if r["phases_cpu_us"]:
+                            print("    engine-thread CPU us/step by phase: " + ", ".join(
+                                f"{k} {v:.0f}" for k, v in r["phases_cpu_us"].items()), flush=True)
                     if "vllm" in args.compare and kind == "decode":
                         v = run_vllm(args.vllm_python, model, w, feat, c)
                         if v:
