@@ -59,19 +59,20 @@ def resolve(scheduler: ReplicatedScheduler, plan: ReplicatedPlan, token_ids) -> 
     a synchronous step. Returns the update (``updated`` in plan order, finished ones included) and the token each
     updated sequence got (its last token may already be the next step's placeholder)."""
     updated, tokens, finished = [], [], []
+    token_ids = token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids  # Python ints, converted at once
     row = 0
     for sched, p in zip(scheduler.replicas, plan.plans, strict=True):
         finished += sched._finished_in_schedule
         sched._finished_in_schedule = []
         bm = sched.block_manager
         for entry in p.scheduled:
-            seq, token = entry.seq, int(token_ids[row])
+            seq, token = entry.seq, token_ids[row]
             row += 1
             if seq.is_finished:
                 continue
             if entry.needs_sample:
                 index = entry.kv_len  # where commit put this step's placeholder
-                if index >= seq.num_tokens or seq.token_ids(index, index + 1)[0] != placeholder(row - 1):
+                if index >= seq.num_tokens or seq.token_ids(index, index + 1)[0] != -row:  # placeholder(row - 1)
                     continue  # not this step's placeholder any more (cannot happen while steps resolve in order)
                 seq.set_token(index, token)
                 updated.append(seq)

@@ -49,6 +49,7 @@ class PageHolder:
     seq_id: int
     page_table: list[int]
     local_page_table: list[int]
+    table_version: int = 0  # as a Sequence's: ``free`` bumps it
 
 
 class BlockManager:
@@ -176,6 +177,7 @@ class BlockManager:
                 del self._evictable[page]
             self._refcount[page] += 1
         setattr(seq, self.table, list(prefix_pages))
+        seq.table_version += 1
         self._holders[seq.seq_id] = seq
         self._num_registered[seq.seq_id] = len(prefix_pages)
         seq.num_computed_tokens = seq.num_cached_tokens = len(prefix_pages) * self.page_size
@@ -198,6 +200,8 @@ class BlockManager:
             page = self._take_page()
             self._refcount[page] = 1
             self._t(seq).append(page)
+        if need > 0:
+            seq.table_version += 1
 
     def shrink(self, seq: Sequence, num_tokens: int) -> None:
         """Return the pages past the first ``num_tokens`` tokens to the pool (speculation's rollback: KV
@@ -207,6 +211,7 @@ class BlockManager:
         keep = self.pages_for(num_tokens)
         while len(table) > keep:
             self._release(table.pop())
+            seq.table_version += 1
 
     def _take_page(self) -> int:
         if self.pool.num_free:
@@ -226,6 +231,7 @@ class BlockManager:
             if page != RELEASED:
                 self._release(page)
         setattr(seq, self.table, [])
+        seq.table_version += 1
         self._holders.pop(seq.seq_id, None)
         self._num_registered.pop(seq.seq_id, None)
         self._num_released.pop(seq.seq_id, None)
@@ -260,6 +266,7 @@ class BlockManager:
             self._release(self._t(seq)[i])
             self._t(seq)[i] = RELEASED
         if end > start:
+            seq.table_version += 1
             self._num_released[seq.seq_id] = end
             self.num_released_pages += end - start
         return max(end - start, 0)

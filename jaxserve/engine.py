@@ -18,7 +18,7 @@ from collections.abc import Sequence as Seq
 from jaxserve import async_scheduling
 from jaxserve.checkpoint import resolve_model_path
 from jaxserve.config import ModelConfig
-from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
 from jaxserve.engine_config import EngineConfig
 from jaxserve.generation_config import load_generation_defaults
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -109,6 +109,7 @@ class Engine:
             getattr(getattr(self.executor, "runner", None), "channel", None) is None
         self._pending = None
         self._sync_requests = 0  # live requests whose steps need the host's view of the previous token
+        self._unstamped: set[str] = set()  # live requests not scheduled yet (``_mark_scheduled``)
         # True: ``step`` returns outputs of finished requests only (the offline API reads nothing else).
         self.final_outputs_only = False
 
@@ -141,6 +142,7 @@ class Engine:
             [[] if params.logprobs is not None else None for _ in seqs],
             prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None,
         )
+        self._unstamped.add(request_id)
         self.stats_counters["prompt_tokens"] += len(ids)
         if params.structured_outputs is not None or params.prompt_logprobs is not None:
             self._sync_requests += 1  # steps run synchronously while it is live (jaxserve/async_scheduling.py)
@@ -276,11 +278,15 @@ class Engine:
 
     def _mark_scheduled(self, plan) -> None:
         """Stamp the first time each request of ``plan`` is scheduled (its queueing time in the metrics)."""
+        if not self._unstamped:  # every live request has been scheduled before: nothing to look at
+            return
         now = time.monotonic()
         for e in plan.scheduled:
-            req = self._requests.get(e.seq.request_id)
-            if req is not None and req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
+            if e.seq.request_id in self._unstamped:
+                self._unstamped.discard(e.seq.request_id)
+                req = self._requests.get(e.seq.request_id)
+                if req is not None and req.metrics.first_scheduled_time is None:
+                    req.metrics.first_scheduled_time = now
 
     def _record_prompt_logprobs(self, plan, scored: dict[int, list[tuple[int, dict[int, float]]]]) -> None:
         for e in plan.scheduled:
@@ -307,6 +313,7 @@ class Engine:
         several)."""
         changed: dict[str, dict[int, tuple[list[int], str]]] = {}
         now = time.monotonic()
+        quiet = self.final_outputs_only  # a request still running gets no output
         for i, seq in enumerate(updated):
             req = self._requests.get(seq.request_id)
             if req is None:
@@ -318,9 +325,12 @@ class Engine:
             else:
                 start = (before or {}).get(seq.seq_id, seq.num_output_tokens - 1)
                 new = seq.output_token_ids[start:]
+            detok = req.detoks[seq.index]
+            if quiet and not seq.is_finished and type(detok) is NoTextDetokenizer and req.logprobs[seq.index] is None:
+                self.stats_counters["generation_tokens"] += len(new)  # no text, no logprobs, no output this step
+                continue
             entries = (logprobs or {}).get(seq.seq_id, {})
             entries = entries if isinstance(entries, list) else [entries]
-            detok = req.detoks[seq.index]
             delta, kept = "", []
             for j, token in enumerate(new):
                 self.stats_counters["generation_tokens"] += 1
@@ -369,6 +379,7 @@ class Engine:
         req.metrics.num_cached_tokens = req.seqs[0].num_cached_tokens
         req.metrics.num_preemptions = sum(s.num_preemptions for s in req.seqs)
         del self._requests[req.request_id]
+        self._unstamped.discard(req.request_id)
         return self._output(req, req.seqs, deltas, True)
 
     def _output(self, req: _Request, seqs: list[Sequence], deltas, finished: bool) -> RequestOutput:

@@ -26,6 +26,7 @@ from jaxserve.attention import AttentionBackend
 from jaxserve.batch import MeshBatch, StepBatch, StepKind
 from jaxserve.checkpoint import resolve_model_path
 from jaxserve.config import ModelConfig
+from jaxserve.decode_rows import DecodeRows
 from jaxserve.engine_config import EngineConfig
 from jaxserve.kv_cache import CacheConfig, bytes_per_token
 from jaxserve.loader import load_model
@@ -152,6 +153,7 @@ class Executor:
         # host while the device computes the step's logits.
         self.token_masks: Callable[[list, np.ndarray], bool] | None = None
         self._all_allowed = np.full((max_running, (cfg.vocab_size + 31) // 32), -1, np.int32)
+        self._decode_rows = DecodeRows()  # decode steps' page-table rows, kept across steps
         self.host_wait_seconds = 0.0  # time the host spent blocked in ``fetch`` (scripts/bench_host.py)
         self.warmed_up = False
         self.compilations_after_warmup = 0
@@ -278,7 +280,7 @@ class Executor:
 
     def _launch(self, entries, replicas: list[int], prev: "PendingStep | None") -> "PendingStep":
         tensors = draft_probs = None
-        if any(e.num_proposed for e in entries):
+        if self.spec is not None and any(e.num_proposed for e in entries):
             tensors = self._spec_tensors([e.seq for e in entries if e.num_proposed])
         if self.drafter is not None:  # the draft catches up on this step's tokens and proposes
             entries, draft_probs = self.drafter.propose(
@@ -286,8 +288,13 @@ class Executor:
         kind = StepKind.DECODE if all(len(e.token_ids) == 1 for e in entries) else StepKind.PREFILL
         batch = self.make_batch([e.token_ids for e in entries], [e.kv_len for e in entries],
                                 [e.page_table for e in entries], kind=kind, replicas=replicas,
-                                local_page_tables=[e.local_page_table for e in entries])
-        scored = ScoreRows.add_rows(entries, batch.logits_indices)  # prompt_logprobs: more logits rows
+                                local_page_tables=[e.local_page_table for e in entries],
+                                row_keys=([e.seq.seq_id for e in entries], [e.table_version for e in entries]))
+        # The step's distinct parameter objects (a request's sequences share one; often the whole batch does):
+        # what the step needs is decided on them, not sequence by sequence.
+        distinct = list({id(p): p for p in [e.seq.sampling_params for e in entries]}.values())
+        scored = (ScoreRows.add_rows(entries, batch.logits_indices)  # prompt_logprobs: more logits rows
+                  if any(p.prompt_logprobs is not None for p in distinct) else None)
         r, t, sl, pg = batch.shape_fields()[:4]
         self._last_shape = f"{kind.name.lower()} (replicas={r}, tokens={t}, slots={sl}, pages={pg})"
         drafts = (SpecRows.add_rows(entries, batch.logits_indices, self.num_spec_tokens, self._spec_slots)
@@ -298,7 +305,7 @@ class Executor:
         # (two arguments when there is no previous step: what a wrapper of ``run`` written for it expects)
         replicated = self.runner.run(kind, batch, prev_ids) if prev_ids is not None else self.runner.run(kind, batch)
         out = self.runner.local(replicated)
-        pending = self._sample_step(entries, out, replicated)
+        pending = self._sample_step(entries, out, replicated, distinct)
         if drafts is not None:
             pending.result = self._verify_step(entries, out, drafts, pending, tensors, draft_probs)
         if scored is not None:
@@ -306,16 +313,18 @@ class Executor:
             pending.scores = self._score(out.logits, scored.targets(self.runner.num_logit_rows))
         return pending
 
-    def _sample_step(self, entries, out: StepOutput, replicated: StepOutput) -> "PendingStep":
+    def _sample_step(self, entries, out: StepOutput, replicated: StepOutput, distinct: list) -> "PendingStep":
+        """Sample the step's logits (``distinct``: the entries' distinct ``SamplingParams``)."""
         n = len(entries)
         bitmask = self._all_allowed
-        if self.token_masks is not None and any(e.seq.sampling_params.structured_outputs for e in entries):
+        if self.token_masks is not None and any(p.structured_outputs for p in distinct):
             # The step is in flight: the masks are computed on the host meanwhile.
             masks = self._all_allowed.copy()
             if self.token_masks(entries, masks):
                 bitmask = masks
-        rows = [self._penalty_row(e.seq) for e in entries]
-        if not any(rows) and bitmask is self._all_allowed and all(_plain_greedy(e.seq) for e in entries):
+        rows = [self._penalty_row(e.seq) for e in entries] if any(map(_has_penalties, distinct)) else [0] * n
+        if (not any(rows) and bitmask is self._all_allowed and all(map(_plain_greedy_params, distinct))
+                and (not any(p.min_tokens for p in distinct) or all(_plain_greedy(e.seq) for e in entries))):
             # Greedy batches take the argmax the step already computed: no sampler call at all.
             return PendingStep(n, (out.greedy_ids,), replicated.greedy_ids)
         tensors = SamplingTensors.build(
@@ -330,7 +339,7 @@ class Executor:
         sampled = self._sample(out.logits, tensors, self._penalties if use_penalties else None)
         if use_penalties:
             self._penalties = sampled.penalty_state
-        if not any(e.seq.sampling_params.logprobs is not None for e in entries):
+        if not any(p.logprobs is not None for p in distinct):
             return PendingStep(n, (sampled.token_ids,), sampled.token_ids, True)
         return PendingStep(n, (sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs),
                            sampled.token_ids, True)
@@ -376,24 +385,31 @@ class Executor:
 
     def make_batch(self, chunks: list[list[int]], kv_lens: list[int], page_tables: list[list[int]], *,
                    kind: StepKind, replicas: list[int] | None = None,
-                   local_page_tables: list[list[int]] | None = None) -> MeshBatch:
+                   local_page_tables: list[list[int]] | None = None,
+                   row_keys: tuple[list[int], list[int]] | None = None) -> MeshBatch:
         """Pad one step's sequences to bucket shapes (decode: one row per sequence slot).
 
         ``replicas[i]`` is the data replica of sequence ``i`` (default: all on replica 0); its page table holds
         that replica's local page ids. The logits rows come back in the order of ``chunks``. With a windowed
         pool, ``local_page_tables`` are the windowed layers' tables; each row of the batch's page table is then
-        the global table padded to the page bucket, followed by the windowed one.
+        the global table padded to the page bucket, followed by the windowed one. ``row_keys``: each sequence's
+        id and page-table version (``ScheduledSequence.table_version``), with which a decode step on one replica
+        rewrites only the page-table rows that changed since the previous decode step (``DecodeRows``).
         """
         replicas = [0] * len(chunks) if replicas is None else list(replicas)
-        if len(replicas) != len(chunks) or any(not 0 <= r < self.num_replicas for r in replicas):
+        if len(replicas) != len(chunks) or (any(replicas) if self.num_replicas == 1 else
+                                            any(not 0 <= r < self.num_replicas for r in replicas)):
             raise ValueError(f"replicas={replicas} must give each of {len(chunks)} sequences a replica in "
                              f"[0, {self.num_replicas})")
-        groups = [[i for i, r in enumerate(replicas) if r == g] for g in range(self.num_replicas)]
+        # (one replica, the common case: its group is every sequence, with no per-sequence regrouping)
+        groups = ([[i for i, r in enumerate(replicas) if r == g] for g in range(self.num_replicas)]
+                  if self.num_replicas > 1 else None)
         shapes = self.shapes
         if kind == StepKind.DECODE:
-            num_seqs = num_tokens = shapes.seq_bucket(max(map(len, groups)))
+            num_seqs = num_tokens = shapes.seq_bucket(max(map(len, groups)) if groups else len(chunks))
         else:
-            num_tokens = shapes.token_bucket(max(sum(len(chunks[i]) for i in g) for g in groups))
+            num_tokens = shapes.token_bucket(max(sum(len(chunks[i]) for i in g) for g in groups) if groups
+                                             else sum(map(len, chunks)))
             num_seqs = shapes.prefill_seqs(num_tokens)
         pages = shapes.step_pages(kind == StepKind.DECODE, max(map(len, page_tables), default=1))
         if self.runner.local_pool:
@@ -402,6 +418,9 @@ class Executor:
             page_tables = [list(t) + [0] * (pages - len(t)) + list(lt)
                            for t, lt in zip(page_tables, local_page_tables, strict=True)]
             pages *= 2
+        if kind == StepKind.DECODE and row_keys is not None and self.num_replicas == 1 and not self.runner.local_pool:
+            return self._logit_rows(kind, MeshBatch.stack([self._decode_rows.build(
+                chunks, kv_lens, page_tables, *row_keys, max_seqs=num_seqs, pages_per_seq=pages)]))
         if self.num_replicas == 1:  # the common case: no regrouping
             return self._logit_rows(kind, MeshBatch.stack([StepBatch.build(
                 chunks, kv_lens, page_tables, num_tokens=num_tokens, max_seqs=num_seqs, pages_per_seq=pages)]))
@@ -570,3 +589,13 @@ def _plain_greedy(seq: Sequence) -> bool:
     """True when the argmax of the raw logits is exactly what the sampler would pick and report."""
     p = seq.sampling_params
     return p.greedy and p.logprobs is None and not p.logit_bias and seq.num_output_tokens >= p.min_tokens
+
+
+def _plain_greedy_params(p: SamplingParams) -> bool:
+    """``_plain_greedy`` of every sequence with these parameters, but for the ``min_tokens`` condition."""
+    return p.greedy and p.logprobs is None and not p.logit_bias
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    """Whether these parameters need a ``PenaltyState`` row (``Executor._penalty_row``)."""
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)

@@ -12,6 +12,7 @@ Host-only: no jax import.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence as Seq
 
 from jaxserve.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput, UpdateResult
@@ -24,11 +25,12 @@ class ReplicatedPlan:
 
     plans: tuple[SchedulerOutput, ...]
 
-    @property
+    # Cached: the host loop reads these several times a step, and a plan never changes.
+    @functools.cached_property
     def scheduled(self) -> tuple[ScheduledSequence, ...]:
-        return tuple(e for p in self.plans for e in p.scheduled)
+        return self.plans[0].scheduled if len(self.plans) == 1 else tuple(e for p in self.plans for e in p.scheduled)
 
-    @property
+    @functools.cached_property
     def replicas(self) -> list[int]:
         """The replica of each entry of ``scheduled``."""
         return [r for r, p in enumerate(self.plans) for _ in p.scheduled]

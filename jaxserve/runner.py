@@ -104,6 +104,7 @@ class ModelRunner:
         # One jit object per kind, so prefill and decode shapes are compiled and cached separately.
         self.local_pool = bool(cache.num_local_pages)  # page tables carry the windowed pool's table after the global
         self._steps = {kind: jit_step(self.graphdef, num_logit_rows, outs, self.local_pool) for kind in StepKind}
+        self._static: dict[tuple, tuple] = {}  # (kind, shape fields) -> the step's static arguments
 
     def run(self, kind: StepKind, batch: MeshBatch, prev_ids: jax.Array | None = None) -> StepOutput:
         """Run one step (on process 0 of a multi-process run, the followers run it too). ``prev_ids``: the
@@ -147,11 +148,15 @@ class ModelRunner:
     def _call_args(self, kind: StepKind, batch: MeshBatch, payload: np.ndarray):
         """The compiled step for a batch and its arguments; ``payload`` is ``batch.pack()``, placed replicated
         (one host-to-device copy per step)."""
-        layout = self.layout_for(kind, batch)
-        backend = dataclasses.replace(self.backend, decode=kind == StepKind.DECODE)
-        attention = ShardedAttention(backend, layout, self.cfg.num_kv_heads)
-        packed = place(payload, NamedSharding(self.mesh, PartitionSpec()))
-        return self._steps[kind], (self.params, packed, self.kv_cache, batch.shape_fields(), attention, layout)
+        fields = batch.shape_fields()
+        static = self._static.get((kind, fields))
+        if static is None:  # built once per shape: hashing fresh ones would cost every call (jit's static args)
+            layout = self.layout_for(kind, batch)
+            backend = dataclasses.replace(self.backend, decode=kind == StepKind.DECODE)
+            static = self._static[kind, fields] = (fields, ShardedAttention(backend, layout, self.cfg.num_kv_heads),
+                                                   layout)
+        packed = place(payload, self._replicated)
+        return self._steps[kind], (self.params, packed, self.kv_cache, *static)
 
     def lower(self, kind: StepKind, batch: MeshBatch):
         """The step a batch would run, lowered (for inspecting the compiled program)."""

@@ -25,6 +25,7 @@ class ScheduledSequence:
     needs_sample: bool  # the step reaches the end of the sequence's tokens, so its last row's logits are sampled
     local_page_table: list[int] = dataclasses.field(default_factory=list)  # the windowed layers' pool, if any
     num_proposed: int = 0  # speculation: the last this-many token_ids are draft tokens the step verifies
+    table_version: int = -1  # seq.table_version of the snapshot (-1: not known); the executor reuses rows by it
 
     @property
     def num_new_tokens(self) -> int:
@@ -173,6 +174,7 @@ class Scheduler:
         holder = PageHolder(seq.seq_id, seq.page_table, seq.local_page_table)
         self.block_manager.hand_over(seq, holder)
         seq.page_table, seq.local_page_table = [], []
+        seq.table_version += 1
         seq.status = SequenceStatus.WAITING
         return holder
 
@@ -216,9 +218,19 @@ class Scheduler:
         # A prompt that reports prompt_logprobs needs a logits row per token of its chunk, not one: its chunk
         # takes logits rows (at most max_num_seqs per step) from the sequences scheduled with it.
         extra_rows = 0
+        # A decode whose next token fits the pages it holds, in a pool without a window to release behind, needs
+        # no page bookkeeping: the common case of a running batch, kept to a few operations per sequence.
+        plain_pages = 0 if speculating or type(bm) is not BlockManager or bm.attention_window else cfg.page_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if plain_pages and seq.num_uncomputed_tokens == 1 and seq.num_tokens <= len(seq.page_table) * plain_pages:
+                decodes_left -= 1
+                plan.append(ScheduledSequence(seq, [seq.last_token], seq.num_tokens, list(seq.page_table), True,
+                                              table_version=seq.table_version))
+                budget -= 1
+                i += 1
+                continue
             draft: list[int] = []
             if seq.num_uncomputed_tokens == 1:
                 decodes_left -= 1
@@ -356,7 +368,8 @@ class Scheduler:
     def _entry(self, seq: Sequence, n: int, kv_len: int) -> ScheduledSequence:
         tokens = seq.token_ids(kv_len - n, kv_len)
         return ScheduledSequence(seq, tokens, kv_len, BlockManager.readable_table(seq.page_table),
-                                 kv_len == seq.num_tokens, BlockManager.readable_table(seq.local_page_table))
+                                 kv_len == seq.num_tokens, BlockManager.readable_table(seq.local_page_table),
+                                 table_version=seq.table_version)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -20,7 +20,8 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _REASON_OF
+        # Identity tests, not a set lookup: Enum hashes in Python, and this is asked per sequence per step.
+        return self is not SequenceStatus.RUNNING and self is not SequenceStatus.WAITING
 
 
 _REASON_OF = {
@@ -45,7 +46,7 @@ class Sequence:
     ``num_computed_tokens`` drops to 0 and all tokens (prompt and generated) are recomputed as a prefill.
 
     ``page_table``, ``page_hashes`` and ``num_computed_tokens`` belong to the scheduler and block manager;
-    callers read them and never write them.
+    callers read them and never write them. Whoever changes a page table bumps ``table_version``.
     """
 
     def __init__(
@@ -79,6 +80,7 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
         self.page_table: list[int] = []
         self.local_page_table: list[int] = []  # the windowed layers' own pool, for models that interleave them
+        self.table_version = 0  # bumped whenever page_table or local_page_table changes (jaxserve/decode_rows.py)
         self.page_hashes: list[bytes] = []  # chained hash of each full page; depends on tokens and cache_salt only
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix reused at the latest admission
@@ -114,7 +116,8 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        status = self.status
+        return status is not SequenceStatus.RUNNING and status is not SequenceStatus.WAITING
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens ``start .. end - 1`` of prompt + output."""
