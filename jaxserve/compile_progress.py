@@ -33,6 +33,7 @@ class Progress:
         self.start = time.monotonic()
         self._last_log = self.start
         self._counts0 = compile_counter.cache_counts()
+        self.stored: tuple[int, int] | None = None  # (loaded, compiled) step executables of the executable store
         self._bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
@@ -74,6 +75,10 @@ class Progress:
         else:
             cache = (f"compilation cache {self.cache_dir}: {hits} hits, {lookups - hits} misses (compiled now, "
                      "saved for the next start)")
+        if self.stored is not None:
+            loaded, compiled = self.stored
+            summary.update(executables_loaded=loaded, executables_compiled=compiled)
+            cache += f"; executable store: {loaded} loaded, {compiled} compiled and saved"
         logger.info("warm-up done: %d %s ready in %.1fs; %s", self.total, self.what, seconds, cache)
         last_summary = summary
         if _active is self:
