@@ -1,6 +1,7 @@
 """What the warm-up compile is doing, while it does it: progress over the shapes to compile (a tqdm bar on a
 terminal, else a log line every few seconds with an estimate of the time left), then one summary line with the
-time taken and whether the persistent compilation cache was used (hits and misses).
+time taken, whether the persistent compilation cache was used (hits and misses) and, when the executor sets
+``stored``, how many step executables the executable store loaded or had to compile.
 
 The warm-up loop calls ``start(total)`` once, ``tick()`` after each compiled shape and ``finish()`` at the end;
 ``tick()`` is a module-level call, so code that compiles a shape needs no handle on the reporter.

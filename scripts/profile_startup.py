@@ -4,9 +4,10 @@ persistent-cache read) and first execution, with a cold and then a warm compilat
     python scripts/profile_startup.py [--model PATH] [--dtype float32] [engine flags...] [--out FILE.json]
 
 Each of the two runs is a fresh process (``--phase`` child) building the executor with ``warmup=False`` and
-then doing by hand, shape by shape in one thread, what the warm-up does: ``jit.trace``, ``.lower()``,
-``.compile()`` (a persistent-cache read when the cache holds the program), one execution of the compiled
-program, and the sampler variants. The parent prints a table per run and the totals per phase; ``--out``
+then doing by hand, shape by shape in one thread, every phase a start may go through: loading the step's
+executable from the executable store (``jaxserve.executable_store``; what a warm start does instead of all the
+rest), ``jit.trace``, ``.lower()``, ``.compile()`` (a persistent-cache read when the XLA cache holds the
+program), one execution of the compiled program (which warm-up no longer does), and the sampler variants. The parent prints a table per run and the totals per phase; ``--out``
 keeps the figures. Single-threaded on purpose: the phases are told apart, not overlapped as serving does.
 """
 
@@ -33,6 +34,7 @@ def child(argv: list[str]) -> dict:
     from jaxserve import compile_counter, executor as executor_module
     from jaxserve.batch import StepKind
     from jaxserve.engine_args import add_engine_args, engine_config_from_args
+    from jaxserve.executable_store import ExecutableStore
 
     t_import = time.perf_counter() - t0
     parser = argparse.ArgumentParser()
@@ -55,10 +57,15 @@ def child(argv: list[str]) -> dict:
     compile_counter.install()
     rows = []
     runner = ex.runner
+    store = ExecutableStore.for_runner(config.compilation_cache_dir, runner)
     for decode, tokens, slots, pages in ex.shapes.all_shapes():
         kind = StepKind.DECODE if decode else StepKind.PREFILL
         batch = ex._padding_batch(decode, tokens, slots, pages)
         fn, args = runner._call_args(kind, batch, batch.pack())
+        key = (int(kind), batch.shape_fields())
+        z = time.perf_counter()
+        stored = store.load(key, list(runner.mesh.devices.flat))
+        t_load = time.perf_counter() - z if stored is not None else None
         counts0 = compile_counter.cache_counts()
         a = time.perf_counter()
         traced = fn.trace(*args, prev_ids=runner._no_prev)
@@ -70,10 +77,12 @@ def child(argv: list[str]) -> dict:
         out, runner.kv_cache = compiled(*args[:3], prev_ids=runner._no_prev)
         jax.block_until_ready(out)
         e = time.perf_counter()
+        if stored is None:
+            store.save(key, compiled)
         counts = compile_counter.cache_counts()
         rows.append({"shape": f"{kind.name.lower()} t={tokens} s={slots} p={pages}", "trace": b - a,
                      "lower": c - b, "compile": d - c, "execute": e - d,
-                     "cache_hit": counts["hits"] > counts0["hits"]})
+                     "cache_hit": counts["hits"] > counts0["hits"], "store_load": t_load})
     s = time.perf_counter()
     # The sampler variants, as the warm-up compiles them (through jit: trace + lower + compile + run).
     out = runner.local(out)
@@ -102,13 +111,15 @@ def report(name: str, result: dict) -> None:
     rows = result["shapes"]
     print(f"\n## {name}: {result['total']:.1f}s in the process (import {result['import']:.1f}s, executor built in "
           f"{result['executor']:.1f}s of which model load {result['load_model']:.1f}s, sampler {result['sampler']:.1f}s)")
-    print("| shape | trace s | lower s | compile s | execute s | cache hit |\n| --- | --- | --- | --- | --- | --- |")
+    print("| shape | executable store load s | trace s | lower s | compile s | execute s | XLA cache hit |\n"
+          "| --- | --- | --- | --- | --- | --- | --- |")
+    fmt = lambda v: "miss" if v is None else f"{v:.2f}"  # noqa: E731
     for r in rows:
-        print(f"| {r['shape']} | {r['trace']:.2f} | {r['lower']:.2f} | {r['compile']:.2f} | {r['execute']:.2f} | "
-              f"{'yes' if r['cache_hit'] else 'no'} |")
-    tot = {k: sum(r[k] for r in rows) for k in ("trace", "lower", "compile", "execute")}
-    print(f"| **{len(rows)} shapes** | {tot['trace']:.1f} | {tot['lower']:.1f} | {tot['compile']:.1f} | "
-          f"{tot['execute']:.1f} | {sum(r['cache_hit'] for r in rows)} |")
+        print(f"| {r['shape']} | {fmt(r['store_load'])} | {r['trace']:.2f} | {r['lower']:.2f} | {r['compile']:.2f} | "
+              f"{r['execute']:.2f} | {'yes' if r['cache_hit'] else 'no'} |")
+    tot = {k: sum(r[k] or 0.0 for r in rows) for k in ("store_load", "trace", "lower", "compile", "execute")}
+    print(f"| **{len(rows)} shapes** | {tot['store_load']:.1f} | {tot['trace']:.1f} | {tot['lower']:.1f} | "
+          f"{tot['compile']:.1f} | {tot['execute']:.1f} | {sum(r['cache_hit'] for r in rows)} |")
 
 
 def main() -> None:
