@@ -475,7 +475,9 @@ class Executor:
             # a step's (nothing runs: the steps' cache stays untouched while they are lowered).
             workers = min(len(shapes), os.cpu_count() or 1)
             with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool:
-                done = [pool.submit(self._prepare_shape, shape, store) for shape in shapes]
+                # the largest prefill shapes (the longest compiles) first, so no thread is left with one at the end
+                ordered = sorted(shapes, key=lambda shape: (shape[0], -shape[1]))
+                done = [pool.submit(self._prepare_shape, shape, store) for shape in ordered]
                 logits = jax.device_put(np.zeros((self.runner.num_logit_rows, self.model_config.vocab_size),
                                                  np.float32), self.runner.sample_device)
                 self._warm_sampler(logits, progress)
