@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--chunk", type=int, default=128)
+    ap.add_argument("--chunk", type=int, default=120)
     ap.add_argument("--context", default="0,256")
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
