@@ -7,8 +7,8 @@ Each of the two runs is a fresh process (``--phase`` child) building the executo
 then doing by hand, shape by shape in one thread, every phase a start may go through: loading the step's
 executable from the executable store (``jaxserve.executable_store``; what a warm start does instead of all the
 rest), ``jit.trace``, ``.lower()``, ``.compile()`` (a persistent-cache read when the XLA cache holds the
-program), one execution of the compiled program (which warm-up no longer does), and the sampler variants. The parent prints a table per run and the totals per phase; ``--out``
-keeps the figures. Single-threaded on purpose: the phases are told apart, not overlapped as serving does.
+program), one execution of the compiled program (which warm-up no longer does), and the sampler variants.
+The parent prints a table per run and the totals per phase; ``--out`` keeps the figures. Single-threaded on purpose: the phases are told apart, not overlapped as serving does.
 """
 
 from __future__ import annotations
@@ -110,7 +110,8 @@ def _demo():
 def report(name: str, result: dict) -> None:
     rows = result["shapes"]
     print(f"\n## {name}: {result['total']:.1f}s in the process (import {result['import']:.1f}s, executor built in "
-          f"{result['executor']:.1f}s of which model load {result['load_model']:.1f}s, sampler {result['sampler']:.1f}s)")
+          f"{result['executor']:.1f}s of which model load {result['load_model']:.1f}s, sampler "
+          f"{result['sampler']:.1f}s)")
     print("| shape | executable store load s | trace s | lower s | compile s | execute s | XLA cache hit |\n"
           "| --- | --- | --- | --- | --- | --- | --- |")
     fmt = lambda v: "miss" if v is None else f"{v:.2f}"  # noqa: E731

@@ -8,7 +8,6 @@ import json
 import platform
 import sys
 
-import jax.numpy as jnp
 import pytest
 
 from jaxserve import aot
@@ -17,7 +16,6 @@ from jaxserve.config import ModelConfig
 from jaxserve.demo import demo_model_path
 from jaxserve.engine_config import EngineConfig
 from jaxserve.executor import Executor
-from jaxserve.runner import StepOutput
 from jaxserve.shapes import StepShapes
 
 TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
