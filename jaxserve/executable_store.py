@@ -6,8 +6,9 @@ start still traces and lowers every shape (single-threaded Python, most of a war
 serialized executable (``jax.experimental.serialize_executable``) by everything that determines it instead,
 without tracing anything:
 
-- the versions of jax, jaxlib, flax and Python; the backend (platform and version) and the mesh (axis names and
-  sizes, device ids and kinds); the jax options that change programs (matmul precision, x64, ``XLA_FLAGS``);
+- the versions of jax, jaxlib, flax and Python; the backend (platform and version), the host CPU (architecture
+  and instruction-set flags: XLA:CPU compiles for it) and the mesh (axis names and sizes, device ids and
+  kinds); the jax options that change programs (matmul precision, x64, ``XLA_FLAGS``);
 - the code that is traced: a hash of every source file of ``jaxserve``, ``pallas_kernels`` and ``sharding``;
 - the model: its ``ModelConfig``, the structure, shapes, dtypes and shardings of its parameters (the dtype and
   any 8-bit weights and scales) and of the KV pool; the step's options (attention backend, logits rows,
@@ -27,6 +28,7 @@ import hashlib
 import logging
 import os
 import pickle
+import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -55,6 +57,18 @@ def source_digest() -> str:
     return _source_digest
 
 
+def _host_cpu() -> str:
+    """The host CPU's architecture and instruction-set flags: XLA:CPU compiles for the CPU it runs on, so an
+    executable built on one machine must not load on another (a cache directory on a shared home)."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()} {hashlib.sha256(flags.encode()).hexdigest()}"
+
+
 def _describe_leaves(tree) -> str:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     parts = [str(treedef)]
@@ -75,7 +89,7 @@ def runner_fingerprint(runner) -> str:
     config = jax.config
     parts = [
         f"jax={jax.__version__} jaxlib={jaxlib.__version__} flax={flax.__version__} python={sys.version}",
-        f"backend={devices[0].platform} {devices[0].client.platform_version}",
+        f"backend={devices[0].platform} {devices[0].client.platform_version} host={_host_cpu()}",
         f"mesh={dict(mesh.shape)} devices={[(d.id, d.device_kind) for d in devices]}",
         f"precision={config.jax_default_matmul_precision} x64={config.jax_enable_x64} "
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')} LIBTPU_INIT_ARGS={os.environ.get('LIBTPU_INIT_ARGS', '')}",
