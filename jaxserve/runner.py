@@ -169,7 +169,7 @@ class ModelRunner:
         loaded = compiled is not None
         if compiled is None:
             compiled = self.lower(kind, batch).compile()
-            if store is not None:
+            if store is not None:  # before it ever runs: XLA:CPU's sort thunks do not serialize once they have run
                 store.save(key, compiled)
         self.executables[key] = compiled
         return loaded
