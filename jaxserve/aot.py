@@ -409,7 +409,7 @@ def run(req: Request, log=None) -> dict:
     prompt_len = min(PROMPT_PROBE, max_model_len)
     probe_pages = shapes.step_pages(True, _ceil(context + 1, req.page_size))
     prompt_tokens = shapes.token_bucket(min(prompt_len, req.max_num_batched_tokens))
-    prompt_pages = shapes.page_bucket(_ceil(prompt_len, req.page_size))
+    prompt_pages = shapes.step_pages(False, _ceil(prompt_len, req.page_size))
     probes = {f"decode@{b}": ("decode", b, b, probe_pages) for b in req.decode_batches}
     probes["prefill"] = ("prefill", prompt_tokens, shapes.prefill_seqs(prompt_tokens), prompt_pages)
     todo = list(dict.fromkeys((warmup_shapes(shapes) if req.buckets == "all" else []) + list(probes.values())))

@@ -482,6 +482,9 @@ def _log_ready(info: dict, seconds: float) -> None:
         hits, misses = warm["cache_hits"], warm["cache_misses"]
         cache = (f"compilation cache: {hits} hits, {misses} misses" if warm["cache_dir"]
                  else "compilation cache off")
+        if "executables_loaded" in warm:
+            cache += (f"; step executables: {warm['executables_loaded']} loaded, "
+                      f"{warm['executables_compiled']} compiled")
         timing = (f"in {seconds:.1f}s: loading {max(seconds - warm['seconds'], 0):.1f}s, warm-up "
                   f"{warm['seconds']:.1f}s ({cache})")
     logger.info("engine ready: %s (%s) on %s %s", info.get("model_path"), info.get("dtype"), devices, timing)

@@ -1,6 +1,7 @@
 """What the warm-up compile is doing, while it does it: progress over the shapes to compile (a tqdm bar on a
 terminal, else a log line every few seconds with an estimate of the time left), then one summary line with the
-time taken and whether the persistent compilation cache was used (hits and misses).
+time taken, whether the persistent compilation cache was used (hits and misses) and, when the executor sets
+``stored``, how many step executables the executable store loaded or had to compile.
 
 The warm-up loop calls ``start(total)`` once, ``tick()`` after each compiled shape and ``finish()`` at the end;
 ``tick()`` is a module-level call, so code that compiles a shape needs no handle on the reporter.
@@ -33,6 +34,7 @@ class Progress:
         self.start = time.monotonic()
         self._last_log = self.start
         self._counts0 = compile_counter.cache_counts()
+        self.stored: tuple[int, int] | None = None  # (loaded, compiled) step executables of the executable store
         self._bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
@@ -74,6 +76,10 @@ class Progress:
         else:
             cache = (f"compilation cache {self.cache_dir}: {hits} hits, {lookups - hits} misses (compiled now, "
                      "saved for the next start)")
+        if self.stored is not None:
+            loaded, compiled = self.stored
+            summary.update(executables_loaded=loaded, executables_compiled=compiled)
+            cache += f"; executable store: {loaded} loaded, {compiled} compiled and saved"
         logger.info("warm-up done: %d %s ready in %.1fs; %s", self.total, self.what, seconds, cache)
         last_summary = summary
         if _active is self:

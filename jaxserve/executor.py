@@ -28,6 +28,7 @@ from jaxserve.checkpoint import resolve_model_path
 from jaxserve.config import ModelConfig
 from jaxserve.decode_rows import DecodeRows
 from jaxserve.engine_config import EngineConfig
+from jaxserve.executable_store import ExecutableStore
 from jaxserve.kv_cache import CacheConfig, bytes_per_token
 from jaxserve.loader import load_model
 from jaxserve.penalty_state import PenaltyState
@@ -483,22 +484,51 @@ class Executor:
 
     # Start-up -----------------------------------------------------------------------------------------------
     def warmup(self) -> None:
-        """Compile every bucket shape of both steps and of the sampler now, so serving never compiles."""
+        """Make every bucket shape of both steps ready (loaded from the executable store when it holds the shape,
+        else compiled and saved there) and compile the sampler, so serving never compiles."""
         start = time.perf_counter()
         shapes = self.shapes.all_shapes()
         progress = compile_progress.start(len(shapes) + 4, self.config.compilation_cache_dir)
-        ahead = self._compile_ahead(shapes, progress)
-        out: StepOutput | None = None
-        for decode, num_tokens, num_seqs, pages in shapes:
-            batch = self._padding_batch(decode, num_tokens, num_seqs, pages)
-            out = jax.block_until_ready(self.runner.run(StepKind.DECODE if decode else StepKind.PREFILL, batch))
-            if not ahead:
+        store = ExecutableStore.for_runner(self.config.compilation_cache_dir, self.runner)
+        if jax.process_count() > 1:  # the followers compile each shape as they follow it: run them all
+            out = None
+            for decode, num_tokens, num_seqs, pages in shapes:
+                batch = self._padding_batch(decode, num_tokens, num_seqs, pages)
+                out = jax.block_until_ready(self.runner.run(StepKind.DECODE if decode else StepKind.PREFILL, batch))
                 progress.tick()
-        logits = self.runner.local(out).logits
+            self._warm_sampler(self.runner.local(out).logits, progress)
+        else:
+            # The shapes on a thread pool, one per core (XLA's compiler and the executable loads release the GIL;
+            # tracing and lowering do not); the sampler meanwhile in this thread, on logits shaped and placed as
+            # a step's (nothing runs: the steps' cache stays untouched while they are lowered).
+            workers = min(len(shapes), os.cpu_count() or 1)
+            with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool:
+                # the largest prefill shapes (the longest compiles) first, so no thread is left with one at the end
+                ordered = sorted(shapes, key=lambda shape: (shape[0], -shape[1]))
+                done = [pool.submit(self._prepare_shape, shape, store) for shape in ordered]
+                logits = jax.device_put(np.zeros((self.runner.num_logit_rows, self.model_config.vocab_size),
+                                                 np.float32), self.runner.sample_device)
+                self._warm_sampler(logits, progress)
+                for future in concurrent.futures.as_completed(done):
+                    future.result()
+                    progress.tick()
+        if store is not None:
+            progress.stored = (store.hits, store.misses)
+        progress.finish()
+        self.warmed_up = True
+        logger.debug("warm-up prepared the steps and the sampler in %.1fs", time.perf_counter() - start)
+
+    def _prepare_shape(self, shape, store) -> bool:
+        decode, num_tokens, num_seqs, pages = shape
+        kind = StepKind.DECODE if decode else StepKind.PREFILL
+        return self.runner.prepare(kind, self._padding_batch(decode, num_tokens, num_seqs, pages), store)
+
+    def _warm_sampler(self, logits, progress) -> None:
+        """Compile the sampler's variants, prompt-logprob scoring and (speculation) the verifier on ``logits``, a
+        step's logits as ``runner.local`` gives them: same shape *and* placement as when serving."""
         # Serving passes the sampler a penalty state produced by jitted code; warm it on one as well.
         pad = np.full((1, self.max_model_len), -1, np.int32)
         self._penalties = self._reset_rows(self._penalties, np.zeros(1, np.int32), pad, pad)
-        # The sampler is warmed on the runner's own logits: same shape *and* sharding as when serving.
         for logprobs in (None, 1):
             params = [SamplingParams(temperature=1.0, logprobs=logprobs)]
             tensors = SamplingTensors.build(params, num_slots=self._sample_rows, seeds=[0], num_generated=[0],
@@ -518,32 +548,11 @@ class Executor:
                 jax.block_until_ready(self._verify(logits, np.zeros((slots, k + 1), np.int32),
                                                    np.full((slots, k), -1, np.int32), np.zeros(slots, np.int32),
                                                    tensors, probs, with_logprobs=logprobs is not None))
-        progress.finish()
-        self.warmed_up = True
-        logger.debug("warm-up compiled the steps and the sampler in %.1fs", time.perf_counter() - start)
 
     def _padding_batch(self, decode: bool, num_tokens: int, num_seqs: int, pages: int) -> MeshBatch:
         batch = MeshBatch.padding(self.num_replicas, num_tokens=num_tokens, max_seqs=num_seqs,
                                   pages_per_seq=pages * (2 if self.runner.local_pool else 1))
         return self._logit_rows(StepKind.DECODE if decode else StepKind.PREFILL, batch)
-
-    def _compile_ahead(self, shapes, progress) -> bool:
-        """Compile the step shapes on a thread pool, one per core (XLA's compiler releases the GIL; tracing and
-        lowering do not, so the gain is the compile part); the warm-up then runs each from jax's in-memory cache.
-        Single-process only (followers compile as they follow). Returns whether it ran."""
-        workers = min(len(shapes), os.cpu_count() or 1)
-        if jax.process_count() > 1 or workers < 2:
-            return False
-
-        def compile_one(shape):
-            decode, num_tokens, num_seqs, pages = shape
-            kind = StepKind.DECODE if decode else StepKind.PREFILL
-            self.runner.lower(kind, self._padding_batch(decode, num_tokens, num_seqs, pages)).compile()
-
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool:
-            for _ in pool.map(compile_one, shapes):
-                progress.tick()
-        return True
 
     def describe(self) -> dict:
         """What the device side serves: model, pool and dtypes (plain values, for servers and logs)."""

@@ -105,6 +105,8 @@ class ModelRunner:
         self.local_pool = bool(cache.num_local_pages)  # page tables carry the windowed pool's table after the global
         self._steps = {kind: jit_step(self.graphdef, num_logit_rows, outs, self.local_pool) for kind in StepKind}
         self._static: dict[tuple, tuple] = {}  # (kind, shape fields) -> the step's static arguments
+        # (kind, shape fields) -> the compiled step, called directly (no tracing): filled by ``prepare``.
+        self.executables: dict[tuple, jax.stages.Compiled] = {}
 
     def run(self, kind: StepKind, batch: MeshBatch, prev_ids: jax.Array | None = None) -> StepOutput:
         """Run one step (on process 0 of a multi-process run, the followers run it too). ``prev_ids``: the
@@ -163,6 +165,20 @@ class ModelRunner:
         fn, args = self._call_args(kind, batch, batch.pack())
         return fn.lower(*args, prev_ids=self._no_prev)
 
+    def prepare(self, kind: StepKind, batch: MeshBatch, store=None) -> bool:
+        """Make the step of a batch's shape ready, so ``run`` calls it without tracing: loaded from ``store`` (a
+        ``jaxserve.executable_store.ExecutableStore``) when it holds it, else lowered and compiled (through the
+        compilation cache) and saved there. Thread-safe for distinct shapes. Returns whether it was loaded."""
+        key = (int(kind), batch.shape_fields())
+        compiled = store.load(key, list(self.mesh.devices.flat)) if store is not None else None
+        loaded = compiled is not None
+        if compiled is None:
+            compiled = self.lower(kind, batch).compile()
+            if store is not None:  # before it ever runs: XLA:CPU's sort thunks do not serialize once they have run
+                store.save(key, compiled)
+        self.executables[key] = compiled
+        return loaded
+
     def _run(self, kind: StepKind, batch: MeshBatch, payload: np.ndarray, prev_ids=None) -> StepOutput:
         if self.debug_checks:
             for r in range(batch.num_replicas):
@@ -178,7 +194,12 @@ class ModelRunner:
                     check_values(pool_md, num_tokens=batch.tokens_per_replica, num_pages=pages,
                                  page_size=self.cache_cfg.page_size)
         fn, args = self._call_args(kind, batch, payload)
-        out, self.kv_cache = fn(*args, prev_ids=self._no_prev if prev_ids is None else prev_ids)
+        prev_ids = self._no_prev if prev_ids is None else prev_ids
+        compiled = self.executables.get((int(kind), args[3]))
+        if compiled is not None:  # prepared at warm-up: its static arguments are part of the key
+            out, self.kv_cache = compiled(*args[:3], prev_ids=prev_ids)
+        else:
+            out, self.kv_cache = fn(*args, prev_ids=prev_ids)
         return out
 
     def cache_lost(self) -> bool:

@@ -27,8 +27,8 @@ def ladder(bucket_of, start: int) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class StepShapes:
-    """Bucket ladders of one engine: prefill steps by token count, decode steps by slot count, both by
-    page-table width."""
+    """Bucket ladders of one engine: prefill steps by token count, decode steps by slot count; one page-table
+    width for both."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -45,12 +45,12 @@ class StepShapes:
         return bucket(n, 16, max(16, self.pages_per_seq))
 
     def step_pages(self, decode: bool, n: int) -> int:
-        """The page-table width of a step whose longest table has ``n`` pages. Decode steps have one width, the
-        largest: every decode attention walks each row's pages only up to its length (the CPU path's online
-        softmax loop, the Pallas kernels), so a wider table costs nothing but its few ints, and one page bucket
-        instead of several is that many fewer shapes to compile at start-up. Prefill steps keep the ladder (the
-        CPU path gathers a chunk's whole table)."""
-        return self.page_bucket(self.pages_per_seq if decode else n)
+        """The page-table width of a step whose longest table has ``n`` pages: one width, the largest, for
+        every step. Attention walks each row's pages only up to its length (the CPU path's online-softmax walks
+        over decode rows and over a chunk's cached context, the Pallas kernels), so a wider table costs nothing
+        but its few ints, and one page bucket instead of a ladder is that many fewer shapes to compile at
+        start-up. (``decode`` and ``n`` stay in the signature: the callers describe their step.)"""
+        return self.page_bucket(self.pages_per_seq)
 
     def prefill_seqs(self, num_tokens: int) -> int:
         """A prefill's slot count, a function of its token bucket: padding slots cost a few metadata entries and
@@ -64,9 +64,10 @@ class StepShapes:
         return ladder(self.seq_bucket, 1)
 
     def page_buckets(self) -> list[int]:
-        return ladder(self.page_bucket, 16)
+        return [self.step_pages(False, 1)]
 
     def all_shapes(self) -> list[tuple[bool, int, int, int]]:
         """Every compiled shape as (decode, tokens, slots, pages per sequence), prefill first."""
-        shapes = [(False, t, self.prefill_seqs(t), p) for t in self.token_buckets() for p in self.page_buckets()]
-        return shapes + [(True, n, n, self.step_pages(True, 1)) for n in self.decode_buckets()]
+        pages = self.step_pages(False, 1)
+        shapes = [(False, t, self.prefill_seqs(t), pages) for t in self.token_buckets()]
+        return shapes + [(True, n, n, pages) for n in self.decode_buckets()]

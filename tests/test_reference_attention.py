@@ -164,6 +164,22 @@ def test_chunk_path_blocks_and_long_context(budget, monkeypatch):
                                atol=2e-5)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_chunk_context_walks_several_tiles(window, monkeypatch):
+    """A chunk's cached context walked a few pages at a time (two pages per step here, so contexts of up to 40
+    keys take several steps, and a window skips the steps before it): the reference's result."""
+    monkeypatch.setattr(cpu_attention, "_CONTEXT_KEYS", 8)
+    rng = np.random.default_rng(7)
+    q_lens, kv_lens = [5, 1, 9, 3, 0], [33, 17, 40, 12, 4]
+    case, _, _ = make_case(rng, q_lens, kv_lens)
+    args = device_args(case)
+    want = np.asarray(ragged_paged_attention(**args, sm_scale=0.3, sliding_window=window))
+    k, v = chunk_rows(case, q_lens, kv_lens)
+    got = np.asarray(ragged_paged_attention_chunks(args["q"], k, v, args["k_pages"], args["v_pages"], args["md"],
+                                                   sm_scale=0.3, sliding_window=window))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
 def test_chunk_path_checks_its_rows():
     rng = np.random.default_rng(6)
     case, _, _ = make_case(rng, [2, 1], [6, 3])

@@ -64,7 +64,7 @@ def test_start_up_explains_itself(request, server):
     log = server.log_path.read_text()
     assert "compiling " in log and "warm-up done: " in log and "compilation cache" in log
     assert re.search(r"engine ready: .* in [0-9.]+s: loading [0-9.]+s, warm-up [0-9.]+s \(compilation cache: "
-                     r"\d+ hits, \d+ misses\)", log), log[-3000:]
+                     r"\d+ hits, \d+ misses; step executables: \d+ loaded, \d+ compiled\)", log), log[-3000:]
     assert "Unable to initialize backend" not in log and "PyTorch was not found" not in log
 
 

@@ -138,7 +138,7 @@ class DraftProposer:
         else:
             num_tokens = self.shapes.token_bucket(max(sum(len(chunks[i]) for i in g) for g in groups))
             num_seqs = self.shapes.prefill_seqs(num_tokens)
-        pages = self.shapes.page_bucket(max(map(len, tables), default=1))
+        pages = self.shapes.step_pages(kind == StepKind.DECODE, max(map(len, tables), default=1))
         batches = [StepBatch.build([chunks[i] for i in g], [kv_lens[i] for i in g], [tables[i] for i in g],
                                    num_tokens=num_tokens, max_seqs=num_seqs, pages_per_seq=pages) for g in groups]
         slot = {i: (g, j) for g, members in enumerate(groups) for j, i in enumerate(members)}

@@ -14,7 +14,8 @@ shape of the computation differs, chosen from measurements of XLA:CPU (2-core x8
       block's last row (rows of one sequence are contiguous and in position order), which skips the upper
       triangle;
   (b) each sequence's cached context (the ``kv_len - q_len`` tokens before its chunk): a chunk of several rows
-      reads its pages once, in a loop over only the sequences that have context; sequences with a single row
+      walks its pages 256 keys at a time up to its context's end (online softmax, so a wide page table costs
+      nothing past it), in a loop over only the sequences that have context; sequences with a single row
       (decodes carried in a prompt step) walk their pages together, as in the decode path. Decodes therefore
       ride in the prompt step instead of a call of their own (their matmuls join the chunk's: a step of 478
       prompt rows and 34 decodes took ~250 ms against ~275 ms as two calls, ~100M model).
@@ -35,6 +36,7 @@ _ROW_BLOCK = 128  # query rows per span of the in-chunk part while there are few
 _MAX_ROW_SPANS = 8  # spans of the in-chunk part written out (more rows: longer spans, blocked)
 _SCORE_BUDGET_BYTES = 256 * 1024 * 1024  # bound on one block's scores in the in-chunk part
 _ROW_KEYS = 64  # keys per step of the decode walk
+_CONTEXT_KEYS = 256  # keys per step of a prompt chunk's walk over its cached context
 
 
 def _cap(scores: jax.Array, soft_cap: float | None) -> jax.Array:
@@ -249,15 +251,17 @@ def _context_part(qh, k_pages, v_pages, md: AttentionMetadata, *, sm_scale, slid
     """Each row over its sequence's context before the chunk: (peak, unnormalised out, sum), [KVH, T, G(, D)].
 
     Sequences with one row in the step (decode rows riding with prompt chunks) walk their pages together, as
-    in the decode path. A longer chunk with context gathers its pages once and its rows attend to them,
-    ``block`` rows at a time (all T at once unless their scores would pass the score budget; the arrays are
-    padded so every block is in bounds). Sequences without context cost nothing.
+    in the decode path. A longer chunk with context walks its pages ``_CONTEXT_KEYS`` keys at a time, only as
+    far as its context goes (online softmax), so the work follows the context, not the page table's width; its
+    rows attend ``block`` rows at a time (all T at once unless their scores would pass the score budget; the
+    arrays are padded so every block is in bounds). Sequences without context cost nothing.
     """
     num_kv_heads, t, group, head_dim = qh.shape
     cu_q_lens, kv_lens, page_indices, num_seqs = md.cu_q_lens, md.kv_lens, md.page_indices, md.num_seqs
     page_size = k_pages.shape[2]
-    span = page_indices.shape[1] * page_size
-    block = max(1, min(t, _SCORE_BUDGET_BYTES // (3 * 4 * num_kv_heads * group * span)))
+    tile_pages = max(1, min(page_indices.shape[1], _CONTEXT_KEYS // page_size))
+    tile = tile_pages * page_size
+    block = max(1, min(t, _SCORE_BUDGET_BYTES // (3 * 4 * num_kv_heads * group * tile)))
     slot = jnp.arange(kv_lens.shape[0], dtype=jnp.int32)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     context = jnp.where(slot < num_seqs[0], kv_lens - q_lens, 0)
@@ -266,26 +270,36 @@ def _context_part(qh, k_pages, v_pages, md: AttentionMetadata, *, sm_scale, slid
     chunked = has_context & (q_lens > 1)
     order = jnp.argsort(~chunked, stable=True).astype(jnp.int32)  # chunks with context first
     count = jnp.sum(chunked.astype(jnp.int32))
-    key_pos = jnp.arange(span, dtype=jnp.int32)
+    key_pos = jnp.arange(tile, dtype=jnp.int32)
     offsets = jnp.arange(block, dtype=jnp.int32)
+    tables = jnp.pad(page_indices, ((0, 0), (0, tile_pages)))  # the last tile's slice stays in bounds
 
     def one_sequence(i, carry, q_padded):
         s = order[i]
         start, q_len, ctx = cu_q_lens[s], q_lens[s], context[s]
-        stored = (key_pos < ctx)[None, :, None]
-        k = _zero_unless(stored, k_pages[:, page_indices[s]].reshape(num_kv_heads, span, head_dim))
-        v = _zero_unless(stored, v_pages[:, page_indices[s]].reshape(num_kv_heads, span, head_dim))
-        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
 
         def one_block(b, carry):
             first = start + b * block
             rows = b * block + offsets  # within the sequence's chunk
             mine = rows < q_len
-            visible = mine[:, None] & (key_pos[None, :] < ctx)  # [block, span]
-            if sliding_window is not None:
-                visible &= key_pos[None, :] > (ctx + rows)[:, None] - sliding_window
             qb = jax.lax.dynamic_slice_in_dim(q_padded, first, block, axis=1)  # [KVH, block, G, D]
-            new = _dense_block(qb, k, v, visible, num_seqs, sm_scale=sm_scale, soft_cap=soft_cap)
+
+            def one_tile(j, parts):
+                pages = jax.lax.dynamic_slice_in_dim(tables[s], j * tile_pages, tile_pages)
+                pos = j * tile + key_pos
+                stored = (pos < ctx)[None, :, None]
+                k = _zero_unless(stored, k_pages[:, pages].reshape(num_kv_heads, tile, head_dim))
+                v = _zero_unless(stored, v_pages[:, pages].reshape(num_kv_heads, tile, head_dim))
+                visible = mine[:, None] & (pos[None, :] < ctx)  # [block, tile]
+                if sliding_window is not None:
+                    visible &= pos[None, :] > (ctx + rows)[:, None] - sliding_window
+                return _merge(parts, _dense_block(qb, k.astype(jnp.float32), v.astype(jnp.float32), visible,
+                                                  num_seqs, sm_scale=sm_scale, soft_cap=soft_cap))
+
+            # Tiles holding a key some row of the block may see: from the block's first row's window start.
+            lo = 0 if sliding_window is None else jnp.maximum(ctx + b * block - sliding_window + 1, 0) // tile
+            new = jax.lax.fori_loop(lo, (ctx + tile - 1) // tile, one_tile,
+                                    _empty_parts(num_kv_heads, block, group, head_dim))
 
             def put(whole, part):
                 current = jax.lax.dynamic_slice_in_dim(whole, first, block, axis=1)

@@ -1,0 +1,166 @@
+"""Compiled step programs kept on disk between starts: a warm start loads each step shape's executable instead
+of tracing, lowering and compiling it again.
+
+JAX's persistent compilation cache is keyed by the lowered program, so it saves only the XLA compile: every
+start still traces and lowers every shape (single-threaded Python, most of a warm start). This store keys a
+serialized executable (``jax.experimental.serialize_executable``) by everything that determines it instead,
+without tracing anything:
+
+- the versions of jax, jaxlib, flax and Python; the backend (platform and version), the host CPU (architecture
+  and instruction-set flags: XLA:CPU compiles for it) and the mesh (axis names and sizes, device ids and
+  kinds); the jax options that change programs (matmul precision, x64, ``XLA_FLAGS``);
+- the code that is traced: a hash of every source file of ``jaxserve``, ``pallas_kernels`` and ``sharding``;
+- the model: its ``ModelConfig``, the structure, shapes, dtypes and shardings of its parameters (the dtype and
+  any 8-bit weights and scales) and of the KV pool; the step's options (attention backend, logits rows,
+  windowed pool);
+- the step: its kind and shape fields (replicas, tokens, slots, pages).
+
+Anything different is a different file (a miss: the shape is compiled, through the compilation cache, and
+saved); a file that cannot be read or loaded is a miss too, never an error. Files are written atomically.
+
+Loading an executable runs code from the file (pickle): the store lives in the engine's own compilation-cache
+directory (``<compilation_cache_dir>/executables``) and must not be shared with untrusted writers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+from jax.experimental import serialize_executable
+
+logger = logging.getLogger(__name__)
+
+SUBDIR = "executables"
+_PACKAGES = ("jaxserve", "pallas_kernels", "sharding")
+_ROOT = Path(__file__).resolve().parents[1]
+_source_digest: str | None = None
+
+
+def source_digest() -> str:
+    """A hash of every Python source file of the packages a step is traced from (computed once)."""
+    global _source_digest
+    if _source_digest is None:
+        h = hashlib.sha256()
+        for package in _PACKAGES:
+            for path in sorted((_ROOT / package).rglob("*.py")):
+                h.update(str(path.relative_to(_ROOT)).encode())
+                h.update(path.read_bytes())
+        _source_digest = h.hexdigest()
+    return _source_digest
+
+
+def _host_cpu() -> str:
+    """The host CPU's architecture and instruction-set flags: XLA:CPU compiles for the CPU it runs on, so an
+    executable built on one machine must not load on another (a cache directory on a shared home)."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()} {hashlib.sha256(flags.encode()).hexdigest()}"
+
+
+def _describe_leaves(tree) -> str:
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    parts = [str(treedef)]
+    for path, leaf in leaves:
+        sharding = getattr(leaf, "sharding", None)
+        spec = getattr(sharding, "spec", sharding)
+        parts.append(f"{jax.tree_util.keystr(path)}:{tuple(leaf.shape)}:{leaf.dtype}:{spec}")
+    return "\n".join(parts)
+
+
+def runner_fingerprint(runner) -> str:
+    """Everything but the step's own shape that determines a ``ModelRunner``'s compiled steps, as one hash."""
+    import flax
+    import jaxlib
+
+    mesh = runner.mesh
+    devices = list(mesh.devices.flat)
+    config = jax.config
+    parts = [
+        f"jax={jax.__version__} jaxlib={jaxlib.__version__} flax={flax.__version__} python={sys.version}",
+        f"backend={devices[0].platform} {devices[0].client.platform_version} host={_host_cpu()}",
+        f"mesh={dict(mesh.shape)} devices={[(d.id, d.device_kind) for d in devices]}",
+        f"precision={config.jax_default_matmul_precision} x64={config.jax_enable_x64} "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')} LIBTPU_INIT_ARGS={os.environ.get('LIBTPU_INIT_ARGS', '')}",
+        f"source={source_digest()}",
+        f"model={runner.cfg!r}",
+        f"cache={runner.cache_cfg!r} backend={runner.backend!r} logit_rows={runner.num_logit_rows} "
+        f"local_pool={runner.local_pool} sequence={runner.sequence}",
+        _describe_leaves(runner.params),
+        _describe_leaves(runner.kv_cache),
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+class ExecutableStore:
+    """Serialized executables in ``directory``, one file per (fingerprint, step) key; see the module docstring.
+
+    ``hits`` and ``misses`` count this process's loads; thread-safe for distinct keys (one warm-up thread per
+    shape).
+    """
+
+    def __init__(self, directory: str | os.PathLike, fingerprint: str):
+        self.directory = Path(directory)
+        self.fingerprint = fingerprint
+        self.hits = 0
+        self.misses = 0
+
+    @classmethod
+    def for_runner(cls, compilation_cache_dir: str | None, runner) -> "ExecutableStore | None":
+        """The store of a runner's steps under a compilation-cache directory; None without one, or on a
+        multi-process run (each process would need the same files)."""
+        if not compilation_cache_dir or jax.process_count() > 1:
+            return None
+        return cls(Path(compilation_cache_dir) / SUBDIR, runner_fingerprint(runner))
+
+    def path(self, step_key: tuple) -> Path:
+        digest = hashlib.sha256(f"{self.fingerprint}\n{step_key!r}".encode()).hexdigest()
+        return self.directory / f"{digest}.exe"
+
+    def load(self, step_key: tuple, devices) -> "jax.stages.Compiled | None":
+        """The stored executable of ``step_key`` loaded onto ``devices`` (the mesh's, in its order), or None."""
+        path = self.path(step_key)
+        try:
+            with open(path, "rb") as f:
+                payload, in_tree, out_tree = pickle.load(f)
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                                 backend=devices[0].client,
+                                                                 execution_devices=list(devices))
+        except FileNotFoundError:
+            self.misses += 1
+            return None
+        except Exception as e:  # a truncated or foreign file: compile instead
+            logger.warning("executable store: %s did not load (%s: %s); compiling the step instead", path.name,
+                           type(e).__name__, e)
+            self.misses += 1
+            return None
+        self.hits += 1
+        return compiled
+
+    def save(self, step_key: tuple, compiled: "jax.stages.Compiled") -> None:
+        """Write ``compiled`` for ``step_key`` (atomically); a failure is logged, not raised."""
+        path = self.path(step_key)
+        try:
+            payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=".exe")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    pickle.dump((payload, in_tree, out_tree), f, protocol=pickle.HIGHEST_PROTOCOL)
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        except Exception as e:
+            logger.warning("executable store: could not save %s (%s: %s)", path.name, type(e).__name__, e)

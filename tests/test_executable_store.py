@@ -1,0 +1,90 @@
+"""The executable store: a warm start loads every step shape's executable instead of compiling it, serves the
+same tokens with no compilation, and any mismatch or damaged file falls back to compiling."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from jaxserve import SamplingParams, compile_counter, compile_progress, executable_store
+from jaxserve.engine import Engine
+from jaxserve.engine_config import EngineConfig
+from tiny import build_tiny_model, hf_greedy, hf_model, train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model("llama", tmp_path_factory.mktemp("llama"), tokenizer=train_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("xla"))
+
+
+def _engine(model_dir, cache_dir) -> Engine:
+    return Engine(EngineConfig(model=str(model_dir), page_size=4, num_pages=32, max_model_len=48, max_num_seqs=4,
+                               max_num_batched_tokens=32, seed=0, compilation_cache_dir=cache_dir))
+
+
+def _serve(engine: Engine) -> tuple[dict, int]:
+    """A greedy prompt longer than one chunk and a sampled one with penalties and logprobs: tokens per request,
+    and the compilations while serving them."""
+    compiled = compile_counter.count()
+    engine.add_request("greedy", list(range(3, 43)), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    engine.add_request("sampled", [5, 6, 7], SamplingParams(max_tokens=6, temperature=0.9, seed=4, logprobs=2,
+                                                            repetition_penalty=1.2, ignore_eos=True))
+    tokens = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+    return tokens, compile_counter.count() - compiled
+
+
+@pytest.fixture(scope="module")
+def first(model_dir, cache_dir):
+    """The cold start (every shape compiled and saved) and what it served."""
+    engine = _engine(model_dir, cache_dir)
+    summary = compile_progress.last_summary
+    return engine, summary, _serve(engine)
+
+
+def test_warm_start_loads_every_step_and_serves_the_same_tokens(model_dir, cache_dir, first):
+    cold, cold_summary, (cold_tokens, cold_compiles) = first
+    shapes = len(cold.executor.shapes.all_shapes())
+    assert (cold_summary["executables_loaded"], cold_summary["executables_compiled"]) == (0, shapes)
+    assert cold_compiles == 0
+    assert cold_tokens["greedy"] == hf_greedy(hf_model(model_dir), list(range(3, 43)), 6)
+
+    compiled = compile_counter.count()
+    warm = _engine(model_dir, cache_dir)
+    summary = compile_progress.last_summary
+    assert (summary["executables_loaded"], summary["executables_compiled"]) == (shapes, 0)
+    assert compile_counter.count() - compiled <= 5, "only the sampler's programs may compile (from the XLA cache)"
+    assert len(warm.executor.runner.executables) == shapes
+    assert _serve(warm) == (cold_tokens, 0)
+
+
+def test_mismatch_or_damaged_file_compiles_instead(model_dir, cache_dir, first, monkeypatch, caplog):
+    engine = first[0]
+    shapes = len(engine.executor.shapes.all_shapes())
+    # Damage one stored file: it is reported, compiled again and saved over.
+    store = executable_store.ExecutableStore.for_runner(cache_dir, engine.executor.runner)
+    files = sorted(store.directory.glob("*.exe"))
+    assert len(files) == shapes
+    files[0].write_bytes(b"not an executable")
+    with caplog.at_level(logging.WARNING, logger="jaxserve.executable_store"):
+        damaged = _engine(model_dir, cache_dir)
+    summary = compile_progress.last_summary
+    assert (summary["executables_loaded"], summary["executables_compiled"]) == (shapes - 1, 1)
+    assert any("did not load" in r.getMessage() for r in caplog.records)
+    assert _serve(damaged) == (first[2][0], 0)
+    del damaged
+    # Different code (the source hash is part of every key): nothing loads, every shape compiles.
+    monkeypatch.setattr(executable_store, "_source_digest", "some other source")
+    changed = _engine(model_dir, cache_dir)
+    summary = compile_progress.last_summary
+    assert (summary["executables_loaded"], summary["executables_compiled"]) == (0, shapes)
+    assert _serve(changed) == (first[2][0], 0)
