@@ -14,6 +14,7 @@ _lock = threading.Lock()
 _count = 0
 _cache = {"lookups": 0, "hits": 0}
 _installed = False
+_thread = threading.local()  # this thread's persistent-cache hits (a compile's events fire on its own thread)
 
 
 def _listener(event: str, duration: float, **_) -> None:
@@ -28,6 +29,8 @@ def _cache_listener(event: str, **_) -> None:
     if name is not None:
         with _lock:
             _cache[name] += 1
+        if name == "hits":
+            _thread.hits = getattr(_thread, "hits", 0) + 1
 
 
 def install() -> None:
@@ -49,3 +52,8 @@ def cache_counts() -> dict[str, int]:
     """Persistent-cache lookups and hits since ``install()``."""
     with _lock:
         return dict(_cache)
+
+
+def thread_cache_hits() -> int:
+    """Persistent-cache hits of compilations run on the calling thread since ``install()``."""
+    return getattr(_thread, "hits", 0)

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxserve import compile_counter
 from jaxserve.attention import AttentionBackend, ShardedAttention
 from jaxserve.batch import MeshBatch, StepKind
 from jaxserve.config import ModelConfig
@@ -173,8 +174,13 @@ class ModelRunner:
         compiled = store.load(key, list(self.mesh.devices.flat)) if store is not None else None
         loaded = compiled is not None
         if compiled is None:
+            compile_counter.install()
+            hits = compile_counter.thread_cache_hits()
             compiled = self.lower(kind, batch).compile()
-            if store is not None:  # before it ever runs: XLA:CPU's sort thunks do not serialize once they have run
+            # Saved before it ever runs (XLA:CPU's sort thunks do not serialize once they have run), and only when
+            # XLA compiled it here: an executable read from the compilation cache serializes without some of its
+            # XLA:CPU kernels, and another process loading it fails at its first step ("Function ... not found").
+            if store is not None and compile_counter.thread_cache_hits() == hits:
                 store.save(key, compiled)
         self.executables[key] = compiled
         return loaded

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+import jax
+
 import pytest
 
 from jaxserve import SamplingParams, compile_counter, compile_progress, executable_store
@@ -88,3 +90,21 @@ def test_mismatch_or_damaged_file_compiles_instead(model_dir, cache_dir, first, 
     summary = compile_progress.last_summary
     assert (summary["executables_loaded"], summary["executables_compiled"]) == (0, shapes)
     assert _serve(changed) == (first[2][0], 0)
+
+
+
+def test_a_step_read_from_the_compilation_cache_is_not_stored(model_dir, first, tmp_path, monkeypatch):
+    """An executable the persistent compilation cache returned serializes without some of its XLA:CPU kernels (a
+    server loading it in another process failed at its first step: "Function ... not found"): only a step XLA
+    compiled in this process goes into the store. Here every compilation reports a cache hit."""
+    from itertools import count
+    from pathlib import Path
+
+    hits = count()
+    monkeypatch.setattr(compile_counter, "thread_cache_hits", lambda: next(hits))
+    engine = _engine(model_dir, str(tmp_path))
+    summary = compile_progress.last_summary
+    shapes = len(engine.executor.shapes.all_shapes())
+    assert (summary["executables_loaded"], summary["executables_compiled"]) == (0, shapes)
+    assert not list(Path(tmp_path, "executables").glob("*.exe"))
+    assert _serve(engine) == (first[2][0], 0)
