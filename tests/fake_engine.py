@@ -70,6 +70,7 @@ class FakeEngine:
         self.scheduler = type("Sched", (), {})()
         self.scheduler.running = []
         self.pages_used = 0
+        self.step_delay = 0.0  # seconds each step takes (asleep, as a step waiting on its device frees the GIL)
         self.check_lengths = False  # True: refuse prompt + max_tokens beyond max_model_len, as the engine does
 
     def tokenize(self, prompt):
@@ -120,6 +121,8 @@ class FakeEngine:
         if self.paused:
             time.sleep(0.001)
             return []
+        if self.step_delay:
+            time.sleep(self.step_delay)
         outs = []
         for req in list(self.requests.values()):
             req.tokens.append(len(req.tokens) + 1)

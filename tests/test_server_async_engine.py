@@ -99,6 +99,7 @@ def test_invalid_prompt_is_refused_with_the_reason():
 def test_abort_finishes_the_request_before_the_next_step():
     async def main():
         ae, fake = await _started()
+        fake.step_delay = 0.001  # a free-running fake floods the stream and starves the event loop of the GIL
         stream = await ae.add_request("a", SamplingParams(max_tokens=10_000))
         first = await stream.__anext__()
         assert not first.finished
