@@ -41,7 +41,7 @@ from jaxserve.shapes import StepShapes, bucket
 from jaxserve.spec.rows import SpecRows
 from jaxserve.spec.verify import verify
 from jaxserve.step_result import StepFailed, StepResult
-from jaxserve.window_pool import window_pages_needed
+from jaxserve.window_pool import global_pool_budget, window_pages_needed
 from pallas_kernels.quantized_pages import STORAGE as KV_STORAGE
 from pallas_kernels.ragged_paged_attention.tpu import check_8_bit_page_size
 from sharding import multihost
@@ -184,12 +184,9 @@ class Executor:
             budget = config.cpu_kv_cache_gib * 2**30 / replicas
             per_page = bytes_per_token(cfg, self.cache_dtype) * page_size
         if cfg.local_window is not None:  # interleaved: the windowed layers' own pool first, then the global
-            # pool, whose pages hold only the global layers' KV (jaxserve/window_pool.py)
-            windowed = sum(w is not None for w in cfg.sliding_windows) / cfg.num_layers
             local = window_pages_needed(cfg.local_window, page_size, config.max_num_seqs,
                                         config.max_num_batched_tokens)
-            budget -= local * per_page * windowed
-            per_page *= 1 - windowed
+            budget, per_page = global_pool_budget(budget, per_page, cfg.sliding_windows, local)
         if self.config.speculative_config is not None and self.config.speculative_config.model:
             # the draft's pool mirrors the target's pages (jaxserve/spec/drafter.py): one budget for both
             draft = ModelConfig.from_pretrained(resolve_model_path(self.config.speculative_config.model))
@@ -597,7 +594,7 @@ def _sample_first_rows(rows: int, logits, tensors, penalty_state=None):
 def _plain_greedy(seq: Sequence) -> bool:
     """True when the argmax of the raw logits is exactly what the sampler would pick and report."""
     p = seq.sampling_params
-    return p.greedy and p.logprobs is None and not p.logit_bias and seq.num_output_tokens >= p.min_tokens
+    return _plain_greedy_params(p) and seq.num_output_tokens >= p.min_tokens
 
 
 def _plain_greedy_params(p: SamplingParams) -> bool:

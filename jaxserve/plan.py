@@ -60,6 +60,7 @@ from jaxserve.scheduler import Scheduler, SchedulerOutput
 from jaxserve.scheduler_config import SchedulerConfig
 from jaxserve.sequence import Sequence
 from jaxserve.shapes import StepShapes
+from jaxserve.window_pool import global_pool_budget, window_pages_needed
 
 # Workload ------------------------------------------------------------------------------------------------------
 
@@ -374,8 +375,6 @@ def window_fields(windows: Seq[int | None], *, page_size: int, max_num_seqs: int
                   num_pages: int | None = None) -> dict:
     """``EngineShape`` fields for a model with these per-layer windows, as the engine sets its scheduler up
     (``Executor``): one window for all layers, or the windowed layers' own pool beside the global one."""
-    from jaxserve.window_pool import window_pages_needed
-
     windows = tuple(windows)
     given = [w for w in windows if w is not None]
     if not given:
@@ -394,9 +393,8 @@ def pool_pages(kv_bytes: float, kv_bytes_per_token: float, page_size: int, field
     windows = fields.get("layer_windows")
     if not windows:
         return int(kv_bytes // (kv_bytes_per_token * page_size))
-    windowed = sum(w is not None for w in windows) / len(windows)
-    kv_bytes -= fields["local_pages"] * page_size * kv_bytes_per_token * windowed
-    return int(kv_bytes // (kv_bytes_per_token * (1 - windowed) * page_size))
+    kv_bytes, page_bytes = global_pool_budget(kv_bytes, kv_bytes_per_token * page_size, windows, fields["local_pages"])
+    return int(kv_bytes // page_bytes)
 
     def shapes(self, max_num_batched_tokens: int | None = None) -> StepShapes:
         return StepShapes(self.max_num_seqs, max_num_batched_tokens or self.max_num_batched_tokens,
@@ -451,9 +449,7 @@ def simulate(requests: Seq[PlannedRequest], deployment: Deployment, model, engin
     def make(n: int, max_num_batched_tokens: int) -> list[_Instance]:
         overrides = {"max_num_batched_tokens": max_num_batched_tokens}
         if engine.local_window is not None:  # the windowed pool as the engine sizes it for this token budget
-            from jaxserve.window_pool import window_pages_needed
-
-            overrides["local_pages"] = min(engine.num_pages, window_pages_needed(
+                    overrides["local_pages"] = min(engine.num_pages, window_pages_needed(
                 engine.local_window, engine.page_size, engine.max_num_seqs, max_num_batched_tokens))
         out = [_Instance(engine.scheduler(**overrides), engine.shapes(max_num_batched_tokens), model)
                for _ in range(n)]

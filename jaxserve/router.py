@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from jaxserve.metrics import CONTENT_TYPE
+from jaxserve.server.asgi import wait_disconnect
 
 logger = logging.getLogger("jaxserve.router")
 
@@ -187,11 +188,6 @@ def _error_body(message: str, status: int) -> dict:
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
-async def _wait_disconnect(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 class _Relay(Response):
     """The decode server's streamed response, chunk by chunk; if the server fails mid-stream, an ``error`` event
     and ``[DONE]`` end it. The upstream response is closed however this ends (a client that goes away included),
@@ -218,7 +214,7 @@ class _Relay(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         relayer = asyncio.ensure_future(relay())
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        watcher = asyncio.ensure_future(wait_disconnect(receive))
         try:
             await asyncio.wait({relayer, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -317,7 +313,7 @@ class Router:
     @staticmethod
     async def _until_disconnect(request: Request, work):
         task = asyncio.ensure_future(work)
-        watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+        watcher = asyncio.ensure_future(wait_disconnect(request.receive))
         try:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:

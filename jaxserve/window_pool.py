@@ -26,6 +26,15 @@ def window_pages_needed(window: int, page_size: int, max_num_seqs: int, max_num_
     return max_num_seqs * per_seq + -(-max_num_batched_tokens // page_size) + max_num_seqs
 
 
+
+def global_pool_budget(budget: float, page_bytes: float, windows: Seq[int | None], local_pages: int
+                       ) -> tuple[float, float]:
+    """(memory, bytes per page) left for the global pool of a model with these per-layer ``windows`` once the
+    windowed layers' own pool of ``local_pages`` pages is set aside: each pool's pages hold only its own layers'
+    KV (``page_bytes``: a page of every layer's). The engine (``Executor``) and the planner size pools with it."""
+    windowed = sum(w is not None for w in windows) / len(windows)
+    return budget - local_pages * page_bytes * windowed, page_bytes * (1 - windowed)
+
 class WindowedBlockManager:
     """``full`` holds the global layers' pages (``Sequence.page_table``), ``windowed`` the windowed layers'
     (``Sequence.local_page_table``), releasing pages behind ``window``. Counts and statistics are ``full``'s."""

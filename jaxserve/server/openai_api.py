@@ -23,6 +23,7 @@ from jaxserve.async_engine import AsyncEngine
 from jaxserve.request_stream import RequestStream
 from jaxserve.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.outputs import RequestOutput
+from jaxserve.server.asgi import wait_disconnect
 from jaxserve.server.intake import (ChoiceTracker, RequestError, TokenLogprob, api_key_ok, check_model,
                                    from_engine_error, internal_error, invalid, split_logprobs, token_logprobs,
                                    unauthenticated, usage_counts)
@@ -54,7 +55,7 @@ class EventStreamResponse(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         streamer = asyncio.ensure_future(stream())
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        watcher = asyncio.ensure_future(wait_disconnect(receive))
         try:
             await asyncio.wait({streamer, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -65,11 +66,6 @@ class EventStreamResponse(Response):
         error = results[0]
         if isinstance(error, Exception) and not isinstance(error, OSError):
             logger.error("streaming a response failed", exc_info=error)
-
-
-async def _wait_disconnect(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 def _sse(payload: dict | str) -> bytes:
@@ -300,7 +296,7 @@ class OpenAIServer:
     async def _until_disconnect(self, request: Request, work, streams: list[RequestStream]):
         """Await ``work``; if the client disconnects first, abort the requests and return None."""
         task = asyncio.ensure_future(work)
-        watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+        watcher = asyncio.ensure_future(wait_disconnect(request.receive))
         try:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
