@@ -6,9 +6,12 @@ import dataclasses
 from collections import deque
 from collections.abc import Sequence as Seq
 
+import numpy as np
+
 from jaxserve.block_manager import BlockManager, PageHolder
 from jaxserve.scheduler_config import SchedulerConfig
 from jaxserve.sequence import Sequence, SequenceStatus
+from jaxserve.slot_state import StopSlots
 from jaxserve.window_pool import WindowedBlockManager
 
 __all__ = ["ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "UpdateResult"]
@@ -26,6 +29,15 @@ class ScheduledSequence:
     local_page_table: list[int] = dataclasses.field(default_factory=list)  # the windowed layers' pool, if any
     num_proposed: int = 0  # speculation: the last this-many token_ids are draft tokens the step verifies
     table_version: int = -1  # seq.table_version of the snapshot (-1: not known); the executor reuses rows by it
+
+    @classmethod
+    def decode(cls, seq: Sequence, token: int, kv_len: int, page_table: list[int], table_version: int):
+        """A decode entry (one token, sampled), built without the frozen dataclass's per-field ``__setattr__``:
+        the scheduler makes one per running sequence per step."""
+        entry = object.__new__(cls)
+        entry.__dict__.update(seq=seq, token_ids=[token], kv_len=kv_len, page_table=page_table, needs_sample=True,
+                              local_page_table=[], num_proposed=0, table_version=table_version)
+        return entry
 
     @property
     def num_new_tokens(self) -> int:
@@ -89,6 +101,7 @@ class Scheduler:
         self._finished_in_schedule: list[Sequence] = []
         self.num_preemptions = 0
         self.spec = None  # a jaxserve.spec.planner.SpecPlanner when the engine speculates
+        self.stops = StopSlots(config.max_model_len)  # live sequences' stop state, for vectorised stop checks
 
     # ---- queries ------------------------------------------------------------------------------------------
     @property
@@ -153,6 +166,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self.stops.release(seq)
         seq.set_finished(reason, stop_reason)
         siblings = self._requests.get(seq.request_id, [])
         if seq in siblings:
@@ -171,6 +185,7 @@ class Scheduler:
             siblings.remove(seq)
             if not siblings:
                 del self._requests[seq.request_id]
+        self.stops.release(seq)
         holder = PageHolder(seq.seq_id, seq.page_table, seq.local_page_table)
         self.block_manager.hand_over(seq, holder)
         seq.page_table, seq.local_page_table = [], []
@@ -222,12 +237,13 @@ class Scheduler:
         # no page bookkeeping: the common case of a running batch, kept to a few operations per sequence.
         plain_pages = 0 if speculating or type(bm) is not BlockManager or bm.attention_window else cfg.page_size
         i = 0
+        decode_entry = ScheduledSequence.decode
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if plain_pages and seq.num_uncomputed_tokens == 1 and seq.num_tokens <= len(seq.page_table) * plain_pages:
+            num_tokens = seq.num_tokens
+            if plain_pages and num_tokens - seq.num_computed_tokens == 1 and num_tokens <= len(seq.page_table) * plain_pages:
                 decodes_left -= 1
-                plan.append(ScheduledSequence(seq, [seq.last_token], seq.num_tokens, list(seq.page_table), True,
-                                              table_version=seq.table_version))
+                plan.append(decode_entry(seq, seq.last_token, num_tokens, list(seq.page_table), seq.table_version))
                 budget -= 1
                 i += 1
                 continue
@@ -311,7 +327,8 @@ class Scheduler:
         bm = self.block_manager
         updated: list[Sequence] = []
         finished, self._finished_in_schedule = self._finished_in_schedule, []
-        for entry, token in zip(output.scheduled, sampled_token_ids):
+        maybe = self._stop_candidates(output.scheduled, sampled_token_ids)
+        for i, (entry, token) in enumerate(zip(output.scheduled, sampled_token_ids)):
             seq = entry.seq
             if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != entry.num_computed_before:
                 continue
@@ -324,7 +341,7 @@ class Scheduler:
                 continue
             seq.append_token(int(token))
             updated.append(seq)
-            stop = self._check_stop(seq)
+            stop = self._check_stop(seq) if maybe[i] else None
             if stop is not None:
                 self.finish(seq, *stop)
                 finished.append(seq)
@@ -355,6 +372,16 @@ class Scheduler:
             self.spec.record(entry.num_proposed, accepted, emitted)
 
     # ---- helpers ------------------------------------------------------------------------------------------
+    def _stop_candidates(self, entries, sampled_token_ids) -> list[bool]:
+        """Which entries' sampled tokens may stop their sequences (``StopSlots.candidates``); a sampled entry
+        ends at ``kv_len + 1`` tokens (a speculated entry's run is checked token by token, not here)."""
+        n = len(entries)
+        if not n:
+            return []
+        kv = np.fromiter([e.kv_len for e in entries], np.int64, n) + 1
+        tokens = np.fromiter([-1 if e.num_proposed else t for e, t in zip(entries, sampled_token_ids)], np.int64, n)
+        return self.stops.candidates(self.stops.slots([e.seq for e in entries]), kv, tokens).tolist()
+
     def _chunk(self, remaining: int, budget: int) -> int:
         """Tokens of a prefill of ``remaining`` tokens to run now, given ``budget``; 0 means wait."""
         if budget <= 0:
