@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections import deque
 from collections.abc import Sequence as Seq
 
@@ -83,6 +84,8 @@ class Scheduler:
     the others wait until it has, then share its full prompt pages by reference and each recompute the
     prompt's last, partial page into a page of their own, so no page is ever written by two sequences.
     """
+
+    bulk_decodes = True  # plan plain decodes in bulk (False: one by one, the reference the tests compare with)
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
@@ -228,7 +231,8 @@ class Scheduler:
         plan: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
         # Prefill chunks leave one token of budget for each decode queued behind them, so decodes keep going.
-        decodes_left = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
+        counts = _decode_counts(self.running)
+        decodes_left = int(counts[0].sum())
         speculating = self.spec is not None and self.spec.active(decodes_left)
         # A prompt that reports prompt_logprobs needs a logits row per token of its chunk, not one: its chunk
         # takes logits rows (at most max_num_seqs per step) from the sequences scheduled with it.
@@ -237,11 +241,32 @@ class Scheduler:
         # no page bookkeeping: the common case of a running batch, kept to a few operations per sequence.
         plain_pages = 0 if speculating or type(bm) is not BlockManager or bm.attention_window else cfg.page_size
         i = 0
+        if plain_pages and self.running and self.bulk_decodes:
+            # Such decodes are found with NumPy and planned in bulk: all running sequences when every one decodes,
+            # the budget takes them all and the free pages cover one more page for each that needs one (nothing
+            # is preempted, so growing those first, in order, takes the same pages as the loop below would);
+            # else the leading run of them, the loop below taking the rest.
+            decoding, num_tokens, num_pages = counts
+            fast = decoding & (num_tokens <= num_pages * plain_pages)
+            i = min(budget, len(fast) if fast.all() else int(fast.argmin()))
+            if i < len(fast) <= budget and decoding.all():
+                grows = np.flatnonzero(~fast)
+                if len(grows) <= bm.num_free_pages and (num_tokens[grows] <= num_pages[grows] * plain_pages + 1).all():
+                    for j in grows.tolist():
+                        bm.grow(self.running[j], int(num_tokens[j]))
+                    i = len(fast)
+            if i:
+                head = self.running[:i]
+                plan.extend(map(ScheduledSequence.decode, head, map(_LAST_TOKEN, head), num_tokens[:i].tolist(),
+                                map(list, map(_PAGE_TABLE, head)), map(_TABLE_VERSION, head)))
+                decodes_left -= i
+                budget -= i
         decode_entry = ScheduledSequence.decode
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_tokens = seq.num_tokens
-            if plain_pages and num_tokens - seq.num_computed_tokens == 1 and num_tokens <= len(seq.page_table) * plain_pages:
+            if (plain_pages and num_tokens - seq.num_computed_tokens == 1
+                    and num_tokens <= len(seq.page_table) * plain_pages):
                 decodes_left -= 1
                 plan.append(decode_entry(seq, seq.last_token, num_tokens, list(seq.page_table), seq.table_version))
                 budget -= 1
@@ -435,6 +460,21 @@ class Scheduler:
         if n >= self.config.max_model_len:
             return "length", None
         return None
+
+
+_NUM_TOKENS, _COMPUTED, _PAGE_TABLE = (operator.attrgetter(a) for a in ("num_tokens", "num_computed_tokens",
+                                                                             "page_table"))
+_LAST_TOKEN, _TABLE_VERSION = operator.attrgetter("last_token"), operator.attrgetter("table_version")
+
+
+def _decode_counts(running: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """bool[n]: whether each running sequence decodes (one uncomputed token); i64[n]: its tokens; i64[n]: the
+    pages of its page table."""
+    n = len(running)
+    num_tokens = np.fromiter(map(_NUM_TOKENS, running), np.int64, n)
+    computed = np.fromiter(map(_COMPUTED, running), np.int64, n)
+    num_pages = np.fromiter(map(len, map(_PAGE_TABLE, running)), np.int64, n)
+    return num_tokens - computed == 1, num_tokens, num_pages
 
 
 def scores_prompt(seq: Sequence) -> bool:

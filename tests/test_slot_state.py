@@ -171,3 +171,42 @@ def test_offline_fast_path_matches_the_per_sequence_path(engine):
     reasons = {c[1] for _, outs in fast.values() for c in outs}
     assert len(fast) == 12 and all(stamped for stamped, _ in fast.values()) and {"stop", "length"} <= reasons
     assert any(c[2] is not None for _, outs in fast.values() for c in outs)  # a stop token id ended one
+
+
+@pytest.mark.parametrize("seed, caching", [(3, True), (4, False)])
+def test_bulk_decode_planning_equals_the_per_sequence_loop(seed, caching):
+    """Two schedulers in lockstep on the same random load (joins, page crossings, preemption, aborts), one
+    planning plain decodes in bulk, one sequence by sequence: the same plan every step (entries, page tables,
+    table versions, preemptions)."""
+    rng = random.Random(seed)
+    cfg = make_config(num_pages=14, page_size=4, max_model_len=40, max_num_seqs=6, max_num_batched_tokens=24,
+                      enable_prefix_caching=caching)
+    bulk, loop = Scheduler(cfg), Scheduler(cfg)
+    loop.bulk_decodes = False
+    model = FakeModel(bulk)
+    pending_requests, steps, bulk_steps = 40, 0, 0
+    while pending_requests or bulk.has_unfinished():
+        for _ in range(rng.choice([0, 0, 0, 1])):
+            if pending_requests:
+                pending_requests -= 1
+                prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 14))]
+                kw = dict(max_tokens=rng.randrange(1, 40 - len(prompt) + 1), ignore_eos=True, n=rng.choice([1, 1, 2]))
+                bulk.add(seq(f"r{pending_requests}", prompt, **kw))
+                loop.add(seq(f"r{pending_requests}", prompt, **kw))
+        decoding = bulk.running and all(s.num_uncomputed_tokens == 1 for s in bulk.running)
+        a, b = bulk.schedule(), loop.schedule()
+        key = lambda out: ([(e.seq.request_id, e.seq.index, e.token_ids, e.kv_len, e.page_table, e.needs_sample,  # noqa: E731
+                             e.local_page_table, e.num_proposed, e.table_version) for e in out.scheduled],
+                           [(s.request_id, s.index) for s in out.preempted], out.num_batched_tokens)
+        assert key(a) == key(b)
+        bulk_steps += bool(decoding and len(a.scheduled) == len(bulk.running) and not a.preempted)
+        tokens = model.run(a)
+        bulk.update(a, tokens)
+        loop.update(b, tokens)
+        if rng.random() < 0.03 and bulk.running:
+            rid = rng.choice(bulk.running).request_id
+            abort(bulk, rid)
+            abort(loop, rid)
+        steps += 1
+        assert steps < 5000
+    assert bulk.num_preemptions == loop.num_preemptions > 0 and bulk_steps > 20
