@@ -79,7 +79,8 @@ def resolve(scheduler: ReplicatedScheduler, plan: ReplicatedPlan, token_ids) -> 
         mine = token_ids[row : row + n]
         num_tokens = np.fromiter([e.kv_len for e in entries], np.int64, n) + 1  # with this step's token
         maybe = sched.stops.candidates(sched.stops.slots([e.seq for e in entries]), num_tokens, mine).tolist()
-        for i, (entry, token) in enumerate(zip(entries, mine.tolist())):
+        # (each entry's placeholder, placeholder(row + i), counted down alongside)
+        for i, (entry, token, ph) in enumerate(zip(entries, mine.tolist(), range(-1 - row, -1 - row - n, -1))):
             seq = entry.seq
             status = seq.status
             if status is not running and status is not waiting:  # finished
@@ -87,7 +88,7 @@ def resolve(scheduler: ReplicatedScheduler, plan: ReplicatedPlan, token_ids) -> 
             if entry.needs_sample:
                 # Where commit put this step's placeholder; not there any more cannot happen while steps resolve
                 # in order.
-                if not seq.fill_placeholder(entry.kv_len, placeholder(row + i), token):
+                if not seq.fill_placeholder(entry.kv_len, ph, token):
                     continue
                 updated.append(seq)
                 tokens.append(token)

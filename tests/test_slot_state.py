@@ -210,3 +210,37 @@ def test_bulk_decode_planning_equals_the_per_sequence_loop(seed, caching):
         steps += 1
         assert steps < 5000
     assert bulk.num_preemptions == loop.num_preemptions > 0 and bulk_steps > 20
+
+
+def test_sampling_tensors_are_packed_column_by_column_with_each_slots_values():
+    """``SamplingTensors.build`` fills whole columns at once: every slot still carries its own parameters, step,
+    penalty row, seed and (before ``min_tokens``) banned ids; padding slots stay neutral."""
+    from jaxserve.sampler import SamplingTensors
+
+    rng = random.Random(5)
+    params = [SamplingParams(temperature=rng.choice([0.0, 0.7, 1.3]), top_p=rng.choice([1.0, 0.9]),
+                             top_k=rng.choice([-1, 0, 5]), min_p=rng.choice([0.0, 0.1]),
+                             repetition_penalty=rng.choice([1.0, 1.2]), presence_penalty=rng.choice([0.0, 0.5]),
+                             frequency_penalty=rng.choice([0.0, 0.25]), logprobs=rng.choice([None, 0, 3]),
+                             min_tokens=rng.choice([0, 4]), stop_token_ids=tuple(rng.sample(range(3, 50), 2)),
+                             ignore_eos=rng.random() < 0.5) for _ in range(9)]
+    seeds = [rng.randrange(-2**63, 2**64) for _ in params]
+    generated = [rng.randrange(0, 8) for _ in params]
+    rows = list(range(1, len(params) + 1))
+    t = SamplingTensors.build(params, num_slots=12, seeds=seeds, num_generated=generated, eos_token_ids=(1, 2),
+                              penalty_rows=rows)
+    for s, p in enumerate(params):
+        assert (t.temperature[s], t.top_p[s], t.min_p[s]) == (np.float32(p.temperature), np.float32(p.top_p),
+                                                             np.float32(p.min_p))
+        assert (t.repetition_penalty[s], t.presence_penalty[s], t.frequency_penalty[s]) == (
+            np.float32(p.repetition_penalty), np.float32(p.presence_penalty), np.float32(p.frequency_penalty))
+        assert (t.top_k[s], t.rng_step[s], t.penalty_rows[s], t.num_logprobs[s]) == (
+            max(p.top_k, 0), generated[s], rows[s], p.logprobs or 0)
+        word = seeds[s] & ((1 << 64) - 1)
+        assert t.rng_key[s].tolist() == [word >> 32, word & 0xFFFFFFFF]
+        banned = (p.stop_token_ids + (() if p.ignore_eos else (1, 2))) if generated[s] < p.min_tokens else ()
+        assert [int(x) for x in t.banned_ids[s] if x >= 0] == list(banned)
+    assert (t.temperature[9:] == 0).all() and (t.top_p[9:] == 1).all() and (t.banned_ids[9:] == -1).all()
+    assert t.commit.tolist() == [True] * 9 + [False] * 3
+    with pytest.raises(ValueError, match="penalty_rows: slot"):
+        SamplingTensors.build([SamplingParams(repetition_penalty=1.1)], num_slots=2, seeds=[0], num_generated=[0])
