@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 import pytest
-from test_scheduler import EOS, VOCAB, FakeModel, abort, extend, fingerprint, make_config, reference, sample, seq
+from test_scheduler import VOCAB, FakeModel, abort, extend, fingerprint, make_config, reference, sample, seq
 
 from jaxserve import async_scheduling
 from jaxserve.replicas import ReplicatedScheduler
@@ -173,6 +173,12 @@ def test_offline_fast_path_matches_the_per_sequence_path(engine):
     assert any(c[2] is not None for _, outs in fast.values() for c in outs)  # a stop token id ended one
 
 
+def plan_key(out):
+    return ([(e.seq.request_id, e.seq.index, e.token_ids, e.kv_len, e.page_table, e.needs_sample, e.local_page_table,
+              e.num_proposed, e.table_version) for e in out.scheduled],
+            [(s.request_id, s.index) for s in out.preempted], out.num_batched_tokens)
+
+
 @pytest.mark.parametrize("seed, caching", [(3, True), (4, False)])
 def test_bulk_decode_planning_equals_the_per_sequence_loop(seed, caching):
     """Two schedulers in lockstep on the same random load (joins, page crossings, preemption, aborts), one
@@ -195,10 +201,7 @@ def test_bulk_decode_planning_equals_the_per_sequence_loop(seed, caching):
                 loop.add(seq(f"r{pending_requests}", prompt, **kw))
         decoding = bulk.running and all(s.num_uncomputed_tokens == 1 for s in bulk.running)
         a, b = bulk.schedule(), loop.schedule()
-        key = lambda out: ([(e.seq.request_id, e.seq.index, e.token_ids, e.kv_len, e.page_table, e.needs_sample,  # noqa: E731
-                             e.local_page_table, e.num_proposed, e.table_version) for e in out.scheduled],
-                           [(s.request_id, s.index) for s in out.preempted], out.num_batched_tokens)
-        assert key(a) == key(b)
+        assert plan_key(a) == plan_key(b)
         bulk_steps += bool(decoding and len(a.scheduled) == len(bulk.running) and not a.preempted)
         tokens = model.run(a)
         bulk.update(a, tokens)
