@@ -457,11 +457,14 @@ def _logprobs(entries, result: StepResult) -> dict[int, dict[int, float]]:
     """seq_id -> {sampled token: its logprob, then the top-n}, for the sequences that asked and sampled."""
     if result.logprobs is None:
         return {}
-    out = {}
+    out, lists = {}, None
     for slot, e in enumerate(entries):
         n = e.seq.sampling_params.logprobs
         if n is not None and e.needs_sample:
-            token = int(result.token_ids[slot])
-            top = {int(i): float(v) for i, v in zip(result.top_ids[slot][:n], result.top_logprobs[slot][:n])}
-            out[e.seq.seq_id] = {token: float(result.logprobs[slot]), **top}
+            if lists is None:  # Python numbers, converted at once (the same values as element by element)
+                lists = [a.tolist() if hasattr(a, "tolist") else list(a)
+                         for a in (result.token_ids, result.logprobs, result.top_ids, result.top_logprobs)]
+            token_ids, logprobs, top_ids, top_logprobs = lists
+            top = dict(zip(top_ids[slot][:n], top_logprobs[slot][:n]))
+            out[e.seq.seq_id] = {token_ids[slot]: logprobs[slot], **top}
     return out
