@@ -27,6 +27,8 @@ batches, always run synchronously.
 
 from __future__ import annotations
 
+import numpy as np
+
 from jaxserve.replicas import ReplicatedPlan, ReplicatedScheduler
 from jaxserve.scheduler import UpdateResult
 from jaxserve.sequence import SequenceStatus
@@ -42,49 +44,64 @@ def commit(scheduler: ReplicatedScheduler, plan: ReplicatedPlan) -> None:
     when their tokens are all known), and a placeholder token for each entry it samples (its row in the step)."""
     row = 0
     for sched, p in zip(scheduler.replicas, plan.plans, strict=True):
+        register = sched.block_manager.register
         for entry in p.scheduled:
             seq = entry.seq
             seq.num_computed_tokens = entry.kv_len
             if entry.token_ids[-1] >= 0:
                 # Every computed token is known (a prompt chunk, or a decode of a token already read back):
                 # offer the full pages now, before a later schedule releases them behind a window.
-                sched.block_manager.register(seq)
+                register(seq)
             if entry.needs_sample:
-                seq.append_token(placeholder(row))
+                seq.append_token(-1 - row)  # placeholder(row)
             row += 1
 
 
 def resolve(scheduler: ReplicatedScheduler, plan: ReplicatedPlan, token_ids) -> tuple[UpdateResult, list[int]]:
     """Fill in a committed step's tokens (one per entry of ``plan.scheduled``), as ``Scheduler.update`` records
     a synchronous step. Returns the update (``updated`` in plan order, finished ones included) and the token each
-    updated sequence got (its last token may already be the next step's placeholder)."""
+    updated sequence got (its last token may already be the next step's placeholder).
+
+    The stop checks run over the whole step at once (``StopSlots.candidates``); the exact per-sequence check runs
+    only for the rows that may stop."""
     updated, tokens, finished = [], [], []
-    token_ids = token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids  # Python ints, converted at once
+    token_ids = np.asarray(token_ids)
+    running, waiting = SequenceStatus.RUNNING, SequenceStatus.WAITING
     row = 0
     for sched, p in zip(scheduler.replicas, plan.plans, strict=True):
         finished += sched._finished_in_schedule
         sched._finished_in_schedule = []
+        entries = p.scheduled
+        n = len(entries)
+        if not n:
+            continue
         bm = sched.block_manager
-        for entry in p.scheduled:
-            seq, token = entry.seq, token_ids[row]
-            row += 1
-            if seq.is_finished:
+        mine = token_ids[row : row + n]
+        num_tokens = np.fromiter([e.kv_len for e in entries], np.int64, n) + 1  # with this step's token
+        maybe = sched.stops.candidates(sched.stops.slots([e.seq for e in entries]), num_tokens, mine).tolist()
+        # (each entry's placeholder, placeholder(row + i), counted down alongside)
+        for i, (entry, token, ph) in enumerate(zip(entries, mine.tolist(), range(-1 - row, -1 - row - n, -1))):
+            seq = entry.seq
+            status = seq.status
+            if status is not running and status is not waiting:  # finished
                 continue
             if entry.needs_sample:
-                index = entry.kv_len  # where commit put this step's placeholder
-                if index >= seq.num_tokens or seq.token_ids(index, index + 1)[0] != -row:  # placeholder(row - 1)
-                    continue  # not this step's placeholder any more (cannot happen while steps resolve in order)
-                seq.set_token(index, token)
+                # Where commit put this step's placeholder; not there any more cannot happen while steps resolve
+                # in order.
+                if not seq.fill_placeholder(entry.kv_len, ph, token):
+                    continue
                 updated.append(seq)
                 tokens.append(token)
-                stop = sched._check_stop(seq, index + 1)
-                if stop is not None:
-                    sched.finish(seq, *stop)
-                    seq.drop_placeholder()
-                    finished.append(seq)
-                    continue
-            if seq.status is SequenceStatus.RUNNING:  # every computed token is known now: full pages are shared
+                if maybe[i]:
+                    stop = sched._check_stop(seq, entry.kv_len + 1)
+                    if stop is not None:
+                        sched.finish(seq, *stop)
+                        seq.drop_placeholder()
+                        finished.append(seq)
+                        continue
+            if status is running:  # every computed token is known now: full pages are shared
                 bm.register(seq)
+        row += n
     for seq in finished:
         scheduler._forget(seq.request_id)
     return UpdateResult(updated, finished), tokens

@@ -287,9 +287,12 @@ class BlockManager:
 
     def register(self, seq: Sequence) -> None:
         """Offer ``seq``'s newly full, computed pages to the prefix cache."""
-        if not self.enable_prefix_caching or seq.seq_id not in self._holders:
+        if not self.enable_prefix_caching:
             return
-        start = self._num_registered[seq.seq_id]
+        start = self._num_registered.get(seq.seq_id)
+        # (no page newly full, the common case: one comparison, asked per running sequence per step)
+        if start is None or seq.num_computed_tokens // self.page_size <= start:
+            return
         end = min(seq.num_computed_tokens // self.page_size, len(self._t(seq)))
         if end <= start:
             return

@@ -44,6 +44,7 @@ class _Request:
     logprobs: list[list[dict[int, float]] | None]
     error: str | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    loud: bool = False  # it has text to detokenize or logprobs to record: every token gets a look in ``_collect``
 
 
 class Engine:
@@ -110,6 +111,8 @@ class Engine:
         self._pending = None
         self._sync_requests = 0  # live requests whose steps need the host's view of the previous token
         self._unstamped: set[str] = set()  # live requests not scheduled yet (``_mark_scheduled``)
+        self._no_first_token: set[str] = set()  # live requests with no token yet (their first_token_time)
+        self._loud = 0  # live requests with ``_Request.loud``
         # True: ``step`` returns outputs of finished requests only (the offline API reads nothing else).
         self.final_outputs_only = False
 
@@ -141,8 +144,11 @@ class Engine:
             request_id, text, ids, params, seqs, detoks, RequestMetrics(seq.arrival_time),
             [[] if params.logprobs is not None else None for _ in seqs],
             prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None,
+            loud=params.logprobs is not None or any(type(d) is not NoTextDetokenizer for d in detoks),
         )
         self._unstamped.add(request_id)
+        self._no_first_token.add(request_id)
+        self._loud += self._requests[request_id].loud
         self.stats_counters["prompt_tokens"] += len(ids)
         if params.structured_outputs is not None or params.prompt_logprobs is not None:
             self._sync_requests += 1  # steps run synchronously while it is live (jaxserve/async_scheduling.py)
@@ -314,12 +320,26 @@ class Engine:
         changed: dict[str, dict[int, tuple[list[int], str]]] = {}
         now = time.monotonic()
         quiet = self.final_outputs_only  # a request still running gets no output
-        for i, seq in enumerate(updated):
+        rows = range(len(updated))
+        if quiet and tokens is not None and not self._loud:
+            # No output of a running request, no text, no logprobs (async scheduling: one token per sequence):
+            # only the sequences that finished need a look; the rest only count.
+            if self._no_first_token:
+                for seq in updated:
+                    if seq.request_id in self._no_first_token and seq.request_id in self._requests:
+                        self._no_first_token.discard(seq.request_id)
+                        self._requests[seq.request_id].metrics.first_token_time = now
+            ended = {id(s) for s in finished}
+            rows = [i for i, s in enumerate(updated) if id(s) in ended] if ended else []
+            self.stats_counters["generation_tokens"] += len(updated) - len(rows)
+        for i in rows:
+            seq = updated[i]
             req = self._requests.get(seq.request_id)
             if req is None:
                 continue
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
+                self._no_first_token.discard(seq.request_id)
             if tokens is not None:  # async scheduling: one token per sequence, never a speculated run
                 start, new = seq.num_output_tokens, [tokens[i]]
             else:
@@ -380,6 +400,8 @@ class Engine:
         req.metrics.num_preemptions = sum(s.num_preemptions for s in req.seqs)
         del self._requests[req.request_id]
         self._unstamped.discard(req.request_id)
+        self._no_first_token.discard(req.request_id)
+        self._loud -= req.loud
         return self._output(req, req.seqs, deltas, True)
 
     def _output(self, req: _Request, seqs: list[Sequence], deltas, finished: bool) -> RequestOutput:
@@ -435,11 +457,14 @@ def _logprobs(entries, result: StepResult) -> dict[int, dict[int, float]]:
     """seq_id -> {sampled token: its logprob, then the top-n}, for the sequences that asked and sampled."""
     if result.logprobs is None:
         return {}
-    out = {}
+    out, lists = {}, None
     for slot, e in enumerate(entries):
         n = e.seq.sampling_params.logprobs
         if n is not None and e.needs_sample:
-            token = int(result.token_ids[slot])
-            top = {int(i): float(v) for i, v in zip(result.top_ids[slot][:n], result.top_logprobs[slot][:n])}
-            out[e.seq.seq_id] = {token: float(result.logprobs[slot]), **top}
+            if lists is None:  # Python numbers, converted at once (the same values as element by element)
+                lists = [a.tolist() if hasattr(a, "tolist") else list(a)
+                         for a in (result.token_ids, result.logprobs, result.top_ids, result.top_logprobs)]
+            token_ids, logprobs, top_ids, top_logprobs = lists
+            top = dict(zip(top_ids[slot][:n], top_logprobs[slot][:n]))
+            out[e.seq.seq_id] = {token_ids[slot]: logprobs[slot], **top}
     return out

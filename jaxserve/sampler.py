@@ -136,21 +136,25 @@ class SamplingTensors:
         seed_words = np.zeros(num_slots, np.uint64)
         commit_arr = np.zeros(num_slots, np.bool_)
         commit_arr[:n] = True if commit is None else commit
-        banned: list[tuple[int, ...]] = []
+        # Column by column (a list per field, one NumPy copy each): the same values as slot by slot, without a
+        # NumPy item assignment per slot and field.
+        rows = [0] * n if penalty_rows is None else list(penalty_rows)
         for s, p in enumerate(params):
-            temperature[s] = p.temperature
-            top_p[s] = p.top_p
-            rep[s] = p.repetition_penalty
-            floats[:, s] = (p.min_p, p.presence_penalty, p.frequency_penalty)
-            row = 0 if penalty_rows is None else penalty_rows[s]
-            if row == 0 and (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty):
+            if rows[s] == 0 and (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty):
                 raise ValueError(f"penalty_rows: slot {s} uses penalties but has no PenaltyState row")
-            ints[:, s] = (max(p.top_k, 0), num_generated[s], row, p.logprobs or 0)
-            seed_words[s] = seeds[s] & _MASK64
-            if num_generated[s] < p.min_tokens:
-                banned.append(p.stop_token_ids + (() if p.ignore_eos else tuple(eos_token_ids)))
-            else:
-                banned.append(())
+        if n:
+            temperature[:n] = [p.temperature for p in params]
+            top_p[:n] = [p.top_p for p in params]
+            rep[:n] = [p.repetition_penalty for p in params]
+            floats[:, :n] = [[p.min_p for p in params], [p.presence_penalty for p in params],
+                             [p.frequency_penalty for p in params]]
+            ints[:, :n] = [[max(p.top_k, 0) for p in params], list(num_generated), rows,
+                           [p.logprobs or 0 for p in params]]
+            seed_words[:n] = np.array([seed & _MASK64 for seed in seeds], np.uint64)
+        eos = tuple(eos_token_ids)
+        banned: list[tuple[int, ...]] = [
+            (p.stop_token_ids + (() if p.ignore_eos else eos)) if g < p.min_tokens else ()
+            for p, g in zip(params, num_generated)]
         if token_bitmask is not None and (token_bitmask.shape[0] != num_slots or token_bitmask.dtype != np.int32):
             raise ValueError(f"token_bitmask: expected i32[{num_slots}, W], got {token_bitmask.dtype}"
                              f"{list(token_bitmask.shape)}")
@@ -170,7 +174,8 @@ class SamplingTensors:
         b_cols = max_banned if width <= max_banned else 1 << (width - 1).bit_length()
         banned_ids = np.full((num_slots, b_cols), -1, np.int32)
         for s, ids in enumerate(banned):
-            banned_ids[s, : len(ids)] = ids
+            if ids:
+                banned_ids[s, : len(ids)] = ids
         if token_bitmask is None:
             token_bitmask = np.zeros((num_slots, 0), np.int32)
         bias_ids = np.full((num_slots, logit_bias_width), -1, np.int32)

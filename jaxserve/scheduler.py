@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections import deque
 from collections.abc import Sequence as Seq
+
+import numpy as np
 
 from jaxserve.block_manager import BlockManager, PageHolder
 from jaxserve.scheduler_config import SchedulerConfig
 from jaxserve.sequence import Sequence, SequenceStatus
+from jaxserve.slot_state import StopSlots
 from jaxserve.window_pool import WindowedBlockManager
 
 __all__ = ["ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "UpdateResult"]
@@ -26,6 +30,15 @@ class ScheduledSequence:
     local_page_table: list[int] = dataclasses.field(default_factory=list)  # the windowed layers' pool, if any
     num_proposed: int = 0  # speculation: the last this-many token_ids are draft tokens the step verifies
     table_version: int = -1  # seq.table_version of the snapshot (-1: not known); the executor reuses rows by it
+
+    @classmethod
+    def decode(cls, seq: Sequence, token: int, kv_len: int, page_table: list[int], table_version: int):
+        """A decode entry (one token, sampled), built without the frozen dataclass's per-field ``__setattr__``:
+        the scheduler makes one per running sequence per step."""
+        entry = object.__new__(cls)
+        entry.__dict__.update(seq=seq, token_ids=[token], kv_len=kv_len, page_table=page_table, needs_sample=True,
+                              local_page_table=[], num_proposed=0, table_version=table_version)
+        return entry
 
     @property
     def num_new_tokens(self) -> int:
@@ -72,6 +85,8 @@ class Scheduler:
     prompt's last, partial page into a page of their own, so no page is ever written by two sequences.
     """
 
+    bulk_decodes = True  # plan plain decodes in bulk (False: one by one, the reference the tests compare with)
+
     def __init__(self, config: SchedulerConfig):
         self.config = config
         if config.local_pages:
@@ -89,6 +104,7 @@ class Scheduler:
         self._finished_in_schedule: list[Sequence] = []
         self.num_preemptions = 0
         self.spec = None  # a jaxserve.spec.planner.SpecPlanner when the engine speculates
+        self.stops = StopSlots(config.max_model_len)  # live sequences' stop state, for vectorised stop checks
 
     # ---- queries ------------------------------------------------------------------------------------------
     @property
@@ -153,6 +169,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self.stops.release(seq)
         seq.set_finished(reason, stop_reason)
         siblings = self._requests.get(seq.request_id, [])
         if seq in siblings:
@@ -171,6 +188,7 @@ class Scheduler:
             siblings.remove(seq)
             if not siblings:
                 del self._requests[seq.request_id]
+        self.stops.release(seq)
         holder = PageHolder(seq.seq_id, seq.page_table, seq.local_page_table)
         self.block_manager.hand_over(seq, holder)
         seq.page_table, seq.local_page_table = [], []
@@ -213,7 +231,8 @@ class Scheduler:
         plan: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
         # Prefill chunks leave one token of budget for each decode queued behind them, so decodes keep going.
-        decodes_left = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
+        counts = _decode_counts(self.running)
+        decodes_left = int(counts[0].sum())
         speculating = self.spec is not None and self.spec.active(decodes_left)
         # A prompt that reports prompt_logprobs needs a logits row per token of its chunk, not one: its chunk
         # takes logits rows (at most max_num_seqs per step) from the sequences scheduled with it.
@@ -222,12 +241,34 @@ class Scheduler:
         # no page bookkeeping: the common case of a running batch, kept to a few operations per sequence.
         plain_pages = 0 if speculating or type(bm) is not BlockManager or bm.attention_window else cfg.page_size
         i = 0
+        if plain_pages and self.running and self.bulk_decodes:
+            # Such decodes are found with NumPy and planned in bulk: all running sequences when every one decodes,
+            # the budget takes them all and the free pages cover one more page for each that needs one (nothing
+            # is preempted, so growing those first, in order, takes the same pages as the loop below would);
+            # else the leading run of them, the loop below taking the rest.
+            decoding, num_tokens, num_pages = counts
+            fast = decoding & (num_tokens <= num_pages * plain_pages)
+            i = min(budget, len(fast) if fast.all() else int(fast.argmin()))
+            if i < len(fast) <= budget and decoding.all():
+                grows = np.flatnonzero(~fast)
+                if len(grows) <= bm.num_free_pages and (num_tokens[grows] <= num_pages[grows] * plain_pages + 1).all():
+                    for j in grows.tolist():
+                        bm.grow(self.running[j], int(num_tokens[j]))
+                    i = len(fast)
+            if i:
+                head = self.running[:i]
+                plan.extend(map(ScheduledSequence.decode, head, map(_LAST_TOKEN, head), num_tokens[:i].tolist(),
+                                map(list, map(_PAGE_TABLE, head)), map(_TABLE_VERSION, head)))
+                decodes_left -= i
+                budget -= i
+        decode_entry = ScheduledSequence.decode
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if plain_pages and seq.num_uncomputed_tokens == 1 and seq.num_tokens <= len(seq.page_table) * plain_pages:
+            num_tokens = seq.num_tokens
+            if (plain_pages and num_tokens - seq.num_computed_tokens == 1
+                    and num_tokens <= len(seq.page_table) * plain_pages):
                 decodes_left -= 1
-                plan.append(ScheduledSequence(seq, [seq.last_token], seq.num_tokens, list(seq.page_table), True,
-                                              table_version=seq.table_version))
+                plan.append(decode_entry(seq, seq.last_token, num_tokens, list(seq.page_table), seq.table_version))
                 budget -= 1
                 i += 1
                 continue
@@ -311,7 +352,8 @@ class Scheduler:
         bm = self.block_manager
         updated: list[Sequence] = []
         finished, self._finished_in_schedule = self._finished_in_schedule, []
-        for entry, token in zip(output.scheduled, sampled_token_ids):
+        maybe = self._stop_candidates(output.scheduled, sampled_token_ids)
+        for i, (entry, token) in enumerate(zip(output.scheduled, sampled_token_ids)):
             seq = entry.seq
             if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != entry.num_computed_before:
                 continue
@@ -324,7 +366,7 @@ class Scheduler:
                 continue
             seq.append_token(int(token))
             updated.append(seq)
-            stop = self._check_stop(seq)
+            stop = self._check_stop(seq) if maybe[i] else None
             if stop is not None:
                 self.finish(seq, *stop)
                 finished.append(seq)
@@ -355,6 +397,16 @@ class Scheduler:
             self.spec.record(entry.num_proposed, accepted, emitted)
 
     # ---- helpers ------------------------------------------------------------------------------------------
+    def _stop_candidates(self, entries, sampled_token_ids) -> list[bool]:
+        """Which entries' sampled tokens may stop their sequences (``StopSlots.candidates``); a sampled entry
+        ends at ``kv_len + 1`` tokens (a speculated entry's run is checked token by token, not here)."""
+        n = len(entries)
+        if not n:
+            return []
+        kv = np.fromiter([e.kv_len for e in entries], np.int64, n) + 1
+        tokens = np.fromiter([-1 if e.num_proposed else t for e, t in zip(entries, sampled_token_ids)], np.int64, n)
+        return self.stops.candidates(self.stops.slots([e.seq for e in entries]), kv, tokens).tolist()
+
     def _chunk(self, remaining: int, budget: int) -> int:
         """Tokens of a prefill of ``remaining`` tokens to run now, given ``budget``; 0 means wait."""
         if budget <= 0:
@@ -408,6 +460,21 @@ class Scheduler:
         if n >= self.config.max_model_len:
             return "length", None
         return None
+
+
+_NUM_TOKENS, _COMPUTED, _PAGE_TABLE = (operator.attrgetter(a) for a in ("num_tokens", "num_computed_tokens",
+                                                                             "page_table"))
+_LAST_TOKEN, _TABLE_VERSION = operator.attrgetter("last_token"), operator.attrgetter("table_version")
+
+
+def _decode_counts(running: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """bool[n]: whether each running sequence decodes (one uncomputed token); i64[n]: its tokens; i64[n]: the
+    pages of its page table."""
+    n = len(running)
+    num_tokens = np.fromiter(map(_NUM_TOKENS, running), np.int64, n)
+    computed = np.fromiter(map(_COMPUTED, running), np.int64, n)
+    num_pages = np.fromiter(map(len, map(_PAGE_TABLE, running)), np.int64, n)
+    return num_tokens - computed == 1, num_tokens, num_pages
 
 
 def scores_prompt(seq: Sequence) -> bool:

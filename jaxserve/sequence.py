@@ -134,11 +134,21 @@ class Sequence:
         self._token_ids[index] = token_id
         self.output_token_ids[index - len(self.prompt_token_ids)] = token_id
 
+    def fill_placeholder(self, index: int, placeholder: int, token_id: int) -> bool:
+        """``set_token(index, token_id)`` if token ``index`` is still ``placeholder``; whether it was."""
+        tokens = self._token_ids
+        if index >= len(tokens) or tokens[index] != placeholder:
+            return False
+        tokens[index] = token_id
+        self.output_token_ids[index - len(self.prompt_token_ids)] = token_id
+        return True
+
     def drop_placeholder(self) -> None:
         """Remove a trailing placeholder token (a finished sequence's token of a step launched after its last)."""
         if self._token_ids and self._token_ids[-1] < 0 and self.output_token_ids:
             self._token_ids.pop()
             self.output_token_ids.pop()
+
     def truncate(self, num_output_tokens: int) -> None:
         """Keep only the first ``num_output_tokens`` output tokens (a stop string matched inside a run of
         several tokens that one step emitted); the caller finishes the sequence."""
