@@ -114,28 +114,34 @@ def build_tiny_model(family: str, path: Path, *, tokenizer: PreTrainedTokenizerF
     return Path(path)
 
 
-def markov_chain(vocab_size: int, *, successors: int = 8, alpha: float = 0.3, seed: int = 0):
-    """A fixed random first-order Markov chain over the non-special ids 3..vocab-1: each id is followed by one of
-    ``successors`` ids drawn at random, with probabilities drawn from Dirichlet(``alpha``) (peaked: the most likely
-    successor has ~0.5 of the mass on average, as a trained model's next token often does; some rows are near-ties,
-    as real text's are). Returns (next ids i64[vocab, successors], probabilities f64[vocab, successors])."""
+def markov_chain(vocab_size: int, *, topics: int = 2, successors: int = 8, alpha: float = 0.3, seed: int = 0):
+    """Fixed random first-order Markov chains over the non-special ids 3..vocab-1, one per topic. In each, every id
+    is followed by one of ``successors`` ids drawn at random, with probabilities drawn from Dirichlet(``alpha``):
+    peaked (the most likely successor has ~0.5 of the mass on average, as a trained model's next token often
+    does) with some near-ties, as real text has. Returns (next ids i64[topics, vocab, successors], probabilities
+    f64[topics, vocab, successors])."""
     rng = np.random.default_rng(seed)
-    ids = np.stack([rng.choice(np.arange(3, vocab_size), successors, replace=False) for _ in range(vocab_size)])
-    return ids, rng.dirichlet([alpha] * successors, size=vocab_size)
+    ids = np.stack([rng.choice(np.arange(3, vocab_size), successors, replace=False)
+                    for _ in range(topics * vocab_size)])
+    probs = rng.dirichlet([alpha] * successors, size=topics * vocab_size)
+    return ids.reshape(topics, vocab_size, successors), probs.reshape(topics, vocab_size, successors)
 
 
 def markov_corpus(vocab_size: int, num: int, length: int, *, seed: int, chain_seed: int = 0) -> np.ndarray:
-    """i32[num, length]: sequences of ``markov_chain(vocab_size, seed=chain_seed)``, each from a uniform first id;
-    ``seed`` picks the sequences (training and held-out sets use different seeds, the same chain)."""
+    """i32[num, length]: sequences of ``markov_chain(vocab_size, seed=chain_seed)``, each from a uniform first id
+    and in one topic drawn at random, so the next token depends on the current one and on the topic, which only
+    the earlier tokens tell (through attention). ``seed`` picks the sequences (training and held-out sets use
+    different seeds, the same chains)."""
     ids, probs = markov_chain(vocab_size, seed=chain_seed)
     rng = np.random.default_rng(seed)
     out = np.zeros((num, length), np.int32)
     out[:, 0] = rng.integers(3, vocab_size, size=num)
-    cum = np.cumsum(probs, axis=1)
+    topic = rng.integers(0, len(ids), size=num)
+    cum = np.cumsum(probs, axis=-1)
     for t in range(1, length):
         prev = out[:, t - 1]
-        pick = np.minimum((rng.random(num)[:, None] > cum[prev]).sum(1), probs.shape[1] - 1)
-        out[:, t] = ids[prev, pick]
+        pick = np.minimum((rng.random(num)[:, None] > cum[topic, prev]).sum(1), probs.shape[-1] - 1)
+        out[:, t] = ids[topic, prev, pick]
     return out
 
 
