@@ -355,6 +355,24 @@ def test_compare_counts_agreement_kl_and_near_ties():
     assert r["pert"] == pytest.approx(np.sqrt(np.mean(moves ** 2)))
     # only the third gap (log(0.41/0.39)) is below it; one of the two disagreements is there
     assert r["near_ties"] == pytest.approx(1 / 3) and r["flips_in_ties"] == 0.5
+    # the reference's confidence: mean top-1 probability and the gap's quantiles
+    assert r["p_top1"] == pytest.approx((0.7 + 0.8 + 0.41) / 3)
+    gaps = [np.log(0.7 / 0.2), np.log(0.8 / 0.1), np.log(0.41 / 0.39)]
+    assert r["gap_q50"] == pytest.approx(np.median(gaps)) and r["gap_q5"] == pytest.approx(np.quantile(gaps, 0.05))
+
+
+def test_markov_corpus_follows_its_chain_in_one_topic_per_sequence():
+    from tiny import markov_chain, markov_corpus
+
+    ids, probs = markov_chain(384)
+    np.testing.assert_allclose(probs.sum(-1), 1.0)
+    seqs = markov_corpus(384, 64, 48, seed=5)
+    np.testing.assert_array_equal(seqs, markov_corpus(384, 64, 48, seed=5))  # deterministic
+    assert not np.array_equal(seqs, held_out_markov(384, 64, 48))  # the held-out seed draws other sequences
+    assert seqs.min() >= 3  # never a special token
+    for seq in seqs:  # every step is a successor of the previous id in one topic, the same all along
+        topics = [t for t in range(len(ids)) if all(b in ids[t, a] for a, b in zip(seq[:-1], seq[1:]))]
+        assert len(topics) == 1, seq
 
 
 def test_int8_rows_matmul_matches_the_float_product():
