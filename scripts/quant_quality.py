@@ -12,10 +12,11 @@ mean KL divergence KL(unquantized || quantized) in nats, and the near-tie eviden
 moves the top-1/top-2 logit gap (root mean square), the fraction of positions whose gap is smaller than that, and
 the share of the disagreements that fall on those positions. Output: one markdown row per model and mode.
 
-With ``--train-steps N`` the ``--tiny`` models are trained N steps on sequences of a fixed random Markov chain with
-peaked transitions (``tests/tiny.py``: ``markov_chain``, ``train_markov``) before they are saved, so their
-next-token distributions are as confident as a trained checkpoint's rather than a random model's nearly flat ones;
-their workload is then held-out sequences of the same chain (``markov_corpus`` with a seed training never uses),
+With ``--train-steps N`` the ``--tiny`` models are trained N steps on sequences of fixed random Markov chains with
+peaked transitions, one chain per topic (``tests/tiny.py``: ``markov_chain``, ``markov_corpus``, ``train_markov``),
+before they are saved, so their next-token distributions are as confident as a trained checkpoint's rather than a
+random model's nearly flat ones; their workload is then held-out sequences of the same corpus (a seed training
+never uses),
 not the model's greedy text. A second table gives, per model, how confident the unquantized model is on the
 workload: mean top-1 probability and quantiles of the top-1/top-2 logit gap.
 """
