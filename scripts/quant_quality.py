@@ -1,6 +1,6 @@
 """Quality of each quantization mode against the unquantized model, teacher-forced.
 
-    python scripts/quant_quality.py [--model DIR ...] [--tiny all|FAMILY,... [--tiny-hidden 256]]
+    python scripts/quant_quality.py [--model DIR ...] [--tiny all|FAMILY,... [--tiny-hidden 256] [--train-steps 200]]
         [--modes w_int8,w_fp8,kv_int8,kv_fp8] [--seqs 4] [--len 96] [--chunk 16] [--dtype float32]
 
 Every mode runs the same fixed workload (``--seqs`` sequences of ``--len`` tokens: 16 random prompt tokens drawn with a
@@ -11,6 +11,14 @@ top-1 agreement (the fraction of positions where the quantized model's argmax is
 mean KL divergence KL(unquantized || quantized) in nats, and the near-tie evidence of ``compare``: how far the mode
 moves the top-1/top-2 logit gap (root mean square), the fraction of positions whose gap is smaller than that, and
 the share of the disagreements that fall on those positions. Output: one markdown row per model and mode.
+
+With ``--train-steps N`` the ``--tiny`` models are trained N steps on sequences of fixed random Markov chains with
+peaked transitions, one chain per topic (``tests/tiny.py``: ``markov_chain``, ``markov_corpus``, ``train_markov``),
+before they are saved, so their next-token distributions are as confident as a trained checkpoint's rather than a
+random model's nearly flat ones; their workload is then held-out sequences of the same corpus (a seed training
+never uses),
+not the model's greedy text. A second table gives, per model, how confident the unquantized model is on the
+workload: mean top-1 probability and quantiles of the top-1/top-2 logit gap.
 """
 
 from __future__ import annotations
@@ -125,16 +133,21 @@ def compare(reference: np.ndarray, other: np.ndarray) -> dict[str, float]:
     flips = ref.argmax(-1) != oth.argmax(-1)
     ties = gap < pert
     return {"top1": float(1.0 - np.mean(flips)), "kl": float(np.mean(kl)), "pert": pert,
+            "p_top1": float(np.mean(np.exp(logp[rows, first]))),
+            **{f"gap_q{q}": float(np.quantile(gap, q / 100)) for q in (5, 10, 25, 50)},
             "near_ties": float(np.mean(ties)),
             "flips_in_ties": float(np.sum(flips & ties) / max(1, np.sum(flips)))}
 
 
 def evaluate(model_path: str, modes, *, seqs: int = 4, length: int = 96, chunk: int = 16,
-             dtype: str = "float32") -> dict[str, dict[str, float]]:
+             dtype: str = "float32", tokens: np.ndarray | None = None) -> dict[str, dict[str, float]]:
+    """Per mode, ``compare``'s figures against the unquantized model over ``tokens`` (i32[seqs, length]; by
+    default ``workload``: the model's own greedy text)."""
     from jaxserve.config import ModelConfig
 
-    vocab = ModelConfig.from_pretrained(Path(model_path)).vocab_size
-    tokens = workload(model_path, vocab, seqs, length, dtype=dtype)
+    if tokens is None:
+        vocab = ModelConfig.from_pretrained(Path(model_path)).vocab_size
+        tokens = workload(model_path, vocab, seqs, length, dtype=dtype)
     base = teacher_forced_logits(model_path, tokens, dtype=dtype, chunk=chunk)
     out = {}
     for mode in modes:
@@ -193,9 +206,22 @@ def noisy_copy(model_path: str, seed: int = 0):
         yield str(dst)
 
 
-def tiny_models(families: str, hidden: int = 64) -> list[str]:
+HELD_OUT_SEED = 10_000  # the held-out Markov sequences' seed (training draws its own with the model's seed + 1)
+
+
+def held_out_markov(vocab_size: int, seqs: int, length: int) -> np.ndarray:
+    """i32[seqs, length]: the trained tiny models' workload, sequences of the chain they were trained on that
+    training never saw."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tiny import markov_corpus
+
+    return markov_corpus(vocab_size, seqs, length, seed=HELD_OUT_SEED)
+
+
+def tiny_models(families: str, hidden: int = 64, train_steps: int = 0) -> list[str]:
     """Build ``tests/tiny.py`` families (comma-separated, or "all") with weights at std 0.08 in a temporary folder
-    (the tests' shapes at hidden 64; a wider ``hidden`` keeps everything else and doubles it for the MLP)."""
+    (the tests' shapes at hidden 64; a wider ``hidden`` keeps everything else and doubles it for the MLP), trained
+    ``train_steps`` steps on the Markov corpus first when given."""
     import atexit
     import shutil
     import tempfile
@@ -208,7 +234,8 @@ def tiny_models(families: str, hidden: int = 64) -> list[str]:
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     tok = train_tokenizer()
     wide = {} if hidden == 64 else dict(hidden_size=hidden, intermediate_size=2 * hidden)
-    paths = [build_tiny_model(f, root / (f if hidden == 64 else f"{f}_h{hidden}"), tokenizer=tok, init_std=0.08,
+    suffix = ("" if hidden == 64 else f"_h{hidden}") + (f"_trained{train_steps}" if train_steps else "")
+    paths = [build_tiny_model(f, root / f"{f}{suffix}", tokenizer=tok, init_std=0.08, train_steps=train_steps,
                               **wide) for f in names]
     return [str(p) for p in paths]
 
@@ -219,6 +246,8 @@ def main() -> None:
     p.add_argument("--tiny", default=None, help="comma-separated tests/tiny.py families (or 'all') to build at "
                    "weight std 0.08 in a temporary folder and measure, after the --model folders")
     p.add_argument("--tiny-hidden", type=int, default=64, help="hidden size of the --tiny models (intermediate: 2x)")
+    p.add_argument("--train-steps", type=int, default=0, help="train the --tiny models this many steps on a peaked "
+                   "Markov chain's sequences (tests/tiny.py) and measure on held-out sequences of it")
     p.add_argument("--modes", default="w_int8,w_fp8,kv_int8,kv_fp8",
                    help=f"comma-separated: {', '.join(MODES)}, or the diagnostics {', '.join(DIAGNOSTIC_MODES)}")
     p.add_argument("--seqs", type=int, default=4)
@@ -228,18 +257,32 @@ def main() -> None:
     args = p.parse_args()
     modes = args.modes.split(",")
     models = list(args.model)
+    trained = set()
     if args.tiny:
-        models += tiny_models(args.tiny, args.tiny_hidden)
+        models += tiny_models(args.tiny, args.tiny_hidden, args.train_steps)
+        trained = set(models[len(args.model):]) if args.train_steps else set()
     if not models:
         p.error("give --model and/or --tiny")
     print(f"teacher-forced, {args.seqs} x {args.len} tokens, chunks of {args.chunk}, dtype {args.dtype}\n")
     print("| model | mode | top-1 agreement | mean KL (nats) | gap perturbation | positions with gap below it "
           "| disagreements among them |\n| --- | --- | --- | --- | --- | --- | --- |")
+    confidence = {}
     for model in models:
+        tokens = None
+        if model in trained:
+            from jaxserve.config import ModelConfig
+
+            tokens = held_out_markov(ModelConfig.from_pretrained(Path(model)).vocab_size, args.seqs, args.len)
         for mode, r in evaluate(model, modes, seqs=args.seqs, length=args.len, chunk=args.chunk,
-                                dtype=args.dtype).items():
+                                dtype=args.dtype, tokens=tokens).items():
+            confidence[Path(model).name] = r
             print(f"| {Path(model).name} | {mode} | {r['top1'] * 100:.2f}% | {r['kl']:.5f} | {r['pert']:.4f} "
                   f"| {r['near_ties'] * 100:.1f}% | {r['flips_in_ties'] * 100:.0f}% |", flush=True)
+    print("\nThe unquantized model on the workload:\n\n| model | mean top-1 probability | top-1/top-2 logit gap: "
+          "5% / 10% / 25% / 50% quantiles |\n| --- | --- | --- |")
+    for name, r in confidence.items():
+        print(f"| {name} | {r['p_top1']:.3f} | {r['gap_q5']:.3f} / {r['gap_q10']:.3f} / {r['gap_q25']:.3f} / "
+              f"{r['gap_q50']:.3f} |")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
@@ -81,8 +82,9 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def build_tiny_model(family: str, path: Path, *, tokenizer: PreTrainedTokenizerFast | None = None, seed: int = 0,
-                     init_std: float = 0.25, **overrides) -> Path:
-    """Save a random-weight fp32 checkpoint of ``family`` (see FAMILIES) with a tokenizer into ``path``."""
+                     init_std: float = 0.25, train_steps: int = 0, **overrides) -> Path:
+    """Save a random-weight fp32 checkpoint of ``family`` (see FAMILIES) with a tokenizer into ``path``; with
+    ``train_steps``, the random model is first trained that many steps on ``markov_corpus`` (``train_markov``)."""
     tokenizer = tokenizer or train_tokenizer()
     config_cls, model_cls, family_overrides = FAMILIES[family]
     kwargs = dict(
@@ -105,9 +107,67 @@ def build_tiny_model(family: str, path: Path, *, tokenizer: PreTrainedTokenizerF
                 p.copy_(norm_center + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn_like(p))
+    if train_steps:
+        train_markov(model, train_steps, seed=seed)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return Path(path)
+
+
+def markov_chain(vocab_size: int, *, topics: int = 2, successors: int = 8, alpha: float = 0.3, seed: int = 0):
+    """Fixed random first-order Markov chains over the non-special ids 3..vocab-1, one per topic. In each, every id
+    is followed by one of ``successors`` ids drawn at random, with probabilities drawn from Dirichlet(``alpha``):
+    peaked (the most likely successor has ~0.5 of the mass on average, as a trained model's next token often
+    does) with some near-ties, as real text has. Returns (next ids i64[topics, vocab, successors], probabilities
+    f64[topics, vocab, successors])."""
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(np.arange(3, vocab_size), successors, replace=False)
+                    for _ in range(topics * vocab_size)])
+    probs = rng.dirichlet([alpha] * successors, size=topics * vocab_size)
+    return ids.reshape(topics, vocab_size, successors), probs.reshape(topics, vocab_size, successors)
+
+
+def markov_corpus(vocab_size: int, num: int, length: int, *, seed: int, chain_seed: int = 0) -> np.ndarray:
+    """i32[num, length]: sequences of ``markov_chain(vocab_size, seed=chain_seed)``, each from a uniform first id
+    and in one topic drawn at random, so the next token depends on the current one and on the topic, which only
+    the earlier tokens tell (through attention). ``seed`` picks the sequences (training and held-out sets use
+    different seeds, the same chains)."""
+    ids, probs = markov_chain(vocab_size, seed=chain_seed)
+    rng = np.random.default_rng(seed)
+    out = np.zeros((num, length), np.int32)
+    out[:, 0] = rng.integers(3, vocab_size, size=num)
+    topic = rng.integers(0, len(ids), size=num)
+    cum = np.cumsum(probs, axis=-1)
+    for t in range(1, length):
+        prev = out[:, t - 1]
+        pick = np.minimum((rng.random(num)[:, None] > cum[topic, prev]).sum(1), probs.shape[-1] - 1)
+        out[:, t] = ids[topic, prev, pick]
+    return out
+
+
+def train_markov(model, steps: int, *, batch: int = 16, length: int = 64, lr: float = 1e-2, seed: int = 0):
+    """Train ``model`` (a transformers causal LM, in place) with Adam for ``steps`` steps of ``batch`` fresh
+    ``markov_corpus`` sequences, so its next-token distributions are as peaked as the chain's instead of the
+    near-flat ones of random weights. Deterministic: fixed seeds, one torch thread while it runs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(seed)
+        data = torch.from_numpy(markov_corpus(model.config.vocab_size, steps * batch, length, seed=seed + 1)).long()
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20) * (1 - i / steps))
+        model.train()
+        for i in range(steps):
+            x = data[i * batch:(i + 1) * batch]
+            loss = model(x, labels=x).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+        model.eval()
+        return float(loss.detach())
+    finally:
+        torch.set_num_threads(threads)
 
 
 def hf_model(path: Path, dtype=torch.float32):
