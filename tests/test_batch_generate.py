@@ -14,6 +14,9 @@ import pytest
 from tiny import build_tiny_model, hf_greedy, hf_model, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
+# One request at a time, so 60 requests of 12 tokens leave the kill (after 5 results) far from the job's end; longer
+# outputs only add decode steps.
+MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +31,7 @@ def write_input(path: Path) -> dict:
     for i in range(60):
         prompt = rng.integers(3, 300, int(rng.integers(2, 20))).tolist()
         valid[f"req-{i}"] = prompt
-        lines.append(json.dumps({"id": f"req-{i}", "prompt": prompt, "max_tokens": 30, "temperature": 0.0,
+        lines.append(json.dumps({"id": f"req-{i}", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
                                  "ignore_eos": True}))
         if i == 5:
             lines.append("{not json")  # line 7
@@ -80,6 +83,6 @@ def test_kill_and_resume(model_dir, tmp_path):
     hf = hf_model(model_dir)
     by_id = {r["id"]: r for r in records}
     for rid in ("req-0", "req-4", f"req-{first}", "req-59"):  # before the kill, around it, after it
-        assert by_id[rid]["token_ids"] == hf_greedy(hf, valid[rid], 30), rid
-        assert by_id[rid]["finish_reason"] == "length" and by_id[rid]["usage"]["completion_tokens"] == 30
+        assert by_id[rid]["token_ids"] == hf_greedy(hf, valid[rid], MAX_TOKENS), rid
+        assert by_id[rid]["finish_reason"] == "length" and by_id[rid]["usage"]["completion_tokens"] == MAX_TOKENS
     assert by_id[7]["usage"]["completion_tokens"] <= 3

@@ -26,8 +26,10 @@ def cache_dir(tmp_path_factory):
 
 
 def _engine(model_dir, cache_dir) -> Engine:
-    return Engine(EngineConfig(model=str(model_dir), page_size=4, num_pages=32, max_model_len=48, max_num_seqs=4,
-                               max_num_batched_tokens=32, seed=0, compilation_cache_dir=cache_dir))
+    # Two sequences in 16-token steps: three step shapes (a prefill bucket, decode buckets of one and two rows),
+    # each compiled, stored, loaded or damaged alike; the two requests of _serve need no more.
+    return Engine(EngineConfig(model=str(model_dir), page_size=4, num_pages=32, max_model_len=48, max_num_seqs=2,
+                               max_num_batched_tokens=16, seed=0, compilation_cache_dir=cache_dir))
 
 
 def _serve(engine: Engine) -> tuple[dict, int]:

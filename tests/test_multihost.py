@@ -4,6 +4,8 @@ Meshes: data=2,tensor=4 puts one replica on each process; tensor=8 splits every 
 sequence=2,tensor=4 splits long-prompt rows across them.
 """
 
+import contextlib
+import io
 import json
 import os
 import socket
@@ -41,11 +43,15 @@ def tokens_from(output: str) -> dict[str, list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
+    """The checkpoint and its one-device tokens, from the driver's own code run in this process (one device of the
+    emulated eight, as a one-device process would run it): no second interpreter start-up and import."""
+    import multihost_driver
+
     path = build_tiny_model("mistral", tmp_path_factory.mktemp("mistral"), tokenizer=train_tokenizer())
-    single = subprocess.run([sys.executable, str(DRIVER), str(path), "", "0", "1", "0"], env=env(1), cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
-    assert single.returncode == 0, single.stderr[-3000:]
-    return path, tokens_from(single.stdout)["-"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        multihost_driver.main(str(path), "", "0", "1", "0")
+    return path, tokens_from(out.getvalue())["-"]
 
 
 MESHES = ["data=2,tensor=4", "tensor=8", "sequence=2,tensor=4"]
