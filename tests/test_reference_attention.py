@@ -169,10 +169,11 @@ def test_chunk_path_blocks_and_long_context(budget, monkeypatch):
 def test_decode_walk_takes_whole_steps_then_single_pages(row_keys, page_size, window, monkeypatch):
     """The decode walk in whole steps of ``_ROW_KEYS`` keys while the keys fill them, then the rest a page at a
     time (two pages per step, or steps of a single page when a page holds more than ``_ROW_KEYS``), rows ending
-    inside and at the edge of a step, windows starting in a later step: the reference's result."""
+    inside and at the edge of a step, windows starting in a later step, and a row long enough (45 keys: five
+    whole steps and a part) that the walk takes its part as one more whole step: the reference's result."""
     monkeypatch.setattr(cpu_attention, "_ROW_KEYS", row_keys)
     rng = np.random.default_rng(8)
-    q_lens, kv_lens = [1, 1, 1, 1, 1, 0], [8, 17, 31, 3, 24, 4]
+    q_lens, kv_lens = [1, 1, 1, 1, 1, 0, 1], [8, 17, 31, 3, 24, 4, 45]
     case, _, _ = make_case(rng, q_lens, kv_lens, page_size=page_size)
     args = device_args(case)
     kw = dict(sm_scale=0.3, sliding_window=window)

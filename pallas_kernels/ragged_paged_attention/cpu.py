@@ -37,6 +37,7 @@ _ROW_BLOCK = 128  # query rows per span of the in-chunk part while there are few
 _MAX_ROW_SPANS = 8  # spans of the in-chunk part written out (more rows: longer spans, blocked)
 _SCORE_BUDGET_BYTES = 256 * 1024 * 1024  # bound on one block's scores in the in-chunk part
 _ROW_KEYS = 64  # keys per step of the decode walk
+_LONG_WALK = 4  # whole steps from which the decode walk takes its last partial step whole (see _walk)
 _CONTEXT_KEYS = 256  # keys per step of a prompt chunk's walk over its cached context
 
 
@@ -156,10 +157,13 @@ def _walk(qh, k_pages, v_pages, tables, first, last, live, num_seqs, *, soft_cap
     first = jnp.where(live, first, jnp.iinfo(jnp.int32).max)
     first_key = jnp.min(first, initial=jnp.iinfo(jnp.int32).max)
     end_key = jnp.max(last, initial=-1) + 1  # one past the last visible key
-    # Whole steps [lo, hi): those that end at or before end_key; then pages [tail, end_page) one at a time.
+    # Whole steps [lo, hi): those that end at or before end_key; then pages [tail, end_page) one at a time. A
+    # walk of _LONG_WALK whole steps or more takes its rest as one more whole step: there the keys it gathers in
+    # vain are a small share, and a loop step per page costs more than they do.
     hi = end_key // step_keys
     lo = jnp.minimum(first_key // step_keys, hi)
     end_page = (end_key + page_size - 1) // page_size
+    hi = jnp.where((hi - lo >= _LONG_WALK) & (hi * step_keys < end_key), hi + 1, hi)
     tail = jnp.minimum(jnp.maximum(hi * pages_per_step, first_key // page_size), end_page)
     # Every row's page table, padded by one walk step so the last step's slice stays in bounds.
     tables = _materialize(jnp.pad(tables, ((0, 0), (0, pages_per_step))), num_seqs)
