@@ -53,7 +53,7 @@ def commit(scheduler: ReplicatedScheduler, plan: ReplicatedPlan) -> None:
                 # offer the full pages now, before a later schedule releases them behind a window.
                 register(seq)
             if entry.needs_sample:
-                seq.append_token(-1 - row)  # placeholder(row)
+                seq.append_token(placeholder(row))
             row += 1
 
 
@@ -77,10 +77,8 @@ def resolve(scheduler: ReplicatedScheduler, plan: ReplicatedPlan, token_ids) -> 
             continue
         bm = sched.block_manager
         mine = token_ids[row : row + n]
-        num_tokens = np.fromiter([e.kv_len for e in entries], np.int64, n) + 1  # with this step's token
-        maybe = sched.stops.candidates(sched.stops.slots([e.seq for e in entries]), num_tokens, mine).tolist()
-        # (each entry's placeholder, placeholder(row + i), counted down alongside)
-        for i, (entry, token, ph) in enumerate(zip(entries, mine.tolist(), range(-1 - row, -1 - row - n, -1))):
+        maybe = sched._stop_candidates(entries, mine)
+        for i, (entry, token) in enumerate(zip(entries, mine.tolist())):
             seq = entry.seq
             status = seq.status
             if status is not running and status is not waiting:  # finished
@@ -88,7 +86,7 @@ def resolve(scheduler: ReplicatedScheduler, plan: ReplicatedPlan, token_ids) -> 
             if entry.needs_sample:
                 # Where commit put this step's placeholder; not there any more cannot happen while steps resolve
                 # in order.
-                if not seq.fill_placeholder(entry.kv_len, ph, token):
+                if not seq.fill_placeholder(entry.kv_len, placeholder(row + i), token):
                     continue
                 updated.append(seq)
                 tokens.append(token)

@@ -136,11 +136,9 @@ class Sequence:
 
     def fill_placeholder(self, index: int, placeholder: int, token_id: int) -> bool:
         """``set_token(index, token_id)`` if token ``index`` is still ``placeholder``; whether it was."""
-        tokens = self._token_ids
-        if index >= len(tokens) or tokens[index] != placeholder:
+        if index >= len(self._token_ids) or self._token_ids[index] != placeholder:
             return False
-        tokens[index] = token_id
-        self.output_token_ids[index - len(self.prompt_token_ids)] = token_id
+        self.set_token(index, token_id)
         return True
 
     def drop_placeholder(self) -> None:
