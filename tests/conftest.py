@@ -1,7 +1,10 @@
 import os
 
-# Before jax is imported anywhere: 8 emulated CPU devices for mesh tests, CPU only, fp32 matmuls exact.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from xla_flags import xla_flags
+
+# Before jax is imported anywhere: 8 emulated CPU devices for mesh tests (compiled at LLVM's level 0, see
+# xla_flags.py), CPU only, fp32 matmuls exact.
+os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # TPU compiles here describe topologies with no chips (libtpu, compile-only): let test processes share libtpu.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")

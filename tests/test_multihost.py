@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tiny import build_tiny_model, train_tokenizer
+from xla_flags import xla_flags
 
 ROOT = Path(__file__).parents[1]
 DRIVER = Path(__file__).with_name("multihost_driver.py")
@@ -29,7 +30,7 @@ def free_port() -> int:
 
 def env(devices: int) -> dict:
     e = dict(os.environ)
-    e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    e["XLA_FLAGS"] = xla_flags(devices)
     e["JAX_PLATFORMS"] = "cpu"
     e["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), e.get("PYTHONPATH", "")])
     return e

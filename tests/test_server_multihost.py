@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from jaxserve.sampling_params import SamplingParams
+from xla_flags import xla_flags
 from server_harness import MODEL_NAME, REPO, free_port, reference_llm, server_env, ServerProcess, tiny_model
 
 # Fewer shapes than the other servers' (3 compiled steps): both processes compile each one, with no cache.
@@ -24,7 +25,7 @@ SHAPES = ["--max-num-seqs", "2", "--max-num-batched-tokens", "16"]
 def test_two_process_server_serves_the_tokens_of_one(request, tmp_path):
     model = tiny_model(request)
     coordinator, http = free_port(), free_port()
-    env = dict(server_env(), XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env = dict(server_env(), XLA_FLAGS=xla_flags(1), JAX_PLATFORMS="cpu")
     common = [*SHAPES, "--mesh", "data=2", "--coordinator-address", f"127.0.0.1:{coordinator}", "--num-processes", "2",
               "--compilation-cache-dir", "", "--no-enable-prefix-caching"]
     follower_log = open(tmp_path / "follower.log", "w")
