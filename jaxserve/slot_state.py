@@ -1,4 +1,5 @@
-"""Per-slot stop state of a scheduler's live sequences, as host NumPy arrays (host-only: NumPy, no jax).
+"""Per-slot state of a scheduler's live sequences, as host NumPy arrays (host-only: NumPy, no jax): their stop
+state (``StopSlots``) and, for the running ones, what a decode step reads (``DecodeSlots``).
 
 Each step's read-back asks, for every sequence that got a token, whether it stops there: a stop token id or an EOS
 (counted only after ``min_tokens`` outputs, unless ``ignore_eos``), ``max_tokens``, or ``max_model_len``. What

@@ -1,7 +1,9 @@
 """Per-slot stop state (``jaxserve.slot_state``) and the async host loop built on it: the vectorised stop checks
 flag exactly the rows the per-sequence check stops, and random runs through ``commit``/``resolve`` (joins, stops,
-preemptions, aborts) reproduce plain generation token for token. Then the engine's offline fast path (only the
-sequences that finished get a look) against its per-sequence path, on a tiny model."""
+preemptions, aborts) reproduce plain generation token for token, and decode runs planned and packed from the
+slot arrays (``DecodeSlots``, ``DecodeRun``) equal the one-by-one planner's entries and their list-built batch.
+Then the engine's offline fast path (only the sequences that finished get a look) against its per-sequence
+path, on a tiny model."""
 
 import random
 
