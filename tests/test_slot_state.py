@@ -342,3 +342,15 @@ def test_async_decode_runs_equal_the_per_sequence_loop(seed, caching):
             want = reference(s.prompt_token_ids, s.sampling_params, cfg.max_model_len, s.index)
             assert (s.output_token_ids, s.finish_reason) == want, s
     assert len(inner.stops) == 0 and inner.block_manager.num_free_pages == cfg.num_pages
+
+
+def test_decode_batch_from_arrays_rejects_what_does_not_fit():
+    from jaxserve.batch import StepBatch
+
+    tokens, kv, pages = np.array([5, 6]), np.array([3, 9]), np.array([[1, 0, 0], [2, 3, 4]], np.int32)
+    with pytest.raises(ValueError, match="do not fit"):
+        StepBatch.decode(tokens, kv, pages, np.array([1, 3]), max_seqs=1, pages_per_seq=4)
+    with pytest.raises(ValueError, match="pages_per_seq=2"):
+        StepBatch.decode(tokens, kv, pages, np.array([1, 3]), max_seqs=2, pages_per_seq=2)
+    with pytest.raises(ValueError, match="kv_lens"):
+        StepBatch.decode(tokens, kv[:1], pages, np.array([1, 3]), max_seqs=2, pages_per_seq=4)
