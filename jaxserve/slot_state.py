@@ -123,6 +123,7 @@ class DecodeSlots:
         self.write_pages(s, seq)
 
     def write_pages(self, s: int, seq: Sequence) -> None:
+        """Slot ``s``'s page-table row from ``seq`` (the arrays widen for a longer table)."""
         table = seq.page_table
         if len(table) > self.pages.shape[1]:
             self._grow(width=max(len(table), 2 * self.pages.shape[1]))
@@ -135,13 +136,6 @@ class DecodeSlots:
         self.computed[slots] = kv_lens
         self.num_tokens[slots] = kv_lens + 1
         self.tokens[slots] = tokens
-
-    def mismatches(self, slots, seqs) -> list[Sequence]:
-        """The sequences whose slot differs from them (a consistency check for tests)."""
-        return [seq for s, seq in zip(slots, seqs) if (
-            int(self.tokens[s]), int(self.num_tokens[s]), int(self.computed[s]), int(self.versions[s]),
-            self.pages[s, : self.num_pages[s]].tolist(), int(self.pages[s, self.num_pages[s] :].any()),
-        ) != (seq.last_token, seq.num_tokens, seq.num_computed_tokens, seq.table_version, list(seq.page_table), 0)]
 
     def _grow(self, rows: int | None = None, width: int | None = None) -> None:
         rows, width = rows or len(self.tokens), width or self.pages.shape[1]

@@ -254,7 +254,12 @@ def test_sampling_tensors_are_packed_column_by_column_with_each_slots_values():
 def assert_slots_mirror(sched: Scheduler):
     """Every running sequence not waiting for a rewrite (``Scheduler._stale``) reads the same in its slot."""
     fresh = [s for s in sched.running if all(s is not t for t in sched._stale)]
-    assert sched.slots.mismatches(sched.stops.slots(fresh), fresh) == []
+    d = sched.slots
+    for s, seq in zip(sched.stops.slots(fresh).tolist(), fresh):
+        width = int(d.num_pages[s])
+        assert (int(d.tokens[s]), int(d.num_tokens[s]), int(d.computed[s]), int(d.versions[s]),
+                d.pages[s, :width].tolist(), d.pages[s, width:].any()) == (
+            seq.last_token, seq.num_tokens, seq.num_computed_tokens, seq.table_version, seq.page_table, False), seq
 
 
 def assert_run_batch(out, pages: int):
