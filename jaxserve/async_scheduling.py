@@ -41,11 +41,23 @@ def placeholder(row: int) -> int:
 
 def commit(scheduler: ReplicatedScheduler, plan: ReplicatedPlan) -> None:
     """Record a launched step before its tokens are known: the KV it computes (full pages go to the prefix cache
-    when their tokens are all known), and a placeholder token for each entry it samples (its row in the step)."""
+    when their tokens are all known), and a placeholder token for each entry it samples (its row in the step).
+    A decode run's slots (``DecodeSlots``) advance in bulk."""
     row = 0
     for sched, p in zip(scheduler.replicas, plan.plans, strict=True):
         register = sched.block_manager.register
-        for entry in p.scheduled:
+        run = p.run
+        if run is not None:
+            n = len(run)
+            rows = np.arange(row, row + n, dtype=np.int64)
+            for seq, kv, token, ph in zip(run.seqs, run.kv_lens.tolist(), run.tokens.tolist(), (-1 - rows).tolist()):
+                seq.num_computed_tokens = kv
+                if token >= 0:  # the token fed is known: offer the full pages now (see below)
+                    register(seq)
+                seq.append_token(ph)
+            sched.slots.decoded(run.slots, run.kv_lens, -1 - rows)
+            row += n
+        for entry in p.entries:
             seq = entry.seq
             seq.num_computed_tokens = entry.kv_len
             if entry.token_ids[-1] >= 0:
@@ -63,7 +75,8 @@ def resolve(scheduler: ReplicatedScheduler, plan: ReplicatedPlan, token_ids) -> 
     updated sequence got (its last token may already be the next step's placeholder).
 
     The stop checks run over the whole step at once (``StopSlots.candidates``); the exact per-sequence check runs
-    only for the rows that may stop."""
+    only for the rows that may stop. A sequence whose filled token is still its last (no later step carries it
+    yet) has its slot rewritten at the next schedule."""
     updated, tokens, finished = [], [], []
     token_ids = np.asarray(token_ids)
     running, waiting = SequenceStatus.RUNNING, SequenceStatus.WAITING
@@ -71,35 +84,46 @@ def resolve(scheduler: ReplicatedScheduler, plan: ReplicatedPlan, token_ids) -> 
     for sched, p in zip(scheduler.replicas, plan.plans, strict=True):
         finished += sched._finished_in_schedule
         sched._finished_in_schedule = []
-        entries = p.scheduled
-        n = len(entries)
+        n = p.num_entries
         if not n:
             continue
-        bm = sched.block_manager
+        bm, stale = sched.block_manager, sched._stale
         mine = token_ids[row : row + n]
-        maybe = sched._stop_candidates(entries, mine)
-        for i, (entry, token) in enumerate(zip(entries, mine.tolist())):
-            seq = entry.seq
+        maybe = sched._stop_candidates(p, mine)
+        for i, (seq, kv_len, needs_sample, token) in enumerate(zip(p.seqs, _kv_lens(p), _needs_sample(p),
+                                                                    mine.tolist())):
             status = seq.status
             if status is not running and status is not waiting:  # finished
                 continue
-            if entry.needs_sample:
+            if needs_sample:
                 # Where commit put this step's placeholder; not there any more cannot happen while steps resolve
                 # in order.
-                if not seq.fill_placeholder(entry.kv_len, placeholder(row + i), token):
+                if not seq.fill_placeholder(kv_len, placeholder(row + i), token):
                     continue
                 updated.append(seq)
                 tokens.append(token)
                 if maybe[i]:
-                    stop = sched._check_stop(seq, entry.kv_len + 1)
+                    stop = sched._check_stop(seq, kv_len + 1)
                     if stop is not None:
                         sched.finish(seq, *stop)
                         seq.drop_placeholder()
                         finished.append(seq)
                         continue
+                if seq.num_tokens == kv_len + 1:
+                    stale.append(seq)
             if status is running:  # every computed token is known now: full pages are shared
                 bm.register(seq)
         row += n
     for seq in finished:
         scheduler._forget(seq.request_id)
     return UpdateResult(updated, finished), tokens
+
+
+def _kv_lens(p) -> list[int]:
+    head = [] if p.run is None else p.run.kv_lens.tolist()
+    return head + [e.kv_len for e in p.entries]
+
+
+def _needs_sample(p) -> list[bool]:
+    head = [] if p.run is None else [True] * len(p.run)
+    return head + [e.needs_sample for e in p.entries]

@@ -86,6 +86,38 @@ class StepBatch:
         logits_indices[:n] = cu[1 : n + 1] - 1
         return cls(token_ids, AttentionMetadata(cu, kv, pages, np.array([n], np.int32)), logits_indices)
 
+    @classmethod
+    def decode(cls, tokens: np.ndarray, kv_lens: np.ndarray, pages: np.ndarray, num_pages: np.ndarray, *,
+               max_seqs: int, pages_per_seq: int) -> "StepBatch":
+        """``build`` of a decode step (one new token per sequence, ``max_seqs`` rows and slots) from arrays:
+        ``tokens`` (i64[n]) each sequence's token, ``kv_lens`` (i64[n]), ``pages`` (i32[n, W]) the page tables,
+        row ``i`` holding ``num_pages[i]`` pages then zeros. A few NumPy copies, whatever the batch size.
+
+        Raises:
+          ValueError: if the sequences do not fit the shape.
+        """
+        n = len(tokens)
+        if n > max_seqs:
+            raise ValueError(f"{n} sequences do not fit a decode batch of {max_seqs}")
+        if len(kv_lens) != n or len(pages) != n or len(num_pages) != n:
+            raise ValueError(f"{n} tokens but {len(kv_lens)} kv_lens, {len(pages)} page tables and "
+                             f"{len(num_pages)} page counts")
+        if n and num_pages.max() > pages_per_seq:
+            s = int(np.argmax(num_pages))
+            raise ValueError(f"sequence {s} holds {num_pages[s]} pages, more than pages_per_seq={pages_per_seq}")
+        token_ids = np.zeros(max_seqs, np.int32)
+        token_ids[:n] = tokens
+        cu = np.arange(max_seqs + 1, dtype=np.int32)
+        cu[n + 1 :] = n
+        kv = np.zeros(max_seqs, np.int32)
+        kv[:n] = kv_lens
+        table = np.zeros((max_seqs, pages_per_seq), np.int32)
+        width = min(pages.shape[1], pages_per_seq)  # (columns past a row's pages are zeros)
+        table[:n, :width] = pages[:, :width]
+        logits_indices = np.zeros(max_seqs, np.int32)
+        logits_indices[:n] = cu[:n]
+        return cls(token_ids, AttentionMetadata(cu, kv, table, np.array([n], np.int32)), logits_indices)
+
 
 @dataclasses.dataclass(frozen=True)
 class MeshBatch:

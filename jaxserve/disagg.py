@@ -139,12 +139,12 @@ class StagedEngine(Engine):
         if result.prompt_logprobs:
             self._record_prompt_logprobs(plan, result.prompt_logprobs)
         runs = result.spec_tokens or {}  # speculation (n-gram, on the decode side): entries emitting several
-        before = {e.seq.seq_id: e.seq.num_output_tokens for e in plan.scheduled}
+        before = {s.seq_id: s.num_output_tokens for s in plan.seqs}
         update = scheduler.update(plan, [runs[i] if i in runs else int(t) for i, t in enumerate(result.token_ids)])
         self.structured.accept(update.updated)
         self.stats_counters["steps"] += 1
         self.stats_counters["prefill_steps" if prefill else "decode_steps"] += 1
-        logprobs = _logprobs(plan.scheduled, result)
+        logprobs = _logprobs(plan, result)
         for i, lps in (result.spec_logprobs or {}).items():
             logprobs[plan.scheduled[i].seq.seq_id] = lps
         outputs = self._collect(update.finished, update.updated, logprobs, before=before)

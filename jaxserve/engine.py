@@ -226,11 +226,11 @@ class Engine:
         tokens = [runs[i] if i in runs else int(t) for i, t in enumerate(result.token_ids)]
         if result.prompt_logprobs:
             self._record_prompt_logprobs(plan, result.prompt_logprobs)
-        before = {e.seq.seq_id: e.seq.num_output_tokens for e in plan.scheduled}
+        before = {s.seq_id: s.num_output_tokens for s in plan.seqs}
         update = self.scheduler.update(plan, tokens)
         self.structured.accept(update.updated)
         self.stats_counters["steps"] += 1
-        logprobs = _logprobs(plan.scheduled, result)
+        logprobs = _logprobs(plan, result)
         for i, lps in (result.spec_logprobs or {}).items():
             logprobs[plan.scheduled[i].seq.seq_id] = lps
         outputs = self._collect(update.finished, update.updated, logprobs, before=before)
@@ -276,7 +276,7 @@ class Engine:
         if result.prompt_logprobs:
             self._record_prompt_logprobs(plan, result.prompt_logprobs)
         update, tokens = async_scheduling.resolve(self.scheduler, plan, result.token_ids)
-        outputs = self._collect(update.finished, update.updated, _logprobs(plan.scheduled, result), tokens=tokens)
+        outputs = self._collect(update.finished, update.updated, _logprobs(plan, result), tokens=tokens)
         # As in the synchronous step: a finished sequence's penalty row returns now (the step in flight that may
         # still carry it updated the row before any later step can hand the row to another sequence).
         self.executor.release(update.finished, finished=False)
@@ -453,12 +453,13 @@ class Engine:
         return info
 
 
-def _logprobs(entries, result: StepResult) -> dict[int, dict[int, float]]:
-    """seq_id -> {sampled token: its logprob, then the top-n}, for the sequences that asked and sampled."""
+def _logprobs(plan, result: StepResult) -> dict[int, dict[int, float]]:
+    """seq_id -> {sampled token: its logprob, then the top-n}, for the sequences of ``plan`` that asked and
+    sampled."""
     if result.logprobs is None:
         return {}
     out, lists = {}, None
-    for slot, e in enumerate(entries):
+    for slot, e in enumerate(plan.scheduled):
         n = e.seq.sampling_params.logprobs
         if n is not None and e.needs_sample:
             if lists is None:  # Python numbers, converted at once (the same values as element by element)

@@ -225,7 +225,7 @@ class Executor:
         try:
             if self.fault is not None:
                 self.fault(plan)
-            return self._launch(plan.scheduled, plan.replicas, prev)
+            return self._launch(plan, prev)
         except Exception as e:
             raise self._failed(e) from e
         finally:
@@ -276,7 +276,52 @@ class Executor:
         draft = ModelConfig.from_pretrained(resolve_model_path(self.spec.model))
         return backend.cache_dtype(resolve_dtype(self.config.dtype, draft))
 
-    def _launch(self, entries, replicas: list[int], prev: "PendingStep | None") -> "PendingStep":
+    def _launch(self, plan, prev: "PendingStep | None") -> "PendingStep":
+        run = self._decode_run(plan)
+        if run is not None:  # one decode run: the batch straight from its slot arrays
+            kind, entries, seqs, needs_sample, draft_probs, tensors = StepKind.DECODE, None, run.seqs, None, None, None
+            batch = MeshBatch.stack([StepBatch.decode(
+                run.tokens, run.kv_lens, run.pages, run.num_pages, max_seqs=self.shapes.seq_bucket(len(run)),
+                pages_per_seq=self.shapes.step_pages(True, int(run.num_pages.max())))])
+        else:
+            kind, batch, entries, draft_probs, tensors = self._entries_batch(plan)
+            seqs, needs_sample = [e.seq for e in entries], [e.needs_sample for e in entries]
+        # The step's distinct parameter objects (a request's sequences share one; often the whole batch does):
+        # what the step needs is decided on them, not sequence by sequence.
+        distinct = list({id(p): p for p in [s.sampling_params for s in seqs]}.values())
+        scored = None
+        if any(p.prompt_logprobs is not None for p in distinct):  # prompt_logprobs: more logits rows
+            entries = list(plan.scheduled) if entries is None else entries
+            scored = ScoreRows.add_rows(entries, batch.logits_indices)
+        r, t, sl, pg = batch.shape_fields()[:4]
+        self._last_shape = f"{kind.name.lower()} (replicas={r}, tokens={t}, slots={sl}, pages={pg})"
+        drafts = (SpecRows.add_rows(entries, batch.logits_indices, self.num_spec_tokens, self._spec_slots)
+                  if self.spec is not None else None)
+        prev_ids = None
+        if prev is not None:
+            prev_ids = self.runner.place_ids(prev.next_ids) if prev.on_sample_device else prev.next_ids
+        # (two arguments when there is no previous step: what a wrapper of ``run`` written for it expects)
+        replicated = self.runner.run(kind, batch, prev_ids) if prev_ids is not None else self.runner.run(kind, batch)
+        out = self.runner.local(replicated)
+        pending = self._sample_step(plan, entries, seqs, needs_sample, out, replicated, distinct)
+        if drafts is not None:
+            pending.result = self._verify_step(entries, out, drafts, pending, tensors, draft_probs)
+        if scored is not None:
+            pending.scored = scored
+            pending.scores = self._score(out.logits, scored.targets(self.runner.num_logit_rows))
+        return pending
+
+    def _decode_run(self, plan):
+        """The plan's ``DecodeRun`` when it is the whole step on one replica, with no draft rows, no windowed pool
+        and no draft model (else None: the batch is built from entries)."""
+        if len(plan.plans) != 1 or self.spec is not None or self.runner.local_pool:
+            return None
+        p = plan.plans[0]
+        return p.run if p.run is not None and not p.entries else None
+
+    def _entries_batch(self, plan):
+        """The step's batch from its entries: (kind, batch, entries, draft probabilities, verifier tensors)."""
+        entries, replicas = plan.scheduled, plan.replicas
         tensors = draft_probs = None
         if self.spec is not None and any(e.num_proposed for e in entries):
             tensors = self._spec_tensors([e.seq for e in entries if e.num_proposed])
@@ -288,47 +333,30 @@ class Executor:
                                 [e.page_table for e in entries], kind=kind, replicas=replicas,
                                 local_page_tables=[e.local_page_table for e in entries],
                                 row_keys=([e.seq.seq_id for e in entries], [e.table_version for e in entries]))
-        # The step's distinct parameter objects (a request's sequences share one; often the whole batch does):
-        # what the step needs is decided on them, not sequence by sequence.
-        distinct = list({id(p): p for p in [e.seq.sampling_params for e in entries]}.values())
-        scored = (ScoreRows.add_rows(entries, batch.logits_indices)  # prompt_logprobs: more logits rows
-                  if any(p.prompt_logprobs is not None for p in distinct) else None)
-        r, t, sl, pg = batch.shape_fields()[:4]
-        self._last_shape = f"{kind.name.lower()} (replicas={r}, tokens={t}, slots={sl}, pages={pg})"
-        drafts = (SpecRows.add_rows(entries, batch.logits_indices, self.num_spec_tokens, self._spec_slots)
-                  if self.spec is not None else None)
-        prev_ids = None
-        if prev is not None:
-            prev_ids = self.runner.place_ids(prev.next_ids) if prev.on_sample_device else prev.next_ids
-        # (two arguments when there is no previous step: what a wrapper of ``run`` written for it expects)
-        replicated = self.runner.run(kind, batch, prev_ids) if prev_ids is not None else self.runner.run(kind, batch)
-        out = self.runner.local(replicated)
-        pending = self._sample_step(entries, out, replicated, distinct)
-        if drafts is not None:
-            pending.result = self._verify_step(entries, out, drafts, pending, tensors, draft_probs)
-        if scored is not None:
-            pending.scored = scored
-            pending.scores = self._score(out.logits, scored.targets(self.runner.num_logit_rows))
-        return pending
+        return kind, batch, list(entries), draft_probs, tensors
 
-    def _sample_step(self, entries, out: StepOutput, replicated: StepOutput, distinct: list) -> "PendingStep":
-        """Sample the step's logits (``distinct``: the entries' distinct ``SamplingParams``)."""
-        n = len(entries)
+    def _sample_step(self, plan, entries: list | None, seqs: list[Sequence], needs_sample: list[bool] | None,
+                     out: StepOutput, replicated: StepOutput, distinct: list) -> "PendingStep":
+        """Sample the step's logits: ``seqs`` the entries' sequences, ``needs_sample`` which entries sample (None:
+        all), ``distinct`` their distinct ``SamplingParams``; ``entries`` the plan's entries (None: built from
+        ``plan`` if structured output's masks need them)."""
+        n = len(seqs)
         bitmask = self._all_allowed
         if self.token_masks is not None and any(p.structured_outputs for p in distinct):
             # The step is in flight: the masks are computed on the host meanwhile.
             masks = self._all_allowed.copy()
-            if self.token_masks(entries, masks):
+            if self.token_masks(list(plan.scheduled) if entries is None else entries, masks):
                 bitmask = masks
-        rows = [self._penalty_row(e.seq) for e in entries] if any(map(_has_penalties, distinct)) else [0] * n
+        rows = [self._penalty_row(s) for s in seqs] if any(map(_has_penalties, distinct)) else [0] * n
         if (not any(rows) and bitmask is self._all_allowed and all(map(_plain_greedy_params, distinct))
-                and (not any(p.min_tokens for p in distinct) or all(_plain_greedy(e.seq) for e in entries))):
+                and (not any(p.min_tokens for p in distinct) or all(map(_plain_greedy, seqs)))):
             # Greedy batches take the argmax the step already computed: no sampler call at all.
             return PendingStep(n, (out.greedy_ids,), replicated.greedy_ids)
         tensors = SamplingTensors.build(
-            [e.seq.sampling_params for e in entries], num_slots=self._sample_rows,
-            seeds=[self._seed(e.seq) for e in entries], num_generated=[e.seq.num_output_tokens for e in entries],
-            eos_token_ids=self.eos_token_ids, penalty_rows=rows, commit=[e.needs_sample for e in entries],
+            [s.sampling_params for s in seqs], num_slots=self._sample_rows,
+            seeds=[self._seed(s) for s in seqs], num_generated=[s.num_output_tokens for s in seqs],
+            eos_token_ids=self.eos_token_ids, penalty_rows=rows,
+            commit=[True] * n if needs_sample is None else needs_sample,
             logprobs_mode=self.config.logprobs_mode, token_bitmask=bitmask, logit_bias_width=MAX_LOGIT_BIAS,
         )
         use_penalties = any(rows)

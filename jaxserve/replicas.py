@@ -33,7 +33,16 @@ class ReplicatedPlan:
     @functools.cached_property
     def replicas(self) -> list[int]:
         """The replica of each entry of ``scheduled``."""
-        return [r for r, p in enumerate(self.plans) for _ in p.scheduled]
+        return [r for r, p in enumerate(self.plans) for _ in range(p.num_entries)]
+
+    @property
+    def num_entries(self) -> int:
+        return sum(p.num_entries for p in self.plans)
+
+    @functools.cached_property
+    def seqs(self) -> list[Sequence]:
+        """The sequence of each entry of ``scheduled`` (without building the entries of decode runs)."""
+        return [seq for p in self.plans for seq in p.seqs]
 
     @property
     def preempted(self) -> tuple[Sequence, ...]:
@@ -147,14 +156,14 @@ class ReplicatedScheduler:
 
     def update(self, plan: ReplicatedPlan, sampled_token_ids: Seq[int]) -> UpdateResult:
         """Record a step: one token per entry of ``plan.scheduled`` (replica by replica)."""
-        if len(sampled_token_ids) != len(plan.scheduled):
-            raise ValueError(f"got {len(sampled_token_ids)} sampled tokens for {len(plan.scheduled)} scheduled "
+        if len(sampled_token_ids) != plan.num_entries:
+            raise ValueError(f"got {len(sampled_token_ids)} sampled tokens for {plan.num_entries} scheduled "
                              "sequences")
         updated: list[Sequence] = []
         finished: list[Sequence] = []
         offset = 0
         for replica, p in zip(self.replicas, plan.plans, strict=True):
-            n = len(p.scheduled)
+            n = p.num_entries
             result = replica.update(p, list(sampled_token_ids[offset : offset + n]))
             offset += n
             updated += result.updated

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from collections import deque
 from collections.abc import Sequence as Seq
@@ -12,10 +13,10 @@ import numpy as np
 from jaxserve.block_manager import BlockManager, PageHolder
 from jaxserve.scheduler_config import SchedulerConfig
 from jaxserve.sequence import Sequence, SequenceStatus
-from jaxserve.slot_state import StopSlots
+from jaxserve.slot_state import DecodeSlots, StopSlots
 from jaxserve.window_pool import WindowedBlockManager
 
-__all__ = ["ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "UpdateResult"]
+__all__ = ["DecodeRun", "ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "UpdateResult"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,16 +51,58 @@ class ScheduledSequence:
 
 
 @dataclasses.dataclass(frozen=True)
-class SchedulerOutput:
-    """One step's plan: ``scheduled`` runs in this order; ``preempted`` lost their pages this step."""
+class DecodeRun:
+    """Plain decodes planned in bulk, as arrays: sequence ``seqs[i]`` (slot ``slots[i]`` of its scheduler's
+    ``DecodeSlots``) feeds ``tokens[i]`` and has ``kv_lens[i]`` tokens of KV after the step, in the pages
+    ``pages[i, :num_pages[i]]`` (zeros past them; ``versions[i]`` the table's ``table_version``). Each decodes
+    one token, sampled. The arrays are copies taken when the step was planned."""
 
-    scheduled: tuple[ScheduledSequence, ...]
+    seqs: list[Sequence]
+    slots: np.ndarray  # i64[n]
+    tokens: np.ndarray  # i64[n]
+    kv_lens: np.ndarray  # i64[n]
+    pages: np.ndarray  # i32[n, P]
+    num_pages: np.ndarray  # i64[n]
+    versions: np.ndarray  # i64[n]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def entries(self) -> list[ScheduledSequence]:
+        """The run as one ``ScheduledSequence`` per sequence, as the one-by-one planner makes them."""
+        pages, widths = self.pages.tolist(), self.num_pages.tolist()
+        return [ScheduledSequence.decode(seq, token, kv, row[:w], version) for seq, token, kv, row, w, version in
+                zip(self.seqs, self.tokens.tolist(), self.kv_lens.tolist(), pages, widths, self.versions.tolist())]
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan: ``run`` (plain decodes planned in bulk, if any) then ``entries`` run in this order
+    (``scheduled`` lists both as entries); ``preempted`` lost their pages this step."""
+
+    entries: tuple[ScheduledSequence, ...]
     preempted: tuple[Sequence, ...]
     num_batched_tokens: int
+    run: DecodeRun | None = None
+
+    # Cached: built only when a reader needs entries for the run's sequences (the decode fast paths read ``run``).
+    @functools.cached_property
+    def scheduled(self) -> tuple[ScheduledSequence, ...]:
+        return self.entries if self.run is None else (*self.run.entries(), *self.entries)
+
+    @property
+    def num_entries(self) -> int:
+        return len(self.entries) + (0 if self.run is None else len(self.run))
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        """Each entry's sequence, in order."""
+        head = [] if self.run is None else list(self.run.seqs)
+        return head + [e.seq for e in self.entries]
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.num_entries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +148,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.spec = None  # a jaxserve.spec.planner.SpecPlanner when the engine speculates
         self.stops = StopSlots(config.max_model_len)  # live sequences' stop state, for vectorised stop checks
+        self.slots = DecodeSlots(config.pages_per_seq)  # running sequences' tokens, positions, page tables
+        # Running sequences changed other than in bulk since their slot was last written: rewritten at the next
+        # schedule (finished ones, and preempted ones, which are rewritten when admitted again, are skipped).
+        self._stale: list[Sequence] = []
+        self._slots_of: tuple[list[Sequence], np.ndarray] = ([], np.zeros(0, np.int64))  # running -> their slots
 
     # ---- queries ------------------------------------------------------------------------------------------
     @property
@@ -169,7 +217,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
-        self.stops.release(seq)
+        self._release(seq)
         seq.set_finished(reason, stop_reason)
         siblings = self._requests.get(seq.request_id, [])
         if seq in siblings:
@@ -188,7 +236,7 @@ class Scheduler:
             siblings.remove(seq)
             if not siblings:
                 del self._requests[seq.request_id]
-        self.stops.release(seq)
+        self._release(seq)
         holder = PageHolder(seq.seq_id, seq.page_table, seq.local_page_table)
         self.block_manager.hand_over(seq, holder)
         seq.page_table, seq.local_page_table = [], []
@@ -210,6 +258,7 @@ class Scheduler:
         bm.release_behind(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        self._stale.append(seq)
         self._requests.setdefault(seq.request_id, []).append(seq)
         return True
 
@@ -230,8 +279,11 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         plan: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
+        run = None
+        self._refresh_slots()
         # Prefill chunks leave one token of budget for each decode queued behind them, so decodes keep going.
-        counts = _decode_counts(self.running)
+        bulk = self.bulk_decodes and bool(self.running)
+        counts = self._slot_counts() if bulk else _decode_counts(self.running)
         decodes_left = int(counts[0].sum())
         speculating = self.spec is not None and self.spec.active(decodes_left)
         # A prompt that reports prompt_logprobs needs a logits row per token of its chunk, not one: its chunk
@@ -241,12 +293,13 @@ class Scheduler:
         # no page bookkeeping: the common case of a running batch, kept to a few operations per sequence.
         plain_pages = 0 if speculating or type(bm) is not BlockManager or bm.attention_window else cfg.page_size
         i = 0
-        if plain_pages and self.running and self.bulk_decodes:
-            # Such decodes are found with NumPy and planned in bulk: all running sequences when every one decodes,
-            # the budget takes them all and the free pages cover one more page for each that needs one (nothing
-            # is preempted, so growing those first, in order, takes the same pages as the loop below would);
-            # else the leading run of them, the loop below taking the rest.
-            decoding, num_tokens, num_pages = counts
+        if plain_pages and bulk:
+            # Such decodes are found with NumPy over the running sequences' slots and planned in bulk, as a
+            # ``DecodeRun`` of slot arrays: all running sequences when every one decodes, the budget takes them all
+            # and the free pages cover one more page for each that needs one (nothing is preempted, so growing
+            # those first, in order, takes the same pages as the loop below would); else the leading run of them,
+            # the loop below taking the rest.
+            decoding, num_tokens, num_pages, slots = counts
             fast = decoding & (num_tokens <= num_pages * plain_pages)
             i = min(budget, len(fast) if fast.all() else int(fast.argmin()))
             if i < len(fast) <= budget and decoding.all():
@@ -254,11 +307,12 @@ class Scheduler:
                 if len(grows) <= bm.num_free_pages and (num_tokens[grows] <= num_pages[grows] * plain_pages + 1).all():
                     for j in grows.tolist():
                         bm.grow(self.running[j], int(num_tokens[j]))
+                        self.slots.write_pages(int(slots[j]), self.running[j])
                     i = len(fast)
             if i:
-                head = self.running[:i]
-                plan.extend(map(ScheduledSequence.decode, head, map(_LAST_TOKEN, head), num_tokens[:i].tolist(),
-                                map(list, map(_PAGE_TABLE, head)), map(_TABLE_VERSION, head)))
+                mine, sl = self.slots, slots[:i]
+                run = DecodeRun(self.running[:i], sl, mine.tokens[sl], num_tokens[:i], mine.pages[sl],
+                                mine.num_pages[sl], mine.versions[sl])
                 decodes_left -= i
                 budget -= i
         decode_entry = ScheduledSequence.decode
@@ -268,6 +322,7 @@ class Scheduler:
             if (plain_pages and num_tokens - seq.num_computed_tokens == 1
                     and num_tokens <= len(seq.page_table) * plain_pages):
                 decodes_left -= 1
+                self._stale.append(seq)
                 plan.append(decode_entry(seq, seq.last_token, num_tokens, list(seq.page_table), seq.table_version))
                 budget -= 1
                 i += 1
@@ -308,6 +363,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break  # seq was the last running sequence
             bm.grow(seq, kv_len)
+            self._stale.append(seq)
             plan.append(self._entry(seq, n, kv_len) if not draft else ScheduledSequence(
                 seq, [seq.last_token, *draft], kv_len, BlockManager.readable_table(seq.page_table), True,
                 BlockManager.readable_table(seq.local_page_table), num_proposed=len(draft)))
@@ -334,26 +390,46 @@ class Scheduler:
             bm.release_behind(seq)  # prefix pages already outside the window are not held
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self._stale.append(seq)
             plan.append(self._entry(seq, n, computed + n))
             budget -= n
             if scoring:
                 extra_rows += n - 1
 
-        return SchedulerOutput(tuple(plan), tuple(preempted), cfg.max_num_batched_tokens - budget)
+        return SchedulerOutput(tuple(plan), tuple(preempted), cfg.max_num_batched_tokens - budget, run)
 
     def update(self, output: SchedulerOutput, sampled_token_ids: Seq[int]) -> UpdateResult:
         """Record a finished step: one sampled token per entry of ``output.scheduled`` (ignored where
         ``needs_sample`` is false, or where the sequence was aborted/finished since ``schedule``); an entry that
         verified draft tokens gets a list instead: the accepted drafts, then the correction or bonus token."""
-        if len(sampled_token_ids) != len(output.scheduled):
+        if len(sampled_token_ids) != output.num_entries:
             raise ValueError(
-                f"got {len(sampled_token_ids)} sampled tokens for {len(output.scheduled)} scheduled sequences"
+                f"got {len(sampled_token_ids)} sampled tokens for {output.num_entries} scheduled sequences"
             )
         bm = self.block_manager
         updated: list[Sequence] = []
         finished, self._finished_in_schedule = self._finished_in_schedule, []
-        maybe = self._stop_candidates(output.scheduled, sampled_token_ids)
-        for i, (entry, token) in enumerate(zip(output.scheduled, sampled_token_ids)):
+        maybe = self._stop_candidates(output, sampled_token_ids)
+        run, skip = output.run, 0
+        if run is not None:
+            skip = len(run)
+            tokens = np.asarray(sampled_token_ids[:skip], np.int64)
+            done = []
+            for i, (seq, kv, token) in enumerate(zip(run.seqs, run.kv_lens.tolist(), tokens.tolist())):
+                if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != kv - 1:
+                    continue
+                seq.num_computed_tokens = kv
+                bm.register(seq)
+                seq.append_token(token)
+                done.append(i)
+                updated.append(seq)
+                stop = self._check_stop(seq) if maybe[i] else None
+                if stop is not None:
+                    self.finish(seq, *stop)
+                    finished.append(seq)
+            # (a finished sequence's slot is free: written whole before anyone reads it again)
+            self.slots.decoded(run.slots[done], run.kv_lens[done], tokens[done])
+        for i, (entry, token) in enumerate(zip(output.entries, sampled_token_ids[skip:]), skip):
             seq = entry.seq
             if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != entry.num_computed_before:
                 continue
@@ -397,15 +473,44 @@ class Scheduler:
             self.spec.record(entry.num_proposed, accepted, emitted)
 
     # ---- helpers ------------------------------------------------------------------------------------------
-    def _stop_candidates(self, entries, sampled_token_ids) -> list[bool]:
+    def _stop_candidates(self, output: SchedulerOutput, sampled_token_ids) -> list[bool]:
         """Which entries' sampled tokens may stop their sequences (``StopSlots.candidates``); a sampled entry
         ends at ``kv_len + 1`` tokens (a speculated entry's run is checked token by token, not here)."""
-        n = len(entries)
-        if not n:
+        entries, run = output.entries, output.run
+        n, skip = len(entries), 0 if run is None else len(run)
+        kv = np.fromiter([e.kv_len for e in entries], np.int64, n)
+        slots = self.stops.slots([e.seq for e in entries])
+        tokens = np.fromiter([-1 if e.num_proposed else t for e, t in zip(entries, sampled_token_ids[skip:])],
+                             np.int64, n)
+        if run is not None:
+            kv, slots = np.concatenate([run.kv_lens, kv]), np.concatenate([run.slots, slots])
+            tokens = np.concatenate([np.asarray(sampled_token_ids[: len(run)], np.int64), tokens])
+        if not len(kv):
             return []
-        kv = np.fromiter([e.kv_len for e in entries], np.int64, n) + 1
-        tokens = np.fromiter([-1 if e.num_proposed else t for e, t in zip(entries, sampled_token_ids)], np.int64, n)
-        return self.stops.candidates(self.stops.slots([e.seq for e in entries]), kv, tokens).tolist()
+        return self.stops.candidates(slots, kv + 1, tokens).tolist()
+
+    def _refresh_slots(self) -> None:
+        """Rewrite the slots of the running sequences changed other than in bulk (``DecodeSlots``)."""
+        running, slot = SequenceStatus.RUNNING, self.stops.slot
+        for seq in self._stale:
+            if seq.status is running:
+                self.slots.write(slot(seq), seq)
+        self._stale = []
+
+    def _slot_counts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``_decode_counts`` read from the running sequences' slots, and those slots (i64[n])."""
+        seqs, slots = self._slots_of
+        if seqs != self.running:  # (identity first: a list comparison of the same objects is a pointer walk)
+            seqs, slots = list(self.running), self.stops.slots(self.running)
+            self._slots_of = seqs, slots
+        mine = self.slots
+        num_tokens = mine.num_tokens[slots]
+        return num_tokens - mine.computed[slots] == 1, num_tokens, mine.num_pages[slots], slots
+
+    def _release(self, seq: Sequence) -> None:
+        """The sequence leaves: its slot is free (and the running slots are looked up again)."""
+        self.stops.release(seq)
+        self._slots_of = ([], self._slots_of[1][:0])
 
     def _chunk(self, remaining: int, budget: int) -> int:
         """Tokens of a prefill of ``remaining`` tokens to run now, given ``budget``; 0 means wait."""
@@ -464,7 +569,6 @@ class Scheduler:
 
 _NUM_TOKENS, _COMPUTED, _PAGE_TABLE = (operator.attrgetter(a) for a in ("num_tokens", "num_computed_tokens",
                                                                              "page_table"))
-_LAST_TOKEN, _TABLE_VERSION = operator.attrgetter("last_token"), operator.attrgetter("table_version")
 
 
 def _decode_counts(running: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,4 +1,5 @@
-"""Per-slot stop state of a scheduler's live sequences, as host NumPy arrays (host-only: NumPy, no jax).
+"""Per-slot state of a scheduler's live sequences, as host NumPy arrays (host-only: NumPy, no jax): their stop
+state (``StopSlots``) and, for the running ones, what a decode step reads (``DecodeSlots``).
 
 Each step's read-back asks, for every sequence that got a token, whether it stops there: a stop token id or an EOS
 (counted only after ``min_tokens`` outputs, unless ``ignore_eos``), ``max_tokens``, or ``max_model_len``. What
@@ -92,3 +93,57 @@ class StopSlots:
         self.ids = np.full((rows, width), -1, np.int64)
         self.end[: len(end)], self.after[: len(after)] = end, after
         self.ids[: ids.shape[0], : ids.shape[1]] = ids
+
+
+class DecodeSlots:
+    """What a decode step reads about a running sequence, by slot (the scheduler's ``StopSlots`` slot, so both
+    are freed together): ``tokens[s]`` its last token id (an async placeholder while the step that samples it is
+    in flight), ``num_tokens[s]``, ``computed[s]`` (``num_computed_tokens``), ``pages[s, :num_pages[s]]`` its page
+    table (zeros past it) and ``versions[s]`` the ``table_version`` that row is.
+
+    ``Sequence`` stays the truth; these mirror it for the running sequences, so that a step of plain decodes is
+    planned, built and committed with NumPy over slot indices. The scheduler writes a slot in place where the
+    change is made in bulk (a decode run's tokens and positions at commit or update, a page added in the bulk
+    plan) and rewrites it whole (``write``) where a sequence changed otherwise (admission, prefill chunks,
+    speculation, a token read back after the step that would have carried it)."""
+
+    def __init__(self, width: int, slots: int = 64):
+        self.tokens = np.zeros(slots, np.int64)  # i64[S]
+        self.num_tokens = np.zeros(slots, np.int64)  # i64[S]
+        self.computed = np.zeros(slots, np.int64)  # i64[S]
+        self.num_pages = np.zeros(slots, np.int64)  # i64[S]
+        self.versions = np.full(slots, -1, np.int64)  # i64[S]
+        self.pages = np.zeros((slots, width), np.int32)  # i32[S, P]
+
+    def write(self, s: int, seq: Sequence) -> None:
+        """Slot ``s`` from ``seq``: its tokens, position and page table."""
+        if s >= len(self.tokens):
+            self._grow(rows=max(s + 1, 2 * len(self.tokens)))
+        self.tokens[s], self.num_tokens[s], self.computed[s] = seq.last_token, seq.num_tokens, seq.num_computed_tokens
+        self.write_pages(s, seq)
+
+    def write_pages(self, s: int, seq: Sequence) -> None:
+        """Slot ``s``'s page-table row from ``seq`` (the arrays widen for a longer table)."""
+        table = seq.page_table
+        if len(table) > self.pages.shape[1]:
+            self._grow(width=max(len(table), 2 * self.pages.shape[1]))
+        self.pages[s, : len(table)] = table
+        self.pages[s, len(table) :] = 0
+        self.num_pages[s], self.versions[s] = len(table), seq.table_version
+
+    def decoded(self, slots: np.ndarray, kv_lens: np.ndarray, tokens: np.ndarray) -> None:
+        """Slots ``slots`` computed their tokens up to ``kv_lens`` and got one more token each, ``tokens``."""
+        self.computed[slots] = kv_lens
+        self.num_tokens[slots] = kv_lens + 1
+        self.tokens[slots] = tokens
+
+    def _grow(self, rows: int | None = None, width: int | None = None) -> None:
+        rows, width = rows or len(self.tokens), width or self.pages.shape[1]
+        for name in ("tokens", "num_tokens", "computed", "num_pages", "versions"):
+            old = getattr(self, name)
+            new = np.full(rows, -1 if name == "versions" else 0, np.int64)
+            new[: len(old)] = old
+            setattr(self, name, new)
+        pages = np.zeros((rows, width), np.int32)
+        pages[: self.pages.shape[0], : self.pages.shape[1]] = self.pages
+        self.pages = pages

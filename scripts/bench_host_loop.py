@@ -55,7 +55,7 @@ def run(concurrency: int, output_len: int, skip: int = 6) -> dict[str, float]:
             cpu["schedule"] += c1 - c0
             cpu["commit"] += c2 - c1
             cpu["resolve"] += c3 - c2
-        pending = (plan, rng.integers(1, 500, len(plan.scheduled)).astype(np.int32))
+        pending = (plan, rng.integers(1, 500, plan.num_entries).astype(np.int32))
         steps += 1
     return {k: 1e6 * v / max(1, steps - skip) for k, v in cpu.items()}
 

@@ -1,7 +1,9 @@
 """Per-slot stop state (``jaxserve.slot_state``) and the async host loop built on it: the vectorised stop checks
 flag exactly the rows the per-sequence check stops, and random runs through ``commit``/``resolve`` (joins, stops,
-preemptions, aborts) reproduce plain generation token for token. Then the engine's offline fast path (only the
-sequences that finished get a look) against its per-sequence path, on a tiny model."""
+preemptions, aborts) reproduce plain generation token for token, and decode runs planned and packed from the
+slot arrays (``DecodeSlots``, ``DecodeRun``) equal the one-by-one planner's entries and their list-built batch.
+Then the engine's offline fast path (only the sequences that finished get a look) against its per-sequence
+path, on a tiny model."""
 
 import random
 
@@ -247,3 +249,113 @@ def test_sampling_tensors_are_packed_column_by_column_with_each_slots_values():
     assert t.commit.tolist() == [True] * 9 + [False] * 3
     with pytest.raises(ValueError, match="penalty_rows: slot"):
         SamplingTensors.build([SamplingParams(repetition_penalty=1.1)], num_slots=2, seeds=[0], num_generated=[0])
+
+
+def assert_slots_mirror(sched: Scheduler):
+    """Every running sequence not waiting for a rewrite (``Scheduler._stale``) reads the same in its slot."""
+    fresh = [s for s in sched.running if all(s is not t for t in sched._stale)]
+    d = sched.slots
+    for s, seq in zip(sched.stops.slots(fresh).tolist(), fresh):
+        width = int(d.num_pages[s])
+        assert (int(d.tokens[s]), int(d.num_tokens[s]), int(d.computed[s]), int(d.versions[s]),
+                d.pages[s, :width].tolist(), d.pages[s, width:].any()) == (
+            seq.last_token, seq.num_tokens, seq.num_computed_tokens, seq.table_version, seq.page_table, False), seq
+
+
+def assert_run_batch(out, pages: int):
+    """A plan that is one decode run: its batch from the slot arrays equals ``StepBatch.build`` of its entries."""
+    from test_decode_rows import assert_same
+
+    from jaxserve.batch import StepBatch
+    from jaxserve.shapes import bucket
+
+    run, entries = out.run, out.scheduled
+    width = bucket(len(entries), 1, 8)
+    got = StepBatch.decode(run.tokens, run.kv_lens, run.pages, run.num_pages, max_seqs=width, pages_per_seq=pages)
+    assert_same(got, StepBatch.build([e.token_ids for e in entries], [e.kv_len for e in entries],
+                                     [e.page_table for e in entries], num_tokens=width, max_seqs=width,
+                                     pages_per_seq=pages))
+
+
+@pytest.mark.parametrize("seed, caching", [(5, True), (6, False)])
+def test_async_decode_runs_equal_the_per_sequence_loop(seed, caching):
+    """Async scheduling with the decodes planned as slot arrays (``DecodeRun``, ``DecodeSlots``) in lockstep with
+    the one-by-one planner, through joins, n=2, page crossings, preemption, stops, aborts mid-flight and runs of
+    synchronous steps (the in-flight step resolved first, as the engine falls back): the same plan every step,
+    the run's batch built from the arrays equal to the list-built one, the slots mirroring their sequences, and
+    every output as plain generation's."""
+    rng = random.Random(seed)
+    cfg = make_config(num_pages=12, page_size=4, max_model_len=40, max_num_seqs=6, max_num_batched_tokens=24,
+                      enable_prefix_caching=caching)
+    bulk, loop = ReplicatedScheduler(cfg), ReplicatedScheduler(cfg)
+    inner = bulk.replicas[0]
+    loop.replicas[0].bulk_decodes = False
+    model = FakeModel(inner)
+    pending_requests, requests, pending, steps, runs, sync = 40, [], None, 0, 0, False
+    while pending_requests or bulk.has_unfinished() or pending is not None:
+        sync = rng.random() < (0.7 if sync else 0.05)
+        if sync and pending is not None:
+            for sched in (bulk, loop):
+                async_scheduling.resolve(sched, *pending[sched is loop])
+            pending = None
+        for _ in range(rng.choice([0, 0, 1])):
+            if pending_requests:
+                pending_requests -= 1
+                prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 12))]
+                kw = dict(max_tokens=rng.choice([None, rng.randrange(1, 40 - len(prompt) + 1)]),
+                          n=rng.choice([1, 1, 2]), ignore_eos=rng.random() < 0.5, min_tokens=rng.choice([0, 2]),
+                          stop_token_ids=tuple(rng.sample(range(1, VOCAB), 2)))
+                requests.extend(bulk.add(seq(f"r{pending_requests}", prompt, **kw)))
+                loop.add(seq(f"r{pending_requests}", prompt, **kw))
+        a, b = bulk.schedule(), loop.schedule()
+        assert plan_key(a.plans[0]) == plan_key(b.plans[0])
+        assert_slots_mirror(inner)
+        if a.plans[0].run is not None and not a.plans[0].entries:
+            runs += 1
+            assert_run_batch(a.plans[0], cfg.pages_per_seq)
+        if sync or a.is_empty:
+            if not a.is_empty:
+                tokens = run_fake(model, a.scheduled, None)
+                bulk.update(a, tokens)
+                loop.update(b, tokens)
+            elif pending is not None:
+                for sched in (bulk, loop):
+                    async_scheduling.resolve(sched, *pending[sched is loop])
+                pending = None
+            else:
+                bulk.update(a, [])
+                loop.update(b, [])
+            continue
+        sampled = np.array(run_fake(model, a.scheduled, None if pending is None else pending[0][1]), np.int32)
+        async_scheduling.commit(bulk, a)
+        async_scheduling.commit(loop, b)
+        if pending is not None:
+            got = [async_scheduling.resolve(sched, *pending[sched is loop]) for sched in (bulk, loop)]
+            assert [([s.request_id for s in u.updated], t, [s.request_id for s in u.finished]) for u, t in got][0] \
+                == [([s.request_id for s in u.updated], t, [s.request_id for s in u.finished]) for u, t in got][1]
+        pending = ((a, sampled), (b, sampled))
+        if rng.random() < 0.03 and inner.running:  # an abort from outside, any moment
+            rid = rng.choice(inner.running).request_id
+            for sched in (bulk, loop):
+                for s in abort(sched, rid):
+                    s.drop_placeholder()
+        steps += 1
+        assert steps < 5000
+    assert inner.num_preemptions == loop.num_preemptions > 0 and runs > 20
+    for s in requests:
+        if s.finish_reason != "abort":
+            want = reference(s.prompt_token_ids, s.sampling_params, cfg.max_model_len, s.index)
+            assert (s.output_token_ids, s.finish_reason) == want, s
+    assert len(inner.stops) == 0 and inner.block_manager.num_free_pages == cfg.num_pages
+
+
+def test_decode_batch_from_arrays_rejects_what_does_not_fit():
+    from jaxserve.batch import StepBatch
+
+    tokens, kv, pages = np.array([5, 6]), np.array([3, 9]), np.array([[1, 0, 0], [2, 3, 4]], np.int32)
+    with pytest.raises(ValueError, match="do not fit"):
+        StepBatch.decode(tokens, kv, pages, np.array([1, 3]), max_seqs=1, pages_per_seq=4)
+    with pytest.raises(ValueError, match="pages_per_seq=2"):
+        StepBatch.decode(tokens, kv, pages, np.array([1, 3]), max_seqs=2, pages_per_seq=2)
+    with pytest.raises(ValueError, match="kv_lens"):
+        StepBatch.decode(tokens, kv[:1], pages, np.array([1, 3]), max_seqs=2, pages_per_seq=4)
