@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.metadata import AttentionMetadata, check_shapes, token_layout
+from pallas_kernels.ragged_paged_attention import native
 
 _ROW_BLOCK = 128  # query rows per span of the in-chunk part while there are few spans
 _MAX_ROW_SPANS = 8  # spans of the in-chunk part written out (more rows: longer spans, blocked)
@@ -133,6 +134,10 @@ def ragged_paged_attention_rows(
     # Keys a row may see: [first, last], both inclusive (last = its own position, within its kv_len).
     last = jnp.where(valid, jnp.minimum(positions, md.kv_lens[seq_ids] - 1), -1)
     first = jnp.zeros_like(last) if sliding_window is None else jnp.maximum(positions - sliding_window + 1, 0)
+    if native.usable(k_pages):  # the pages read in place (native.py); padding rows see nothing
+        out, _ = native.attend(q, k_pages, v_pages, md.page_indices, seq_ids, first, last, sm_scale=sm_scale,
+                               soft_cap=soft_cap)
+        return out.astype(q.dtype)
     qh = _zero_unless(valid[:, None, None], q).reshape(num_tokens, num_kv_heads, group, head_dim)
     qh = (qh.swapaxes(0, 1) * sm_scale).astype(jnp.float32)  # [KVH, T, G, D]
     parts = _walk(qh, k_pages, v_pages, md.page_indices[seq_ids], first, last, valid, md.num_seqs,

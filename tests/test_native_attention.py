@@ -1,0 +1,75 @@
+"""The native CPU attention rows (pallas_kernels/ragged_paged_attention/cpu_native.cc) against the reference, and
+its fallback to the pure-JAX walk."""
+
+import logging
+
+import jax
+import numpy as np
+import pytest
+
+from attention_cases import CONFIGS, assert_matches_reference, build_batch, device_args, random_lengths
+
+from pallas_kernels.ragged_paged_attention import native, ragged_paged_attention_rows
+
+
+def rows_program(batch, **kw):
+    """The compiled rows path of ``batch`` and whether it calls the native kernel."""
+    fn = jax.jit(lambda q, k_pages, v_pages, md: ragged_paged_attention_rows(q, k_pages, v_pages, md, **kw))
+    args = device_args(batch)
+    return fn(**args), native.TARGET in fn.lower(**args).as_text()
+
+
+@pytest.mark.parametrize("lengths, group, head_dim, dtype, window, soft_cap", CONFIGS)
+def test_native_rows_match_reference(lengths, group, head_dim, dtype, window, soft_cap):
+    """Decode, prompt and mixed batches; GQA groups 1 to 8, fp32 and bf16 pages, windows, soft caps; NaN in every
+    page and slot no row may read, NaN padding rows (which must come back as zeros)."""
+    batch, _, _ = build_batch(np.random.default_rng(1), *lengths, group=group, head_dim=head_dim, dtype=dtype)
+    out, called = rows_program(batch, sm_scale=0.2, sliding_window=window, soft_cap=soft_cap)
+    assert called
+    assert_matches_reference(out, batch, sm_scale=0.2, sliding_window=window, soft_cap=soft_cap)
+
+
+def test_native_rows_many_lengths():
+    """Sixty decode rows of lengths 1 to 64 keys (page size 8), every row's pages shuffled across the pool."""
+    rng = np.random.default_rng(2)
+    _, kv_lens = random_lengths(rng, 60, page_size=8, max_kv=64)
+    batch, _, _ = build_batch(rng, [1] * 60, kv_lens, page_size=8, head_dim=32)
+    out, called = rows_program(batch, sm_scale=0.3, sliding_window=None, soft_cap=None)
+    assert called
+    assert_matches_reference(out, batch, sm_scale=0.3)
+
+
+def test_switch_off_runs_the_walk(monkeypatch):
+    batch, _, _ = build_batch(np.random.default_rng(3), *CONFIGS[0][0])
+    monkeypatch.setenv(native.SWITCH, "0")
+    out, called = rows_program(batch, sm_scale=0.2)
+    assert not called
+    assert_matches_reference(out, batch, sm_scale=0.2)
+
+
+@pytest.mark.parametrize("compiler, why", [("/nonexistent/c++", "no C++ compiler"), ("false", "false")])
+def test_build_failure_falls_back_with_one_log_line(compiler, why, tmp_path, monkeypatch, caplog):
+    """No compiler, or one that fails: the walk runs and one warning says why; nothing raises."""
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", compiler)
+    native.available.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=native.__name__):
+            assert not native.available()
+            batch, _, _ = build_batch(np.random.default_rng(3), *CONFIGS[0][0])
+            out, called = rows_program(batch, sm_scale=0.2)
+        assert not called
+        assert_matches_reference(out, batch, sm_scale=0.2)
+        lines = [r.getMessage() for r in caplog.records if r.name == native.__name__]
+        assert len(lines) == 1 and "native CPU attention unavailable" in lines[0] and why in lines[0]
+        assert not list((tmp_path / "native").glob("*.so"))
+    finally:
+        native.available.cache_clear()  # the next caller builds (or finds) the real library again
+
+
+def test_out_of_range_page_is_an_error_not_a_read():
+    """A page index outside the pool on a row's visible keys fails the step instead of reading foreign memory."""
+    batch, _, _ = build_batch(np.random.default_rng(4), [1], [6])
+    batch["page_indices"][0, 1] = batch["k_pages"].shape[1] + 5
+    with pytest.raises(Exception, match="page index out of range"):
+        jax.block_until_ready(rows_program(batch, sm_scale=0.2)[0])
