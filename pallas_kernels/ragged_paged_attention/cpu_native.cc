@@ -36,18 +36,62 @@ struct Scratch {
   std::vector<float> scores, acc, peak, total;  // [group, page_size], [group, head_dim], [group], [group]
 };
 
+// exp(x) for x <= 0 (a score less the running peak) to within a few ulp: Cody-Waite range reduction and Cephes'
+// expf polynomial, written so that a loop of it vectorises (libm's expf does not); 0 below -87 (expf's underflow).
+inline float exp_nonpositive(float x) {
+  const float clamped = std::max(x, -87.0f);
+  const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
+  const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+// Asks for the cache lines of ``elements`` values from ``data``: a row's pages lie anywhere in the pool, so
+// without it each page's first reads wait on memory.
+template <typename T>
+inline void prefetch(const T* data, int64_t elements) {
+  const char* bytes = reinterpret_cast<const char*>(data);
+  for (int64_t offset = 0; offset < elements * static_cast<int64_t>(sizeof(T)); offset += 64) {
+    __builtin_prefetch(bytes + offset);
+  }
+}
+
 struct Shape {
   int64_t rows, q_heads, kv_heads, num_pages, page_size, head_dim, slots, table_width;
   int64_t group() const { return q_heads / kv_heads; }
 };
 
+// Prefetches the keys from ``position`` to the end of its page (or to ``last``) of one KV head, if any.
+template <typename T>
+inline void prefetch_page(const Shape& s, const T* k_pages, const T* v_pages, const int32_t* table, int64_t head,
+                          int64_t position, int64_t last) {
+  if (position > last) return;
+  const int32_t page = table[position / s.page_size];
+  if (page < 0 || page >= s.num_pages) return;
+  const int64_t offset = position % s.page_size;
+  const int64_t keys = std::min<int64_t>(last - position + 1, s.page_size - offset);
+  const int64_t base = ((head * s.num_pages + page) * s.page_size + offset) * s.head_dim;
+  prefetch(k_pages + base, keys * s.head_dim);
+  prefetch(v_pages + base, keys * s.head_dim);
+}
+
 // One row's group of query heads over one KV head's keys [first, last]; writes the normalised output and the
 // log-sum-exp of the scores (-inf, with a zero output, when nothing is visible).
-template <typename T>
+// kHeadDim: head_dim as a constant (the loops over it unroll), or 0 for any head_dim.
+template <typename T, int kHeadDim>
 ffi::Error attend_group(const Shape& s, const float* q, const T* k_pages, const T* v_pages, const int32_t* table,
-                        int64_t head, int32_t first, int32_t last, float sm_scale, float soft_cap, Scratch& scratch,
+                        int64_t head, int64_t first, int64_t last, float sm_scale, float soft_cap, Scratch& scratch,
                         float* out, float* lse) {
-  const int64_t g_count = s.group(), d_count = s.head_dim, page_size = s.page_size;
+  const int64_t g_count = s.group(), d_count = kHeadDim ? kHeadDim : s.head_dim, page_size = s.page_size;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   float *scores = scratch.scores.data(), *acc = scratch.acc.data();
   float *peak = scratch.peak.data(), *total = scratch.total.data();
@@ -61,6 +105,7 @@ ffi::Error attend_group(const Shape& s, const float* q, const T* k_pages, const 
     const int64_t base = (head * s.num_pages + page) * page_size * d_count;
     const T* k = k_pages + base;
     const T* v = v_pages + base;
+    prefetch_page(s, k_pages, v_pages, table, head, start + page_size, last);  // loads while this one computes
     for (int64_t g = 0; g < g_count; ++g) {
       const float* qg = q + g * d_count;
       float* sg = scores + g * page_size;
@@ -78,8 +123,9 @@ ffi::Error attend_group(const Shape& s, const float* q, const T* k_pages, const 
       const float new_peak = std::max(peak[g], block_peak);
       const float rescale = std::exp(peak[g] - new_peak);  // exp(-inf) = 0 before the first key
       float block_total = 0.0f;
+#pragma omp simd reduction(+ : block_total)
       for (int64_t j = lo; j < hi; ++j) {
-        sg[j] = std::exp(sg[j] - new_peak);
+        sg[j] = exp_nonpositive(sg[j] - new_peak);
         block_total += sg[j];
       }
       float* ag = acc + g * d_count;
@@ -103,7 +149,18 @@ ffi::Error attend_group(const Shape& s, const float* q, const T* k_pages, const 
   return ffi::Error::Success();
 }
 
-template <typename T>
+// A row's sequence slot and its visible keys [lo, hi], clamped to its page table (hi < lo: none).
+struct RowKeys {
+  int32_t seq;
+  int64_t lo, hi;
+};
+
+inline RowKeys row_keys(const Shape& s, const int32_t* row_seq, const int32_t* first, const int32_t* last,
+                        int64_t r) {
+  return {row_seq[r], std::max<int64_t>(first[r], 0), std::min<int64_t>(last[r], s.table_width * s.page_size - 1)};
+}
+
+template <typename T, int kHeadDim>
 ffi::Error attend_rows(const Shape& s, const float* q, const T* k_pages, const T* v_pages, const int32_t* tables,
                        const int32_t* row_seq, const int32_t* first, const int32_t* last, float sm_scale,
                        float soft_cap, float* out, float* lse) {
@@ -111,18 +168,38 @@ ffi::Error attend_rows(const Shape& s, const float* q, const T* k_pages, const T
   Scratch scratch{std::vector<float>(g_count * s.page_size), std::vector<float>(g_count * d_count),
                   std::vector<float>(g_count), std::vector<float>(g_count)};
   for (int64_t r = 0; r < s.rows; ++r) {
-    const int32_t seq = row_seq[r];
-    if (seq < 0 || seq >= s.slots) return ffi::Error::InvalidArgument("row sequence slot out of range");
-    const int32_t lo = std::max(first[r], 0);
-    const int32_t hi = std::min<int64_t>(last[r], s.table_width * s.page_size - 1);
+    const RowKeys row = row_keys(s, row_seq, first, last, r);
+    if (row.seq < 0 || row.seq >= s.slots) return ffi::Error::InvalidArgument("row sequence slot out of range");
+    const int32_t* table = tables + row.seq * s.table_width;
     for (int64_t h = 0; h < s.kv_heads; ++h) {
+      // The next walk's first page (this row's next head, else the next row's first) loads during this one.
+      if (h + 1 < s.kv_heads) {
+        prefetch_page(s, k_pages, v_pages, table, h + 1, row.lo, row.hi);
+      } else if (r + 1 < s.rows) {
+        const RowKeys next = row_keys(s, row_seq, first, last, r + 1);
+        if (next.seq >= 0 && next.seq < s.slots) {
+          prefetch_page(s, k_pages, v_pages, tables + next.seq * s.table_width, 0, next.lo, next.hi);
+        }
+      }
       const int64_t at = (r * s.q_heads + h * g_count);
-      ffi::Error error = attend_group(s, q + at * d_count, k_pages, v_pages, tables + seq * s.table_width, h, lo,
-                                      hi, sm_scale, soft_cap, scratch, out + at * d_count, lse + at);
+      ffi::Error error = attend_group<T, kHeadDim>(s, q + at * d_count, k_pages, v_pages, table, h, row.lo, row.hi, sm_scale,
+                                      soft_cap, scratch, out + at * d_count, lse + at);
       if (error.failure()) return error;
     }
   }
   return ffi::Error::Success();
+}
+
+// The common head dims with their loops unrolled; any other runs the generic loops.
+template <typename T, typename... Args>
+ffi::Error dispatch_head_dim(const Shape& s, Args... args) {
+  switch (s.head_dim) {
+    case 32: return attend_rows<T, 32>(s, args...);
+    case 64: return attend_rows<T, 64>(s, args...);
+    case 128: return attend_rows<T, 128>(s, args...);
+    case 256: return attend_rows<T, 256>(s, args...);
+    default: return attend_rows<T, 0>(s, args...);
+  }
 }
 
 ffi::Error rows_attention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
@@ -139,13 +216,13 @@ ffi::Error rows_attention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, ffi::
   float *o = out->typed_data(), *e = lse->typed_data();
   switch (k_pages.element_type()) {
     case ffi::DataType::F32:
-      return attend_rows(s, q.typed_data(), static_cast<const float*>(k_pages.untyped_data()),
-                         static_cast<const float*>(v_pages.untyped_data()), tb, rs, f,
-                         l, sm_scale, soft_cap, o, e);
+      return dispatch_head_dim<float>(s, q.typed_data(), static_cast<const float*>(k_pages.untyped_data()),
+                               static_cast<const float*>(v_pages.untyped_data()), tb, rs, f, l, sm_scale, soft_cap,
+                               o, e);
     case ffi::DataType::BF16:
-      return attend_rows(s, q.typed_data(), static_cast<const uint16_t*>(k_pages.untyped_data()),
-                         static_cast<const uint16_t*>(v_pages.untyped_data()), tb,
-                         rs, f, l, sm_scale, soft_cap, o, e);
+      return dispatch_head_dim<uint16_t>(s, q.typed_data(), static_cast<const uint16_t*>(k_pages.untyped_data()),
+                               static_cast<const uint16_t*>(v_pages.untyped_data()), tb, rs, f, l, sm_scale,
+                               soft_cap, o, e);
     default:
       return ffi::Error::InvalidArgument("pages must be float32 or bfloat16");
   }
