@@ -39,6 +39,25 @@ def test_native_rows_many_lengths():
     assert_matches_reference(out, batch, sm_scale=0.3)
 
 
+def test_rows_split_over_threads_give_the_same_result():
+    """The kernel's rows split over XLA's intra-op pool (``threads=2``): the same floats as one thread."""
+    batch, _, _ = build_batch(np.random.default_rng(5), [1] * 24, list(range(3, 51, 2)), head_dim=32)
+    args = device_args(batch)
+    md = args["md"]
+    rows = np.arange(24, dtype=np.int32)
+    last = np.asarray(md.kv_lens[:24]) - 1
+
+    def run(threads):
+        fn = jax.jit(lambda q, k, v: native.attend(q, k, v, md.page_indices, rows, np.zeros(24, np.int32), last,
+                                                   sm_scale=0.3, soft_cap=None, threads=threads))
+        return [np.asarray(x) for x in fn(args["q"][:24], args["k_pages"], args["v_pages"])]
+
+    one, two = run(1), run(2)
+    np.testing.assert_array_equal(one[0], two[0])
+    np.testing.assert_array_equal(one[1], two[1])
+    assert_matches_reference(np.concatenate([one[0], np.zeros_like(args["q"][24:])]), batch, sm_scale=0.3)
+
+
 def test_switch_off_runs_the_walk(monkeypatch):
     batch, _, _ = build_batch(np.random.default_rng(3), *CONFIGS[0][0])
     monkeypatch.setenv(native.SWITCH, "0")

@@ -9,6 +9,10 @@
 // Contract and Python side: native.py. Built there with the system compiler for the machine it runs on.
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -160,78 +164,118 @@ inline RowKeys row_keys(const Shape& s, const int32_t* row_seq, const int32_t* f
   return {row_seq[r], std::max<int64_t>(first[r], 0), std::min<int64_t>(last[r], s.table_width * s.page_size - 1)};
 }
 
+// One call's operands (pages untyped: their element type picks the instantiation that reads them).
+struct Call {
+  Shape s;
+  const float* q;
+  const void *k_pages, *v_pages;
+  const int32_t *tables, *row_seq, *first, *last;
+  float sm_scale, soft_cap;
+  float *out, *lse;
+};
+
+// Rows [r0, r1) of a call.
 template <typename T, int kHeadDim>
-ffi::Error attend_rows(const Shape& s, const float* q, const T* k_pages, const T* v_pages, const int32_t* tables,
-                       const int32_t* row_seq, const int32_t* first, const int32_t* last, float sm_scale,
-                       float soft_cap, float* out, float* lse) {
+ffi::Error attend_rows(const Call& c, int64_t r0, int64_t r1) {
+  const Shape& s = c.s;
+  const T* k_pages = static_cast<const T*>(c.k_pages);
+  const T* v_pages = static_cast<const T*>(c.v_pages);
   const int64_t g_count = s.group(), d_count = s.head_dim;
   Scratch scratch{std::vector<float>(g_count * s.page_size), std::vector<float>(g_count * d_count),
                   std::vector<float>(g_count), std::vector<float>(g_count)};
-  for (int64_t r = 0; r < s.rows; ++r) {
-    const RowKeys row = row_keys(s, row_seq, first, last, r);
+  for (int64_t r = r0; r < r1; ++r) {
+    const RowKeys row = row_keys(s, c.row_seq, c.first, c.last, r);
     if (row.seq < 0 || row.seq >= s.slots) return ffi::Error::InvalidArgument("row sequence slot out of range");
-    const int32_t* table = tables + row.seq * s.table_width;
+    const int32_t* table = c.tables + row.seq * s.table_width;
     for (int64_t h = 0; h < s.kv_heads; ++h) {
       // The next walk's first page (this row's next head, else the next row's first) loads during this one.
       if (h + 1 < s.kv_heads) {
         prefetch_page(s, k_pages, v_pages, table, h + 1, row.lo, row.hi);
-      } else if (r + 1 < s.rows) {
-        const RowKeys next = row_keys(s, row_seq, first, last, r + 1);
+      } else if (r + 1 < r1) {
+        const RowKeys next = row_keys(s, c.row_seq, c.first, c.last, r + 1);
         if (next.seq >= 0 && next.seq < s.slots) {
-          prefetch_page(s, k_pages, v_pages, tables + next.seq * s.table_width, 0, next.lo, next.hi);
+          prefetch_page(s, k_pages, v_pages, c.tables + next.seq * s.table_width, 0, next.lo, next.hi);
         }
       }
-      const int64_t at = (r * s.q_heads + h * g_count);
-      ffi::Error error = attend_group<T, kHeadDim>(s, q + at * d_count, k_pages, v_pages, table, h, row.lo, row.hi, sm_scale,
-                                      soft_cap, scratch, out + at * d_count, lse + at);
+      const int64_t at = r * s.q_heads + h * g_count;
+      ffi::Error error = attend_group<T, kHeadDim>(s, c.q + at * d_count, k_pages, v_pages, table, h, row.lo,
+                                                   row.hi, c.sm_scale, c.soft_cap, scratch, c.out + at * d_count,
+                                                   c.lse + at);
       if (error.failure()) return error;
     }
   }
   return ffi::Error::Success();
 }
 
-// The common head dims with their loops unrolled; any other runs the generic loops.
-template <typename T, typename... Args>
-ffi::Error dispatch_head_dim(const Shape& s, Args... args) {
-  switch (s.head_dim) {
-    case 32: return attend_rows<T, 32>(s, args...);
-    case 64: return attend_rows<T, 64>(s, args...);
-    case 128: return attend_rows<T, 128>(s, args...);
-    case 256: return attend_rows<T, 256>(s, args...);
-    default: return attend_rows<T, 0>(s, args...);
+using RowsFn = ffi::Error (*)(const Call&, int64_t, int64_t);
+
+// The instantiation for a page type: the common head dims with their loops unrolled, any other generic.
+template <typename T>
+RowsFn rows_fn(int64_t head_dim) {
+  switch (head_dim) {
+    case 32: return attend_rows<T, 32>;
+    case 64: return attend_rows<T, 64>;
+    case 128: return attend_rows<T, 128>;
+    case 256: return attend_rows<T, 256>;
+    default: return attend_rows<T, 0>;
   }
 }
 
-ffi::Error rows_attention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
-                          ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_seq, ffi::Buffer<ffi::S32> first,
-                          ffi::Buffer<ffi::S32> last, float sm_scale, float soft_cap,
-                          ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+// Rows split into chunks that the calling thread and up to ``workers - 1`` tasks on XLA's intra-op pool take
+// in turn. The caller takes chunks until none is left and then waits only for chunks already running, so a
+// pool whose threads are all busy (or blocked in the same wait) cannot deadlock it; a task that starts late
+// finds nothing to do and touches only the shared state.
+ffi::Error run_split(ffi::ThreadPool& pool, const Call& call, RowsFn fn, int64_t workers) {
+  const int64_t chunks = std::min<int64_t>(call.s.rows, 4 * workers);
+  if (workers <= 1 || chunks <= 1) return fn(call, 0, call.s.rows);
+  struct Work {
+    std::atomic<int64_t> next{0}, done{0};
+    std::mutex mutex;
+    std::condition_variable finished;
+    std::string error;
+  };
+  auto work = std::make_shared<Work>();
+  auto take = [work, call, fn, chunks]() {
+    for (int64_t c; (c = work->next.fetch_add(1)) < chunks;) {
+      ffi::Error error = fn(call, call.s.rows * c / chunks, call.s.rows * (c + 1) / chunks);
+      std::lock_guard<std::mutex> lock(work->mutex);
+      if (error.failure() && work->error.empty()) work->error = error.message();
+      if (++work->done == chunks) work->finished.notify_all();
+    }
+  };
+  for (int64_t i = 1; i < workers; ++i) pool.Schedule(decltype(take)(take));
+  take();
+  std::unique_lock<std::mutex> lock(work->mutex);
+  work->finished.wait(lock, [&] { return work->done == chunks; });
+  return work->error.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(work->error);
+}
+
+ffi::Error rows_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
+                          ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_seq,
+                          ffi::Buffer<ffi::S32> first, ffi::Buffer<ffi::S32> last, float sm_scale, float soft_cap,
+                          int64_t threads, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2) return ffi::Error::InvalidArgument("bad ranks");
   const Shape s{qd[0], qd[1], kd[0], kd[1], kd[2], kd[3], td[0], td[1]};
   if (qd[2] != s.head_dim || s.q_heads % s.kv_heads) return ffi::Error::InvalidArgument("bad head shapes");
   if (k_pages.element_type() != v_pages.element_type()) return ffi::Error::InvalidArgument("k/v dtypes differ");
-  const int32_t *tb = tables.typed_data(), *rs = row_seq.typed_data(), *f = first.typed_data(),
-                *l = last.typed_data();
-  float *o = out->typed_data(), *e = lse->typed_data();
+  RowsFn fn;
   switch (k_pages.element_type()) {
-    case ffi::DataType::F32:
-      return dispatch_head_dim<float>(s, q.typed_data(), static_cast<const float*>(k_pages.untyped_data()),
-                               static_cast<const float*>(v_pages.untyped_data()), tb, rs, f, l, sm_scale, soft_cap,
-                               o, e);
-    case ffi::DataType::BF16:
-      return dispatch_head_dim<uint16_t>(s, q.typed_data(), static_cast<const uint16_t*>(k_pages.untyped_data()),
-                               static_cast<const uint16_t*>(v_pages.untyped_data()), tb, rs, f, l, sm_scale,
-                               soft_cap, o, e);
-    default:
-      return ffi::Error::InvalidArgument("pages must be float32 or bfloat16");
+    case ffi::DataType::F32: fn = rows_fn<float>(s.head_dim); break;
+    case ffi::DataType::BF16: fn = rows_fn<uint16_t>(s.head_dim); break;
+    default: return ffi::Error::InvalidArgument("pages must be float32 or bfloat16");
   }
+  const Call call{s, q.typed_data(), k_pages.untyped_data(), v_pages.untyped_data(), tables.typed_data(),
+                  row_seq.typed_data(), first.typed_data(), last.typed_data(), sm_scale, soft_cap,
+                  out->typed_data(), lse->typed_data()};
+  return run_split(pool, call, fn, std::min<int64_t>(threads, std::max<int64_t>(pool.num_threads(), 1)));
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRowsAttention, rows_attention,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [rows, q_heads, head_dim]
                                   .Arg<ffi::AnyBuffer>()         // k_pages [kv_heads, pages, page_size, head_dim]
                                   .Arg<ffi::AnyBuffer>()         // v_pages
@@ -241,6 +285,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRowsAttention, rows_attention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // last [rows]
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")      // 0: none
+                                  .Attr<int64_t>("threads")     // at most this many threads (1: the caller's)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [rows, q_heads, head_dim]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse [rows, q_heads]
 );

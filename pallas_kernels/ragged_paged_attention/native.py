@@ -124,8 +124,13 @@ def attend(
     *,
     sm_scale: float,
     soft_cap: float | None,
+    threads: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
     """Each row over keys [first, last] of its slot's pages, read in place.
+
+    ``threads`` > 1 splits the rows over XLA's intra-op thread pool as well as the calling thread. The engine
+    keeps 1: on a 2-core machine the step alone got faster but the host loop, which needs the other core while
+    the step runs, lost as much (docs/benchmarks.md).
 
     Returns:
       (out f32[R, num_q_heads, head_dim]: the softmax-weighted values, zeros for a row that sees nothing;
@@ -135,4 +140,4 @@ def attend(
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
                                      jax.ShapeDtypeStruct((rows, num_q_heads), jnp.float32)))
     return call(q.astype(jnp.float32), k_pages, v_pages, tables, row_seq, first, last,
-                sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0))
+                sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0), threads=np.int64(threads))
