@@ -58,6 +58,19 @@ def test_rows_split_over_threads_give_the_same_result():
     assert_matches_reference(np.concatenate([one[0], np.zeros_like(args["q"][24:])]), batch, sm_scale=0.3)
 
 
+def test_rows_that_see_nothing_are_zero():
+    """``last < first`` inside one page, at a page edge, and ``last = -1``: zeros and a log-sum-exp of -inf, and
+    no read of the (NaN) pages."""
+    batch, _, _ = build_batch(np.random.default_rng(6), [1, 1, 1], [9, 9, 9])
+    args = device_args(batch)
+    fn = jax.jit(lambda q, k, v, tables: native.attend(q, k, v, tables, np.array([0, 1, 2], np.int32),
+                                                         np.array([6, 4, 0], np.int32), np.array([5, 3, -1], np.int32),
+                                                         sm_scale=0.3, soft_cap=None))
+    out, lse = fn(args["q"][:3], args["k_pages"], args["v_pages"], args["md"].page_indices)
+    np.testing.assert_array_equal(np.asarray(out), 0.0)
+    assert np.all(np.isneginf(np.asarray(lse)))
+
+
 def test_switch_off_runs_the_walk(monkeypatch):
     batch, _, _ = build_batch(np.random.default_rng(3), *CONFIGS[0][0])
     monkeypatch.setenv(native.SWITCH, "0")

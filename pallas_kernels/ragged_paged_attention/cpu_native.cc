@@ -10,13 +10,13 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
-#include <memory>
-#include <mutex>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -101,7 +101,8 @@ ffi::Error attend_group(const Shape& s, const float* q, const T* k_pages, const 
   float *peak = scratch.peak.data(), *total = scratch.total.data();
   for (int64_t g = 0; g < g_count; ++g) peak[g] = neg_inf, total[g] = 0.0f;
   std::fill(acc, acc + g_count * d_count, 0.0f);
-  for (int64_t start = first - first % page_size; start <= last; start += page_size) {
+  // No page is visited without a visible key (an empty one would rescale by exp(-inf - -inf) = NaN).
+  for (int64_t start = first - first % page_size; first <= last && start <= last; start += page_size) {
     const int32_t page = table[start / page_size];
     if (page < 0 || page >= s.num_pages) return ffi::Error::InvalidArgument("page index out of range");
     const int64_t lo = std::max<int64_t>(first, start) - start;
