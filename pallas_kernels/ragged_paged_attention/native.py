@@ -4,7 +4,9 @@ XLA:CPU cannot read a row's K/V pages in place: the pure-JAX walk (``cpu.py``) g
 and that copy, not the arithmetic, bounds the decode step on CPU. The C++ kernel reads the pages through the
 page table directly. It is compiled from the source shipped in this package with the system C++ compiler
 (``$CXX``, else ``g++``) for the machine it runs on, into ``$JAXSERVE_CACHE/native`` (default
-``~/.cache/jaxserve/native``) under a name keyed by the source, the flags, the compiler and jaxlib, written under
+``~/.cache/jaxserve/native``) under a name keyed by the source, the flags, the compiler, jaxlib and the host
+CPU's instruction-set flags (``-march=native``: a cache on a shared home must not hand one machine's build to
+another), written under
 a temporary name and renamed so concurrent processes never load a half-written library; then loaded with ctypes
 and registered as an XLA FFI target for the CPU platform.
 
@@ -20,6 +22,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -52,6 +55,14 @@ def enabled() -> bool:
     return os.environ.get(SWITCH, "1") != "0"
 
 
+def _host_cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.machine()
+
+
 def build(directory: Path, compiler: str) -> Path:
     """The shared library built from ``SOURCE`` with ``compiler`` in ``directory`` (reused when its key matches).
 
@@ -61,8 +72,8 @@ def build(directory: Path, compiler: str) -> Path:
     if found is None:
         raise FileNotFoundError(f"no C++ compiler {compiler!r}")
     version = subprocess.run([found, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(_FLAGS), found, version,
-                                    jaxlib.__version__]).encode()).hexdigest()[:24]
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(_FLAGS), found, version, jaxlib.__version__,
+                                    _host_cpu_flags()]).encode()).hexdigest()[:24]
     path = directory / f"rows_attention-{key}.so"
     if path.exists():
         return path
