@@ -1,7 +1,10 @@
 """The native CPU attention rows (pallas_kernels/ragged_paged_attention/cpu_native.cc) against the reference, and
 its fallback to the pure-JAX walk."""
 
+import concurrent.futures
+import ctypes
 import logging
+import os
 
 import jax
 import numpy as np
@@ -97,6 +100,15 @@ def test_build_failure_falls_back_with_one_log_line(compiler, why, tmp_path, mon
         assert not list((tmp_path / "native").glob("*.so"))
     finally:
         native.available.cache_clear()  # the next caller builds (or finds) the real library again
+
+
+def test_concurrent_builds_share_one_library(tmp_path):
+    """Two builds racing into one empty cache folder: both get the same complete file, and no temporary is left."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(lambda _: native.build(tmp_path, os.environ.get("CXX", "g++")), range(2)))
+    assert paths[0] == paths[1] and paths[0].parent == tmp_path
+    assert [p.name for p in tmp_path.iterdir()] == [paths[0].name]
+    ctypes.cdll.LoadLibrary(str(paths[0])).JaxserveRowsAttention  # noqa: B018 (a complete library has the symbol)
 
 
 def test_out_of_range_page_is_an_error_not_a_read():
