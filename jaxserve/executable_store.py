@@ -9,7 +9,8 @@ without tracing anything:
 - the versions of jax, jaxlib, flax and Python; the backend (platform and version), the host CPU (architecture
   and instruction-set flags: XLA:CPU compiles for it) and the mesh (axis names and sizes, device ids and
   kinds); the jax options that change programs (matmul precision, x64, ``XLA_FLAGS``);
-- the code that is traced: a hash of every source file of ``jaxserve``, ``pallas_kernels`` and ``sharding``;
+- the code that is traced: a hash of every source file of ``jaxserve``, ``pallas_kernels`` and ``sharding``
+  (the native CPU attention kernel's C++ included), and whether CPU steps call that kernel;
 - the model: its ``ModelConfig``, the structure, shapes, dtypes and shardings of its parameters (the dtype and
   any 8-bit weights and scales) and of the KV pool; the step's options (attention backend, logits rows,
   windowed pool);
@@ -36,6 +37,8 @@ from pathlib import Path
 import jax
 from jax.experimental import serialize_executable
 
+from pallas_kernels.ragged_paged_attention import native
+
 logger = logging.getLogger(__name__)
 
 SUBDIR = "executables"
@@ -45,12 +48,12 @@ _source_digest: str | None = None
 
 
 def source_digest() -> str:
-    """A hash of every Python source file of the packages a step is traced from (computed once)."""
+    """A hash of every Python and C++ source file of the packages a step is traced from (computed once)."""
     global _source_digest
     if _source_digest is None:
         h = hashlib.sha256()
         for package in _PACKAGES:
-            for path in sorted((_ROOT / package).rglob("*.py")):
+            for path in sorted([*(_ROOT / package).rglob("*.py"), *(_ROOT / package).rglob("*.cc")]):
                 h.update(str(path.relative_to(_ROOT)).encode())
                 h.update(path.read_bytes())
         _source_digest = h.hexdigest()
@@ -67,6 +70,12 @@ def _host_cpu() -> str:
     except OSError:
         pass
     return f"{platform.machine()} {platform.processor()} {hashlib.sha256(flags.encode()).hexdigest()}"
+
+
+def _native_attention(platform_name: str) -> bool:
+    """Whether this process's CPU steps call the native attention kernel. Asking registers it: a stored
+    executable that calls it must find it registered before it runs, and a warm start traces nothing that would."""
+    return platform_name == "cpu" and native.enabled() and native.available()
 
 
 def _describe_leaves(tree) -> str:
@@ -90,6 +99,7 @@ def runner_fingerprint(runner) -> str:
     parts = [
         f"jax={jax.__version__} jaxlib={jaxlib.__version__} flax={flax.__version__} python={sys.version}",
         f"backend={devices[0].platform} {devices[0].client.platform_version} host={_host_cpu()}",
+        f"native_cpu_attention={_native_attention(devices[0].platform)}",
         f"mesh={dict(mesh.shape)} devices={[(d.id, d.device_kind) for d in devices]}",
         f"precision={config.jax_default_matmul_precision} x64={config.jax_enable_x64} "
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')} LIBTPU_INIT_ARGS={os.environ.get('LIBTPU_INIT_ARGS', '')}",

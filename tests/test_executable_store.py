@@ -3,7 +3,11 @@ same tokens with no compilation, and any mismatch or damaged file falls back to 
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 
 import jax
 
@@ -12,6 +16,7 @@ import pytest
 from jaxserve import SamplingParams, compile_counter, compile_progress, executable_store
 from jaxserve.engine import Engine
 from jaxserve.engine_config import EngineConfig
+from pallas_kernels.ragged_paged_attention import native
 from tiny import build_tiny_model, hf_greedy, hf_model, train_tokenizer
 
 
@@ -69,6 +74,36 @@ def test_warm_start_loads_every_step_and_serves_the_same_tokens(model_dir, cache
     assert compile_counter.count() - compiled <= 5, "only the sampler's programs may compile (from the XLA cache)"
     assert len(warm.executor.runner.executables) == shapes
     assert _serve(warm) == (cold_tokens, 0)
+
+
+_FRESH_PROCESS = """
+import json, sys
+import jax
+jax.config.update("jax_default_matmul_precision", "highest")
+from jaxserve import SamplingParams, compile_progress
+from jaxserve.engine import Engine
+from jaxserve.engine_config import EngineConfig
+model_dir, cache_dir = sys.argv[1:]
+engine = Engine(EngineConfig(model=model_dir, page_size=4, num_pages=32, max_model_len=48, max_num_seqs=2,
+                             max_num_batched_tokens=16, seed=0, compilation_cache_dir=cache_dir))
+engine.add_request("greedy", list(range(3, 43)), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+while engine.has_unfinished():
+    tokens = [o.outputs[0].token_ids for o in engine.step() if o.finished] or None
+print(json.dumps(dict(tokens=tokens[0], **compile_progress.last_summary)))
+"""
+
+
+def test_warm_start_in_a_fresh_process_finds_the_native_attention(model_dir, cache_dir, first):
+    """A new process loads the stored steps, whose decode step calls the native CPU attention kernel, without
+    tracing them: the kernel must be registered before they run."""
+    assert native.available()
+    cold = first[0]
+    result = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, str(model_dir), cache_dir], capture_output=True,
+                            text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert result.returncode == 0, result.stderr[-2000:]
+    warm = json.loads(result.stdout.strip().splitlines()[-1])
+    assert warm["executables_loaded"] == len(cold.executor.shapes.all_shapes())
+    assert warm["tokens"] == first[2][0]["greedy"]
 
 
 def test_mismatch_or_damaged_file_compiles_instead(model_dir, cache_dir, first, monkeypatch, caplog):

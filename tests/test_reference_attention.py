@@ -8,6 +8,7 @@ import pytest
 from attention_cases import build_batch, device_args, metadata
 
 from pallas_kernels.ragged_paged_attention import cpu as cpu_attention
+from pallas_kernels.ragged_paged_attention import native
 from pallas_kernels.ragged_paged_attention import (AttentionMetadata, check_values, ragged_paged_attention,
                                                   ragged_paged_attention_chunks, ragged_paged_attention_rows, write_kv)
 
@@ -131,8 +132,11 @@ CPU_BATCHES = [
 
 @pytest.mark.parametrize("lengths", CPU_BATCHES)
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (5, 2.0), (7, None)])
-def test_cpu_paths_match_reference(lengths, window, soft_cap):
-    """The CPU engine's decode walk and chunk path give the reference's result on poisoned batches."""
+@pytest.mark.parametrize("native_rows", ["1", "0"])
+def test_cpu_paths_match_reference(lengths, window, soft_cap, native_rows, monkeypatch):
+    """The CPU engine's decode path (the native kernel, or the pure-JAX walk with the switch off) and chunk path
+    give the reference's result on poisoned batches."""
+    monkeypatch.setenv(native.SWITCH, native_rows)
     rng = np.random.default_rng(4)
     q_lens, kv_lens = lengths
     case, _, _ = make_case(rng, q_lens, kv_lens)
@@ -172,6 +176,7 @@ def test_decode_walk_takes_whole_steps_then_single_pages(row_keys, page_size, wi
     inside and at the edge of a step, windows starting in a later step, and a row long enough (45 keys: five
     whole steps and a part) that the walk takes its part as one more whole step: the reference's result."""
     monkeypatch.setattr(cpu_attention, "_ROW_KEYS", row_keys)
+    monkeypatch.setenv(native.SWITCH, "0")
     rng = np.random.default_rng(8)
     q_lens, kv_lens = [1, 1, 1, 1, 1, 0, 1], [8, 17, 31, 3, 24, 4, 45]
     case, _, _ = make_case(rng, q_lens, kv_lens, page_size=page_size)

@@ -24,6 +24,10 @@ shape of the computation differs, chosen from measurements of XLA:CPU (2-core x8
   about 28 ms against 5 ms per layer for 512 rows of four prompts on the machine above.
 
 Masks are stored once per call (``_materialize``) rather than left to fusion; see there.
+
+Where the native kernel is available (``native.py``: C++ through XLA's FFI, fp32 and bf16 pages), the rows that
+walk their pages (every decode row, and the single-row sequences of a prompt step) run it instead of the walk:
+it reads the pages in place where the walk must gather them into a copy first. The walk is its fallback.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.metadata import AttentionMetadata, check_shapes, token_layout
+from pallas_kernels.ragged_paged_attention import native
 
 _ROW_BLOCK = 128  # query rows per span of the in-chunk part while there are few spans
 _MAX_ROW_SPANS = 8  # spans of the in-chunk part written out (more rows: longer spans, blocked)
@@ -121,7 +126,7 @@ def ragged_paged_attention_rows(
 ) -> jax.Array:
     """Every row over its own sequence's pages (the decode path). Same arguments and result as the reference.
 
-    The keys are walked a few pages at a time (``_ROW_KEYS`` per step, online softmax), so each step's gathered
+    The native kernel reads them in place where it can (see the module doc). Otherwise the keys are walked a few pages at a time (``_ROW_KEYS`` per step, online softmax), so each step's gathered
     K/V stays in cache instead of a [rows, whole page table] copy going out to memory and back, and the walk
     stops at the batch's longest row instead of running to the end of the page-table bucket.
     """
@@ -133,6 +138,10 @@ def ragged_paged_attention_rows(
     # Keys a row may see: [first, last], both inclusive (last = its own position, within its kv_len).
     last = jnp.where(valid, jnp.minimum(positions, md.kv_lens[seq_ids] - 1), -1)
     first = jnp.zeros_like(last) if sliding_window is None else jnp.maximum(positions - sliding_window + 1, 0)
+    if native.usable(k_pages):  # the pages read in place (native.py); padding rows see nothing
+        out, _ = native.attend(q, k_pages, v_pages, md.page_indices, seq_ids, first, last, sm_scale=sm_scale,
+                               soft_cap=soft_cap)
+        return out.astype(q.dtype)
     qh = _zero_unless(valid[:, None, None], q).reshape(num_tokens, num_kv_heads, group, head_dim)
     qh = (qh.swapaxes(0, 1) * sm_scale).astype(jnp.float32)  # [KVH, T, G, D]
     parts = _walk(qh, k_pages, v_pages, md.page_indices[seq_ids], first, last, valid, md.num_seqs,
@@ -193,6 +202,19 @@ def _walk(qh, k_pages, v_pages, tables, first, last, live, num_seqs, *, soft_cap
     parts = _empty_parts(num_kv_heads, rows, group, head_dim)
     parts = jax.lax.fori_loop(0, hi - lo, keys_from(lo * pages_per_step, pages_per_step), parts)
     return jax.lax.fori_loop(0, end_page - tail, keys_from(tail, 1), parts)
+
+
+def _native_parts(qh, k_pages, v_pages, tables, first, last, *, sm_scale, soft_cap):
+    """Rows ``qh`` [KVH, R, G, D] (not scaled) over keys [first, last] of their own page tables ``tables`` [R, P]
+    (last < first: none) by the native kernel, as (peak, unnormalised out, sum) parts: its normalised output with
+    the log-sum-exp as the peak and a sum of 1 (0 for a row that saw nothing) merge like the walk's."""
+    num_kv_heads, rows, group, head_dim = qh.shape
+    q = qh.swapaxes(0, 1).reshape(rows, num_kv_heads * group, head_dim)
+    out, lse = native.attend(q, k_pages, v_pages, tables, jnp.arange(rows, dtype=jnp.int32), first, last,
+                             sm_scale=sm_scale, soft_cap=soft_cap)
+    lse = lse.reshape(rows, num_kv_heads, group).swapaxes(0, 1)
+    out = out.reshape(rows, num_kv_heads, group, head_dim).swapaxes(0, 1)
+    return lse, out, jnp.isfinite(lse).astype(jnp.float32)
 
 
 def ragged_paged_attention_chunks(
@@ -334,9 +356,14 @@ def _context_part(qh, k_pages, v_pages, md: AttentionMetadata, *, sm_scale, slid
     # Single rows: one walk over the sequence slots, each slot's row being its chunk's first (and only) row; the
     # results land on those rows of the padded parts the chunk loop then fills in.
     starts = cu_q_lens[:-1]
-    q_single = qh[:, jnp.minimum(starts, t - 1)] * sm_scale  # [KVH, S, G, D]
+    q_single = qh[:, jnp.minimum(starts, t - 1)]  # [KVH, S, G, D]
     first = jnp.zeros_like(context) if sliding_window is None else jnp.maximum(context - sliding_window + 1, 0)
-    walked = _walk(q_single, k_pages, v_pages, page_indices, first, context - 1, single, num_seqs, soft_cap=soft_cap)
+    if native.usable(k_pages):
+        walked = _native_parts(q_single, k_pages, v_pages, page_indices, first, jnp.where(single, context - 1, -1),
+                               sm_scale=sm_scale, soft_cap=soft_cap)
+    else:
+        walked = _walk(q_single * sm_scale, k_pages, v_pages, page_indices, first, context - 1, single, num_seqs,
+                       soft_cap=soft_cap)
     rows = jnp.where(single, starts, t + block)  # the others are dropped
     parts = tuple(empty.at[:, rows].set(part, mode="drop")
                   for empty, part in zip(_empty_parts(num_kv_heads, t + block, group, head_dim), walked))

@@ -1,0 +1,292 @@
+// Ragged paged attention rows for XLA:CPU, read straight from the page pool (an XLA FFI custom call).
+//
+// Each query row attends to keys [first, last] (inclusive) of its own sequence, found through that sequence's
+// page table: the K/V rows of a page are contiguous ([num_kv_heads, num_pages, page_size, head_dim]), so a
+// row reads them in place instead of through a gathered copy, which is what bounds the pure-JAX walk on CPU.
+// Online softmax in fp32, one page of keys at a time; every key is loaded once for the whole group of query
+// heads that shares its KV head (GQA). Keys outside [first, last] are never read (unused pages may hold NaN).
+//
+// Contract and Python side: native.py. Built there with the system compiler for the machine it runs on.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(uint16_t bf16) {
+  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+// Per-call working memory of one row's group of query heads.
+struct Scratch {
+  std::vector<float> scores, acc, peak, total;  // [group, page_size], [group, head_dim], [group], [group]
+};
+
+// exp(x) for x <= 0 (a score less the running peak) to within a few ulp: Cody-Waite range reduction and Cephes'
+// expf polynomial, written so that a loop of it vectorises (libm's expf does not); 0 below -87 (expf's underflow).
+inline float exp_nonpositive(float x) {
+  const float clamped = std::max(x, -87.0f);
+  const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
+  const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+// Asks for the cache lines of ``elements`` values from ``data``: a row's pages lie anywhere in the pool, so
+// without it each page's first reads wait on memory.
+template <typename T>
+inline void prefetch(const T* data, int64_t elements) {
+  const char* bytes = reinterpret_cast<const char*>(data);
+  for (int64_t offset = 0; offset < elements * static_cast<int64_t>(sizeof(T)); offset += 64) {
+    __builtin_prefetch(bytes + offset);
+  }
+}
+
+struct Shape {
+  int64_t rows, q_heads, kv_heads, num_pages, page_size, head_dim, slots, table_width;
+  int64_t group() const { return q_heads / kv_heads; }
+};
+
+// Prefetches the keys from ``position`` to the end of its page (or to ``last``) of one KV head, if any.
+template <typename T>
+inline void prefetch_page(const Shape& s, const T* k_pages, const T* v_pages, const int32_t* table, int64_t head,
+                          int64_t position, int64_t last) {
+  if (position > last) return;
+  const int32_t page = table[position / s.page_size];
+  if (page < 0 || page >= s.num_pages) return;
+  const int64_t offset = position % s.page_size;
+  const int64_t keys = std::min<int64_t>(last - position + 1, s.page_size - offset);
+  const int64_t base = ((head * s.num_pages + page) * s.page_size + offset) * s.head_dim;
+  prefetch(k_pages + base, keys * s.head_dim);
+  prefetch(v_pages + base, keys * s.head_dim);
+}
+
+// One row's group of query heads over one KV head's keys [first, last]; writes the normalised output and the
+// log-sum-exp of the scores (-inf, with a zero output, when nothing is visible).
+// kHeadDim: head_dim as a constant (the loops over it unroll), or 0 for any head_dim.
+template <typename T, int kHeadDim>
+ffi::Error attend_group(const Shape& s, const float* q, const T* k_pages, const T* v_pages, const int32_t* table,
+                        int64_t head, int64_t first, int64_t last, float sm_scale, float soft_cap, Scratch& scratch,
+                        float* out, float* lse) {
+  const int64_t g_count = s.group(), d_count = kHeadDim ? kHeadDim : s.head_dim, page_size = s.page_size;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float *scores = scratch.scores.data(), *acc = scratch.acc.data();
+  float *peak = scratch.peak.data(), *total = scratch.total.data();
+  for (int64_t g = 0; g < g_count; ++g) peak[g] = neg_inf, total[g] = 0.0f;
+  std::fill(acc, acc + g_count * d_count, 0.0f);
+  // No page is visited without a visible key (an empty one would rescale by exp(-inf - -inf) = NaN).
+  for (int64_t start = first - first % page_size; first <= last && start <= last; start += page_size) {
+    const int32_t page = table[start / page_size];
+    if (page < 0 || page >= s.num_pages) return ffi::Error::InvalidArgument("page index out of range");
+    const int64_t lo = std::max<int64_t>(first, start) - start;
+    const int64_t hi = std::min<int64_t>(last, start + page_size - 1) - start + 1;  // keys [lo, hi) of the page
+    const int64_t base = (head * s.num_pages + page) * page_size * d_count;
+    const T* k = k_pages + base;
+    const T* v = v_pages + base;
+    prefetch_page(s, k_pages, v_pages, table, head, start + page_size, last);  // loads while this one computes
+    for (int64_t g = 0; g < g_count; ++g) {
+      const float* qg = q + g * d_count;
+      float* sg = scores + g * page_size;
+      float block_peak = neg_inf;
+      for (int64_t j = lo; j < hi; ++j) {
+        const T* kj = k + j * d_count;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < d_count; ++d) dot += qg[d] * to_float(kj[d]);
+        dot *= sm_scale;
+        if (soft_cap > 0.0f) dot = soft_cap * std::tanh(dot / soft_cap);
+        sg[j] = dot;
+        block_peak = std::max(block_peak, dot);
+      }
+      const float new_peak = std::max(peak[g], block_peak);
+      const float rescale = std::exp(peak[g] - new_peak);  // exp(-inf) = 0 before the first key
+      float block_total = 0.0f;
+#pragma omp simd reduction(+ : block_total)
+      for (int64_t j = lo; j < hi; ++j) {
+        sg[j] = exp_nonpositive(sg[j] - new_peak);
+        block_total += sg[j];
+      }
+      float* ag = acc + g * d_count;
+#pragma omp simd
+      for (int64_t d = 0; d < d_count; ++d) ag[d] *= rescale;
+      for (int64_t j = lo; j < hi; ++j) {
+        const T* vj = v + j * d_count;
+        const float w = sg[j];
+#pragma omp simd
+        for (int64_t d = 0; d < d_count; ++d) ag[d] += w * to_float(vj[d]);
+      }
+      total[g] = total[g] * rescale + block_total;
+      peak[g] = new_peak;
+    }
+  }
+  for (int64_t g = 0; g < g_count; ++g) {
+    const float inv = total[g] > 0.0f ? 1.0f / total[g] : 0.0f;
+    for (int64_t d = 0; d < d_count; ++d) out[g * d_count + d] = acc[g * d_count + d] * inv;
+    lse[g] = total[g] > 0.0f ? peak[g] + std::log(total[g]) : neg_inf;
+  }
+  return ffi::Error::Success();
+}
+
+// A row's sequence slot and its visible keys [lo, hi], clamped to its page table (hi < lo: none).
+struct RowKeys {
+  int32_t seq;
+  int64_t lo, hi;
+};
+
+inline RowKeys row_keys(const Shape& s, const int32_t* row_seq, const int32_t* first, const int32_t* last,
+                        int64_t r) {
+  return {row_seq[r], std::max<int64_t>(first[r], 0), std::min<int64_t>(last[r], s.table_width * s.page_size - 1)};
+}
+
+// One call's operands (pages untyped: their element type picks the instantiation that reads them).
+struct Call {
+  Shape s;
+  const float* q;
+  const void *k_pages, *v_pages;
+  const int32_t *tables, *row_seq, *first, *last;
+  float sm_scale, soft_cap;
+  float *out, *lse;
+};
+
+// Rows [r0, r1) of a call.
+template <typename T, int kHeadDim>
+ffi::Error attend_rows(const Call& c, int64_t r0, int64_t r1) {
+  const Shape& s = c.s;
+  const T* k_pages = static_cast<const T*>(c.k_pages);
+  const T* v_pages = static_cast<const T*>(c.v_pages);
+  const int64_t g_count = s.group(), d_count = s.head_dim;
+  Scratch scratch{std::vector<float>(g_count * s.page_size), std::vector<float>(g_count * d_count),
+                  std::vector<float>(g_count), std::vector<float>(g_count)};
+  for (int64_t r = r0; r < r1; ++r) {
+    const RowKeys row = row_keys(s, c.row_seq, c.first, c.last, r);
+    if (row.seq < 0 || row.seq >= s.slots) return ffi::Error::InvalidArgument("row sequence slot out of range");
+    const int32_t* table = c.tables + row.seq * s.table_width;
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      // The next walk's first page (this row's next head, else the next row's first) loads during this one.
+      if (h + 1 < s.kv_heads) {
+        prefetch_page(s, k_pages, v_pages, table, h + 1, row.lo, row.hi);
+      } else if (r + 1 < r1) {
+        const RowKeys next = row_keys(s, c.row_seq, c.first, c.last, r + 1);
+        if (next.seq >= 0 && next.seq < s.slots) {
+          prefetch_page(s, k_pages, v_pages, c.tables + next.seq * s.table_width, 0, next.lo, next.hi);
+        }
+      }
+      const int64_t at = r * s.q_heads + h * g_count;
+      ffi::Error error = attend_group<T, kHeadDim>(s, c.q + at * d_count, k_pages, v_pages, table, h, row.lo,
+                                                   row.hi, c.sm_scale, c.soft_cap, scratch, c.out + at * d_count,
+                                                   c.lse + at);
+      if (error.failure()) return error;
+    }
+  }
+  return ffi::Error::Success();
+}
+
+using RowsFn = ffi::Error (*)(const Call&, int64_t, int64_t);
+
+// The instantiation for a page type: the common head dims with their loops unrolled, any other generic.
+template <typename T>
+RowsFn rows_fn(int64_t head_dim) {
+  switch (head_dim) {
+    case 32: return attend_rows<T, 32>;
+    case 64: return attend_rows<T, 64>;
+    case 128: return attend_rows<T, 128>;
+    case 256: return attend_rows<T, 256>;
+    default: return attend_rows<T, 0>;
+  }
+}
+
+// Rows split into chunks that the calling thread and up to ``workers - 1`` tasks on XLA's intra-op pool take
+// in turn. The caller takes chunks until none is left and then waits only for chunks already running, so a
+// pool whose threads are all busy (or blocked in the same wait) cannot deadlock it; a task that starts late
+// finds nothing to do and touches only the shared state.
+ffi::Error run_split(ffi::ThreadPool& pool, const Call& call, RowsFn fn, int64_t workers) {
+  const int64_t chunks = std::min<int64_t>(call.s.rows, 4 * workers);
+  if (workers <= 1 || chunks <= 1) return fn(call, 0, call.s.rows);
+  struct Work {
+    std::atomic<int64_t> next{0}, done{0};
+    std::mutex mutex;
+    std::condition_variable finished;
+    std::string error;
+  };
+  auto work = std::make_shared<Work>();
+  auto take = [work, call, fn, chunks]() {
+    for (int64_t c; (c = work->next.fetch_add(1)) < chunks;) {
+      ffi::Error error = fn(call, call.s.rows * c / chunks, call.s.rows * (c + 1) / chunks);
+      std::lock_guard<std::mutex> lock(work->mutex);
+      if (error.failure() && work->error.empty()) work->error = error.message();
+      if (++work->done == chunks) work->finished.notify_all();
+    }
+  };
+  for (int64_t i = 1; i < workers; ++i) pool.Schedule(decltype(take)(take));
+  take();
+  std::unique_lock<std::mutex> lock(work->mutex);
+  work->finished.wait(lock, [&] { return work->done == chunks; });
+  return work->error.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(work->error);
+}
+
+ffi::Error rows_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
+                          ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_seq,
+                          ffi::Buffer<ffi::S32> first, ffi::Buffer<ffi::S32> last, float sm_scale, float soft_cap,
+                          int64_t threads, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+  const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2) return ffi::Error::InvalidArgument("bad ranks");
+  const Shape s{qd[0], qd[1], kd[0], kd[1], kd[2], kd[3], td[0], td[1]};
+  if (qd[2] != s.head_dim || s.q_heads % s.kv_heads) return ffi::Error::InvalidArgument("bad head shapes");
+  if (k_pages.element_type() != v_pages.element_type()) return ffi::Error::InvalidArgument("k/v dtypes differ");
+  RowsFn fn;
+  switch (k_pages.element_type()) {
+    case ffi::DataType::F32: fn = rows_fn<float>(s.head_dim); break;
+    case ffi::DataType::BF16: fn = rows_fn<uint16_t>(s.head_dim); break;
+    default: return ffi::Error::InvalidArgument("pages must be float32 or bfloat16");
+  }
+  const Call call{s, q.typed_data(), k_pages.untyped_data(), v_pages.untyped_data(), tables.typed_data(),
+                  row_seq.typed_data(), first.typed_data(), last.typed_data(), sm_scale, soft_cap,
+                  out->typed_data(), lse->typed_data()};
+  return run_split(pool, call, fn, std::min<int64_t>(threads, std::max<int64_t>(pool.num_threads(), 1)));
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRowsAttention, rows_attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [rows, q_heads, head_dim]
+                                  .Arg<ffi::AnyBuffer>()         // k_pages [kv_heads, pages, page_size, head_dim]
+                                  .Arg<ffi::AnyBuffer>()         // v_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tables [slots, width]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // row_seq [rows]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // first [rows]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // last [rows]
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")      // 0: none
+                                  .Attr<int64_t>("threads")     // at most this many threads (1: the caller's)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [rows, q_heads, head_dim]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse [rows, q_heads]
+);

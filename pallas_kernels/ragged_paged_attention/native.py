@@ -1,0 +1,154 @@
+"""The native CPU attention rows (``cpu_native.cc``): built, loaded and registered with XLA at first use.
+
+XLA:CPU cannot read a row's K/V pages in place: the pure-JAX walk (``cpu.py``) gathers them into a copy first,
+and that copy, not the arithmetic, bounds the decode step on CPU. The C++ kernel reads the pages through the
+page table directly. It is compiled from the source shipped in this package with the system C++ compiler
+(``$CXX``, else ``g++``) for the machine it runs on, into ``$JAXSERVE_CACHE/native`` (default
+``~/.cache/jaxserve/native``) under a name keyed by the source, the flags, the compiler, jaxlib and the host
+CPU's instruction-set flags (``-march=native``: a cache on a shared home must not hand one machine's build to
+another), written under
+a temporary name and renamed so concurrent processes never load a half-written library; then loaded with ctypes
+and registered as an XLA FFI target for the CPU platform.
+
+Where it cannot be built (no compiler, a failed build) or ``JAXSERVE_CPU_NATIVE_ATTENTION=0``, ``available()``
+is False, one log line says why, and callers run the pure-JAX walk. An executable that calls the target (a
+deserialized one included) needs it registered in its process first: call ``available()`` before loading one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+from pallas_kernels.quantized_pages import QuantizedPages
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_native.cc")
+SWITCH = "JAXSERVE_CPU_NATIVE_ATTENTION"  # "0" turns the native path off
+TARGET = "jaxserve_rows_attention"
+_SYMBOL = "JaxserveRowsAttention"
+_FLAGS = ("-O3", "-DNDEBUG", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+PAGE_DTYPES = (jnp.float32, jnp.bfloat16)
+_registered: set[str] = set()  # targets registered in this process (XLA keeps them for its lifetime)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("JAXSERVE_CACHE", Path.home() / ".cache" / "jaxserve")) / "native"
+
+
+def enabled() -> bool:
+    """Whether the native path is wanted (``JAXSERVE_CPU_NATIVE_ATTENTION`` is not "0")."""
+    return os.environ.get(SWITCH, "1") != "0"
+
+
+def _host_cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.machine()
+
+
+def build(directory: Path, compiler: str) -> Path:
+    """The shared library built from ``SOURCE`` with ``compiler`` in ``directory`` (reused when its key matches).
+
+    Raises OSError or subprocess.CalledProcessError when the compiler is missing or the build fails.
+    """
+    found = shutil.which(compiler)
+    if found is None:
+        raise FileNotFoundError(f"no C++ compiler {compiler!r}")
+    version = subprocess.run([found, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(_FLAGS), found, version, jaxlib.__version__,
+                                    _host_cpu_flags()]).encode()).hexdigest()[:24]
+    path = directory / f"rows_attention-{key}.so"
+    if path.exists():
+        return path
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".so")
+    os.close(fd)
+    try:
+        subprocess.run([found, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp],
+                       capture_output=True, text=True, check=True)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+@functools.cache
+def available() -> bool:
+    """Build, load and register the kernel once per process; False (with one log line) where it cannot be."""
+    try:
+        path = build(cache_dir(), os.environ.get("CXX", "g++"))
+        if TARGET not in _registered:
+            library = ctypes.cdll.LoadLibrary(str(path))
+            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, _SYMBOL)), platform="cpu")
+            _registered.add(TARGET)
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = (getattr(e, "stderr", None) or str(e)).strip()
+        logger.warning("native CPU attention unavailable (%s): the pure-JAX walk runs",
+                       detail.splitlines()[-1] if detail else type(e).__name__)
+        return False
+    return True
+
+
+@functools.cache
+def _log_switched_off() -> None:
+    logger.info("native CPU attention off (%s=0): the pure-JAX walk runs", SWITCH)
+
+
+def usable(k_pages) -> bool:
+    """Whether the native kernel reads these pages in the program being traced: a CPU backend, float32 or
+    bfloat16 pages (not an 8-bit ``QuantizedPages`` pool: the pure-JAX walk reads those), the switch on and the
+    library available. Read at trace time, so the switch applies to programs traced after it changes."""
+    if jax.default_backend() != "cpu" or isinstance(k_pages, QuantizedPages) or k_pages.dtype not in PAGE_DTYPES:
+        return False
+    if not enabled():
+        _log_switched_off()
+        return False
+    return available()
+
+
+def attend(
+    q: jax.Array,  # f32[R, num_q_heads, head_dim]
+    k_pages: jax.Array,  # f32|bf16[num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # like k_pages
+    tables: jax.Array,  # i32[S, P]: each sequence slot's pages
+    row_seq: jax.Array,  # i32[R]: the slot whose pages each row reads
+    first: jax.Array,  # i32[R]: first visible key position (inclusive)
+    last: jax.Array,  # i32[R]: last visible key position (inclusive; < first: the row sees nothing)
+    *,
+    sm_scale: float,
+    soft_cap: float | None,
+    threads: int = 1,
+) -> tuple[jax.Array, jax.Array]:
+    """Each row over keys [first, last] of its slot's pages, read in place.
+
+    ``threads`` > 1 splits the rows over XLA's intra-op thread pool as well as the calling thread. The engine
+    keeps 1: on a 2-core machine the step alone got faster but the host loop, which needs the other core while
+    the step runs, lost as much (docs/benchmarks.md).
+
+    Returns:
+      (out f32[R, num_q_heads, head_dim]: the softmax-weighted values, zeros for a row that sees nothing;
+       lse f32[R, num_q_heads]: the log-sum-exp of its scores, -inf for such a row).
+    """
+    rows, num_q_heads, _ = q.shape
+    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                                     jax.ShapeDtypeStruct((rows, num_q_heads), jnp.float32)))
+    return call(q.astype(jnp.float32), k_pages, v_pages, tables, row_seq, first, last,
+                sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0), threads=np.int64(threads))
