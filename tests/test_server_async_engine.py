@@ -149,6 +149,7 @@ def test_a_slow_prompt_does_not_stop_the_engine_stepping():
     """Tokenizing a near-limit prompt happens in a worker thread: the running stream keeps getting steps."""
     async def main():
         ae, fake = await _started()
+        fake.step_delay = 0.001  # free-running, the fake's outputs (its whole text each step) grow without bound
         running = await ae.add_request("a", SamplingParams(max_tokens=10_000_000))
         await running.__anext__()
         fake.tokenizer.encode_delay = 0.5
@@ -210,7 +211,8 @@ def test_engine_thread_ends_quietly_when_its_event_loop_closes_first():
     hook, threading.excepthook = threading.excepthook, errors.append
     try:
         async def main():
-            ae, _ = await _started()
+            ae, fake = await _started()
+            fake.step_delay = 0.001  # free-running, the fake's outputs (its whole text each step) grow without bound
             await ae.add_request("a", SamplingParams(max_tokens=10_000_000))
             return ae  # the loop closes with the request still running and the engine never stopped
 
