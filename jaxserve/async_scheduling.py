@@ -34,8 +34,8 @@ from jaxserve.scheduler import UpdateResult
 from jaxserve.sequence import SequenceStatus
 
 
-def placeholder(row: int) -> int:
-    """The token id standing for row ``row`` of the previous step's sampled ids."""
+def placeholder(row):
+    """The token id standing for row ``row`` of the previous step's sampled ids (an int, or rows as an array)."""
     return -1 - row
 
 
@@ -49,13 +49,13 @@ def commit(scheduler: ReplicatedScheduler, plan: ReplicatedPlan) -> None:
         run = p.run
         if run is not None:
             n = len(run)
-            rows = np.arange(row, row + n, dtype=np.int64)
-            for seq, kv, token, ph in zip(run.seqs, run.kv_lens.tolist(), run.tokens.tolist(), (-1 - rows).tolist()):
+            placeholders = placeholder(np.arange(row, row + n, dtype=np.int64))
+            for seq, kv, token, ph in zip(run.seqs, run.kv_lens.tolist(), run.tokens.tolist(), placeholders.tolist()):
                 seq.num_computed_tokens = kv
                 if token >= 0:  # the token fed is known: offer the full pages now (see below)
                     register(seq)
                 seq.append_token(ph)
-            sched.slots.decoded(run.slots, run.kv_lens, -1 - rows)
+            sched.slots.decoded(run.slots, run.kv_lens, placeholders)
             row += n
         for entry in p.entries:
             seq = entry.seq

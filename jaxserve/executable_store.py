@@ -75,7 +75,7 @@ def _host_cpu() -> str:
 def _native_attention(platform_name: str) -> bool:
     """Whether this process's CPU steps call the native attention kernel. Asking registers it: a stored
     executable that calls it must find it registered before it runs, and a warm start traces nothing that would."""
-    return platform_name == "cpu" and native.enabled() and native.available()
+    return platform_name == "cpu" and native.active()
 
 
 def _describe_leaves(tree) -> str:

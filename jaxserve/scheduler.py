@@ -152,7 +152,7 @@ class Scheduler:
         # Running sequences changed other than in bulk since their slot was last written: rewritten at the next
         # schedule (finished ones, and preempted ones, which are rewritten when admitted again, are skipped).
         self._stale: list[Sequence] = []
-        self._slots_of: tuple[list[Sequence], np.ndarray] = ([], np.zeros(0, np.int64))  # running -> their slots
+        self._slots_of: tuple[list[Sequence], np.ndarray] = ([], _NO_SLOTS)  # running -> their slots
 
     # ---- queries ------------------------------------------------------------------------------------------
     @property
@@ -418,15 +418,8 @@ class Scheduler:
             for i, (seq, kv, token) in enumerate(zip(run.seqs, run.kv_lens.tolist(), tokens.tolist())):
                 if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != kv - 1:
                     continue
-                seq.num_computed_tokens = kv
-                bm.register(seq)
-                seq.append_token(token)
                 done.append(i)
-                updated.append(seq)
-                stop = self._check_stop(seq) if maybe[i] else None
-                if stop is not None:
-                    self.finish(seq, *stop)
-                    finished.append(seq)
+                self._record_token(seq, kv, token, maybe[i], updated, finished)
             # (a finished sequence's slot is free: written whole before anyone reads it again)
             self.slots.decoded(run.slots[done], run.kv_lens[done], tokens[done])
         for i, (entry, token) in enumerate(zip(output.entries, sampled_token_ids[skip:]), skip):
@@ -436,17 +429,25 @@ class Scheduler:
             if entry.num_proposed:
                 self._update_speculated(entry, list(token), updated, finished)
                 continue
-            seq.num_computed_tokens = entry.kv_len
-            bm.register(seq)
             if not entry.needs_sample:
+                seq.num_computed_tokens = entry.kv_len
+                bm.register(seq)
                 continue
-            seq.append_token(int(token))
-            updated.append(seq)
-            stop = self._check_stop(seq) if maybe[i] else None
-            if stop is not None:
-                self.finish(seq, *stop)
-                finished.append(seq)
+            self._record_token(seq, entry.kv_len, int(token), maybe[i], updated, finished)
         return UpdateResult(updated, finished)
+
+    def _record_token(self, seq: Sequence, kv_len: int, token: int, may_stop: bool, updated: list[Sequence],
+                      finished: list[Sequence]) -> None:
+        """A step computed ``seq``'s KV up to ``kv_len`` and sampled ``token``: full pages go to the prefix cache,
+        the token is appended, and the stop check runs where ``may_stop`` (``_stop_candidates``)."""
+        seq.num_computed_tokens = kv_len
+        self.block_manager.register(seq)
+        seq.append_token(token)
+        updated.append(seq)
+        stop = self._check_stop(seq) if may_stop else None
+        if stop is not None:
+            self.finish(seq, *stop)
+            finished.append(seq)
 
     def _update_speculated(self, entry: ScheduledSequence, tokens: list[int], updated: list[Sequence],
                            finished: list[Sequence]) -> None:
@@ -510,7 +511,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         """The sequence leaves: its slot is free (and the running slots are looked up again)."""
         self.stops.release(seq)
-        self._slots_of = ([], self._slots_of[1][:0])
+        self._slots_of = ([], _NO_SLOTS)
 
     def _chunk(self, remaining: int, budget: int) -> int:
         """Tokens of a prefill of ``remaining`` tokens to run now, given ``budget``; 0 means wait."""
@@ -567,6 +568,7 @@ class Scheduler:
         return None
 
 
+_NO_SLOTS = np.zeros(0, np.int64)
 _NUM_TOKENS, _COMPUTED, _PAGE_TABLE = (operator.attrgetter(a) for a in ("num_tokens", "num_computed_tokens",
                                                                              "page_table"))
 

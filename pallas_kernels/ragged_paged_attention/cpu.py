@@ -126,9 +126,10 @@ def ragged_paged_attention_rows(
 ) -> jax.Array:
     """Every row over its own sequence's pages (the decode path). Same arguments and result as the reference.
 
-    The native kernel reads them in place where it can (see the module doc). Otherwise the keys are walked a few pages at a time (``_ROW_KEYS`` per step, online softmax), so each step's gathered
-    K/V stays in cache instead of a [rows, whole page table] copy going out to memory and back, and the walk
-    stops at the batch's longest row instead of running to the end of the page-table bucket.
+    The native kernel reads the pages in place where it can (see the module doc). Otherwise the keys are walked
+    a few pages at a time (``_ROW_KEYS`` per step, online softmax), so each step's gathered K/V stays in cache
+    instead of a [rows, whole page table] copy going out to memory and back, and the walk stops at the batch's
+    longest row instead of running to the end of the page-table bucket.
     """
     check_shapes(q, k_pages, v_pages, md)
     num_tokens, num_q_heads, head_dim = q.shape

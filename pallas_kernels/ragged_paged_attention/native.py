@@ -118,6 +118,12 @@ def usable(k_pages) -> bool:
     library available. Read at trace time, so the switch applies to programs traced after it changes."""
     if jax.default_backend() != "cpu" or isinstance(k_pages, QuantizedPages) or k_pages.dtype not in PAGE_DTYPES:
         return False
+    return active()
+
+
+def active() -> bool:
+    """Whether CPU programs traced now call the kernel where their pages allow: the switch on and the library
+    available (asking builds and registers it)."""
     if not enabled():
         _log_switched_off()
         return False
