@@ -8,7 +8,7 @@ import importlib
 _EXPORTS = {
     "LLM": "jaxserve.llm",
     "SamplingParams": "jaxserve.sampling_params",
-    "StructuredOutputsParams": "jaxserve.structured_output",
+    "StructuredOutputsParams": "jaxserve.text.structured_output",
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",
 }

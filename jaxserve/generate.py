@@ -13,8 +13,8 @@ import argparse
 import dataclasses
 import time
 
-from jaxserve import logs
-from jaxserve.engine_args import engine_config_from_args
+from jaxserve.config.args import engine_config_from_args
+from jaxserve.server import logs
 from jaxserve.server.args import add_engine_args_with_demo_shapes, fill_demo_shapes
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from jaxserve.engine_config import EngineConfig
-from jaxserve.engine_factory import make_engine
+from jaxserve.config.engine import EngineConfig
+from jaxserve.disagg.factory import make_engine
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 

@@ -20,7 +20,7 @@ def _float(value, lo: float = -math.inf, hi: float = math.inf) -> bool:
 
 import numpy as np
 
-from jaxserve.structured_output import StructuredOutputsParams
+from jaxserve.text.structured_output import StructuredOutputsParams
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ import asyncio
 import os
 import sys
 
-from jaxserve import logs
+from jaxserve.server import logs
 from jaxserve.server.args import parse_args
 
 
@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") 
     args = parse_args(argv, prog=prog)
     logs.setup(args.log_level)
     if args.role == "router":  # no engine, no jax
-        from jaxserve.router import run_router
+        from jaxserve.server.router import run_router
 
         return asyncio.run(run_router(args))
     from sharding import multihost  # after logging is set up: importing it loads jax
@@ -27,13 +27,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") 
             and not multihost.is_leader():
         return follow(args)
     if args.role == "prefill":
-        from jaxserve.disagg_remote import serve_prefill
+        from jaxserve.disagg.remote import serve_prefill
 
         return serve_prefill(args)
     if args.role == "decode":
         import functools
 
-        from jaxserve.disagg_remote import RemotePrefillEngine
+        from jaxserve.disagg.remote import RemotePrefillEngine
 
         args.engine_factory = functools.partial(RemotePrefillEngine, prefill_urls=args.prefill_url.split(","),
                                                 kv_transfer=args.kv_transfer, transfer_host=args.host)
@@ -52,7 +52,7 @@ def follow(args) -> int:
     it stops (its shutdown), then exit."""
     import logging
 
-    from jaxserve.engine import Engine
+    from jaxserve.engine.engine import Engine
 
     log = logging.getLogger("jaxserve.serve")
     engine = Engine(args.engine_config)

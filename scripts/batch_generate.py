@@ -16,9 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxserve.batch_job import run_batch_job  # noqa: E402
-from jaxserve.engine import Engine  # noqa: E402
-from jaxserve.engine_args import add_engine_args, engine_config_from_args  # noqa: E402
+from jaxserve.config.args import add_engine_args, engine_config_from_args  # noqa: E402
+from jaxserve.engine.engine import Engine  # noqa: E402
+from jaxserve.tools.batch_job import run_batch_job  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -59,10 +59,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxserve.batch import StepKind  # noqa: E402
-from jaxserve.demo import DEMO_CONFIG, byte_tokenizer, write_random_checkpoint  # noqa: E402
-from jaxserve.engine import Engine  # noqa: E402
-from jaxserve.engine_config import EngineConfig  # noqa: E402
+from jaxserve.config.engine import EngineConfig  # noqa: E402
+from jaxserve.engine.engine import Engine  # noqa: E402
+from jaxserve.executor.batch import StepKind  # noqa: E402
+from jaxserve.models.demo import DEMO_CONFIG, byte_tokenizer, write_random_checkpoint  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -145,8 +145,7 @@ class Phases:
     that make up a step (``--phases``). Wrapping costs ~1 µs per call, a few per step."""
 
     def __init__(self, engine: Engine):
-        from jaxserve import async_scheduling
-
+        from jaxserve.engine import async_scheduling
         ex = engine.executor
         self.cpu: dict[str, float] = {}
         self._undo = []

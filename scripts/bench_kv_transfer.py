@@ -4,7 +4,7 @@
     python scripts/bench_kv_transfer.py [--sizes-mib 1,16,64] [--repeats 5]
 
 The script starts a second process that plays the prefill side: for each request it gathers nothing, it offers
-a ready array of the asked size through ``jaxserve.kv_transfer.JaxTransfer`` and also streams the same array's
+a ready array of the asked size through ``jaxserve.disagg.kv_transfer.JaxTransfer`` and also streams the same array's
 bytes over a gRPC unary-stream call in ``CHUNK_BYTES`` chunks (as ``PrefillServer`` does, the device-to-host
 copy included). This process plays the decode side: it pulls the array onto its device, or reads the stream,
 rebuilds the array with ``np.frombuffer`` and ``jax.device_put`` s it. The two ways alternate, ``--repeats``
@@ -34,8 +34,8 @@ def serve(port_file: str) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxserve.disagg_remote import CHUNK_BYTES
-    from jaxserve.kv_transfer import JaxTransfer
+    from jaxserve.disagg.kv_transfer import JaxTransfer
+    from jaxserve.disagg.remote import CHUNK_BYTES
 
     transfer = JaxTransfer("127.0.0.1")
     arrays: dict[int, jax.Array] = {}
@@ -81,8 +81,8 @@ def main() -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxserve.disagg_remote import CHUNK_BYTES
-    from jaxserve.kv_transfer import JaxTransfer
+    from jaxserve.disagg.kv_transfer import JaxTransfer
+    from jaxserve.disagg.remote import CHUNK_BYTES
 
     port_file = Path("/tmp") / f"bench_kv_transfer.{time.time_ns()}.port"
     proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port_file)], cwd=ROOT)

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxserve.demo import DEMO_CONFIG, write_random_checkpoint  # noqa: E402
-from jaxserve.loader import load_model, save_orbax  # noqa: E402
+from jaxserve.models.demo import DEMO_CONFIG, write_random_checkpoint  # noqa: E402
+from jaxserve.models.loader import load_model, save_orbax  # noqa: E402
 
 
 def timed_load(path: Path, dtype: str) -> float:

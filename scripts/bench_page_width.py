@@ -19,9 +19,9 @@ import time
 
 import jax
 
-from jaxserve.batch import MeshBatch, StepBatch, StepKind
-from jaxserve.engine_config import EngineConfig
-from jaxserve.executor import Executor
+from jaxserve.config.engine import EngineConfig
+from jaxserve.executor.batch import MeshBatch, StepBatch, StepKind
+from jaxserve.executor.executor import Executor
 
 
 def main() -> None:

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from benchmark_offline import probe_decode, run_jaxserve  # noqa: E402
-from jaxserve.engine import Engine  # noqa: E402
-from jaxserve.engine_config import EngineConfig  # noqa: E402
+from jaxserve.engine.engine import Engine  # noqa: E402
+from jaxserve.config.engine import EngineConfig  # noqa: E402
 
 CONFIGS = {
     "fp32": dict(dtype="float32"),

@@ -12,7 +12,7 @@ import time
 import jax
 import numpy as np
 
-from jaxserve.sampler import SamplingTensors, sample
+from jaxserve.executor.sampler import SamplingTensors, sample
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -49,7 +49,7 @@ def main() -> None:
     sys.path.insert(0, "tests")
     from tiny import train_tokenizer  # noqa: E402
 
-    from jaxserve.structured_output import GrammarCompiler, StructuredOutputsParams
+    from jaxserve.text.structured_output import GrammarCompiler, StructuredOutputsParams
 
     tok = train_tokenizer(4096)
     compiler = GrammarCompiler(tok, len(tok), [1])

@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from jaxserve.demo import DEMO_CONFIG, byte_tokenizer, write_random_checkpoint  # noqa: E402
-from jaxserve.engine import Engine  # noqa: E402
-from jaxserve.engine_config import EngineConfig  # noqa: E402
+from jaxserve.config.engine import EngineConfig  # noqa: E402
+from jaxserve.engine.engine import Engine  # noqa: E402
+from jaxserve.models.demo import DEMO_CONFIG, byte_tokenizer, write_random_checkpoint  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 
 

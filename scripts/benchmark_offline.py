@@ -28,12 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxserve.batch import StepKind  # noqa: E402
-from jaxserve.demo import DEMO_CONFIG, byte_tokenizer, write_random_checkpoint  # noqa: E402
-from jaxserve.engine import Engine  # noqa: E402
-from jaxserve.engine_args import add_engine_args, engine_config_from_args  # noqa: E402
-from jaxserve.roofline import decode_cost, measure_peaks, prefill_cost  # noqa: E402
+from jaxserve.config.args import add_engine_args, engine_config_from_args  # noqa: E402
+from jaxserve.engine.engine import Engine  # noqa: E402
+from jaxserve.executor.batch import StepKind  # noqa: E402
+from jaxserve.models.demo import DEMO_CONFIG, byte_tokenizer, write_random_checkpoint  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
+from jaxserve.tools.roofline import decode_cost, measure_peaks, prefill_cost  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -168,7 +168,7 @@ def main() -> None:
     print(f"jaxserve: {len(w['prompts'])} requests in {res['seconds']:.2f}s = {len(w['prompts']) / res['seconds']:.2f} "
           f"req/s, {in_tok / res['seconds']:.0f} input tok/s, {out_tps:.1f} output tok/s, {res['steps']} steps, "
           f"mean step {1e3 * res['seconds'] / res['steps']:.1f} ms")
-    if engine.spec is not None:  # speculative decoding's counters (jaxserve/spec/planner.py)
+    if engine.spec is not None:  # speculative decoding's counters (jaxserve/spec_decode/planner.py)
         sp = engine.spec.counters.stats()
         print(f"  speculation: {sp['spec_proposed_tokens']} proposed, {sp['spec_accepted_tokens']} accepted "
               f"({sp['spec_acceptance_rate']:.0%}), {sp['spec_emitted_tokens']} emitted over "

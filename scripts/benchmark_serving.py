@@ -261,8 +261,8 @@ class GrpcBackend:
     def __init__(self, host: str, port: int, model: str | None, api_key: str | None, timeout: float, params: dict):
         import grpc
 
-        from jaxserve.protos import jaxserve_pb2 as pb
-        from jaxserve.protos import jaxserve_pb2_grpc as pb_grpc
+        from jaxserve.server.protos import jaxserve_pb2 as pb
+        from jaxserve.server.protos import jaxserve_pb2_grpc as pb_grpc
 
         self.grpc, self.pb = grpc, pb
         self.addr = f"{host}:{port}"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxserve.loader import load_model, save_orbax  # noqa: E402
+from jaxserve.models.loader import load_model, save_orbax  # noqa: E402
 
 _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
            "special_tokens_map.json", "tokenizer.model", "chat_template.jinja", "vocab.json", "merges.txt")

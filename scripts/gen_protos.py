@@ -1,11 +1,11 @@
-"""Regenerate the gRPC modules from ``jaxserve/protos/jaxserve.proto``.
+"""Regenerate the gRPC modules from ``jaxserve/server/protos/jaxserve.proto``.
 
     pip install -e ".[dev]"   # grpcio-tools, pinned so the generated code matches the protobuf runtime floor
     python scripts/gen_protos.py [--out DIR]
 
 Writes ``jaxserve_pb2.py``, ``jaxserve_pb2.pyi`` and ``jaxserve_pb2_grpc.py`` next to the .proto file (or into
 ``--out``) and rewrites the stub's ``import jaxserve_pb2`` to a package-relative import, so the modules import as
-``jaxserve.protos.jaxserve_pb2`` / ``jaxserve.protos.jaxserve_pb2_grpc`` from any working directory.
+``jaxserve.server.protos.jaxserve_pb2`` / ``jaxserve.server.protos.jaxserve_pb2_grpc`` from any working directory.
 
 grpcio-tools 1.85.1 bundles protoc 35.1: its code requires protobuf >= 7.35.1 and grpcio >= 1.85.1 at run time,
 which is what pyproject.toml declares. Moving the pin means moving those floors with it.
@@ -18,7 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-PROTO_DIR = Path(__file__).resolve().parents[1] / "jaxserve" / "protos"
+PROTO_DIR = Path(__file__).resolve().parents[1] / "jaxserve" / "server" / "protos"
 PROTO = "jaxserve.proto"
 GENERATED = ("jaxserve_pb2.py", "jaxserve_pb2.pyi", "jaxserve_pb2_grpc.py")
 

@@ -191,11 +191,11 @@ def random_engine(hf: dict, folder: Path, *, max_num_seqs: int, max_num_batched_
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxserve import executor as executor_module
-    from jaxserve.config import ModelConfig
-    from jaxserve.demo import byte_tokenizer
-    from jaxserve.engine_config import EngineConfig
-    from jaxserve.loader import abstract_model, param_shardings, resolve_dtype
+    from jaxserve.config.engine import EngineConfig
+    from jaxserve.executor import executor as executor_module
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.models.demo import byte_tokenizer
+    from jaxserve.models.loader import abstract_model, param_shardings, resolve_dtype
     from sharding.rules import model_rules
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -222,7 +222,7 @@ def random_engine(hf: dict, folder: Path, *, max_num_seqs: int, max_num_batched_
             var.set_value(makers[spec](jax.random.key(i)))
         return nnx.merge(graphdef, nnx.from_flat_state(flat)), cfg, Path(model_path)
 
-    from jaxserve.engine import Engine
+    from jaxserve.engine.engine import Engine
 
     real = executor_module.load_model
     executor_module.load_model = load_random
@@ -253,8 +253,8 @@ def model_timings(dry_run: bool, workdir: Path) -> Section:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxserve.roofline import decode_cost, measure_peaks, prefill_cost, weight_bytes
     from jaxserve.sampling_params import SamplingParams
+    from jaxserve.tools.roofline import decode_cost, measure_peaks, prefill_cost, weight_bytes
 
     hf, w = (TINY_LLAMA, Workload(64, 256, 8, 16, 8)) if dry_run else (LLAMA_8B, Workload())
     page = 16
@@ -262,7 +262,7 @@ def model_timings(dry_run: bool, workdir: Path) -> Section:
     pages_needed = w.batch * -(-(w.prompt_len + w.output_len) // page) + 2 * -(-max_len // page)
     engine = random_engine(hf, workdir / "model", max_num_seqs=w.batch, max_num_batched_tokens=w.prompt,
                            max_model_len=max_len, num_pages=pages_needed)
-    from jaxserve.batch import StepKind
+    from jaxserve.executor.batch import StepKind
 
     cfg, executor = engine.model_config, engine.executor
     runner = executor.runner

@@ -49,7 +49,7 @@ def run_one(args, mesh: str) -> dict:
     import numpy as np
 
     from jaxserve import LLM, SamplingParams
-    from sharding.mesh import MeshConfig
+    from sharding.config import MeshConfig
 
     devices = MeshConfig.parse(mesh).num_devices
     start = time.perf_counter()
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: run one mesh, print JSON
     args = parser.parse_args(argv)
     if args.model is None:
-        from jaxserve.demo import demo_model_path
+        from jaxserve.models.demo import demo_model_path
 
         args.model = str(demo_model_path())
     if args.max_model_len is None:

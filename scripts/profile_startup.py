@@ -5,7 +5,7 @@ persistent-cache read) and first execution, with a cold and then a warm compilat
 
 Each of the two runs is a fresh process (``--phase`` child) building the executor with ``warmup=False`` and
 then doing by hand, shape by shape in one thread, every phase a start may go through: loading the step's
-executable from the executable store (``jaxserve.executable_store``; what a warm start does instead of all the
+executable from the executable store (``jaxserve.executor.executable_store``; what a warm start does instead of all the
 rest), ``jit.trace``, ``.lower()``, ``.compile()`` (a persistent-cache read when the XLA cache holds the
 program), one execution of the compiled program (which warm-up no longer does), and the sampler variants.
 The parent prints a table per run and the totals per phase; ``--out`` keeps the figures. Single-threaded on purpose: the phases are told apart, not overlapped as serving does.
@@ -31,10 +31,12 @@ def child(argv: list[str]) -> dict:
     import jax
     import numpy as np
 
-    from jaxserve import compile_counter, executor as executor_module
-    from jaxserve.batch import StepKind
-    from jaxserve.engine_args import add_engine_args, engine_config_from_args
-    from jaxserve.executable_store import ExecutableStore
+    from jaxserve.executor import compile_counter
+
+    from jaxserve.executor import executor as executor_module
+    from jaxserve.executor.batch import StepKind
+    from jaxserve.config.args import add_engine_args, engine_config_from_args
+    from jaxserve.executor.executable_store import ExecutableStore
 
     t_import = time.perf_counter() - t0
     parser = argparse.ArgumentParser()
@@ -86,7 +88,7 @@ def child(argv: list[str]) -> dict:
     s = time.perf_counter()
     # The sampler variants, as the warm-up compiles them (through jit: trace + lower + compile + run).
     out = runner.local(out)
-    from jaxserve.sampler import SamplingTensors
+    from jaxserve.executor.sampler import SamplingTensors
     from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
     for logprobs in (None, 1):
@@ -102,7 +104,7 @@ def child(argv: list[str]) -> dict:
 
 
 def _demo():
-    from jaxserve.demo import demo_model_path
+    from jaxserve.models.demo import demo_model_path
 
     return demo_model_path()
 

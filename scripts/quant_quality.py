@@ -34,10 +34,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxserve.attention import AttentionBackend, ShardedAttention  # noqa: E402
-from jaxserve.kv_cache import CacheConfig, init_kv_cache  # noqa: E402
-from jaxserve.loader import load_model  # noqa: E402
+from jaxserve.executor.kv_cache import CacheConfig, init_kv_cache  # noqa: E402
+from jaxserve.models.attention import AttentionBackend, ShardedAttention  # noqa: E402
 from jaxserve.models.decoder import forward  # noqa: E402
+from jaxserve.models.loader import load_model  # noqa: E402
 from pallas_kernels.metadata import AttentionMetadata  # noqa: E402
 from pallas_kernels.quantized_pages import STORAGE  # noqa: E402
 from sharding.layout import StepLayout  # noqa: E402
@@ -83,7 +83,7 @@ def teacher_forced_logits(model_path: str, tokens: np.ndarray, *, quantization: 
                           page_size: int = 16, mesh: str | None = None) -> np.ndarray:
     """f32[seqs, length, vocab]: the next-token logits at every position, the prompt fed ``chunk`` tokens at a
     time through the paged cache (the reference attention path)."""
-    from sharding.mesh import MeshConfig
+    from sharding.config import MeshConfig
 
     mesh = make_mesh(mesh, num_devices=None if mesh is None else MeshConfig.parse(mesh).num_devices)
     model, cfg, _ = load_model(model_path, dtype, mesh, quantization)
@@ -143,7 +143,7 @@ def evaluate(model_path: str, modes, *, seqs: int = 4, length: int = 96, chunk: 
              dtype: str = "float32", tokens: np.ndarray | None = None) -> dict[str, dict[str, float]]:
     """Per mode, ``compare``'s figures against the unquantized model over ``tokens`` (i32[seqs, length]; by
     default ``workload``: the model's own greedy text)."""
-    from jaxserve.config import ModelConfig
+    from jaxserve.models.config import ModelConfig
 
     if tokens is None:
         vocab = ModelConfig.from_pretrained(Path(model_path)).vocab_size
@@ -270,7 +270,7 @@ def main() -> None:
     for model in models:
         tokens = None
         if model in trained:
-            from jaxserve.config import ModelConfig
+            from jaxserve.models.config import ModelConfig
 
             tokens = held_out_markov(ModelConfig.from_pretrained(Path(model)).vocab_size, args.seqs, args.len)
         for mode, r in evaluate(model, modes, seqs=args.seqs, length=args.len, chunk=args.chunk,

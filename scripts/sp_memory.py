@@ -37,12 +37,12 @@ def measure(hf: dict, prompt_len: int, sequence: int, tensor: int, dtype_name: s
     import jax
     import numpy as np
 
-    from jaxserve.attention import AttentionBackend, ShardedAttention
-    from jaxserve.batch import MeshBatch, StepBatch
-    from jaxserve.config import ModelConfig
-    from jaxserve.kv_cache import CacheConfig, cache_sharding
-    from jaxserve.loader import DTYPES, abstract_model, param_shardings
-    from jaxserve.runner import StepOutput, jit_step
+    from jaxserve.models.attention import AttentionBackend, ShardedAttention
+    from jaxserve.executor.batch import MeshBatch, StepBatch
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.executor.kv_cache import CacheConfig, cache_sharding
+    from jaxserve.models.loader import DTYPES, abstract_model, param_shardings
+    from jaxserve.executor.runner import StepOutput, jit_step
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
     from sharding.mesh import make_mesh

@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler, SchedulerConfig
-from jaxserve.sequence import Sequence
-from jaxserve.window_pool import window_pages_needed
+from jaxserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from jaxserve.scheduler.sequence import Sequence
+from jaxserve.scheduler.window_pool import window_pages_needed
 
 
 def run(prompt_len: int, output_len: int, page_size: int, chunk: int, *, window: int | None = None,

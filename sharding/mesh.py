@@ -1,4 +1,4 @@
-"""Meshes from a spec string such as ``"data=2,tensor=4"``; axes ``data``, ``sequence``, ``expert``, ``tensor``.
+"""Meshes over the devices in use, from a ``MeshConfig`` or a spec string such as ``"data=2,tensor=4"``.
 
 The device rule: a mesh uses exactly the devices it is given. With a spec, its axis sizes must multiply to
 the number of devices in use, which is every device JAX sees (all processes together on a multi-host run)
@@ -8,59 +8,13 @@ the single-device default: the first device.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # jax is imported where a mesh is built: parsing a spec (e.g. for --help) needs none
+from sharding.config import AXES, MeshConfig
+
+if TYPE_CHECKING:
     import jax
     from jax.sharding import Mesh
-
-AXES = ("data", "sequence", "expert", "tensor")
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    """Sizes of the mesh axes; an axis not named is 1."""
-
-    data: int = 1
-    sequence: int = 1
-    tensor: int = 1
-    expert: int = 1  # Mixture-of-Experts weights split by expert (dense layers are replicated over it)
-
-    def __post_init__(self):
-        for axis in AXES:
-            value = getattr(self, axis)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"mesh axis {axis}={value!r} must be an integer >= 1")
-
-    @classmethod
-    def parse(cls, spec: "str | MeshConfig | None") -> "MeshConfig":
-        """``"data=2,tensor=4"`` -> MeshConfig(data=2, tensor=4); empty or None -> one device.
-
-        Raises:
-          ValueError: for an unknown axis, a size that is not a positive integer, or an axis named twice.
-        """
-        if isinstance(spec, MeshConfig):
-            return spec
-        sizes: dict[str, int] = {}
-        for part in (spec or "").replace(" ", "").split(","):
-            if not part:
-                continue
-            name, sep, value = part.partition("=")
-            if not sep or name not in AXES or not value.isdigit():
-                raise ValueError(f"mesh spec {spec!r}: {part!r} is not AXIS=N with AXIS one of {AXES}")
-            if name in sizes:
-                raise ValueError(f"mesh spec {spec!r} names axis {name!r} twice")
-            sizes[name] = int(value)
-        return cls(**sizes)
-
-    @property
-    def num_devices(self) -> int:
-        return self.data * self.sequence * self.expert * self.tensor
-
-    def __str__(self) -> str:
-        return ",".join(f"{a}={getattr(self, a)}" for a in AXES if a != "expert" or self.expert > 1)
-
 
 def make_mesh(config: MeshConfig | str | None = None, devices: list | None = None, *,
               num_devices: int | None = None) -> Mesh:
@@ -105,11 +59,6 @@ def make_mesh(config: MeshConfig | str | None = None, devices: list | None = Non
         raise ValueError(f"mesh {config} has {config.num_devices} devices but {len(available)} are in use{hint}")
     grid = np.array(available, dtype=object).reshape(config.data, config.sequence, config.expert, config.tensor)
     return Mesh(grid, AXES)
-
-
-def mesh_config(mesh: Mesh) -> MeshConfig:
-    """The axis sizes of a mesh made by ``make_mesh``."""
-    return MeshConfig(**{a: int(mesh.shape[a]) for a in AXES})
 
 
 def place(host, sharding) -> "jax.Array":

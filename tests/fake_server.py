@@ -13,9 +13,9 @@ import time
 import uvicorn
 
 from fake_engine import FakeEngine
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.engine_config import EngineConfig
-from jaxserve.metrics import ServerMetrics
+from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.config.engine import EngineConfig
+from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.grpc_api import GrpcServer
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.openai_api import OpenAIServer

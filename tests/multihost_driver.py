@@ -17,7 +17,6 @@ def main(model: str, meshes: str, port: str, num_processes: str, process_id: str
     if int(num_processes) > 1:
         multihost.initialize(f"127.0.0.1:{port}", int(num_processes), int(process_id))
     from jaxserve import LLM, SamplingParams
-
     jax.config.update("jax_default_matmul_precision", "highest")
     prompts = [[5, 17, 99, 23, 4, 250, 31], list(range(3, 40)), [7]]
     for mesh in meshes.split(";"):

@@ -159,7 +159,6 @@ def reference_llm(request):
     """An in-process ``LLM`` on the same checkpoint and engine shapes as the servers (compiled lazily)."""
     if "llm" not in _state:
         from jaxserve import LLM
-
         _state["llm"] = LLM(str(tiny_model(request)), page_size=8, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
                             max_num_batched_tokens=64, warmup=False, compilation_cache_dir=None)
     return _state["llm"]

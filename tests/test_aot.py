@@ -1,4 +1,4 @@
-"""jaxserve.aot: the serving steps compiled for a described TPU topology by libtpu (no TPU needed).
+"""jaxserve.tools.aot: the serving steps compiled for a described TPU topology by libtpu (no TPU needed).
 
 libtpu comes with the test extra on x86-64 Linux; there a missing libtpu fails these tests rather than skipping
 them, so a CI that lost it cannot pass silently.
@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
-from jaxserve import aot
-from jaxserve.batch import StepKind
-from jaxserve.config import ModelConfig
-from jaxserve.demo import demo_model_path
-from jaxserve.engine_config import EngineConfig
-from jaxserve.executor import Executor
-from jaxserve.shapes import StepShapes
+from jaxserve.config.engine import EngineConfig
+from jaxserve.executor.batch import StepKind
+from jaxserve.executor.executor import Executor
+from jaxserve.executor.shapes import StepShapes
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.demo import demo_model_path
+from jaxserve.tools import aot
 
 TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 1024,

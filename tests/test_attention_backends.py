@@ -3,8 +3,10 @@
 import jax.numpy as jnp
 import pytest
 
-from jaxserve import LLM, SamplingParams, compile_counter
-from jaxserve.attention import AttentionBackend
+from jaxserve import LLM, SamplingParams
+
+from jaxserve.executor import compile_counter
+from jaxserve.models.attention import AttentionBackend
 from tiny import FAMILIES, MOE_FAMILIES, build_tiny_model, train_tokenizer
 
 # Attention does not depend on the MLP: one Mixture-of-Experts family stands for the three here (its warm-up

@@ -6,9 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import bytes_per_token
-from jaxserve.roofline import decode_cost, matmul_flops_per_token, prefill_cost, weight_bytes
+from jaxserve.models.config import ModelConfig
+from jaxserve.executor.kv_cache import bytes_per_token
+from jaxserve.tools.roofline import decode_cost, matmul_flops_per_token, prefill_cost, weight_bytes
 from tiny import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from jaxserve.block_manager import RELEASED, BlockManager, hash_page
-from jaxserve.page_pool import OutOfPages
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.sequence import Sequence, SequenceStatus
+from jaxserve.scheduler.block_manager import RELEASED, BlockManager, hash_page
+from jaxserve.scheduler.page_pool import OutOfPages
+from jaxserve.scheduler.sequence import Sequence, SequenceStatus
 
 PS = 4
 
@@ -241,7 +241,7 @@ def test_check_invariants_catches_corruption():
 
 def test_hash_is_stable_across_processes():
     here = hash_page(hash_page(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex()
-    code = "from jaxserve.block_manager import hash_page as h; print(h(h(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex())"
+    code = "from jaxserve.scheduler.block_manager import hash_page as h; print(h(h(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex())"
     env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=os.getcwd())
     there = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert there.stdout.strip() == here

@@ -2,10 +2,10 @@
 
 import pytest
 
-from jaxserve.capacity import capacity, main
-from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import bytes_per_token
-from sharding.mesh import MeshConfig
+from jaxserve.tools.capacity import capacity, main
+from jaxserve.models.config import ModelConfig
+from jaxserve.executor.kv_cache import bytes_per_token
+from sharding.config import MeshConfig
 from tiny import build_tiny_model
 
 

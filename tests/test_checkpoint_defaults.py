@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.generation_config import load_generation_defaults
+from jaxserve.engine.generation_config import load_generation_defaults
 from tiny import build_tiny_model, hf_greedy, hf_model, train_tokenizer
 
 THINKING_TEMPLATE = (

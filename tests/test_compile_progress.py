@@ -6,7 +6,7 @@ import logging
 
 import jax
 
-from jaxserve import compile_progress
+from jaxserve.executor import compile_progress
 
 
 def test_progress_lines_and_cache_summary(caplog, monkeypatch):

@@ -1,4 +1,4 @@
-"""Decode batches from persistent rows (``jaxserve.decode_rows``): the same arrays as ``StepBatch.build`` over the
+"""Decode batches from persistent rows (``jaxserve.executor.decode_rows``): the same arrays as ``StepBatch.build`` over the
 scheduler's real plans (joins, finishes, preemption, prefix caching, aborts, pages released behind a window),
 with only the changed page-table rows rewritten. Host-only, no jax, no model."""
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from test_scheduler import VOCAB, FakeModel, abort, make_config, seq
 
-from jaxserve.batch import StepBatch
-from jaxserve.decode_rows import DecodeRows
-from jaxserve.scheduler import ScheduledSequence, Scheduler
-from jaxserve.shapes import bucket
+from jaxserve.executor.batch import StepBatch
+from jaxserve.executor.decode_rows import DecodeRows
+from jaxserve.executor.shapes import bucket
+from jaxserve.scheduler.scheduler import ScheduledSequence, Scheduler
 
 
 def both(rows: DecodeRows, entries, max_seqs: int, pages: int):

@@ -5,8 +5,8 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.text.detokenizer import IncrementalDetokenizer
 
 SAMPLES = [
     "The quick brown fox jumps over the lazy dog.",

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation in one process (jaxserve/disagg.py): two meshes on the 8 emulated devices, KV
+"""Prefill/decode disaggregation in one process (jaxserve/disagg/staged.py): two meshes on the 8 emulated devices, KV
 pages copied between the two engines' pools; outputs identical to the colocated engine's."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from jaxserve import LLM
-from jaxserve.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.sampling_params import SamplingParams
 from tiny import FAMILIES, build_tiny_model, hf_greedy, hf_model
 
@@ -187,7 +187,7 @@ def test_8bit_kv_cache_across_processes(llama, colocated_int8):
     """--role prefill/decode with both ends in this process: 8-bit values and their scales travel together,
     pulled through JAX's transfer server and as bytes over the gRPC stream, to a decode side that speculates; a
     decode side with another KV dtype is refused by the prefill server, naming the flag."""
-    from jaxserve.disagg_remote import PrefillServer, RemotePrefillEngine
+    from jaxserve.disagg.remote import PrefillServer, RemotePrefillEngine
 
     cfg = EngineConfig(model=str(llama), kv_cache_dtype="int8", **SHAPES)
     server = PrefillServer(cfg, "127.0.0.1", 0, kv_transfer="jax")

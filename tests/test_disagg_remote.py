@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation across processes (jaxserve/disagg_remote.py): two prefill processes and a decode
+"""Prefill/decode disaggregation across processes (jaxserve/disagg/remote.py): two prefill processes and a decode
 process (the front door) started once for the module; the ``openai`` client and gRPC talk to the front door."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import httpx
 import openai
 import pytest
 
-from jaxserve.disagg_remote import STATS_METHOD
-from jaxserve.protos import jaxserve_pb2 as pb
-from jaxserve.protos import jaxserve_pb2_grpc as pb_grpc
+from jaxserve.disagg.remote import STATS_METHOD
+from jaxserve.server.protos import jaxserve_pb2 as pb
+from jaxserve.server.protos import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.sampling_params import SamplingParams
 from server_harness import (MODEL_NAME, REPO, SMALL_ENGINE, compile_cache, free_port, pages_idle, reference_llm,
                             server_env, start_server, tiny_model)

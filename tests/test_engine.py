@@ -6,9 +6,11 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from jaxserve import LLM, SamplingParams, compile_counter
-from jaxserve.engine import Engine
-from jaxserve.engine_config import EngineConfig
+from jaxserve import LLM, SamplingParams
+
+from jaxserve.executor import compile_counter
+from jaxserve.engine.engine import Engine
+from jaxserve.config.engine import EngineConfig
 from tiny import build_tiny_model, hf_greedy, hf_model, train_tokenizer
 
 PAGE = 4
@@ -260,12 +262,12 @@ def test_many_banned_ids_compile_nothing(engine):
 
 
 def test_compile_after_warmup_is_counted_and_logged(engine, caplog, monkeypatch):
-    from jaxserve.metrics import ServerMetrics
-    from jaxserve.sampler import sample
+    from jaxserve.server.metrics import ServerMetrics
+    from jaxserve.executor.sampler import sample
 
     before = engine.stats()["compilations_after_warmup"]
     monkeypatch.setattr(engine.executor, "_sample", jax.jit(lambda logits, t, p: sample(logits, t, p)))  # cold
-    with caplog.at_level("WARNING", logger="jaxserve.executor"):
+    with caplog.at_level("WARNING", logger="jaxserve.executor.executor"):
         run(engine, [[("cold", [5, 6], SamplingParams(max_tokens=2, temperature=0.7, seed=1, ignore_eos=True))]])
     assert engine.stats()["compilations_after_warmup"] > before
     assert any("after warm-up" in r.getMessage() and "sampler (banned=8" in r.getMessage() for r in caplog.records)

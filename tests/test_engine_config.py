@@ -6,10 +6,10 @@ import inspect
 
 import pytest
 
-from jaxserve.engine_args import add_engine_args, engine_config_from_args
-from jaxserve.engine_config import EngineConfig
+from jaxserve.config.args import add_engine_args, engine_config_from_args
+from jaxserve.config.engine import EngineConfig
+from jaxserve.config.scheduler import SchedulerConfig
 from jaxserve.llm import LLM
-from jaxserve.scheduler_config import SchedulerConfig
 
 # Known once the model and the pool are: set by the executor (windows and the windowed pool from the model).
 DERIVED = {"num_pages", "max_model_len", "attention_window", "local_window", "local_pages"}

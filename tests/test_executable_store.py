@@ -13,9 +13,15 @@ import jax
 
 import pytest
 
-from jaxserve import SamplingParams, compile_counter, compile_progress, executable_store
-from jaxserve.engine import Engine
-from jaxserve.engine_config import EngineConfig
+from jaxserve import SamplingParams
+
+from jaxserve.executor import compile_counter
+
+from jaxserve.executor import compile_progress
+
+from jaxserve.executor import executable_store
+from jaxserve.engine.engine import Engine
+from jaxserve.config.engine import EngineConfig
 from pallas_kernels.ragged_paged_attention import native
 from tiny import build_tiny_model, hf_greedy, hf_model, train_tokenizer
 
@@ -80,9 +86,10 @@ _FRESH_PROCESS = """
 import json, sys
 import jax
 jax.config.update("jax_default_matmul_precision", "highest")
-from jaxserve import SamplingParams, compile_progress
-from jaxserve.engine import Engine
-from jaxserve.engine_config import EngineConfig
+from jaxserve import SamplingParams
+from jaxserve.executor import compile_progress
+from jaxserve.engine.engine import Engine
+from jaxserve.config.engine import EngineConfig
 model_dir, cache_dir = sys.argv[1:]
 engine = Engine(EngineConfig(model=model_dir, page_size=4, num_pages=32, max_model_len=48, max_num_seqs=2,
                              max_num_batched_tokens=16, seed=0, compilation_cache_dir=cache_dir))
@@ -114,7 +121,7 @@ def test_mismatch_or_damaged_file_compiles_instead(model_dir, cache_dir, first, 
     files = sorted(store.directory.glob("*.exe"))
     assert len(files) == shapes
     files[0].write_bytes(b"not an executable")
-    with caplog.at_level(logging.WARNING, logger="jaxserve.executable_store"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.executor.executable_store"):
         damaged = _engine(model_dir, cache_dir)
     summary = compile_progress.last_summary
     assert (summary["executables_loaded"], summary["executables_compiled"]) == (shapes - 1, 1)

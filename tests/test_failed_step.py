@@ -10,9 +10,9 @@ import jax
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.engine_config import EngineConfig
-from jaxserve.metrics import ServerMetrics
+from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.config.engine import EngineConfig
+from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.openai_api import OpenAIServer
 from tiny import build_tiny_model, train_tokenizer
 

@@ -3,7 +3,7 @@
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import ModelConfig
+from jaxserve.models.config import ModelConfig
 from jaxserve.models import registry
 from tiny import build_tiny_model, hf_greedy, hf_model, train_tokenizer
 

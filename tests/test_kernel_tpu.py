@@ -170,7 +170,7 @@ def test_compiles_with_mosaic_for_v5e(dtype, kv_cache_dtype):
                                sds((1,), jnp.int32))
         attend = jax.jit(lambda *a: ragged_paged_attention_tpu(*a, sm_scale=0.088, sliding_window=128, soft_cap=30.0))
         attend.trace(sds((tokens, 32, 128), dtype), pool, pool, md).lower().compile()
-        if kv_cache_dtype == "auto":  # 8-bit rows are written by the reference scatter (jaxserve.attention)
+        if kv_cache_dtype == "auto":  # 8-bit rows are written by the reference scatter (jaxserve.models.attention)
             new = sds((tokens, 8, 128), dtype)
             jax.jit(write_kv_tpu).trace(pool, pool, new, new, md).lower().compile()
     if kv_cache_dtype == "int8":  # Mosaic refuses 48-row int8 pages at offsets of 48: refused first, clearly

@@ -10,9 +10,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.checkpoint import resolve_model_path
-from jaxserve.config import ModelConfig
-from jaxserve.loader import load_model
+from jaxserve.models.checkpoint import resolve_model_path
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.loader import load_model
 from tiny import build_tiny_model, hf_greedy, hf_model, train_tokenizer
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

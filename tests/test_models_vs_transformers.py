@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.batch import StepKind
+from jaxserve.executor.batch import StepKind
 from tiny import FAMILIES, build_tiny_model, hf_greedy, hf_last_logits, hf_model, train_tokenizer
 
 PAGE = 4

@@ -15,12 +15,12 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import ModelConfig, MoeConfig
-from jaxserve.engine import Engine
-from jaxserve.engine_config import EngineConfig
-from jaxserve.loader import load_model
+from jaxserve.models.config import ModelConfig, MoeConfig
+from jaxserve.engine.engine import Engine
+from jaxserve.config.engine import EngineConfig
+from jaxserve.models.loader import load_model
 from jaxserve.models import moe
-from sharding.mesh import MeshConfig
+from sharding.config import MeshConfig
 from test_engine import random_workload, run
 from tiny import FAMILIES, MOE_FAMILIES, build_tiny_model, hf_greedy, hf_model, train_tokenizer
 

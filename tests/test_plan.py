@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxserve import plan
-from jaxserve.plan import (Deployment, EngineShape, LinearStepModel, PlannedRequest, StepFeatures, max_rate,
+from jaxserve.tools import plan
+from jaxserve.tools.plan import (Deployment, EngineShape, LinearStepModel, PlannedRequest, StepFeatures, max_rate,
                            poisson_workload, simulate, summarize)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,7 +112,7 @@ def test_early_stop_agrees_with_the_full_run_on_an_overloaded_deployment():
 
 
 def test_roofline_model_is_weight_bound_at_batch_one_and_compute_bound_in_prefill():
-    from jaxserve.aot import model_config
+    from jaxserve.tools.aot import model_config
 
     m = plan.roofline_from_config(model_config("llama-3.1-8b"), chip="h100", chips=1, efficiency=1.0)
     one = m.seconds(StepFeatures(True, 1, 1, 1, 0.0))
@@ -170,8 +170,8 @@ def test_simulate_command_writes_every_report(tmp_path, capsys):
 
 
 def test_calibrate_times_the_engines_own_steps(tmp_path):
-    from jaxserve.engine import Engine
-    from jaxserve.engine_config import EngineConfig
+    from jaxserve.engine.engine import Engine
+    from jaxserve.config.engine import EngineConfig
     from tiny import build_tiny_model
 
     folder = build_tiny_model("llama", tmp_path / "m")
@@ -190,7 +190,7 @@ def test_calibrate_times_the_engines_own_steps(tmp_path):
 
 def test_step_features_follow_the_compiled_shape():
     from jaxserve.sampling_params import SamplingParams
-    from jaxserve.sequence import Sequence
+    from jaxserve.scheduler.sequence import Sequence
 
     eng = EngineShape(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_pages=256, page_size=4)
     sched, shapes = eng.scheduler(), eng.shapes()
@@ -213,7 +213,7 @@ def test_step_features_follow_the_compiled_shape():
 
 def test_sliding_window_caps_keys_pairs_and_pages():
     from jaxserve.sampling_params import SamplingParams
-    from jaxserve.sequence import Sequence
+    from jaxserve.scheduler.sequence import Sequence
 
     assert plan._causal_pairs(0, 10, None) == 55 and plan._causal_pairs(0, 10, 4) == 1 + 2 + 3 + 4 * 7
     assert plan._causal_pairs(2, 6, 4) == 3 + 4 + 4 + 4 and plan._causal_pairs(6, 10, 4) == 16
@@ -233,11 +233,11 @@ def test_mixed_window_model_is_planned_per_layer(tmp_path):
     """Gemma-style interleaved windowed and global layers: keys, pairs and transfer bytes are averaged over the
     layers, the global pool holds only the global layers' KV beside the windowed layers' own pool, sized as the
     engine sizes it, and the simulated scheduler recycles the windowed pool as the engine's does."""
-    from jaxserve.engine import Engine
-    from jaxserve.engine_config import EngineConfig
+    from jaxserve.engine.engine import Engine
+    from jaxserve.config.engine import EngineConfig
     from jaxserve.sampling_params import SamplingParams
-    from jaxserve.sequence import Sequence
-    from jaxserve.window_pool import window_pages_needed
+    from jaxserve.scheduler.sequence import Sequence
+    from jaxserve.scheduler.window_pool import window_pages_needed
     from tiny import build_tiny_model
 
     windows = (8, 8, None)  # two windowed layers for each global one
@@ -283,7 +283,7 @@ def test_mixed_window_model_is_planned_per_layer(tmp_path):
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.kv_cache import bytes_per_token
+    from jaxserve.executor.kv_cache import bytes_per_token
 
     per_token = bytes_per_token(cfg, jnp.float32)
     budget = 24 * 4 * per_token  # 24 pages of every layer

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from jaxserve.demo import byte_tokenizer
-from jaxserve.prompt_tokenizer import MIN_CHARS_PER_TOKEN, PromptTokenizer, chars_per_token_bound, token_bytes
+from jaxserve.models.demo import byte_tokenizer
+from jaxserve.text.prompt_tokenizer import MIN_CHARS_PER_TOKEN, PromptTokenizer, chars_per_token_bound, token_bytes
 
 
 @pytest.fixture(scope="module")

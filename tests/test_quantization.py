@@ -12,10 +12,10 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from jaxserve import quantization as quant
-from jaxserve.config import ModelConfig
-from jaxserve.engine_config import EngineConfig
-from jaxserve.loader import load_model
+from jaxserve.models import quantization as quant
+from jaxserve.models.config import ModelConfig
+from jaxserve.config.engine import EngineConfig
+from jaxserve.models.loader import load_model
 from tiny import FAMILIES, build_tiny_model, train_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -100,8 +100,8 @@ def test_config_and_flags_refuse_bad_combinations():
         EngineConfig(quantization="int8", dtype="float16")
     import argparse
 
-    from jaxserve.attention import AttentionBackend
-    from jaxserve.engine_args import add_engine_args, engine_config_from_args
+    from jaxserve.models.attention import AttentionBackend
+    from jaxserve.config.args import add_engine_args, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
@@ -139,7 +139,8 @@ def test_weights_and_scales_are_sharded_alike_and_the_mesh_matches_one_device(mo
 
 
 def make_mesh_for(spec):
-    from sharding.mesh import MeshConfig, make_mesh
+    from sharding.config import MeshConfig
+    from sharding.mesh import make_mesh
 
     return make_mesh(spec, num_devices=MeshConfig.parse(spec).num_devices)
 
@@ -276,8 +277,8 @@ def test_other_quant_methods_are_refused_in_one_line(models, tmp_path):
 
 
 def test_capacity_counts_8_bit_pages_and_their_scales(models):
-    from jaxserve.capacity import capacity
-    from sharding.mesh import MeshConfig
+    from jaxserve.tools.capacity import capacity
+    from sharding.config import MeshConfig
 
     cfg = ModelConfig.from_pretrained(models["qwen3"])
     kw = dict(hbm_gb=1, dtype="bfloat16", page_size=16, mesh=MeshConfig.parse(None), utilization=0.9,
@@ -397,7 +398,7 @@ def test_int8_kv_with_preemption_prefix_caching_chunked_prefill_and_nan_scales(t
     and whatever the free pages' scales hold."""
     import jax.numpy as jnp
 
-    from jaxserve.engine import Engine
+    from jaxserve.engine.engine import Engine
     from pallas_kernels.quantized_pages import QuantizedPages
     from test_engine import random_workload, run
 

@@ -11,8 +11,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import ModelConfig
-from jaxserve.loader import load_model
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.loader import load_model
 from jaxserve.models import layers
 from jaxserve.models.rope import ROPE_TYPES, RopeConfig
 from tiny import build_tiny_model, hf_greedy, hf_model, train_tokenizer

@@ -1,4 +1,4 @@
-"""The router (``--role router``, jaxserve/router.py) in front of two decode processes sharing one prefill process,
+"""The router (``--role router``, jaxserve/server/router.py) in front of two decode processes sharing one prefill process,
 all started once for the module: answers match the colocated engine, cancellation reaches the decode server, a
 decode process killed mid-stream fails only its own requests, and with none left the router answers 503."""
 
@@ -12,9 +12,9 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxserve.protos import jaxserve_pb2 as pb
-from jaxserve.protos import jaxserve_pb2_grpc as pb_grpc
-from jaxserve.router import parse_decode_urls
+from jaxserve.server.protos import jaxserve_pb2 as pb
+from jaxserve.server.protos import jaxserve_pb2_grpc as pb_grpc
+from jaxserve.server.router import parse_decode_urls
 from jaxserve.sampling_params import SamplingParams
 from server_harness import MODEL_NAME, free_port, pages_idle, parse_metrics, reference_llm, start_server
 from test_disagg_remote import PROMPT_IDS, PrefillProcess
@@ -58,8 +58,7 @@ def test_pool_probes_back_off_and_picks_the_least_loaded():
 
     from prometheus_client import CollectorRegistry
 
-    from jaxserve import router as rt
-
+    from jaxserve.server import router as rt
     answers = {"a:1": [httpx.ConnectError("refused")] * 3 + [200], "b:1": [503, 200]}
 
     def health(req: httpx.Request) -> httpx.Response:

@@ -2,10 +2,10 @@
 
 import pytest
 
-from jaxserve.batch import StepKind
-from jaxserve.demo import DEMO_CONFIG, byte_tokenizer, write_random_checkpoint
-from jaxserve.engine import Engine
-from jaxserve.engine_config import EngineConfig
+from jaxserve.config.engine import EngineConfig
+from jaxserve.engine.engine import Engine
+from jaxserve.executor.batch import StepKind
+from jaxserve.models.demo import DEMO_CONFIG, byte_tokenizer, write_random_checkpoint
 
 NUM_PAGES = 37  # an odd count, so the pool's shape is recognisable in the compiled program
 # The attention shape of a ~100M Llama (hidden 768, 12 query and 4 KV heads of 64), one layer: the shape at

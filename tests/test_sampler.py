@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.penalty_state import PenaltyState
-from jaxserve.sampler import SamplingTensors, argmax, sample
+from jaxserve.executor.penalty_state import PenaltyState
+from jaxserve.executor.sampler import SamplingTensors, argmax, sample
 from jaxserve.sampling_params import sequence_seed
 from jaxserve.sampling_params import SamplingParams as SP
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler, SchedulerConfig
-from jaxserve.sequence import Sequence, SequenceStatus
-from jaxserve.window_pool import window_pages_needed
+from jaxserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from jaxserve.scheduler.sequence import Sequence, SequenceStatus
+from jaxserve.scheduler.window_pool import window_pages_needed
 
 EOS = 0
 VOCAB = 40
@@ -427,7 +427,7 @@ def test_step_batch_from_output():
     sched.add(seq("b", [7, 8], max_tokens=3))
     out = sched.schedule()
     cfg = sched.config
-    from jaxserve.batch import StepBatch
+    from jaxserve.executor.batch import StepBatch
 
     e = out.scheduled
     batch = StepBatch.build([s.token_ids for s in e], [s.kv_len for s in e], [s.page_table for s in e],
@@ -441,7 +441,7 @@ def test_step_batch_from_output():
 def test_host_core_imports_without_jax():
     """Host-only modules import no jax: the scheduler, the engine loop and the configuration (so parsing
     flags, ``--help`` included, stays fast)."""
-    modules = "jaxserve.scheduler, jaxserve.replicas, jaxserve.engine, jaxserve.engine_config, jaxserve.server.args"
+    modules = "jaxserve.scheduler.scheduler, jaxserve.scheduler.replicas, jaxserve.engine.engine, jaxserve.config.engine, jaxserve.server.args"
     code = f"import sys, {modules}; assert not [m for m in sys.modules if m.split('.')[0] == 'jax'], 'jax'"
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     subprocess.run([sys.executable, "-c", code], env=env, check=True)

@@ -7,11 +7,11 @@ import threading
 
 import pytest
 
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.request_stream import EngineDraining, EngineNotReady, EngineOverloaded
-from jaxserve.engine_config import EngineConfig
-from jaxserve.metrics import ServerMetrics
-from jaxserve.prompt_tokenizer import INLINE_CHARS
+from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.engine.request_stream import EngineDraining, EngineNotReady, EngineOverloaded
+from jaxserve.config.engine import EngineConfig
+from jaxserve.server.metrics import ServerMetrics
+from jaxserve.text.prompt_tokenizer import INLINE_CHARS
 from jaxserve.sampling_params import SamplingParams
 
 from fake_engine import FakeEngine

@@ -104,16 +104,16 @@ def test_committed_stubs_match_the_proto(tmp_path):
     for name in GENERATED:
         assert (tmp_path / name).read_text() == (PROTO_DIR / name).read_text(), (
             f"{name} is stale: run python scripts/gen_protos.py")
-    from jaxserve.protos import jaxserve_pb2, jaxserve_pb2_grpc
+    from jaxserve.server.protos import jaxserve_pb2, jaxserve_pb2_grpc
 
     assert jaxserve_pb2.DESCRIPTOR.package == "jaxserve.v1"
     assert hasattr(jaxserve_pb2_grpc, "JaxServeStub")
 
 
 def test_the_demo_model_says_where_it_is_and_does_not_claim_to_serve(tmp_path, caplog):
-    from jaxserve.demo import demo_model_folder, demo_model_path
+    from jaxserve.models.demo import demo_model_folder, demo_model_path
 
-    with caplog.at_level("WARNING", logger="jaxserve.demo"):
+    with caplog.at_level("WARNING", logger="jaxserve.models.demo"):
         folder = demo_model_path(tmp_path)  # also what python -m jaxserve.generate logs
     assert folder == demo_model_folder(tmp_path) and (folder / "tokenizer.json").exists()
     message = caplog.records[-1].getMessage()

@@ -8,8 +8,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from jaxserve.protos import jaxserve_pb2 as pb
-from jaxserve.protos import jaxserve_pb2_grpc as pb_grpc
+from jaxserve.server.protos import jaxserve_pb2 as pb
+from jaxserve.server.protos import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.sampling_params import SamplingParams
 from server_harness import API_KEY, MAX_MODEL_LEN, MODEL_NAME, pages_idle, reference_llm, shared_server
 

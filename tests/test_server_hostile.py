@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from fake_server import MODEL, FakeServer
-from jaxserve.protos import jaxserve_pb2 as pb
-from jaxserve.protos import jaxserve_pb2_grpc as pb_grpc
+from jaxserve.server.protos import jaxserve_pb2 as pb
+from jaxserve.server.protos import jaxserve_pb2_grpc as pb_grpc
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxserve.protos import jaxserve_pb2 as pb
-from jaxserve.protos import jaxserve_pb2_grpc as pb_grpc
+from jaxserve.server.protos import jaxserve_pb2 as pb
+from jaxserve.server.protos import jaxserve_pb2_grpc as pb_grpc
 from server_harness import free_port, parse_metrics, start_server
 
 MAX_WAITING = 64

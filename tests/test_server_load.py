@@ -13,8 +13,8 @@ import grpc
 import httpx
 import pytest
 
-from jaxserve.protos import jaxserve_pb2 as pb
-from jaxserve.protos import jaxserve_pb2_grpc as pb_grpc
+from jaxserve.server.protos import jaxserve_pb2 as pb
+from jaxserve.server.protos import jaxserve_pb2_grpc as pb_grpc
 from server_harness import API_KEY, pages_idle, shared_server
 from tiny import CORPUS
 

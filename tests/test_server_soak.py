@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from fake_server import FakeServer
-from jaxserve.protos import jaxserve_pb2 as pb
-from jaxserve.protos import jaxserve_pb2_grpc as pb_grpc
+from jaxserve.server.protos import jaxserve_pb2 as pb
+from jaxserve.server.protos import jaxserve_pb2_grpc as pb_grpc
 
 psutil = pytest.importorskip("psutil")
 

@@ -50,7 +50,7 @@ def test_skip_tokenizer_init_serves_token_ids(request, bare_model, tmp_path):
             assert http.post("/detokenize", json={"tokens": [1, 2]}).status_code == 400
         import grpc
 
-        from jaxserve.protos import jaxserve_pb2 as pb, jaxserve_pb2_grpc as pb_grpc
+        from jaxserve.server.protos import jaxserve_pb2 as pb, jaxserve_pb2_grpc as pb_grpc
 
         ids = []  # HTTP completions carry no token ids; gRPC's messages do
         with grpc.insecure_channel(server.grpc) as channel:

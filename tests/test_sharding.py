@@ -12,15 +12,18 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxserve import LLM, SamplingParams, compile_counter
-from jaxserve.attention import AttentionBackend, AttentionMetadata, window_metadata
-from jaxserve.batch import StepKind
-from jaxserve.engine_config import EngineConfig
-from jaxserve.replicas import ReplicatedScheduler
-from jaxserve.scheduler import SchedulerConfig
-from jaxserve.sequence import Sequence
+from jaxserve import LLM, SamplingParams
+
+from jaxserve.executor import compile_counter
+from jaxserve.models.attention import AttentionBackend, AttentionMetadata, window_metadata
+from jaxserve.executor.batch import StepKind
+from jaxserve.config.engine import EngineConfig
+from jaxserve.scheduler.replicas import ReplicatedScheduler
+from jaxserve.scheduler.scheduler import SchedulerConfig
+from jaxserve.scheduler.sequence import Sequence
 from sharding import multihost
-from sharding.mesh import MeshConfig, make_mesh
+from sharding.config import MeshConfig
+from sharding.mesh import make_mesh
 from tiny import FAMILIES, MOE_FAMILIES, build_tiny_model, train_tokenizer
 
 PROMPT_LENS = [1, 7, 19, 40]  # page size 4: page edges; 19 and 40 > max_num_batched_tokens = 16 (chunked)

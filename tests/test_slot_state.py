@@ -1,4 +1,4 @@
-"""Per-slot stop state (``jaxserve.slot_state``) and the async host loop built on it: the vectorised stop checks
+"""Per-slot stop state (``jaxserve.scheduler.slot_state``) and the async host loop built on it: the vectorised stop checks
 flag exactly the rows the per-sequence check stops, and random runs through ``commit``/``resolve`` (joins, stops,
 preemptions, aborts) reproduce plain generation token for token, and decode runs planned and packed from the
 slot arrays (``DecodeSlots``, ``DecodeRun``) equal the one-by-one planner's entries and their list-built batch.
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from test_scheduler import VOCAB, FakeModel, abort, extend, fingerprint, make_config, reference, sample, seq
 
-from jaxserve import async_scheduling
-from jaxserve.replicas import ReplicatedScheduler
+from jaxserve.engine import async_scheduling
+from jaxserve.scheduler.replicas import ReplicatedScheduler
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler
-from jaxserve.slot_state import StopSlots
+from jaxserve.scheduler.scheduler import Scheduler
+from jaxserve.scheduler.slot_state import StopSlots
 
 
 def test_candidates_are_exactly_the_rows_that_stop():
@@ -125,8 +125,8 @@ def test_async_commit_and_resolve_reproduce_plain_generation(seed, caching):
 def engine(tmp_path_factory):
     from tiny import build_tiny_model, train_tokenizer
 
-    from jaxserve.engine import Engine
-    from jaxserve.engine_config import EngineConfig
+    from jaxserve.engine.engine import Engine
+    from jaxserve.config.engine import EngineConfig
 
     folder = build_tiny_model("llama", tmp_path_factory.mktemp("llama"), tokenizer=train_tokenizer(),
                               num_hidden_layers=1, init_std=0.08)
@@ -220,7 +220,7 @@ def test_bulk_decode_planning_equals_the_per_sequence_loop(seed, caching):
 def test_sampling_tensors_are_packed_column_by_column_with_each_slots_values():
     """``SamplingTensors.build`` fills whole columns at once: every slot still carries its own parameters, step,
     penalty row, seed and (before ``min_tokens``) banned ids; padding slots stay neutral."""
-    from jaxserve.sampler import SamplingTensors
+    from jaxserve.executor.sampler import SamplingTensors
 
     rng = random.Random(5)
     params = [SamplingParams(temperature=rng.choice([0.0, 0.7, 1.3]), top_p=rng.choice([1.0, 0.9]),
@@ -266,8 +266,8 @@ def assert_run_batch(out, pages: int):
     """A plan that is one decode run: its batch from the slot arrays equals ``StepBatch.build`` of its entries."""
     from test_decode_rows import assert_same
 
-    from jaxserve.batch import StepBatch
-    from jaxserve.shapes import bucket
+    from jaxserve.executor.batch import StepBatch
+    from jaxserve.executor.shapes import bucket
 
     run, entries = out.run, out.scheduled
     width = bucket(len(entries), 1, 8)
@@ -350,7 +350,7 @@ def test_async_decode_runs_equal_the_per_sequence_loop(seed, caching):
 
 
 def test_decode_batch_from_arrays_rejects_what_does_not_fit():
-    from jaxserve.batch import StepBatch
+    from jaxserve.executor.batch import StepBatch
 
     tokens, kv, pages = np.array([5, 6]), np.array([3, 9]), np.array([[1, 0, 0], [2, 3, 4]], np.int32)
     with pytest.raises(ValueError, match="do not fit"):

@@ -6,12 +6,14 @@ import json
 import numpy as np
 import pytest
 
-from jaxserve import SamplingParams, compile_counter
-from jaxserve.engine import Engine
-from jaxserve.engine_args import add_engine_args, engine_config_from_args
-from jaxserve.engine_config import EngineConfig
-from jaxserve.spec.config import SpeculativeConfig
-from jaxserve.spec.ngram import propose
+from jaxserve import SamplingParams
+
+from jaxserve.executor import compile_counter
+from jaxserve.engine.engine import Engine
+from jaxserve.config.args import add_engine_args, engine_config_from_args
+from jaxserve.config.engine import EngineConfig
+from jaxserve.config.speculative import SpeculativeConfig
+from jaxserve.spec_decode.ngram import propose
 from tiny import build_tiny_model, train_tokenizer
 
 PAGE = 4
@@ -61,8 +63,8 @@ def test_rejection_sampling_keeps_the_target_distribution():
     import jax
     from scipy.stats import chisquare
 
-    from jaxserve.sampler import SamplingTensors
-    from jaxserve.spec.verify import verify
+    from jaxserve.executor.sampler import SamplingTensors
+    from jaxserve.executor.verify import verify
 
     e, vocab = 4000, 6
     logits0 = np.array([1.0, 0.2, -0.5, 0.7, 0.0, -1.0], np.float32)
@@ -269,7 +271,7 @@ def test_request_switch_and_prometheus_counters(spec):
     engine's counters become Prometheus families."""
     from pydantic import ValidationError
 
-    from jaxserve.metrics import _EngineStatsCollector
+    from jaxserve.server.metrics import _EngineStatsCollector
     from jaxserve.server.openai_protocol import CompletionRequest
 
     assert CompletionRequest(prompt="hi", speculative=False).sampling_params().speculative is False
@@ -371,7 +373,7 @@ def test_draft_model_greedy_matches_transformers(family, tmp_path, small_draft):
 
 
 def test_grpc_speculative_field_reaches_sampling_params():
-    from jaxserve.protos import jaxserve_pb2 as pb
+    from jaxserve.server.protos import jaxserve_pb2 as pb
     from jaxserve.server.grpc_api import sampling_params_from_proto
 
     assert sampling_params_from_proto(pb.SamplingParams(speculative=False)).speculative is False

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams, StructuredOutputsParams
-from jaxserve.sampler import SamplingTensors, sample
+from jaxserve.executor.sampler import SamplingTensors, sample
 from tiny import build_tiny_model, train_tokenizer
 
 PERSON = {

@@ -6,8 +6,8 @@ window)."""
 import numpy as np
 import pytest
 
-from jaxserve.engine import Engine
-from jaxserve.engine_config import EngineConfig
+from jaxserve.engine.engine import Engine
+from jaxserve.config.engine import EngineConfig
 from test_engine import random_workload, run
 from tiny import build_tiny_model, hf_greedy, hf_model, train_tokenizer
 
@@ -39,8 +39,8 @@ def test_random_arrivals_with_preemption_and_prefix_hits_match_transformers(fami
 
 def test_windowed_pool_warms_up_and_serves_without_compiling(tmp_path):
     """The two-table page rows are part of every compiled shape: warm-up compiles them all, serving nothing."""
-    from jaxserve import LLM, SamplingParams, compile_counter
-
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.executor import compile_counter
     path = build_tiny_model("gemma2", tmp_path / "g", tokenizer=train_tokenizer(), sliding_window=5)
     llm = LLM(str(path), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, compilation_cache_dir=None)
     assert llm.engine.executor.runner.local_pool

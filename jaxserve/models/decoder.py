@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.attention import AttentionBackend, AttentionMetadata
-from jaxserve.config import ModelConfig
 from jaxserve.models import layers, moe
+from jaxserve.models.attention import AttentionBackend, AttentionMetadata
+from jaxserve.models.config import ModelConfig
 from sharding.layout import StepLayout
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages) [KVH, num_pages, page_size, D]
@@ -45,7 +45,7 @@ class RMSNorm(nnx.Module):
 class Embed(nnx.Module):
     def __init__(self, vocab: int, dim: int, dtype, scale: bool = False):
         self.embedding = _param((vocab, dim), dtype, ("vocab", "embed"))
-        self.embedding_scale = nnx.data(None)  # f32[vocab] when the embedding is quantized (jaxserve.quantization)
+        self.embedding_scale = nnx.data(None)  # f32[vocab] when the embedding is quantized (jaxserve.models.quantization)
         self.scale, self.dtype = scale, dtype
 
     def __call__(self, token_ids):
@@ -61,7 +61,7 @@ class Linear(nnx.Module):
     def __init__(self, din: int, dout: int, *, bias: bool, dtype, axes: tuple[str, str]):
         self.weight = _param((din, dout), dtype, axes)
         self.bias = _param((dout,), dtype, axes[1:]) if bias else None
-        self.weight_scale = nnx.data(None)  # set when the weight is quantized (jaxserve.quantization)
+        self.weight_scale = nnx.data(None)  # set when the weight is quantized (jaxserve.models.quantization)
 
     def __call__(self, x):
         return layers.linear(x, self.weight[...], None if self.bias is None else self.bias[...],

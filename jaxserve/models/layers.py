@@ -35,7 +35,7 @@ ACTIVATIONS = {
 
 def dequantize(weight: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """An 8-bit ``weight`` [..., in, out] times its ``scale`` (f32[..., out] per channel, or f32[in_blocks,
-    out_blocks] per block; ``jaxserve.quantization``), in ``dtype``."""
+    out_blocks] per block; ``jaxserve.models.quantization``), in ``dtype``."""
     if scale.ndim == weight.ndim - 1:
         return (weight.astype(jnp.float32) * scale[..., None, :]).astype(dtype)
     bi, bo = -(-weight.shape[-2] // scale.shape[-2]), -(-weight.shape[-1] // scale.shape[-1])
@@ -46,7 +46,7 @@ def dequantize(weight: jax.Array, scale: jax.Array, dtype) -> jax.Array:
 def matmul_f32(x: jax.Array, weight: jax.Array, scale: jax.Array | None = None) -> jax.Array:
     """``x @ weight`` for 2-D ``x``, accumulated and returned in fp32.
 
-    With a ``scale`` the weight is 8-bit (``jaxserve.quantization``): a per-channel scale multiplies the
+    With a ``scale`` the weight is 8-bit (``jaxserve.models.quantization``): a per-channel scale multiplies the
     product's columns (the 8-bit values are converted to x's dtype, exactly, inside the dot); a block scale
     dequantizes the weight first.
 

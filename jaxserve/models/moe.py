@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.config import ModelConfig, MoeConfig
 from jaxserve.models import layers
+from jaxserve.models.config import ModelConfig, MoeConfig
 from sharding.layout import StepLayout
 
 EXPERT_AXES = {  # logical axes of the stacked expert weights [E, in, out]
@@ -151,7 +151,7 @@ class Experts(nnx.Module):
         shapes = {"gate_proj": (e, hidden, i), "up_proj": (e, hidden, i), "down_proj": (e, i, hidden)}
         for name, shape in shapes.items():
             setattr(self, name, _param(shape, dtype, EXPERT_AXES[name]))
-            setattr(self, name + "_scale", nnx.data(None))  # set when quantized (jaxserve.quantization)
+            setattr(self, name + "_scale", nnx.data(None))  # set when quantized (jaxserve.models.quantization)
 
     def weight(self, name: str, dtype) -> jax.Array:
         """A stacked weight in ``dtype`` (dequantized from its 8-bit values when quantized)."""

@@ -20,9 +20,9 @@ import socket
 
 import uvicorn
 
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.metrics import ServerMetrics
+from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.grpc_api import GrpcServer
+from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.openai_api import OpenAIServer
 
 logger = logging.getLogger("jaxserve.serve")

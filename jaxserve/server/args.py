@@ -6,8 +6,8 @@ import argparse
 import dataclasses
 import os
 
-from jaxserve.engine_args import add_engine_args, engine_config_from_args
-from jaxserve.engine_config import EngineConfig
+from jaxserve.config.args import add_engine_args, engine_config_from_args
+from jaxserve.config.engine import EngineConfig
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.tool_calls import TOOL_CALL_PARSERS
 
@@ -46,7 +46,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def demo_note() -> str:
-    from jaxserve.demo import demo_model_folder
+    from jaxserve.models.demo import demo_model_folder
 
     return (f"With no --model, the built-in demo model (random weights) is served from {demo_model_folder()} "
             "(written on first start); outside benchmark tools can use that folder as their --tokenizer. "
@@ -171,7 +171,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.se
         parser.error("--role router needs --decode-url HOST:HTTP_PORT:GRPC_PORT[,...]" if args.role == "router"
                      else "--decode-url is for --role router")
     if args.decode_url:
-        from jaxserve.router import parse_decode_urls
+        from jaxserve.server.router import parse_decode_urls
 
         try:
             parse_decode_urls(args.decode_url)
@@ -206,7 +206,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.se
 
 
 def _data_replicas(mesh: str | None) -> int:
-    from sharding.mesh import MeshConfig
+    from sharding.config import MeshConfig
 
     try:
         return MeshConfig.parse(mesh).data

@@ -13,11 +13,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.request_stream import EngineNotReady
-from jaxserve.metrics import ServerMetrics
-from jaxserve.protos import jaxserve_pb2 as pb
-from jaxserve.protos import jaxserve_pb2_grpc as pb_grpc
+from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.engine.request_stream import EngineNotReady
+from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.protos import jaxserve_pb2 as pb
+from jaxserve.server.protos import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.server.intake import (ChoiceTracker, RequestError, api_key_ok, from_engine_error, invalid,
                                    make_sampling_params, unauthenticated, usage_counts)
 from jaxserve.server.limits import RequestLimits

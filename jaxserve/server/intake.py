@@ -16,9 +16,9 @@ from typing import Any
 
 import grpc
 
-from jaxserve.request_stream import EngineDraining, EngineFailure, EngineNotReady, EngineOverloaded
+from jaxserve.engine.request_stream import EngineDraining, EngineFailure, EngineNotReady, EngineOverloaded
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.generation_config import with_defaults
+from jaxserve.engine.generation_config import with_defaults
 from jaxserve.sampling_params import SamplingParams
 
 

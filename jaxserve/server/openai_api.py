@@ -19,9 +19,9 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.request_stream import RequestStream
-from jaxserve.metrics import CONTENT_TYPE, ServerMetrics
+from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.engine.request_stream import RequestStream
+from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.outputs import RequestOutput
 from jaxserve.server.asgi import wait_disconnect
 from jaxserve.server.intake import (ChoiceTracker, RequestError, TokenLogprob, api_key_ok, check_model,

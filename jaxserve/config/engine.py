@@ -1,0 +1,149 @@
+"""Engine options, validated on construction (each error names the option)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from jaxserve.config.scheduler import SchedulerConfig, pages_per_seq
+from jaxserve.config.speculative import SpeculativeConfig
+from sharding.config import MeshConfig
+
+# The choices of the options that have a fixed set, defined here once (flags, validation and the modules that
+# act on them all read these).
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+LOGPROBS_MODES = ("processed", "raw")
+QUANTIZATIONS = ("int8", "fp8")  # weight-only, quantized at load (jaxserve/models/quantization.py)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names; fp8 is e4m3
+
+
+def default_compilation_cache_dir() -> str:
+    root = Path(os.environ.get("JAXSERVE_CACHE", Path.home() / ".cache" / "jaxserve"))
+    return str(root / "xla")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Everything the engine needs to start; names follow vLLM's where the concept matches.
+
+    ``model=None`` selects the built-in demo model. ``num_pages=None`` sizes the KV pool from
+    ``hbm_utilization`` of free accelerator memory (on CPU: from ``cpu_kv_cache_gib``).
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    page_size: int = 16
+    num_pages: int | None = None
+    hbm_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 2.0
+    max_model_len: int | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # cap on one prompt's chunk per step (0: off)
+    max_waiting_requests: int | None = None  # the server answers "overloaded" past this many queued requests
+    compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
+    attention_backend: str = "auto"
+    mesh: str | None = None  # "data=2,tensor=4": must use every device, or exactly num_devices of them
+    num_devices: int | None = None  # use only the first N devices (single process); None: all when mesh is set
+    seed: int = 0
+    warmup: bool = True
+    debug_checks: bool = False
+    logprobs_mode: str = "processed"
+    generation_config: str = "auto"  # sampling defaults: "auto" (the checkpoint's), "vllm" (none), or a folder
+    chat_template: str | None = None  # a Jinja template, or a file holding one, instead of the tokenizer's
+    skip_tokenizer_init: bool = False  # serve token ids only: no tokenizer is loaded, outputs carry no text
+    revision: str | None = None  # of a hub model: branch, tag or commit
+    download_dir: str | None = None  # where hub models are downloaded (default: the Hugging Face cache)
+    # Prefill/decode disaggregation in one process (jaxserve/disagg/staged.py): the prefill engine's mesh on the first
+    # devices, the decode engine's on the next ones; both or neither, and then not ``mesh``.
+    prefill_mesh: str | None = None
+    decode_mesh: str | None = None
+    max_pending_transfers: int = 8  # prefilled sequences waiting for the decode side before prefill pauses
+    # Launch step N+1 before step N's tokens reach the host (jaxserve/engine/async_scheduling.py); steps that need the
+    # host's view of the previous token (structured output, prompt logprobs) run synchronously.
+    async_scheduling: bool = True
+    quantization: str | None = None  # weights quantized at load: "int8" or "fp8" (None: as the checkpoint is)
+    quantize_lm_head: bool = False  # quantize the LM head and embeddings too
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8", "fp8" (= "fp8_e4m3"), "fp8_e5m2"
+    # vLLM's speculative_config: a JSON object (the flag) or a dict, kept as a SpeculativeConfig
+    speculative_config: "str | dict | SpeculativeConfig | None" = None
+
+    def __post_init__(self):
+        positive = ("page_size", "max_num_seqs", "max_num_batched_tokens")
+        for name in positive:
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages={self.num_pages} must be >= 2")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
+        if not 0.0 < self.hbm_utilization <= 1.0:
+            raise ValueError(f"hbm_utilization={self.hbm_utilization} must be in (0, 1]")
+        if self.cpu_kv_cache_gib <= 0:
+            raise ValueError(f"cpu_kv_cache_gib={self.cpu_kv_cache_gib} must be > 0")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests={self.max_waiting_requests} must be >= 1")
+        if self.num_devices is not None and (not isinstance(self.num_devices, int) or self.num_devices < 1):
+            raise ValueError(f"num_devices={self.num_devices!r} must be a positive integer")
+        MeshConfig.parse(self.mesh)  # a malformed spec fails here, naming the part it cannot read
+        if (self.prefill_mesh is None) != (self.decode_mesh is None):
+            raise ValueError("prefill_mesh and decode_mesh go together: give both (disaggregated) or neither")
+        if self.prefill_mesh is not None:
+            if self.mesh is not None or self.num_devices is not None:
+                raise ValueError("mesh/num_devices cannot be combined with prefill_mesh and decode_mesh (each "
+                                 "engine's mesh is its own)")
+            for name in ("prefill_mesh", "decode_mesh"):
+                try:
+                    MeshConfig.parse(getattr(self, name))
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
+        if not isinstance(self.max_pending_transfers, int) or self.max_pending_transfers < 1:
+            raise ValueError(f"max_pending_transfers={self.max_pending_transfers!r} must be a positive integer")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.speculative_config is not None and self.speculative_config.model and self.prefill_mesh is not None:
+            raise ValueError("speculative_config: a draft model cannot be combined with prefill_mesh/decode_mesh "
+                             "(the decode side would need the prompt's KV in the draft's pool too); use "
+                             "method 'ngram'")
+        for name, choices in (("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS),
+                              ("logprobs_mode", LOGPROBS_MODES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(map(repr, choices))}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} must be one of "
+                             f"{', '.join(map(repr, QUANTIZATIONS))} (or None)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of "
+                             f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("quantize_lm_head=True needs quantization='int8' or 'fp8'")
+        if self.quantization is not None and self.dtype == "float16":
+            raise ValueError(f"quantization={self.quantization!r} with dtype='float16': quantized weights are "
+                             "dequantized into bfloat16 or float32 activations; use dtype='bfloat16' or 'float32'")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config={self.generation_config!r} must be 'auto', 'vllm' or a folder")
+        # The scheduler's own checks, on what is known before the model is: a bad combination fails here.
+        t = self.long_prefill_token_threshold
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"long_prefill_token_threshold={t!r} must be an integer >= 0")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                             f"max_num_seqs={self.max_num_seqs}")
+
+    def pages_per_seq(self, max_model_len: int) -> int:
+        """Page-table width that holds a ``max_model_len`` sequence at this config's page size."""
+        return pages_per_seq(max_model_len, self.page_size)
+
+    def scheduler_config(self, *, num_pages: int, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's limits, once the model (``max_model_len``) and the pool (``num_pages`` per data
+        replica) are known."""
+        return SchedulerConfig(
+            num_pages=num_pages, page_size=self.page_size, max_model_len=max_model_len,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_prefix_caching=self.enable_prefix_caching, enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+        )

@@ -1,0 +1,1 @@
+"""The continuous-batching host loop around the executor: requests in, steps, outputs out. Imports no jax: the executor, which does, is built on start-up."""

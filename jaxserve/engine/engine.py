@@ -1,0 +1,471 @@
+"""The continuous-batching engine: the host loop around the device's one entry point.
+
+Each ``step()``: the scheduler plans (admissions, chunked prefill, decodes, preemption), the executor runs the
+plan on the device and hands back a ``StepResult`` of NumPy arrays, the scheduler records the tokens and frees
+finished pages, and the detokenizer turns them into text deltas. This module is host bookkeeping only (requests,
+tokenization, scheduler, detokenizers, outputs) and imports no jax: the executor, which does, is built on
+start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Sequence as Seq
+
+from jaxserve.config.engine import EngineConfig
+from jaxserve.engine import async_scheduling
+from jaxserve.engine.generation_config import load_generation_defaults
+from jaxserve.models.checkpoint import resolve_model_path
+from jaxserve.models.config import ModelConfig
+from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler.replicas import ReplicatedScheduler
+from jaxserve.scheduler.sequence import Sequence
+from jaxserve.scheduler.step_result import StepFailed, StepResult
+from jaxserve.text.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
+from jaxserve.text.structured_output import GrammarCompiler, StructuredOutputs
+from jaxserve.text.tokenizer import chat_template_ids, eos_token_ids, load_tokenizer, resolve_chat_template
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detoks: list[IncrementalDetokenizer]
+    metrics: RequestMetrics
+    logprobs: list[list[dict[int, float]] | None]
+    error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    loud: bool = False  # it has text to detokenize or logprobs to record: every token gets a look in ``_collect``
+
+
+class Engine:
+    """Serve many requests at once. Not thread-safe: one thread calls ``add_request``/``abort``/``step``.
+
+    On a mesh with ``data`` > 1 each data replica has its own scheduler and page block (``ReplicatedScheduler``);
+    ``max_num_seqs`` and ``max_num_batched_tokens`` then apply per replica. On a multi-process run only process
+    0 drives the engine; the others call ``follow()``.
+    """
+
+    # Subclasses whose steps hand sequences on between stages (jaxserve/disagg/staged.py) step synchronously.
+    steps_async = True
+
+    def __init__(self, config: EngineConfig, *, executor_factory=None):
+        self.config = config
+        if config.model is None:
+            from jaxserve.models.demo import demo_model_path
+
+            model_path = str(demo_model_path())
+        else:
+            model_path = config.model
+        # The tokenizer first: a checkpoint without a usable one fails before anything is compiled.
+        folder = resolve_model_path(model_path, revision=config.revision, download_dir=config.download_dir)
+        cfg = ModelConfig.from_pretrained(folder)
+        spec = config.speculative_config
+        if spec is not None and spec.model:  # refused before anything is loaded or compiled
+            from jaxserve.spec_decode.draft import check_draft
+
+            check_draft(spec.model, cfg)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or folder)
+        if config.chat_template is not None and self.tokenizer is not None:
+            self.tokenizer.chat_template = resolve_chat_template(config.chat_template)
+        self.eos_token_ids = eos_token_ids(folder, cfg, self.tokenizer)
+        # The checkpoint's sampling defaults, for requests that set nothing (LLM.get_default_sampling_params).
+        self.generation_defaults = load_generation_defaults(folder, config.generation_config)
+        if executor_factory is None:
+            from jaxserve.executor.executor import Executor  # the device side: loads jax
+
+            executor_factory = Executor
+        self.executor = executor_factory(config, model_path=str(folder), eos_token_ids=self.eos_token_ids)
+        self.model_path = model_path
+        self.model_config = self.executor.model_config
+        self.max_model_len = self.executor.max_model_len
+        self.scheduler = ReplicatedScheduler(self.executor.scheduler_config, self.executor.num_replicas)
+        self.spec = None
+        if config.speculative_config is not None:
+            from jaxserve.spec_decode.planner import SpecPlanner
+
+            self.spec = SpecPlanner(config.speculative_config, self.max_model_len)
+            for replica in self.scheduler.replicas:
+                replica.spec = self.spec
+        self.grammars = (GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+                         if self.tokenizer is not None else None)
+        self.structured = StructuredOutputs(self.grammars)
+        self.executor.token_masks = self.structured.fill_bitmask
+        self._requests: dict[str, _Request] = {}
+        self._counter = itertools.count()
+        self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        # Async scheduling: the launched step whose tokens are not read yet, as (plan, executor's PendingStep).
+        # Speculation verifies on the host's view of each sequence (jaxserve/spec_decode/): its steps run synchronously.
+        self._async = self.steps_async and bool(getattr(config, "async_scheduling", False)) and \
+            config.speculative_config is None and hasattr(self.executor, "launch") and \
+            getattr(getattr(self.executor, "runner", None), "channel", None) is None
+        self._pending = None
+        self._sync_requests = 0  # live requests whose steps need the host's view of the previous token
+        self._unstamped: set[str] = set()  # live requests not scheduled yet (``_mark_scheduled``)
+        self._no_first_token: set[str] = set()  # live requests with no token yet (their first_token_time)
+        self._loud = 0  # live requests with ``_Request.loud``
+        # True: ``step`` returns outputs of finished requests only (the offline API reads nothing else).
+        self.final_outputs_only = False
+
+    # Requests -----------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
+                    *, arrival_time: float | None = None) -> str:
+        """Queue a request. Raises ValueError (naming the field) for input that could never be served."""
+        params = params if params is not None else SamplingParams()
+        request_id = str(next(self._counter)) if request_id is None else request_id
+        if request_id in self._requests:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        if params.logit_bias and max(params.logit_bias) >= self.model_config.vocab_size:
+            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary "
+                             f"[0, {self.model_config.vocab_size})")
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init (use "
+                             "stop_token_ids)")
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError("structured_outputs needs a tokenizer; this engine runs with skip_tokenizer_init")
+            self.grammars.prepare(params.structured_outputs)  # ValueError for an invalid grammar; cached
+        seq = Sequence(request_id, ids, params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
+                       request_index=next(self._counter))
+        seqs = self.scheduler.add(seq)
+        self.structured.add(seqs)
+        detoks = [IncrementalDetokenizer.for_request(self.tokenizer, ids, params) for _ in seqs]
+        self._requests[request_id] = _Request(
+            request_id, text, ids, params, seqs, detoks, RequestMetrics(seq.arrival_time),
+            [[] if params.logprobs is not None else None for _ in seqs],
+            prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None,
+            loud=params.logprobs is not None or any(type(d) is not NoTextDetokenizer for d in detoks),
+        )
+        self._unstamped.add(request_id)
+        self._no_first_token.add(request_id)
+        self._loud += self._requests[request_id].loud
+        self.stats_counters["prompt_tokens"] += len(ids)
+        if params.structured_outputs is not None or params.prompt_logprobs is not None:
+            self._sync_requests += 1  # steps run synchronously while it is live (jaxserve/engine/async_scheduling.py)
+        return request_id
+
+    def tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt given as text or ids; ValueError if empty or outside the vocabulary."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text needs a tokenizer; this engine runs with skip_tokenizer_init, so "
+                                 "prompts must be token ids")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        return text, ids
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **template_options) -> list[int]:
+        """Token ids of a conversation formatted with the chat template (``continue_final_message``, ``tools``,
+        ``chat_template_kwargs``: see ``jaxserve.text.tokenizer.chat_template_ids``)."""
+        if self.tokenizer is None:
+            raise ValueError("messages: the chat template needs a tokenizer; this engine runs with "
+                             "skip_tokenizer_init")
+        return chat_template_ids(self.tokenizer, messages, add_generation_prompt, **template_options)
+
+    def abort_request(self, request_id: str, reason: str = "abort", *,
+                      error: str | None = None) -> RequestOutput | None:
+        """Finish a request with ``reason`` ("abort", or "error" after a failed step, with ``error`` saying why)
+        and free its pages now; None if it is not live."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        for seq in self.scheduler.get_request(request_id):
+            self.scheduler.finish(seq, reason)
+        req.error = error
+        return self._finish_request(req, [s for s in req.seqs])
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # One step -----------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns an output for each request that produced tokens or finished.
+
+        With async scheduling (``EngineConfig.async_scheduling``) the batch is launched and the outputs are
+        those of the batch launched by the previous call, read while this one runs (``jaxserve.engine.async_scheduling``).
+
+        A step that fails ends the requests in it (reason "error", ``RequestOutput.error`` saying why) and
+        returns their pages; every other request carries on.
+        """
+        if self._async_now():
+            return self._step_async()
+        if self._pending is not None:  # a step needing the host's view follows: resolve the one in flight first
+            return self._resolve()
+        plan = self.scheduler.schedule()
+        self.executor.release(plan.preempted, finished=False)
+        if plan.is_empty:
+            return self._collect(self.scheduler.update(plan, []).finished, [])
+        self._mark_scheduled(plan)
+        try:
+            result = self.executor.execute(plan)
+        except StepFailed as e:
+            return self._fail_step(plan, e)
+        runs = result.spec_tokens or {}  # speculation: entries that emit several tokens
+        tokens = [runs[i] if i in runs else int(t) for i, t in enumerate(result.token_ids)]
+        if result.prompt_logprobs:
+            self._record_prompt_logprobs(plan, result.prompt_logprobs)
+        before = {s.seq_id: s.num_output_tokens for s in plan.seqs}
+        update = self.scheduler.update(plan, tokens)
+        self.structured.accept(update.updated)
+        self.stats_counters["steps"] += 1
+        logprobs = _logprobs(plan, result)
+        for i, lps in (result.spec_logprobs or {}).items():
+            logprobs[plan.scheduled[i].seq.seq_id] = lps
+        outputs = self._collect(update.finished, update.updated, logprobs, before=before)
+        # A finished sequence's penalty row returns now: its siblings may run on, and new sequences need rows.
+        self.executor.release(update.finished, finished=False)
+        return outputs
+
+    # Async scheduling ---------------------------------------------------------------------------------------
+    def _async_now(self) -> bool:
+        """Whether this step may be launched before the previous step's tokens are on the host."""
+        return self._async and not self._sync_requests
+
+    def _step_async(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        self.executor.release(plan.preempted, finished=False)
+        if plan.is_empty:
+            if self._pending is not None:
+                return self._resolve()
+            return self._collect(self.scheduler.update(plan, []).finished, [])
+        self._mark_scheduled(plan)
+        prev = self._pending
+        try:
+            launched = self.executor.launch(plan, None if prev is None else prev[1])
+        except StepFailed as e:
+            outputs = self._resolve() if prev is not None else []
+            return outputs + self._fail_step(plan, e)
+        async_scheduling.commit(self.scheduler, plan)
+        self.stats_counters["steps"] += 1
+        self._pending = (plan, launched)
+        if prev is None:
+            return []
+        return self._resolve(prev)
+
+    def _resolve(self, pending=None) -> list[RequestOutput]:
+        """Read back a launched step's tokens (the one in flight by default) and publish them."""
+        if pending is None:
+            pending, self._pending = self._pending, None
+        plan, launched = pending
+        try:
+            result = self.executor.fetch(launched)
+        except StepFailed as e:
+            return self._fail_step(plan, e)
+        if result.prompt_logprobs:
+            self._record_prompt_logprobs(plan, result.prompt_logprobs)
+        update, tokens = async_scheduling.resolve(self.scheduler, plan, result.token_ids)
+        outputs = self._collect(update.finished, update.updated, _logprobs(plan, result), tokens=tokens)
+        # As in the synchronous step: a finished sequence's penalty row returns now (the step in flight that may
+        # still carry it updated the row before any later step can hand the row to another sequence).
+        self.executor.release(update.finished, finished=False)
+        return outputs
+
+    def _mark_scheduled(self, plan) -> None:
+        """Stamp the first time each request of ``plan`` is scheduled (its queueing time in the metrics)."""
+        if not self._unstamped:  # every live request has been scheduled before: nothing to look at
+            return
+        now = time.monotonic()
+        for e in plan.scheduled:
+            if e.seq.request_id in self._unstamped:
+                self._unstamped.discard(e.seq.request_id)
+                req = self._requests.get(e.seq.request_id)
+                if req is not None and req.metrics.first_scheduled_time is None:
+                    req.metrics.first_scheduled_time = now
+
+    def _record_prompt_logprobs(self, plan, scored: dict[int, list[tuple[int, dict[int, float]]]]) -> None:
+        for e in plan.scheduled:
+            items = scored.get(e.seq.seq_id)
+            req = self._requests.get(e.seq.request_id)
+            if items and req is not None and req.prompt_logprobs is not None:
+                for pos, entry in items:  # a recomputed prompt (after preemption) scores its tokens again
+                    req.prompt_logprobs[pos] = entry
+
+    def _fail_step(self, plan, error: StepFailed) -> list[RequestOutput]:
+        affected = list(dict.fromkeys(e.seq.request_id for e in plan.scheduled))
+        logger.error("a step failed; its requests %s finish with reason 'error'", ", ".join(affected), exc_info=error)
+        message = f"the step running this request failed: {error}"
+        outputs = [out for rid in affected if (out := self.abort_request(rid, "error", error=message)) is not None]
+        if error.cache_lost:  # every other sequence's KV went with the cache: recompute it from its tokens
+            self.executor.release(self.scheduler.drop_cache(), finished=False)
+        return outputs
+
+    def _collect(self, finished: list[Sequence], updated: list[Sequence], logprobs: dict | None = None, *,
+                 tokens: list[int] | None = None, before: dict[int, int] | None = None) -> list[RequestOutput]:
+        """``logprobs``: seq_id -> the entry of its one new token, or a list of entries (a speculated run);
+        ``tokens``: each updated sequence's new token, read back by async scheduling (its last token may be the
+        next step's placeholder); ``before``: seq_id -> output tokens before the step (a speculated run appends
+        several)."""
+        changed: dict[str, dict[int, tuple[list[int], str]]] = {}
+        now = time.monotonic()
+        quiet = self.final_outputs_only  # a request still running gets no output
+        rows = range(len(updated))
+        if quiet and tokens is not None and not self._loud:
+            # No output of a running request, no text, no logprobs (async scheduling: one token per sequence):
+            # only the sequences that finished need a look; the rest only count.
+            if self._no_first_token:
+                for seq in updated:
+                    if seq.request_id in self._no_first_token and seq.request_id in self._requests:
+                        self._no_first_token.discard(seq.request_id)
+                        self._requests[seq.request_id].metrics.first_token_time = now
+            ended = {id(s) for s in finished}
+            rows = [i for i, s in enumerate(updated) if id(s) in ended] if ended else []
+            self.stats_counters["generation_tokens"] += len(updated) - len(rows)
+        for i in rows:
+            seq = updated[i]
+            req = self._requests.get(seq.request_id)
+            if req is None:
+                continue
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+                self._no_first_token.discard(seq.request_id)
+            if tokens is not None:  # async scheduling: one token per sequence, never a speculated run
+                start, new = seq.num_output_tokens, [tokens[i]]
+            else:
+                start = (before or {}).get(seq.seq_id, seq.num_output_tokens - 1)
+                new = seq.output_token_ids[start:]
+            detok = req.detoks[seq.index]
+            if quiet and not seq.is_finished and type(detok) is NoTextDetokenizer and req.logprobs[seq.index] is None:
+                self.stats_counters["generation_tokens"] += len(new)  # no text, no logprobs, no output this step
+                continue
+            entries = (logprobs or {}).get(seq.seq_id, {})
+            entries = entries if isinstance(entries, list) else [entries]
+            delta, kept = "", []
+            for j, token in enumerate(new):
+                self.stats_counters["generation_tokens"] += 1
+                delta += detok.add([token])
+                kept.append(token)
+                if req.logprobs[seq.index] is not None:
+                    req.logprobs[seq.index].append(entries[j] if j < len(entries) else {})
+                if detok.finished:
+                    break
+            if detok.finished and len(kept) < len(new):  # tokens a run emitted past a stop string are dropped
+                seq.truncate(start + len(kept))
+                if seq.is_finished:  # by a later token's stop id or length: the stop string came first
+                    seq.set_finished("stop", detok.stop_reason)
+            if detok.finished and not seq.is_finished:  # a stop string matched in the text
+                self.scheduler.finish(seq, "stop", detok.stop_reason)
+                seq.drop_placeholder()
+                finished.append(seq)
+            ids, text = changed.setdefault(seq.request_id, {}).setdefault(seq.index, ([], ""))
+            changed[seq.request_id][seq.index] = (ids + kept, text + delta)
+        outputs = []
+        done = {s.request_id for s in finished}
+        for request_id in list(dict.fromkeys([*changed, *done])):
+            req = self._requests.get(request_id)
+            if req is None:
+                continue
+            deltas = changed.get(request_id, {})
+            if all(s.is_finished for s in req.seqs):
+                outputs.append(self._finish_request(req, req.seqs, deltas))
+            elif not self.final_outputs_only:
+                outputs.append(self._output(req, [s for s in req.seqs if s.index in deltas], deltas, False))
+        return outputs
+
+    def _finish_request(self, req: _Request, seqs: list[Sequence], deltas=None) -> RequestOutput:
+        deltas = dict(deltas or {})
+        if req.params.structured_outputs is not None or req.params.prompt_logprobs is not None:
+            self._sync_requests -= 1
+        for seq in req.seqs:  # a token of a step launched after the sequence's last is never emitted
+            seq.drop_placeholder()
+        for seq in seqs:
+            tail = req.detoks[seq.index].finish() if not req.detoks[seq.index].finished else ""
+            ids, text = deltas.get(seq.index, ([], ""))
+            deltas[seq.index] = (ids, text + tail)
+        self.executor.release(seqs)
+        self.structured.release(seqs)
+        req.metrics.finished_time = time.monotonic()
+        req.metrics.num_cached_tokens = req.seqs[0].num_cached_tokens
+        req.metrics.num_preemptions = sum(s.num_preemptions for s in req.seqs)
+        del self._requests[req.request_id]
+        self._unstamped.discard(req.request_id)
+        self._no_first_token.discard(req.request_id)
+        self._loud -= req.loud
+        return self._output(req, req.seqs, deltas, True)
+
+    def _output(self, req: _Request, seqs: list[Sequence], deltas, finished: bool) -> RequestOutput:
+        completions = []
+        for seq in sorted(seqs, key=lambda s: s.index):
+            ids, text = deltas.get(seq.index, ([], ""))
+            lps = req.logprobs[seq.index]
+            out_ids = seq.output_token_ids
+            if out_ids and out_ids[-1] < 0:  # the next step's token, not known yet
+                out_ids = out_ids[:-1]
+            completions.append(CompletionOutput(
+                seq.index, req.detoks[seq.index].output_text, list(out_ids), seq.finish_reason,
+                seq.stop_reason, list(lps) if lps is not None else None, text, ids,
+                lps[len(lps) - len(ids):] if lps is not None else None,
+            ))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, completions, finished, req.metrics,
+                             req.error if finished else None,
+                             list(req.prompt_logprobs) if req.prompt_logprobs is not None else None)
+
+    # Multi-process ------------------------------------------------------------------------------------------
+    def follow(self) -> None:
+        """On a process other than 0: run the steps process 0 plans until it calls ``close``."""
+        self.executor.follow()
+
+    def close(self) -> None:
+        """Release the follower processes of a multi-process run (no-op otherwise)."""
+        self.executor.close()
+
+    # Introspection ------------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        s = dict(self.scheduler.stats())
+        s.update(self.stats_counters)
+        s["num_pages"] = self.executor.cache_config.num_pages
+        s["compilations_after_warmup"] = getattr(self.executor, "compilations_after_warmup", 0)
+        s["kv_bytes_per_token"] = self.executor.kv_bytes_per_token
+        if self.spec is not None:
+            s.update(self.spec.counters.stats())
+        return s
+
+    def describe(self) -> dict:
+        """What this engine serves (model, limits, pool, dtype, tokenizer facts), as plain values."""
+        info = dict(self.executor.describe())
+        info["model_path"] = str(self.model_path)
+        info["max_model_len"] = int(self.max_model_len)
+        info["eos_token_ids"] = [int(t) for t in self.eos_token_ids]
+        info["has_chat_template"] = bool(getattr(self.tokenizer, "chat_template", None))
+        info["generation_defaults"] = dict(self.generation_defaults)
+        info["skip_tokenizer_init"] = self.tokenizer is None
+        return info
+
+
+def _logprobs(plan, result: StepResult) -> dict[int, dict[int, float]]:
+    """seq_id -> {sampled token: its logprob, then the top-n}, for the sequences of ``plan`` that asked and
+    sampled."""
+    if result.logprobs is None:
+        return {}
+    out, lists = {}, None
+    for slot, e in enumerate(plan.scheduled):
+        n = e.seq.sampling_params.logprobs
+        if n is not None and e.needs_sample:
+            if lists is None:  # Python numbers, converted at once (the same values as element by element)
+                lists = [a.tolist() if hasattr(a, "tolist") else list(a)
+                         for a in (result.token_ids, result.logprobs, result.top_ids, result.top_logprobs)]
+            token_ids, logprobs, top_ids, top_logprobs = lists
+            top = dict(zip(top_ids[slot][:n], top_logprobs[slot][:n]))
+            out[e.seq.seq_id] = {token_ids[slot]: logprobs[slot], **top}
+    return out

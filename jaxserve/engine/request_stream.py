@@ -1,0 +1,85 @@
+"""What a front end holds while a request runs: its ``RequestStream``, the errors that refuse or end it, and
+``take_all``, which drains an engine thread's intake queue.
+
+These stand on their own (asyncio and the outputs only): the servers and their tests use them without the
+engine thread that feeds them (``jaxserve.server.async_engine``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+
+class EngineNotReady(RuntimeError):
+    """The engine is still starting (loading, compiling) or failed to start."""
+
+
+class EngineDraining(RuntimeError):
+    """The server is shutting down and admits no new requests."""
+
+
+class EngineOverloaded(RuntimeError):
+    """Admitting the request would queue more than ``max_waiting_requests`` sequences."""
+
+
+class EngineFailure(RuntimeError):
+    """The engine could not finish a request cleanly (reported to that request only)."""
+
+
+class RequestStream:
+    """The outputs of one request, in order; the last one has ``finished=True``.
+
+    ``prompt_token_ids`` is set once the engine has accepted the request. ``token_texts`` maps every token id
+    seen in this request's logprobs to its text decoded on its own (filled before the output is delivered).
+    ``abort()`` finishes the request with reason "abort" and frees its pages before the engine's next step
+    (``engine`` is what it asks: anything with ``abort(request_id)``, the ``AsyncEngine`` when serving).
+    """
+
+    def __init__(self, engine, request_id: str, params: SamplingParams):
+        self.request_id = request_id
+        self.params = params
+        self.prompt_token_ids: list[int] = []
+        self.token_texts: dict[int, str] = {}
+        self.token_bytes: dict[int, bytes] = {}  # the same tokens' raw bytes (a token can hold part of a character)
+        self._engine = engine
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._done = False  # the consumer has received the final output (or an error)
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def abort(self) -> None:
+        if not self._done:
+            self._engine.abort(self.request_id)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+
+def take_all(q: queue.Queue, block: bool) -> list:
+    """Everything queued in ``q`` now (waiting for a first item if ``block``)."""
+    items = []
+    try:
+        items.append(q.get(block=block))
+        while True:
+            items.append(q.get_nowait())
+    except queue.Empty:
+        pass
+    return items

@@ -1,0 +1,101 @@
+"""What the warm-up compile is doing, while it does it: progress over the shapes to compile (a tqdm bar on a
+terminal, else a log line every few seconds with an estimate of the time left), then one summary line with the
+time taken, whether the persistent compilation cache was used (hits and misses) and, when the executor sets
+``stored``, how many step executables the executable store loaded or had to compile.
+
+The warm-up loop calls ``start(total)`` once, ``tick()`` after each compiled shape and ``finish()`` at the end;
+``tick()`` is a module-level call, so code that compiles a shape needs no handle on the reporter.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+from jaxserve.executor import compile_counter
+
+logger = logging.getLogger("jaxserve.compile")
+
+LOG_EVERY_S = 5.0  # without a terminal: at most one progress line this often
+
+_active: Progress | None = None
+last_summary: dict | None = None  # the latest finished warm-up's figures (seconds, shapes, hits, misses)
+
+
+class Progress:
+    """One warm-up's progress over ``total`` shapes; see the module docstring."""
+
+    def __init__(self, total: int, cache_dir: str | None, what: str):
+        self.total = max(total, 1)
+        self.cache_dir = cache_dir
+        self.what = what
+        self.done = 0
+        self.start = time.monotonic()
+        self._last_log = self.start
+        self._counts0 = compile_counter.cache_counts()
+        self.stored: tuple[int, int] | None = None  # (loaded, compiled) step executables of the executable store
+        self._bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total, desc=f"compiling {what}", unit="shape", leave=False,
+                             file=sys.stderr, dynamic_ncols=True)
+        where = f"the compilation cache in {cache_dir}" if cache_dir else "no compilation cache"
+        logger.info("compiling %d %s (with %s); the first start takes longest", self.total, what, where)
+
+    def tick(self) -> None:
+        self.done = min(self.done + 1, self.total)
+        if self._bar is not None:
+            self._bar.update(1)
+            return
+        now = time.monotonic()
+        if now - self._last_log >= LOG_EVERY_S and self.done < self.total:
+            self._last_log = now
+            elapsed = now - self.start
+            left = elapsed / self.done * (self.total - self.done)
+            logger.info("compiled %d/%d %s, about %.0fs left", self.done, self.total, self.what, left)
+
+    def finish(self) -> dict:
+        """Close the bar, log the summary line and return its figures."""
+        global _active, last_summary
+        if self._bar is not None:
+            self._bar.close()
+        seconds = time.monotonic() - self.start
+        counts = compile_counter.cache_counts()
+        lookups = counts["lookups"] - self._counts0["lookups"]
+        hits = counts["hits"] - self._counts0["hits"]
+        summary = {"seconds": seconds, "shapes": self.total, "cache_hits": hits, "cache_misses": lookups - hits,
+                   "cache_dir": self.cache_dir}
+        if not self.cache_dir:
+            cache = "compilation cache off"
+        elif lookups == 0:
+            cache = f"compilation cache {self.cache_dir}: not consulted"
+        elif hits == lookups:
+            cache = f"compilation cache {self.cache_dir}: all {hits} programs loaded from it"
+        else:
+            cache = (f"compilation cache {self.cache_dir}: {hits} hits, {lookups - hits} misses (compiled now, "
+                     "saved for the next start)")
+        if self.stored is not None:
+            loaded, compiled = self.stored
+            summary.update(executables_loaded=loaded, executables_compiled=compiled)
+            cache += f"; executable store: {loaded} loaded, {compiled} compiled and saved"
+        logger.info("warm-up done: %d %s ready in %.1fs; %s", self.total, self.what, seconds, cache)
+        last_summary = summary
+        if _active is self:
+            _active = None
+        return summary
+
+
+def start(total: int, cache_dir: str | None = None, what: str = "step shapes") -> Progress:
+    """Begin reporting a warm-up of ``total`` shapes; ``tick()`` then advances it."""
+    global _active
+    compile_counter.install()
+    _active = Progress(total, cache_dir, what)
+    return _active
+
+
+def tick() -> None:
+    """One more shape compiled (no-op when no warm-up is being reported)."""
+    if _active is not None:
+        _active.tick()

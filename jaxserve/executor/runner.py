@@ -1,0 +1,226 @@
+"""The two compiled model calls, prefill and decode, over padded bucket shapes (``jaxserve.executor.shapes``).
+
+Each step takes a ``MeshBatch`` (one ``StepBatch`` per data replica, side by side), runs the decoder over it on
+the mesh (writing the new tokens' K/V into the donated cache) and returns the logits of every sequence's last
+new token, replicated on every device, with their argmax. The batch crosses to the device as one packed int32
+array, which is also what process 0 sends its followers on a multi-host run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.executor import compile_counter
+from jaxserve.executor.batch import MeshBatch, StepKind
+from jaxserve.executor.kv_cache import CacheConfig, init_kv_cache
+from jaxserve.executor.sampler import argmax
+from jaxserve.models.attention import AttentionBackend, ShardedAttention
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.decoder import DecoderLM, forward
+from pallas_kernels.ragged_paged_attention import check_values, token_layout
+from sharding import multihost
+from sharding.layout import StepLayout
+from sharding.mesh import place
+from sharding.rules import model_rules
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """What a step returns on device (replicated over the mesh)."""
+
+    logits: jax.Array  # f32[num_rows, vocab]  rows past the batch's sequences are zero
+    greedy_ids: jax.Array  # i32[num_rows]  argmax of each sequence's logits: the whole sampler for greedy batches
+
+
+def jit_step(graphdef: nnx.GraphDef, num_rows: int, out_shardings=None, local_pool: bool = False):
+    """The compiled step: (params, packed, kv_cache, fields, attention, layout) -> (StepOutput, kv_cache), the
+    cache donated, ``fields`` (the batch's shape, ``MeshBatch.shape_fields``), ``attention`` and ``layout`` static.
+
+    ``packed`` is the whole batch as one int32 array (``MeshBatch.pack``), placed replicated: one host-to-device
+    copy per step. The step unpacks it and gives each field its sharding. Logits are padded to ``num_rows`` so
+    the sampler has one shape whatever the step's bucket. ``out_shardings`` (output, cache) pins the outputs: the
+    cache must come back with exactly the sharding it went in with, or the next call would compile again.
+    """
+
+    def step(params, packed, kv_cache, fields, attention, layout, prev_ids=None):
+        batch = MeshBatch.unpack(fields, packed)
+        if prev_ids is not None:  # async scheduling: token -1 - i is row i of the previous step's sampled ids
+            ids = batch.token_ids
+            batch = dataclasses.replace(batch, token_ids=jnp.where(ids < 0, prev_ids[jnp.maximum(-1 - ids, 0)], ids))
+        token_ids, positions, md, logits_indices = device_inputs(batch, layout)
+        logits, kv_cache = forward(nnx.merge(graphdef, params), token_ids, positions, md, kv_cache, logits_indices,
+                                   attention, layout, local_pool=local_pool)
+        pad = num_rows - logits.shape[0]
+        return StepOutput(jnp.pad(logits, ((0, pad), (0, 0))), jnp.pad(argmax(logits), (0, pad))), kv_cache
+
+    return jax.jit(step, donate_argnums=(2,), static_argnums=(3, 4, 5), out_shardings=out_shardings)
+
+
+def device_inputs(batch: MeshBatch, layout: StepLayout):
+    """(token_ids, positions, md, logits_indices) of a batch unpacked inside the step, each with its sharding.
+
+    Every row's absolute position is derived here, once, from the metadata (each replica's block on its own).
+    """
+    pin = lambda a, axes: jax.lax.with_sharding_constraint(a, layout.sharding(axes, a.shape))  # noqa: E731
+    rows = lambda a: pin(a, ("replicas",) + (None,) * (a.ndim - 1))  # noqa: E731
+    md = jax.tree.map(rows, batch.md)
+    per_replica = batch.tokens_per_replica
+    _, positions, _ = jax.vmap(lambda m: token_layout(m, per_replica))(md)
+    return (pin(batch.token_ids, ("tokens",)), pin(positions.reshape(-1), ("tokens",)), md, batch.logits_indices)
+
+
+class ModelRunner:
+    """The parameters and the KV cache on the mesh, and the compiled steps that read and update them.
+
+    ``num_logit_rows`` is the padded row count of every step's logits (the sampler's one shape).
+    """
+
+    def __init__(self, model: DecoderLM, cfg: ModelConfig, cache: CacheConfig, mesh: Mesh, *, cache_dtype,
+                 num_logit_rows: int, backend: AttentionBackend = AttentionBackend(), debug_checks: bool = False):
+        self.cfg, self.cache_cfg, self.mesh, self.backend = cfg, cache, mesh, backend
+        self.num_replicas = cache.num_replicas
+        self.sequence = int(mesh.shape["sequence"])
+        if 16 % self.sequence:
+            raise ValueError(f"mesh sequence={self.sequence} must divide 16 (the smallest token bucket)")
+        self.debug_checks = debug_checks
+        self.graphdef, self.params = nnx.split(model)
+        self.kv_cache = init_kv_cache(cfg, cache, cache_dtype, mesh)
+        rules = model_rules(cfg.num_heads, cfg.num_kv_heads, mesh)
+        # Prefill rows split over `sequence` when the axis divides them; decode rows never are.
+        self.layouts = {split: StepLayout.create(mesh, rules, split_sequence=split) for split in (False, True)}
+        self.channel = multihost.StepChannel() if jax.process_count() > 1 else None
+        # Where this process finds its copy of the (replicated) logits: its first device of the mesh.
+        self.sample_device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+        replicated = self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._no_prev = jax.device_put(np.zeros(num_logit_rows, np.int32), replicated)
+        outs = (StepOutput(replicated, replicated), jax.tree.map(lambda a: a.sharding, self.kv_cache))
+        self.num_logit_rows = num_logit_rows
+        # One jit object per kind, so prefill and decode shapes are compiled and cached separately.
+        self.local_pool = bool(cache.num_local_pages)  # page tables carry the windowed pool's table after the global
+        self._steps = {kind: jit_step(self.graphdef, num_logit_rows, outs, self.local_pool) for kind in StepKind}
+        self._static: dict[tuple, tuple] = {}  # (kind, shape fields) -> the step's static arguments
+        # (kind, shape fields) -> the compiled step, called directly (no tracing): filled by ``prepare``.
+        self.executables: dict[tuple, jax.stages.Compiled] = {}
+
+    def run(self, kind: StepKind, batch: MeshBatch, prev_ids: jax.Array | None = None) -> StepOutput:
+        """Run one step (on process 0 of a multi-process run, the followers run it too). ``prev_ids``: the
+        previous step's sampled ids (see ``jit_step``), placed with ``place_ids``; zeros by default."""
+        if batch.num_replicas != self.num_replicas:
+            raise ValueError(f"batch has {batch.num_replicas} replicas, the mesh has data={self.num_replicas}")
+        if kind == StepKind.DECODE and batch.tokens_per_replica != batch.md.kv_lens.shape[1]:
+            raise ValueError(f"decode batch must have one row per slot, got {batch.tokens_per_replica} rows / "
+                             f"{batch.md.kv_lens.shape[1]} slots")
+        payload = batch.pack()
+        if self.channel is not None:
+            if prev_ids is not None:
+                raise ValueError("a multi-process run sends followers whole batches: no previous-step ids")
+            self.channel.send(int(kind), batch.shape_fields(), payload)
+        return self._run(kind, batch, payload, prev_ids)
+
+    def place_ids(self, ids: jax.Array) -> jax.Array:
+        """Sampled ids (i32[num_logit_rows], anywhere on the mesh) placed as a step's ``prev_ids`` input."""
+        return jax.device_put(ids, self._replicated)
+
+    def follow(self) -> None:
+        """A follower process's loop: run each step process 0 sends, until it sends STOP."""
+        if self.channel is None or multihost.is_leader():
+            raise RuntimeError("follow() runs on processes other than 0 of a multi-process run")
+        while True:
+            code, fields, payload = self.channel.recv()
+            if code == multihost.STOP:
+                return
+            jax.block_until_ready(self._run(StepKind(code), MeshBatch.unpack(fields, payload), payload))
+
+    def close(self) -> None:
+        """On process 0 of a multi-process run: release the followers from ``follow``."""
+        if self.channel is not None and multihost.is_leader():
+            self.channel.send(multihost.STOP)
+            self.channel = None
+
+    def layout_for(self, kind: StepKind, batch: MeshBatch) -> StepLayout:
+        split = kind == StepKind.PREFILL and self.sequence > 1 and batch.tokens_per_replica % self.sequence == 0
+        return self.layouts[split]
+
+    def _call_args(self, kind: StepKind, batch: MeshBatch, payload: np.ndarray):
+        """The compiled step for a batch and its arguments; ``payload`` is ``batch.pack()``, placed replicated
+        (one host-to-device copy per step)."""
+        fields = batch.shape_fields()
+        static = self._static.get((kind, fields))
+        if static is None:  # built once per shape: hashing fresh ones would cost every call (jit's static args)
+            layout = self.layout_for(kind, batch)
+            backend = dataclasses.replace(self.backend, decode=kind == StepKind.DECODE)
+            static = self._static[kind, fields] = (fields, ShardedAttention(backend, layout, self.cfg.num_kv_heads),
+                                                   layout)
+        packed = place(payload, self._replicated)
+        return self._steps[kind], (self.params, packed, self.kv_cache, *static)
+
+    def lower(self, kind: StepKind, batch: MeshBatch):
+        """The step a batch would run, lowered (for inspecting the compiled program)."""
+        fn, args = self._call_args(kind, batch, batch.pack())
+        return fn.lower(*args, prev_ids=self._no_prev)
+
+    def prepare(self, kind: StepKind, batch: MeshBatch, store=None) -> bool:
+        """Make the step of a batch's shape ready, so ``run`` calls it without tracing: loaded from ``store`` (a
+        ``jaxserve.executor.executable_store.ExecutableStore``) when it holds it, else lowered and compiled (through the
+        compilation cache) and saved there. Thread-safe for distinct shapes. Returns whether it was loaded."""
+        key = (int(kind), batch.shape_fields())
+        compiled = store.load(key, list(self.mesh.devices.flat)) if store is not None else None
+        loaded = compiled is not None
+        if compiled is None:
+            compile_counter.install()
+            hits = compile_counter.thread_cache_hits()
+            compiled = self.lower(kind, batch).compile()
+            # Saved before it ever runs (XLA:CPU's sort thunks do not serialize once they have run), and only when
+            # XLA compiled it here: an executable read from the compilation cache serializes without some of its
+            # XLA:CPU kernels, and another process loading it fails at its first step ("Function ... not found").
+            if store is not None and compile_counter.thread_cache_hits() == hits:
+                store.save(key, compiled)
+        self.executables[key] = compiled
+        return loaded
+
+    def _run(self, kind: StepKind, batch: MeshBatch, payload: np.ndarray, prev_ids=None) -> StepOutput:
+        if self.debug_checks:
+            for r in range(batch.num_replicas):
+                md = batch.replica(r).md
+                pools = [(md, self.cache_cfg.pages_per_replica)]
+                if self.local_pool:
+                    width = md.page_indices.shape[1] // 2
+                    pools = [(dataclasses.replace(md, page_indices=md.page_indices[:, :width]),
+                              self.cache_cfg.pages_per_replica),
+                             (dataclasses.replace(md, page_indices=md.page_indices[:, width:]),
+                              self.cache_cfg.num_local_pages // self.cache_cfg.num_replicas)]
+                for pool_md, pages in pools:
+                    check_values(pool_md, num_tokens=batch.tokens_per_replica, num_pages=pages,
+                                 page_size=self.cache_cfg.page_size)
+        fn, args = self._call_args(kind, batch, payload)
+        prev_ids = self._no_prev if prev_ids is None else prev_ids
+        compiled = self.executables.get((int(kind), args[3]))
+        if compiled is not None:  # prepared at warm-up: its static arguments are part of the key
+            out, self.kv_cache = compiled(*args[:3], prev_ids=prev_ids)
+        else:
+            out, self.kv_cache = fn(*args, prev_ids=prev_ids)
+        return out
+
+    def cache_lost(self) -> bool:
+        """Whether the cache's buffers are gone (a step that failed after the cache was donated to it)."""
+        return any(a.is_deleted() for a in jax.tree.leaves(self.kv_cache))
+
+    def reset_cache(self, cache_dtype) -> None:
+        """A fresh, zeroed cache in place of a lost one."""
+        self.kv_cache = init_kv_cache(self.cfg, self.cache_cfg, cache_dtype, self.mesh)
+
+    def local(self, out: StepOutput) -> StepOutput:
+        """The step's output (replicated over the mesh) as arrays on ``sample_device``, where sampling runs."""
+
+        def one(a: jax.Array) -> jax.Array:
+            index = next(i for i, s in enumerate(a.addressable_shards) if s.device == self.sample_device)
+            return a.addressable_data(index)  # a single-device array, as the sampler was compiled for
+
+        return StepOutput(one(out.logits), one(out.greedy_ids))

@@ -1,0 +1,334 @@
+"""Build a model from a checkpoint: map tensor names and layouts, cast, and place each tensor on its sharding.
+
+Two sources: a Hugging Face folder (safetensors) and an orbax checkpoint written by
+``scripts/convert_checkpoint.py`` (restored straight into the target shardings).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxserve.config import engine as engine_config
+from jaxserve.models import quantization as quant
+from jaxserve.models import registry
+from jaxserve.models.checkpoint import read_checkpoint, resolve_model_path, safetensors_files
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.decoder import DecoderLM
+from sharding.mesh import make_mesh, place
+from sharding.rules import DEFAULT_RULES, check_expert_parallel, logical_sharding, model_rules
+
+DTYPES = {name: jnp.dtype(name) for name in engine_config.DTYPES if name != "auto"}
+ORBAX_DIR = "params"
+# Buffers some checkpoints carry that are derived, not learned.
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+# Mixture-of-Experts checkpoints store one tensor per expert; ours are stacked [E, in, out] (models/moe.py).
+# Mixtral names its block `block_sparse_moe` and its experts' projections w1 (gate), w3 (up), w2 (down).
+_MIXTRAL = {".block_sparse_moe.": ".mlp.", ".w1.weight": ".gate_proj.weight", ".w3.weight": ".up_proj.weight",
+            ".w2.weight": ".down_proj.weight"}
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# Tensors of pre-quantized checkpoints that weight-only serving does not use: static activation scales, the
+# KV cache's calibrated scales (our KV cache computes its own, jaxserve/kv_quant.py).
+_UNUSED_QUANT = re.compile(r"\.(input_scale|k_scale|v_scale|kv_scale|q_scale)$")
+# The stacked layout transformers >= 5 keeps in memory: gate_up_proj [E, 2I, H], down_proj [E, H, I].
+_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def resolve_dtype(dtype: str, cfg: ModelConfig):
+    """``"auto"`` means the checkpoint's own dtype."""
+    name = cfg.torch_dtype.replace("torch.", "") if dtype == "auto" else dtype
+    if name not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of 'auto', {', '.join(map(repr, DTYPES))}")
+    return DTYPES[name]
+
+
+def hf_name(path: tuple, cfg: ModelConfig) -> str:
+    """Our parameter path -> the Hugging Face tensor name (the family file's mapping)."""
+    return registry.family(cfg.architecture).hf_name(path)
+
+
+def abstract_model(cfg: ModelConfig, dtype, plan: dict | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's structure and abstract parameters; ``plan`` (``quantization_plan``) makes weights 8-bit."""
+    return nnx.split(nnx.eval_shape(lambda: quant.apply_plan(DecoderLM(cfg, dtype), plan or {})))
+
+
+def quantization_plan(cfg: ModelConfig, dtype, quantization: str | None = None, quantize_lm_head: bool = False,
+                      folder: Path | None = None) -> tuple[dict, "quant.CheckpointQuant | None"]:
+    """Which weights are 8-bit and how: {our path: QuantizedWeight}, and the checkpoint's own quantization.
+
+    ``quantization`` quantizes at load (every linear layer; the head and embeddings with ``quantize_lm_head``);
+    a pre-quantized checkpoint in ``folder`` (its ``config.json``'s ``quantization_config``) quantizes the layers
+    that have a scale tensor, as published.
+
+    Raises:
+      ValueError: for an unsupported ``quant_method``, or ``quantization`` asked of a pre-quantized checkpoint.
+    """
+    ckq = quant.checkpoint_quant(quant.read_hf_config(folder)) if folder is not None else None
+    if ckq is not None and quantization is not None:
+        raise ValueError(f"quantization={quantization!r}: the checkpoint is already quantized "
+                         f"(quant_method={ckq.method!r}) and loads as published; drop the option")
+    if ckq is None and quantization is None:
+        return {}, None
+    _, abstract = nnx.split(nnx.eval_shape(lambda: DecoderLM(cfg, dtype)))
+    if ckq is None:
+        kind = quant.WEIGHT_DTYPES[quantization]
+        return {p: quant.QuantizedWeight(kind) for p in quant.quantizable_paths(abstract, quantize_lm_head)}, None
+    ours = {hf_name(path, cfg): path for path, _ in nnx.to_flat_state(abstract)}
+    plan = {}
+    suffix = "." + ckq.scale_name
+    for name in quant.tensor_names(safetensors_files(folder)):
+        if not name.endswith(suffix):
+            continue
+        path = ours.get(_our_weight_name(name[: -len(suffix)] + ".weight", cfg))
+        if path is None:
+            raise ValueError(f"checkpoint scale {name} belongs to no weight of {cfg.architecture}")
+        if not quant.is_router(path):  # an 8-bit router is dequantized at load (_load_safetensors)
+            plan[path] = quant.QuantizedWeight(ckq.dtype, ckq.block)
+    return plan, ckq
+
+
+def _our_weight_name(name: str, cfg: ModelConfig) -> str:
+    """A checkpoint weight's name as ``hf_name`` writes ours (a stacked expert weight for one expert's)."""
+    return _expert_weight(name, cfg)[0]
+
+
+def _expert_weight(name: str, cfg: ModelConfig) -> tuple[str, int | None]:
+    """(our name of a checkpoint weight, its expert index or None)."""
+    if cfg.family == "mixtral" and ".block_sparse_moe." in name:
+        for old, new in _MIXTRAL.items():
+            name = name.replace(old, new)
+    if m := _EXPERT.match(name):
+        return f"{m[1]}.{m[3]}", int(m[2])
+    return name, None
+
+
+def param_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
+    """Flat {path: NamedSharding} from each parameter's logical axes."""
+    return {
+        path: logical_sharding(var.logical_axes, var.get_value().shape, mesh, rules)
+        for path, var in nnx.to_flat_state(state)
+    }
+
+
+def load_model(
+    model: str | Path, dtype: str = "auto", mesh: Mesh | None = None, quantization: str | None = None,
+    quantize_lm_head: bool = False,
+) -> tuple[DecoderLM, ModelConfig, Path]:
+    """Load a model folder (HF safetensors or our orbax layout) or a hub id onto ``mesh``.
+
+    With ``quantization`` ("int8", "fp8") the weights are quantized on the host tensor by tensor as they are
+    read, and only the 8-bit values and scales are placed (``jaxserve.models.quantization``); a pre-quantized checkpoint
+    loads as published.
+
+    Raises:
+      ValueError: for an unsupported architecture, a pickled checkpoint, or missing / unexpected /
+      mis-shaped tensors (the message names the tensor and both shapes).
+    """
+    folder = resolve_model_path(model)
+    cfg = ModelConfig.from_pretrained(folder)
+    jdtype = resolve_dtype(dtype, cfg)
+    mesh = mesh if mesh is not None else make_mesh()
+    orbax = (folder / ORBAX_DIR).is_dir()
+    if orbax and quantization is not None:
+        raise ValueError(f"quantization={quantization!r} applies to Hugging Face safetensors folders; {folder} is an "
+                         "orbax checkpoint (load the safetensors folder with the option instead)")
+    plan, ckq = quantization_plan(cfg, jdtype, quantization, quantize_lm_head, None if orbax else folder)
+    graphdef, abstract = abstract_model(cfg, jdtype, plan)
+    # Validates that the heads split over the mesh's tensor axis (a clear error before any tensor is read).
+    shardings = param_shardings(abstract, mesh, model_rules(cfg.num_heads, cfg.num_kv_heads, mesh))
+    check_expert_parallel(cfg.moe and cfg.moe.num_experts, int(mesh.shape["expert"]))
+    if orbax:
+        state = _restore_orbax(folder / ORBAX_DIR, abstract, shardings)
+    else:
+        state = _load_safetensors(folder, cfg, abstract, shardings, ckq)
+    return nnx.merge(graphdef, state), cfg, folder
+
+
+def _expert_tensors(name: str, array, cfg: ModelConfig) -> list[tuple[str, int | None, np.ndarray]]:
+    """An expert tensor of the checkpoint as (our stacked tensor's name, expert index or None for all, array in
+    our [in, out] layout); [] if ``name`` is not one."""
+    if cfg.moe is None:
+        return []
+    stacked, index = _expert_weight(name, cfg)
+    if index is not None:
+        return [(stacked, index, np.asarray(array).T)]
+    if cfg.family == "mixtral" and ".block_sparse_moe." in name:
+        for old, new in _MIXTRAL.items():
+            name = name.replace(old, new)
+    if m := _FUSED.match(name):
+        array = np.swapaxes(np.asarray(array), 1, 2)
+        if m[2] == "down_proj":
+            return [(f"{m[1]}.down_proj", None, array)]
+        half = array.shape[2] // 2
+        return [(f"{m[1]}.gate_proj", None, array[..., :half]), (f"{m[1]}.up_proj", None, array[..., half:])]
+    return []
+
+
+def _load_safetensors(folder: Path, cfg: ModelConfig, abstract: nnx.State, shardings: dict,
+                      ckq: "quant.CheckpointQuant | None" = None) -> nnx.State:
+    flat = dict(nnx.to_flat_state(abstract))
+    sfx = quant.SCALE_SUFFIX
+    scale_of = {p[:-1] + (p[-1][: -len(sfx)],): p for p in flat if p[-1].endswith(sfx)}  # weight -> its scale
+    wanted = {hf_name(path, cfg): path for path in flat if not path[-1].endswith(sfx)}
+    placed: dict = {}
+    stacks: dict = {}  # stacked expert tensors being filled: path -> (host array, experts filled)
+    pending: dict = {}  # a pre-quantized weight's halves until both are read: path -> {"q": ..., "s": ...}
+    unexpected = []
+
+    def put(path, host):
+        """Place one whole tensor (our layout, the checkpoint's dtype), quantizing it first if planned."""
+        target, spath = flat[path].get_value(), scale_of.get(path)
+        if ckq is not None and quant.is_router(path) and host.dtype.itemsize == 1:  # published 8-bit router
+            pending.setdefault(path, {})["q"] = host
+            flush(path)
+        elif spath is None:
+            placed[path] = place(np.ascontiguousarray(host.astype(target.dtype, copy=False)), shardings[path])
+        elif ckq is None:  # quantized here, on the host: only 8-bit values and scales reach the devices
+            kind = "int8" if target.dtype == np.int8 else "fp8"
+            if path[-1] == "embedding":  # [vocab, embed]: a scale per vocabulary row
+                q, scale = quant.quantize(host.T, kind)
+                q = q.T
+            else:
+                q, scale = quant.quantize(host, kind)
+            placed[path] = place(np.ascontiguousarray(q), shardings[path])
+            placed[spath] = place(scale, shardings[spath])
+        else:
+            pending.setdefault(path, {})["q"] = host
+            flush(path)
+
+    def flush(path):
+        entry, target = pending[path], flat[path].get_value()
+        if "q" not in entry or "s" not in entry:
+            return
+        if quant.is_router(path):  # dequantized once: the router scores experts in the model dtype (moe.route)
+            w = quant.dequantize_host(entry["q"], entry["s"]).astype(target.dtype)
+            placed[path] = place(np.ascontiguousarray(w), shardings[path])
+            del pending[path]
+            return
+        spath = scale_of[path]
+        if entry["q"].dtype != target.dtype:
+            raise ValueError(f"tensor {hf_name(path, cfg)}: dtype {entry['q'].dtype} has a {ckq.scale_name} but "
+                             f"the {ckq.method} checkpoint's weights should be {target.dtype}")
+        placed[path] = place(np.ascontiguousarray(entry["q"]), shardings[path])
+        placed[spath] = place(np.ascontiguousarray(entry["s"]), shardings[spath])
+        del pending[path]
+
+    def stack(path, index, part, name, dtype=None):
+        """Fill one expert (``index``; None: all) of a stacked tensor; True once every expert is in."""
+        target = flat[path].get_value()
+        host, filled = stacks.setdefault(path, (np.zeros(target.shape, dtype or target.dtype), set()))
+        want = target.shape if index is None else target.shape[1:]
+        if tuple(part.shape) != tuple(want) or (index is not None and index >= target.shape[0]):
+            raise ValueError(f"tensor {name}: checkpoint shape {tuple(part.shape)} (after layout conversion) "
+                             f"does not match the model's {tuple(want)} ({target.shape[0]} experts)")
+        if index is None:
+            host[...] = part
+            filled.update(range(target.shape[0]))
+        else:
+            host[index] = part
+            filled.add(index)
+
+    for name, array in read_checkpoint(folder):
+        if ckq is not None and name.endswith("." + ckq.scale_name):
+            wname = name[: -len(ckq.scale_name)] + "weight"
+            path = wanted.get(_our_weight_name(wname, cfg))
+            if path is None or (path not in scale_of and not quant.is_router(path)):
+                unexpected.append(name)
+                continue
+            target = flat[path].get_value()
+            out_in = (target.shape[-1], target.shape[-2])
+            scale = quant.prequantized_scale(array, out_in, ckq.block)
+            if target.ndim == 3:  # one expert's scale
+                stack(scale_of[path], _expert_weight(wname, cfg)[1], scale, name, np.float32)
+            else:
+                pending.setdefault(path, {})["s"] = scale
+                flush(path)
+            continue
+        if ckq is not None and _UNUSED_QUANT.search(name):
+            continue
+        if experts := _expert_tensors(name, array, cfg):
+            for stacked, index, part in experts:
+                path = wanted.get(stacked)
+                if path is None:
+                    unexpected.append(name)
+                    continue
+                # Quantized at load: the stack is filled in fp32, then quantized whole.
+                stack(path, index, part, name, np.float32 if path in scale_of and ckq is None else None)
+            continue
+        name = name.replace(".block_sparse_moe.", ".mlp.") if cfg.family == "mixtral" else name
+        if name not in wanted:
+            if not (_IGNORED.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings)):
+                unexpected.append(name)
+            continue
+        path = wanted[name]
+        target = flat[path].get_value()
+        # HF stores linear weights [out, in]; ours are [in, out].
+        if array.ndim == 2 and path[-1] == "weight":
+            array = array.T
+        if tuple(array.shape) != tuple(target.shape):
+            raise ValueError(
+                f"tensor {name}: checkpoint shape {tuple(array.shape)} (after layout conversion) does not match "
+                f"the model's {tuple(target.shape)}"
+            )
+        put(path, array)
+    weights_of = {s: w for w, s in scale_of.items()}
+    for path, (host, filled) in stacks.items():
+        if len(filled) != host.shape[0]:
+            continue
+        if path in weights_of:
+            pending.setdefault(weights_of[path], {})["s"] = host
+            flush(weights_of[path])
+        else:
+            put(path, host)
+    missing = sorted(hf_name(p, cfg) for p in flat if p not in placed)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint in {folder} does not match {cfg.architecture}: "
+            f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+            f"unexpected tensors {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+        )
+    for path, var in flat.items():
+        var.set_value(placed[path])
+    return nnx.from_flat_state(flat)
+
+
+def _restore_orbax(path: Path, abstract: nnx.State, shardings: dict) -> nnx.State:
+    import orbax.checkpoint as ocp
+
+    flat = dict(nnx.to_flat_state(abstract))
+    target = {
+        "/".join(map(str, p)): jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype, sharding=shardings[p])
+        for p, v in flat.items()
+    }
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(path.absolute(), target)
+    for p, var in flat.items():
+        key = "/".join(map(str, p))
+        if restored[key].shape != var.get_value().shape:
+            raise ValueError(f"orbax tensor {key}: shape {restored[key].shape} != model's {var.get_value().shape}")
+        var.set_value(restored[key])
+    return nnx.from_flat_state(flat)
+
+
+def save_orbax(model: DecoderLM, dst: Path) -> None:
+    """Write the parameters as an orbax checkpoint under ``dst/params`` (flat "a/b/c" keys)."""
+    import orbax.checkpoint as ocp
+
+    _, state = nnx.split(model)
+    flat = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(state)}
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save((dst / ORBAX_DIR).absolute(), flat)
+
+
+def write_config(cfg_src: Path, dst: Path) -> None:
+    with open(cfg_src / "config.json") as f:
+        hf = json.load(f)
+    with open(dst / "config.json", "w") as f:
+        json.dump(hf, f, indent=2)

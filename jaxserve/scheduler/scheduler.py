@@ -1,0 +1,590 @@
+"""Continuous batching: which sequences run each step, with how many tokens, in which pages."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+from collections import deque
+from collections.abc import Sequence as Seq
+
+import numpy as np
+
+from jaxserve.config.scheduler import SchedulerConfig
+from jaxserve.scheduler.block_manager import BlockManager, PageHolder
+from jaxserve.scheduler.sequence import Sequence, SequenceStatus
+from jaxserve.scheduler.slot_state import DecodeSlots, StopSlots
+from jaxserve.scheduler.window_pool import WindowedBlockManager
+
+__all__ = ["DecodeRun", "ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "UpdateResult"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSequence:
+    """One sequence's share of a step: KV for ``token_ids`` is written at ``kv_len - len(token_ids) ..``."""
+
+    seq: Sequence
+    token_ids: list[int]  # a prompt (or recompute) chunk, or the one token to decode
+    kv_len: int  # tokens in the cache after this step
+    page_table: list[int]  # snapshot of seq.page_table, covering kv_len tokens
+    needs_sample: bool  # the step reaches the end of the sequence's tokens, so its last row's logits are sampled
+    local_page_table: list[int] = dataclasses.field(default_factory=list)  # the windowed layers' pool, if any
+    num_proposed: int = 0  # speculation: the last this-many token_ids are draft tokens the step verifies
+    table_version: int = -1  # seq.table_version of the snapshot (-1: not known); the executor reuses rows by it
+
+    @classmethod
+    def decode(cls, seq: Sequence, token: int, kv_len: int, page_table: list[int], table_version: int):
+        """A decode entry (one token, sampled), built without the frozen dataclass's per-field ``__setattr__``:
+        the scheduler makes one per running sequence per step."""
+        entry = object.__new__(cls)
+        entry.__dict__.update(seq=seq, token_ids=[token], kv_len=kv_len, page_table=page_table, needs_sample=True,
+                              local_page_table=[], num_proposed=0, table_version=table_version)
+        return entry
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_computed_before(self) -> int:
+        return self.kv_len - len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRun:
+    """Plain decodes planned in bulk, as arrays: sequence ``seqs[i]`` (slot ``slots[i]`` of its scheduler's
+    ``DecodeSlots``) feeds ``tokens[i]`` and has ``kv_lens[i]`` tokens of KV after the step, in the pages
+    ``pages[i, :num_pages[i]]`` (zeros past them; ``versions[i]`` the table's ``table_version``). Each decodes
+    one token, sampled. The arrays are copies taken when the step was planned."""
+
+    seqs: list[Sequence]
+    slots: np.ndarray  # i64[n]
+    tokens: np.ndarray  # i64[n]
+    kv_lens: np.ndarray  # i64[n]
+    pages: np.ndarray  # i32[n, P]
+    num_pages: np.ndarray  # i64[n]
+    versions: np.ndarray  # i64[n]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def entries(self) -> list[ScheduledSequence]:
+        """The run as one ``ScheduledSequence`` per sequence, as the one-by-one planner makes them."""
+        pages, widths = self.pages.tolist(), self.num_pages.tolist()
+        return [ScheduledSequence.decode(seq, token, kv, row[:w], version) for seq, token, kv, row, w, version in
+                zip(self.seqs, self.tokens.tolist(), self.kv_lens.tolist(), pages, widths, self.versions.tolist())]
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan: ``run`` (plain decodes planned in bulk, if any) then ``entries`` run in this order
+    (``scheduled`` lists both as entries); ``preempted`` lost their pages this step."""
+
+    entries: tuple[ScheduledSequence, ...]
+    preempted: tuple[Sequence, ...]
+    num_batched_tokens: int
+    run: DecodeRun | None = None
+
+    # Cached: built only when a reader needs entries for the run's sequences (the decode fast paths read ``run``).
+    @functools.cached_property
+    def scheduled(self) -> tuple[ScheduledSequence, ...]:
+        return self.entries if self.run is None else (*self.run.entries(), *self.entries)
+
+    @property
+    def num_entries(self) -> int:
+        return len(self.entries) + (0 if self.run is None else len(self.run))
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        """Each entry's sequence, in order."""
+        head = [] if self.run is None else list(self.run.seqs)
+        return head + [e.seq for e in self.entries]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_entries
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateResult:
+    """``updated``: sequences that got a token this step (finished ones included); ``finished``: every
+    sequence that finished since the previous update, except through ``abort``/``finish`` calls."""
+
+    updated: list[Sequence]
+    finished: list[Sequence]
+
+
+class Scheduler:
+    """FIFO continuous batching with chunked prefill, prefix caching and preemption by recomputation.
+
+    Each ``schedule`` serves running sequences first, in admission order (a decode token each, or the next
+    chunk of an unfinished prefill), then admits waiting sequences while sequence slots, the step's token
+    budget and free pages allow. When a running sequence needs a page and none is free, the most recently
+    admitted running sequence is preempted: its pages are released and it returns to the front of the
+    waiting queue, to be recomputed from prompt + tokens generated so far.
+
+    A request with ``n > 1`` becomes n sequences (``Sequence.make_sibling``). Output 0 prefills the prompt;
+    the others wait until it has, then share its full prompt pages by reference and each recompute the
+    prompt's last, partial page into a page of their own, so no page is ever written by two sequences.
+    """
+
+    bulk_decodes = True  # plan plain decodes in bulk (False: one by one, the reference the tests compare with)
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        if config.local_pages:
+            self.block_manager = WindowedBlockManager(
+                config.num_pages, config.local_pages, config.page_size, window=config.local_window,
+                enable_prefix_caching=config.enable_prefix_caching)
+        else:
+            self.block_manager = BlockManager(
+                config.num_pages, config.page_size, enable_prefix_caching=config.enable_prefix_caching,
+                attention_window=config.attention_window,
+            )
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: preemption takes from the end
+        self._requests: dict[str, list[Sequence]] = {}  # live request id -> its sequences
+        self._finished_in_schedule: list[Sequence] = []
+        self.num_preemptions = 0
+        self.spec = None  # a jaxserve.spec_decode.planner.SpecPlanner when the engine speculates
+        self.stops = StopSlots(config.max_model_len)  # live sequences' stop state, for vectorised stop checks
+        self.slots = DecodeSlots(config.pages_per_seq)  # running sequences' tokens, positions, page tables
+        # Running sequences changed other than in bulk since their slot was last written: rewritten at the next
+        # schedule (finished ones, and preempted ones, which are rewritten when admitted again, are skipped).
+        self._stale: list[Sequence] = []
+        self._slots_of: tuple[list[Sequence], np.ndarray] = ([], _NO_SLOTS)  # running -> their slots
+
+    # ---- queries ------------------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_request(self, request_id: str) -> list[Sequence]:
+        """The live sequences of a request (empty once all finished)."""
+        return list(self._requests.get(request_id, ()))
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "num_preemptions": self.num_preemptions,
+            **self.block_manager.stats(),
+        }
+
+    # ---- requests in and out ------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> list[Sequence]:
+        """Queue a new request; returns its sequences (``sampling_params.n`` of them, ``seq`` first).
+
+        Raises:
+          ValueError: naming the field, if the request could never run within ``max_model_len``.
+        """
+        if seq.status is not SequenceStatus.WAITING or seq.num_output_tokens or seq.page_table:
+            raise ValueError(f"{seq} is not a fresh waiting sequence")
+        if seq.request_id in self._requests:
+            raise ValueError(f"request_id={seq.request_id!r} is already in use")
+        limit, prompt_len = self.config.max_model_len, seq.num_prompt_tokens
+        if prompt_len >= limit:
+            raise ValueError(
+                f"prompt_token_ids has {prompt_len} tokens; max_model_len={limit} leaves no room for output"
+            )
+        max_tokens = seq.sampling_params.max_tokens
+        if max_tokens is not None and prompt_len + max_tokens > limit:
+            raise ValueError(
+                f"SamplingParams.max_tokens={max_tokens} with a {prompt_len}-token prompt exceeds "
+                f"max_model_len={limit}"
+            )
+        seqs = [seq] + [seq.make_sibling(i) for i in range(1, seq.sampling_params.n)]
+        self._requests[seq.request_id] = seqs
+        self.waiting.extend(seqs)
+        return list(seqs)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Finish a sequence for a reason found elsewhere (e.g. a stop string) and release its pages.
+
+        A token scheduled for it but not yet passed to ``update`` is discarded.
+        """
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        self._release(seq)
+        seq.set_finished(reason, stop_reason)
+        siblings = self._requests.get(seq.request_id, [])
+        if seq in siblings:
+            siblings.remove(seq)
+            if not siblings:
+                del self._requests[seq.request_id]
+
+    # ---- hand-over between engines (prefill/decode disaggregation) -----------------------------------------
+    def detach(self, seq: Sequence) -> PageHolder:
+        """Take a running sequence out of this scheduler without finishing it: another engine continues it. Its
+        pages stay held by the returned holder (the caller copies their KV out, then ``block_manager.free``s
+        the holder); ``seq`` keeps its tokens and ``num_computed_tokens``, with empty page tables."""
+        self.running.remove(seq)
+        siblings = self._requests.get(seq.request_id, [])
+        if seq in siblings:
+            siblings.remove(seq)
+            if not siblings:
+                del self._requests[seq.request_id]
+        self._release(seq)
+        holder = PageHolder(seq.seq_id, seq.page_table, seq.local_page_table)
+        self.block_manager.hand_over(seq, holder)
+        seq.page_table, seq.local_page_table = [], []
+        seq.table_version += 1
+        seq.status = SequenceStatus.WAITING
+        return holder
+
+    def adopt(self, seq: Sequence) -> bool:
+        """Run a sequence another engine computed (``detach``): pages for its ``num_computed_tokens`` tokens of
+        KV are allocated now (the caller copies the KV into ``seq.page_table``) and it continues from its next
+        token. False, with nothing changed, when the pages are not free."""
+        bm, computed, cached = self.block_manager, seq.num_computed_tokens, seq.num_cached_tokens
+        if seq.status is not SequenceStatus.WAITING or seq.page_table:
+            raise ValueError(f"{seq} is not a detached sequence")
+        if len(self.running) >= self.config.max_num_seqs or not bm.can_allocate(bm.pages_for(computed + 1)):
+            return False
+        bm.admit(seq, [], computed + 1)
+        seq.num_computed_tokens, seq.num_cached_tokens = computed, cached
+        bm.release_behind(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._stale.append(seq)
+        self._requests.setdefault(seq.request_id, []).append(seq)
+        return True
+
+    def drop_cache(self) -> list[Sequence]:
+        """The KV cache's contents are gone (a failed step took it): every running sequence goes back to the
+        front of the queue to recompute its tokens, and the prefix cache forgets every page. Returns them."""
+        victims = list(reversed(self.running))  # newest first, as preemption takes them
+        for seq in victims:
+            self.running.remove(seq)
+            self._preempt(seq)
+        self.block_manager.reset_prefix_cache()
+        return victims
+
+    # ---- one step -----------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step (see ``SchedulerOutput``); running sequences first, then admissions."""
+        cfg, bm = self.config, self.block_manager
+        budget = cfg.max_num_batched_tokens
+        plan: list[ScheduledSequence] = []
+        preempted: list[Sequence] = []
+        run = None
+        self._refresh_slots()
+        # Prefill chunks leave one token of budget for each decode queued behind them, so decodes keep going.
+        bulk = self.bulk_decodes and bool(self.running)
+        counts = self._slot_counts() if bulk else _decode_counts(self.running)
+        decodes_left = int(counts[0].sum())
+        speculating = self.spec is not None and self.spec.active(decodes_left)
+        # A prompt that reports prompt_logprobs needs a logits row per token of its chunk, not one: its chunk
+        # takes logits rows (at most max_num_seqs per step) from the sequences scheduled with it.
+        extra_rows = 0
+        # A decode whose next token fits the pages it holds, in a pool without a window to release behind, needs
+        # no page bookkeeping: the common case of a running batch, kept to a few operations per sequence.
+        plain_pages = 0 if speculating or type(bm) is not BlockManager or bm.attention_window else cfg.page_size
+        i = 0
+        if plain_pages and bulk:
+            # Such decodes are found with NumPy over the running sequences' slots and planned in bulk, as a
+            # ``DecodeRun`` of slot arrays: all running sequences when every one decodes, the budget takes them all
+            # and the free pages cover one more page for each that needs one (nothing is preempted, so growing
+            # those first, in order, takes the same pages as the loop below would); else the leading run of them,
+            # the loop below taking the rest.
+            decoding, num_tokens, num_pages, slots = counts
+            fast = decoding & (num_tokens <= num_pages * plain_pages)
+            i = min(budget, len(fast) if fast.all() else int(fast.argmin()))
+            if i < len(fast) <= budget and decoding.all():
+                grows = np.flatnonzero(~fast)
+                if len(grows) <= bm.num_free_pages and (num_tokens[grows] <= num_pages[grows] * plain_pages + 1).all():
+                    for j in grows.tolist():
+                        bm.grow(self.running[j], int(num_tokens[j]))
+                        self.slots.write_pages(int(slots[j]), self.running[j])
+                    i = len(fast)
+            if i:
+                mine, sl = self.slots, slots[:i]
+                run = DecodeRun(self.running[:i], sl, mine.tokens[sl], num_tokens[:i], mine.pages[sl],
+                                mine.num_pages[sl], mine.versions[sl])
+                decodes_left -= i
+                budget -= i
+        decode_entry = ScheduledSequence.decode
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_tokens = seq.num_tokens
+            if (plain_pages and num_tokens - seq.num_computed_tokens == 1
+                    and num_tokens <= len(seq.page_table) * plain_pages):
+                decodes_left -= 1
+                self._stale.append(seq)
+                plan.append(decode_entry(seq, seq.last_token, num_tokens, list(seq.page_table), seq.table_version))
+                budget -= 1
+                i += 1
+                continue
+            draft: list[int] = []
+            if seq.num_uncomputed_tokens == 1:
+                decodes_left -= 1
+                n = 1
+                if speculating:
+                    draft = self.spec.propose(seq, budget - decodes_left - 1)
+                    if draft and not bm.can_grow(seq, seq.num_computed_tokens + 1 + len(draft)):
+                        draft = []  # never preempt anyone for a speculation
+                    n += len(draft)
+            else:
+                n = self._chunk(seq.num_uncomputed_tokens, budget - decodes_left)
+                if n and scores_prompt(seq):
+                    n = min(n, max(1, cfg.max_num_seqs - len(self.running) + 1 - extra_rows))
+                    extra_rows += n - 1
+                if n == 0:
+                    i += 1
+                    continue
+            kv_len = seq.num_computed_tokens + n
+            bm.release_behind(seq)  # pages every layer's window has passed come back before any new one
+            while not bm.can_grow(seq, kv_len):
+                victim = self.running[-1]
+                if victim is seq and i == 0:
+                    # Alone and still short of pages: cannot happen within a valid config; fail loudly, not forever.
+                    self.finish(seq, "error")
+                    self._finished_in_schedule.append(seq)
+                    break
+                self.running.pop()
+                if victim is not seq and victim.num_uncomputed_tokens == 1:
+                    decodes_left -= 1  # its reserved token is no longer needed
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # seq was the last running sequence
+            bm.grow(seq, kv_len)
+            self._stale.append(seq)
+            plan.append(self._entry(seq, n, kv_len) if not draft else ScheduledSequence(
+                seq, [seq.last_token, *draft], kv_len, BlockManager.readable_table(seq.page_table), True,
+                BlockManager.readable_table(seq.local_page_table), num_proposed=len(draft)))
+            budget -= n
+            i += 1
+
+        # Admitting right after a preemption would only take back the pages just freed.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) + extra_rows < cfg.max_num_seqs):
+            seq = self.waiting[0]
+            leader = self._running_leader(seq)
+            if leader is not None and self._waits_for_leader(seq, leader):
+                break  # keeps FIFO order; the leader is running its prefill, so this resolves
+            scoring = scores_prompt(seq)
+            prefix = [] if scoring else bm.match_prefix(seq, share_with=leader)  # every prompt row is needed
+            computed = len(prefix) * cfg.page_size
+            n = self._chunk(seq.num_tokens - computed, budget)
+            if n and scoring:
+                n = min(n, cfg.max_num_seqs - len(self.running) - extra_rows)
+            if n == 0 or not bm.can_allocate(bm.pages_for(computed + n) - len(prefix), prefix):
+                break
+            self.waiting.popleft()
+            bm.admit(seq, prefix, computed + n)
+            bm.release_behind(seq)  # prefix pages already outside the window are not held
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._stale.append(seq)
+            plan.append(self._entry(seq, n, computed + n))
+            budget -= n
+            if scoring:
+                extra_rows += n - 1
+
+        return SchedulerOutput(tuple(plan), tuple(preempted), cfg.max_num_batched_tokens - budget, run)
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: Seq[int]) -> UpdateResult:
+        """Record a finished step: one sampled token per entry of ``output.scheduled`` (ignored where
+        ``needs_sample`` is false, or where the sequence was aborted/finished since ``schedule``); an entry that
+        verified draft tokens gets a list instead: the accepted drafts, then the correction or bonus token."""
+        if len(sampled_token_ids) != output.num_entries:
+            raise ValueError(
+                f"got {len(sampled_token_ids)} sampled tokens for {output.num_entries} scheduled sequences"
+            )
+        bm = self.block_manager
+        updated: list[Sequence] = []
+        finished, self._finished_in_schedule = self._finished_in_schedule, []
+        maybe = self._stop_candidates(output, sampled_token_ids)
+        run, skip = output.run, 0
+        if run is not None:
+            skip = len(run)
+            tokens = np.asarray(sampled_token_ids[:skip], np.int64)
+            done = []
+            for i, (seq, kv, token) in enumerate(zip(run.seqs, run.kv_lens.tolist(), tokens.tolist())):
+                if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != kv - 1:
+                    continue
+                done.append(i)
+                self._record_token(seq, kv, token, maybe[i], updated, finished)
+            # (a finished sequence's slot is free: written whole before anyone reads it again)
+            self.slots.decoded(run.slots[done], run.kv_lens[done], tokens[done])
+        for i, (entry, token) in enumerate(zip(output.entries, sampled_token_ids[skip:]), skip):
+            seq = entry.seq
+            if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != entry.num_computed_before:
+                continue
+            if entry.num_proposed:
+                self._update_speculated(entry, list(token), updated, finished)
+                continue
+            if not entry.needs_sample:
+                seq.num_computed_tokens = entry.kv_len
+                bm.register(seq)
+                continue
+            self._record_token(seq, entry.kv_len, int(token), maybe[i], updated, finished)
+        return UpdateResult(updated, finished)
+
+    def _record_token(self, seq: Sequence, kv_len: int, token: int, may_stop: bool, updated: list[Sequence],
+                      finished: list[Sequence]) -> None:
+        """A step computed ``seq``'s KV up to ``kv_len`` and sampled ``token``: full pages go to the prefix cache,
+        the token is appended, and the stop check runs where ``may_stop`` (``_stop_candidates``)."""
+        seq.num_computed_tokens = kv_len
+        self.block_manager.register(seq)
+        seq.append_token(token)
+        updated.append(seq)
+        stop = self._check_stop(seq) if may_stop else None
+        if stop is not None:
+            self.finish(seq, *stop)
+            finished.append(seq)
+
+    def _update_speculated(self, entry: ScheduledSequence, tokens: list[int], updated: list[Sequence],
+                           finished: list[Sequence]) -> None:
+        """Roll a verified run back to what was accepted: the KV of the last token and of the accepted drafts
+        stays, that of rejected drafts is dropped (length cut, pages past the tokens returned to the pool), and
+        the tokens are appended one by one, each checked for a stop, so nothing past a stop is kept."""
+        seq, bm = entry.seq, self.block_manager
+        accepted = len(tokens) - 1
+        seq.num_computed_tokens = entry.num_computed_before + 1 + accepted
+        emitted = 0
+        for token in tokens:
+            seq.append_token(int(token))
+            emitted += 1
+            stop = self._check_stop(seq)
+            if stop is not None:
+                self.finish(seq, *stop)
+                finished.append(seq)
+                break
+        updated.append(seq)
+        if not seq.is_finished:
+            bm.register(seq)  # full pages of accepted tokens only: num_computed_tokens ends at the accepted run
+            bm.shrink(seq, seq.num_tokens)
+        if self.spec is not None:
+            self.spec.record(entry.num_proposed, accepted, emitted)
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    def _stop_candidates(self, output: SchedulerOutput, sampled_token_ids) -> list[bool]:
+        """Which entries' sampled tokens may stop their sequences (``StopSlots.candidates``); a sampled entry
+        ends at ``kv_len + 1`` tokens (a speculated entry's run is checked token by token, not here)."""
+        entries, run = output.entries, output.run
+        n, skip = len(entries), 0 if run is None else len(run)
+        kv = np.fromiter([e.kv_len for e in entries], np.int64, n)
+        slots = self.stops.slots([e.seq for e in entries])
+        tokens = np.fromiter([-1 if e.num_proposed else t for e, t in zip(entries, sampled_token_ids[skip:])],
+                             np.int64, n)
+        if run is not None:
+            kv, slots = np.concatenate([run.kv_lens, kv]), np.concatenate([run.slots, slots])
+            tokens = np.concatenate([np.asarray(sampled_token_ids[: len(run)], np.int64), tokens])
+        if not len(kv):
+            return []
+        return self.stops.candidates(slots, kv + 1, tokens).tolist()
+
+    def _refresh_slots(self) -> None:
+        """Rewrite the slots of the running sequences changed other than in bulk (``DecodeSlots``)."""
+        running, slot = SequenceStatus.RUNNING, self.stops.slot
+        for seq in self._stale:
+            if seq.status is running:
+                self.slots.write(slot(seq), seq)
+        self._stale = []
+
+    def _slot_counts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``_decode_counts`` read from the running sequences' slots, and those slots (i64[n])."""
+        seqs, slots = self._slots_of
+        if seqs != self.running:  # (identity first: a list comparison of the same objects is a pointer walk)
+            seqs, slots = list(self.running), self.stops.slots(self.running)
+            self._slots_of = seqs, slots
+        mine = self.slots
+        num_tokens = mine.num_tokens[slots]
+        return num_tokens - mine.computed[slots] == 1, num_tokens, mine.num_pages[slots], slots
+
+    def _release(self, seq: Sequence) -> None:
+        """The sequence leaves: its slot is free (and the running slots are looked up again)."""
+        self.stops.release(seq)
+        self._slots_of = ([], _NO_SLOTS)
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens of a prefill of ``remaining`` tokens to run now, given ``budget``; 0 means wait."""
+        if budget <= 0:
+            return 0
+        if not self.config.enable_chunked_prefill:
+            return remaining if remaining <= budget else 0
+        if self.config.long_prefill_token_threshold:
+            budget = min(budget, self.config.long_prefill_token_threshold)
+        return min(remaining, budget)
+
+    def _entry(self, seq: Sequence, n: int, kv_len: int) -> ScheduledSequence:
+        tokens = seq.token_ids(kv_len - n, kv_len)
+        return ScheduledSequence(seq, tokens, kv_len, BlockManager.readable_table(seq.page_table),
+                                 kv_len == seq.num_tokens, BlockManager.readable_table(seq.local_page_table),
+                                 table_version=seq.table_version)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        # Victims are taken newest first, so pushing each to the front keeps admission order.
+        self.waiting.appendleft(seq)
+
+    @staticmethod
+    def _running_leader(seq: Sequence) -> Sequence | None:
+        lead = seq.leader
+        return lead if lead is not None and lead.status is SequenceStatus.RUNNING else None
+
+    def _waits_for_leader(self, seq: Sequence, leader: Sequence) -> bool:
+        """A fresh sibling holds back until its leader has computed the full pages it can share."""
+        if seq.num_output_tokens:
+            return False
+        shareable = (seq.num_prompt_tokens - 1) // self.config.page_size * self.config.page_size
+        return leader.num_computed_tokens < shareable
+
+    def _check_stop(self, seq: Sequence, num_tokens: int | None = None) -> tuple[str, int | None] | None:
+        """Whether the sequence stops at its last token, or (async scheduling, where a token of the next step may
+        already be appended) at its first ``num_tokens`` tokens."""
+        n = seq.num_tokens if num_tokens is None else num_tokens
+        sp, token, num_output = seq.sampling_params, seq.token_ids(n - 1, n)[0], n - seq.num_prompt_tokens
+        # Stop tokens count only after min_tokens others, matching a sampler that masks them until then.
+        if num_output > sp.min_tokens:
+            if token in sp.stop_token_ids:
+                return "stop", token
+            if not sp.ignore_eos and token in seq.eos_token_ids:
+                return "stop", None
+        if sp.max_tokens is not None and num_output >= sp.max_tokens:
+            return "length", None
+        if n >= self.config.max_model_len:
+            return "length", None
+        return None
+
+
+_NO_SLOTS = np.zeros(0, np.int64)
+_NUM_TOKENS, _COMPUTED, _PAGE_TABLE = (operator.attrgetter(a) for a in ("num_tokens", "num_computed_tokens",
+                                                                             "page_table"))
+
+
+def _decode_counts(running: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """bool[n]: whether each running sequence decodes (one uncomputed token); i64[n]: its tokens; i64[n]: the
+    pages of its page table."""
+    n = len(running)
+    num_tokens = np.fromiter(map(_NUM_TOKENS, running), np.int64, n)
+    computed = np.fromiter(map(_COMPUTED, running), np.int64, n)
+    num_pages = np.fromiter(map(len, map(_PAGE_TABLE, running)), np.int64, n)
+    return num_tokens - computed == 1, num_tokens, num_pages
+
+
+def scores_prompt(seq: Sequence) -> bool:
+    """Whether the sequence still has prompt tokens whose logprobs it reports (``prompt_logprobs``; output 0 of
+    the request only: its siblings share its prompt)."""
+    return (seq.sampling_params.prompt_logprobs is not None and seq.index == 0
+            and seq.num_computed_tokens < seq.num_prompt_tokens - 1)

@@ -1,0 +1,171 @@
+"""Prometheus metrics of the server, in the standard text exposition format (``GET /metrics``).
+
+Latency histograms are observed by the engine thread as outputs leave the engine; engine-wide numbers (pages,
+queue lengths, token counters) are read from the engine's latest ``stats()`` snapshot at scrape time, so a
+scrape never waits for the engine. Every name starts with ``jaxserve_``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from jaxserve.outputs import RequestOutput
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                  5.0, 10.0)
+_REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# name suffix, stats key, help, kind
+_ENGINE_STATS = (
+    ("num_requests_running", "num_running", "Sequences in the running batch.", "gauge"),
+    ("num_requests_waiting", "num_waiting", "Sequences accepted and waiting to be scheduled.", "gauge"),
+    ("kv_pages_total", "pages_total", "KV cache pages in the pool.", "gauge"),
+    ("kv_pages_used", "pages_used", "KV cache pages referenced by a live sequence.", "gauge"),
+    ("kv_pages_free", "pages_free", "KV cache pages an allocation can take (free or cached and unreferenced).",
+     "gauge"),
+    ("kv_pages_cached", "pages_cached", "KV cache pages registered in the prefix cache.", "gauge"),
+    ("prompt_tokens", "prompt_tokens", "Prompt tokens of accepted requests.", "counter"),
+    ("generation_tokens", "generation_tokens", "Tokens generated.", "counter"),
+    ("num_preemptions", "num_preemptions", "Sequences preempted (pages released, recomputed later).", "counter"),
+    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "counter"),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache.", "counter"),
+    ("prefix_cache_evictions", "cache_evictions", "Cached pages evicted to make room.", "counter"),
+    ("engine_steps", "steps", "Engine steps run.", "counter"),
+    # Prefill/decode disaggregation (jaxserve/disagg/staged.py, jaxserve/disagg/remote.py)
+    ("kv_transfers", "kv_transfers", "KV hand-overs from the prefill to the decode side.", "counter"),
+    ("kv_transfer_bytes", "kv_transfer_bytes", "Bytes of KV moved from the prefill to the decode side.", "counter"),
+    ("kv_transfer_seconds", "kv_transfer_seconds", "Time KV copies took, dispatch (or send) to arrival.", "counter"),
+    ("kv_transfer_queue_seconds", "kv_transfer_queue_seconds",
+     "Time prefilled sequences waited between the stages (for a prefill server, or room on the decode side).",
+     "counter"),
+    ("kv_transfers_pending", "kv_transfers_pending", "Sequences between the prefill and the decode stage.", "gauge"),
+    ("compilations_after_warmup", "compilations_after_warmup",
+     "XLA compilations while serving, after warm-up compiled every shape (each one stalled a step).", "counter"),
+    ("kv_cache_bytes_per_token", "kv_bytes_per_token",
+     "KV cache bytes one token takes (all layers, K and V, 8-bit scales included).", "gauge"),
+    ("spec_proposed_tokens", "spec_proposed_tokens", "Speculative decoding: draft tokens proposed and verified.",
+     "counter"),
+    ("spec_accepted_tokens", "spec_accepted_tokens", "Speculative decoding: draft tokens the target accepted.",
+     "counter"),
+    ("spec_emitted_tokens", "spec_emitted_tokens", "Speculative decoding: tokens emitted by verified sequences "
+     "(accepted drafts plus the correction or bonus token).", "counter"),
+    ("spec_verified_sequences", "spec_verified_sequences", "Speculative decoding: sequence-steps that verified "
+     "drafts.", "counter"),
+    ("spec_acceptance_rate", "spec_acceptance_rate", "Speculative decoding: accepted over proposed draft tokens, "
+     "since start.", "gauge"),
+    ("spec_mean_accepted_length", "spec_mean_accepted_length", "Speculative decoding: tokens emitted per verified "
+     "sequence-step, since start.", "gauge"),
+)
+
+
+class _EngineStatsCollector:
+    """Turns the engine's latest ``stats()`` snapshot into metric families at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], dict | None], intake_length: Callable[[], int]):
+        self._snapshot = snapshot
+        self._intake_length = intake_length
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        stats = self._snapshot()
+        yield GaugeMetricFamily("jaxserve_intake_queue_length",
+                                "Requests and aborts handed to the engine thread and not yet taken.",
+                                value=self._intake_length())
+        if not stats:
+            return
+        for suffix, key, doc, kind in _ENGINE_STATS:
+            if key not in stats:
+                continue
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(f"jaxserve_{suffix}", doc, value=float(stats[key]))
+        total = stats.get("pages_total") or 0
+        yield GaugeMetricFamily("jaxserve_kv_cache_usage_ratio", "Fraction of KV cache pages in use (0..1).",
+                                value=stats.get("pages_used", 0) / total if total else 0.0)
+        queries = stats.get("prefix_cache_queries", 0)
+        yield GaugeMetricFamily("jaxserve_prefix_cache_hit_rate",
+                                "Prompt tokens found in the prefix cache over prompt tokens looked up, since start.",
+                                value=stats.get("prefix_cache_hits", 0) / queries if queries else 0.0)
+
+
+class ServerMetrics:
+    """All metrics of one server process, in a registry of their own."""
+
+    def __init__(self, model_name: str = ""):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("jaxserve_time_to_first_token_seconds",
+                              "Arrival to first generated token.", buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("jaxserve_inter_token_latency_seconds",
+                             "Time between consecutive outputs of a request, per token.", buckets=_TOKEN_BUCKETS,
+                             registry=r)
+        self.tpot = Histogram("jaxserve_time_per_output_token_seconds",
+                              "Per finished request: (finish - first token) / (output tokens - 1).",
+                              buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("jaxserve_e2e_request_latency_seconds", "Arrival to finish, per request.",
+                             buckets=_REQUEST_BUCKETS, registry=r)
+        self.queue_time = Histogram("jaxserve_request_queue_time_seconds", "Arrival to first scheduled step.",
+                                    buckets=_TTFT_BUCKETS, registry=r)
+        self.prompt_len = Histogram("jaxserve_request_prompt_tokens", "Prompt length of finished requests.",
+                                    buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768),
+                                    registry=r)
+        self.finished = Counter("jaxserve_requests_finished", "Finished requests by finish reason.",
+                                ["finish_reason"], registry=r)
+        for reason in FINISH_REASONS:
+            self.finished.labels(reason)
+        self.rejected = Counter("jaxserve_requests_rejected",
+                                "Requests refused before reaching the engine, by API and reason.",
+                                ["api", "reason"], registry=r)
+        self.step_errors = Counter("jaxserve_engine_step_errors", "Engine steps that raised an exception.",
+                                   registry=r)
+        self.ready = Gauge("jaxserve_ready", "1 while the server accepts requests, 0 while warming up or draining.",
+                           registry=r)
+        info = Gauge("jaxserve_model_info", "The served model (value is always 1).", ["model"], registry=r)
+        info.labels(model_name).set(1)
+
+    def attach_engine(self, snapshot: Callable[[], dict | None], intake_length: Callable[[], int]) -> None:
+        self.registry.register(_EngineStatsCollector(snapshot, intake_length))
+
+    def observe_tokens(self, out: RequestOutput, now: float, last_time: float | None) -> None:
+        """An output with new tokens left the engine at ``now``; ``last_time`` is the request's previous one."""
+        new = max((len(c.delta_token_ids) for c in out.outputs), default=0)
+        if not new:
+            return
+        m = out.metrics
+        if last_time is None:
+            if m is not None and m.first_token_time is not None:
+                self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+        else:
+            gap = max(0.0, now - last_time) / new
+            for _ in range(new):
+                self.itl.observe(gap)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        reasons = [c.finish_reason for c in out.outputs]
+        reason = ("error" if "error" in reasons else "abort" if "abort" in reasons
+                  else (reasons[0] if reasons and reasons[0] else "stop"))
+        self.finished.labels(reason).inc()
+        self.prompt_len.observe(len(out.prompt_token_ids))
+        m = out.metrics
+        if m is None or m.finished_time is None:
+            return
+        self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        tokens = len(out.outputs[0].token_ids) if out.outputs else 0
+        if m.first_token_time is not None and tokens > 1:
+            self.tpot.observe(max(0.0, m.finished_time - m.first_token_time) / (tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,480 @@
+"""A front door over several decode processes: ``jaxserve serve --role router --decode-url H:HTTP:GRPC[,...]``.
+
+The router runs no engine. It serves the same OpenAI HTTP API and gRPC ``jaxserve.v1.JaxServe`` service as a
+server, and forwards each request, unchanged, to one live decode process (the one with the fewest requests the
+router has in flight there; ties go round robin). HTTP is relayed with httpx (a streamed response chunk by
+chunk), gRPC with raw-bytes calls on the decode process's own method names, so no message is re-encoded.
+A client that goes away closes the forwarded call, and the decode process aborts the request.
+
+Liveness: every decode process's ``/health`` is probed (every ``PROBE_S`` seconds while it is live); one that
+cannot be reached, answers anything but 200, or fails a forwarded call is out of rotation until a probe finds it
+healthy again, probes backing off from ``BACKOFF_MIN_S`` to ``BACKOFF_MAX_S``. A request that could not even
+connect moves to another process. A process that dies with requests in flight turns them into errors naming it:
+HTTP 500 (or, once a stream has started, an ``error`` event and ``[DONE]``), gRPC UNAVAILABLE. With no live
+process the router answers 503 / UNAVAILABLE ``no decode server is reachable (...)`` with each one's reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import signal
+import time
+
+import grpc
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from jaxserve.server.asgi import wait_disconnect
+from jaxserve.server.metrics import CONTENT_TYPE
+
+logger = logging.getLogger("jaxserve.server.router")
+
+SERVICE = "jaxserve.v1.JaxServe"
+PROBE_S = 1.0
+BACKOFF_MIN_S = 0.5
+BACKOFF_MAX_S = 8.0
+CONNECT_TIMEOUT_S = 5.0
+_FORWARDED_HEADERS = ("authorization", "content-type", "accept")
+_METADATA = ("authorization",)
+
+
+def parse_decode_urls(spec: str) -> list[tuple[str, str]]:
+    """``HOST:HTTP_PORT:GRPC_PORT[,...]`` (IPv6 hosts in brackets) -> [(http base URL, gRPC target)]."""
+    out = []
+    for item in (s.strip() for s in spec.split(",")):
+        host, sep, ports = item.rpartition("]") if item.startswith("[") else ("", "", item)
+        parts = (ports.lstrip(":") if sep else ports).split(":")
+        host = host + "]" if sep else None
+        if host is None:
+            if len(parts) != 3:
+                raise ValueError(f"--decode-url {item!r}: expected HOST:HTTP_PORT:GRPC_PORT")
+            host, parts = parts[0], parts[1:]
+        if len(parts) != 2 or not host or not all(p.isdigit() and 0 < int(p) <= 65535 for p in parts):
+            raise ValueError(f"--decode-url {item!r}: expected HOST:HTTP_PORT:GRPC_PORT (ports in 1..65535)")
+        out.append((f"http://{host}:{parts[0]}", f"{host}:{parts[1]}"))
+    if len({u for u, _ in out}) != len(out):
+        raise ValueError(f"--decode-url {spec!r} names a decode server twice")
+    return out
+
+
+class NoBackend(Exception):
+    """No decode server is live; the message has each one's reason."""
+
+
+class Backend:
+    """One decode process: its addresses, liveness and the router's requests in flight there."""
+
+    def __init__(self, http: str, grpc_target: str):
+        self.http, self.grpc_target = http, grpc_target
+        self.name = http.removeprefix("http://")
+        self.live = False
+        self.reason = "not probed yet"
+        self.in_flight = 0
+        self.next_probe = 0.0
+        self.backoff = BACKOFF_MIN_S
+        self.channel = grpc.aio.insecure_channel(grpc_target)
+
+    def method(self, name: str, stream: bool):
+        kind = self.channel.unary_stream if stream else self.channel.unary_unary
+        return kind(f"/{SERVICE}/{name}", request_serializer=None, response_deserializer=None)
+
+
+class Pool:
+    """The decode processes, their liveness and the router's counters."""
+
+    def __init__(self, urls: list[tuple[str, str]], registry: CollectorRegistry):
+        self.backends = [Backend(h, g) for h, g in urls]
+        self._rr = itertools.count()
+        names = [b.name for b in self.backends]
+        self.requests = Counter("jaxserve_router_requests", "Requests forwarded, by decode server, API and outcome "
+                                "(ok: answered 2xx / OK; refused: answered with an error status; failed: the "
+                                "server failed or died in flight).", ["server", "api", "outcome"], registry=registry)
+        self.failovers = Counter("jaxserve_router_failovers", "Requests moved to another decode server because "
+                                 "this one could not be reached.", ["server"], registry=registry)
+        self.rejected = Counter("jaxserve_router_rejected", "Requests answered 503 / UNAVAILABLE: no decode server "
+                                "was live.", ["api"], registry=registry)
+        self.in_flight = Gauge("jaxserve_router_in_flight", "Requests in flight at each decode server.", ["server"],
+                               registry=registry)
+        self.up = Gauge("jaxserve_router_server_up", "1 while a decode server is in rotation.", ["server"],
+                        registry=registry)
+        self.live_count = Gauge("jaxserve_router_servers_live", "Decode servers in rotation.", registry=registry)
+        for n in names:
+            self.up.labels(n).set(0)
+            self.in_flight.labels(n).set(0)
+        self.live_count.set(0)
+
+    def live(self) -> list[Backend]:
+        return [b for b in self.backends if b.live]
+
+    def reasons(self) -> str:
+        return "; ".join(f"{b.name}: {b.reason}" for b in self.backends)
+
+    def pick(self, api: str, exclude: set[str] = frozenset()) -> Backend:
+        live = [b for b in self.live() if b.name not in exclude]
+        if not live:
+            self.rejected.labels(api).inc()
+            raise NoBackend(f"no decode server is reachable ({self.reasons()})")
+        start = next(self._rr)
+        order = [live[(start + i) % len(live)] for i in range(len(live))]
+        return min(order, key=lambda b: b.in_flight)  # min keeps the first of equals: round robin among them
+
+    @contextlib.contextmanager
+    def use(self, b: Backend):
+        b.in_flight += 1
+        self.in_flight.labels(b.name).set(b.in_flight)
+        try:
+            yield
+        finally:
+            b.in_flight -= 1
+            self.in_flight.labels(b.name).set(b.in_flight)
+
+    def set_live(self, b: Backend) -> None:
+        if not b.live:
+            logger.info("decode server %s is live", b.name)
+        b.live, b.reason, b.backoff = True, "ok", BACKOFF_MIN_S
+        b.next_probe = time.monotonic() + PROBE_S
+        self._publish()
+
+    def set_dead(self, b: Backend, reason: str, *, reachable: bool = False) -> None:
+        """Out of rotation until a probe finds it healthy; ``reachable`` (it answered, e.g. still starting):
+        probed again soon, without growing the back-off."""
+        if b.live:
+            logger.warning("decode server %s is out of rotation: %s", b.name, reason)
+        b.live, b.reason = False, reason
+        b.next_probe = time.monotonic() + (PROBE_S if reachable else b.backoff)
+        if not reachable:
+            b.backoff = min(2 * b.backoff, BACKOFF_MAX_S)
+        self._publish()
+
+    def _publish(self) -> None:
+        for b in self.backends:
+            self.up.labels(b.name).set(1 if b.live else 0)
+        self.live_count.set(len(self.live()))
+
+    async def probe_forever(self, client: httpx.AsyncClient) -> None:
+        while True:
+            now = time.monotonic()
+            due = [b for b in self.backends if b.next_probe <= now]
+            await asyncio.gather(*(self._probe(client, b) for b in due))
+            await asyncio.sleep(0.1)
+
+    async def _probe(self, client: httpx.AsyncClient, b: Backend) -> None:
+        b.next_probe = float("inf")  # one probe at a time
+        try:
+            r = await client.get(b.http + "/health", timeout=2.0)
+        except httpx.HTTPError as e:
+            self.set_dead(b, _reason(e))
+            return
+        if r.status_code == 200:
+            self.set_live(b)
+        else:
+            try:
+                status = r.json().get("status", r.text)
+            except ValueError:
+                status = r.text[:200]
+            self.set_dead(b, f"health {r.status_code} ({status})", reachable=True)
+
+
+def _error_body(message: str, status: int) -> dict:
+    kind = "service_unavailable" if status == 503 else "internal_error"
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+class _Relay(Response):
+    """The decode server's streamed response, chunk by chunk; if the server fails mid-stream, an ``error`` event
+    and ``[DONE]`` end it. The upstream response is closed however this ends (a client that goes away included),
+    which aborts the request there."""
+
+    def __init__(self, router: "Router", backend: Backend, upstream: httpx.Response, api_use):
+        super().__init__(status_code=upstream.status_code)
+        self.router, self.backend, self.upstream, self.api_use = router, backend, upstream, api_use
+
+    async def __call__(self, scope, receive, send) -> None:
+        headers = [(k.encode(), v.encode()) for k, v in self.upstream.headers.items()
+                   if k.lower() in ("content-type", "cache-control", "x-accel-buffering")]
+
+        async def relay():
+            await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
+            try:
+                async for chunk in self.upstream.aiter_raw():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                self.router.pool.requests.labels(self.backend.name, "http", "ok").inc()
+            except httpx.TransportError as e:
+                message = self.router.failed(self.backend, _reason(e), "http")
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": f"data: {json.dumps(_error_body(message, 500))}\n\ndata: [DONE]\n\n".encode()})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        relayer = asyncio.ensure_future(relay())
+        watcher = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            await asyncio.wait({relayer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (relayer, watcher):
+                task.cancel()
+            await asyncio.gather(relayer, watcher, return_exceptions=True)
+            await self.upstream.aclose()
+            self.api_use.__exit__(None, None, None)
+
+
+class Router:
+    """The HTTP app and the gRPC server over a ``Pool``."""
+
+    def __init__(self, urls: list[tuple[str, str]], *, max_body_bytes: int = 4 * 2**20):
+        self.registry = CollectorRegistry()
+        self.pool = Pool(urls, self.registry)
+        self.max_body_bytes = max_body_bytes
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    def failed(self, b: Backend, reason: str, api: str) -> str:
+        """A forwarded call failed in flight: the server leaves the rotation; the client's error names it."""
+        self.pool.set_dead(b, reason)
+        self.pool.requests.labels(b.name, api, "failed").inc()
+        return f"the decode server {b.name} failed while serving this request ({reason})"
+
+    # HTTP ----------------------------------------------------------------------------------------------------
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/{path:path}", self.forward, methods=["GET", "POST"]),
+        ])
+
+    async def health(self, request: Request) -> Response:
+        live = [b.name for b in self.pool.live()]
+        if live:
+            return JSONResponse({"status": "ok", "decode_servers_live": live})
+        return JSONResponse({"status": f"no decode server is reachable ({self.pool.reasons()})"}, status_code=503)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE)
+
+    async def _body(self, request: Request) -> bytes | Response:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return JSONResponse({"error": {"message": f"the request body is over the limit of "
+                                               f"{self.max_body_bytes} bytes", "type": "invalid_request_error",
+                                               "param": None, "code": 400}}, status_code=400)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def forward(self, request: Request) -> Response:
+        body = await self._body(request)
+        if isinstance(body, Response):
+            return body
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
+        tried: set[str] = set()
+        while True:
+            try:
+                b = self.pool.pick("http", tried)
+            except NoBackend as e:
+                return JSONResponse(_error_body(str(e), 503), status_code=503)
+            use = self.pool.use(b)
+            use.__enter__()
+            upstream, handed_off = None, False
+            try:
+                req = self.client.build_request(request.method, b.http + request.url.path,
+                                                params=request.query_params, headers=headers, content=body)
+                upstream = await self._until_disconnect(request, self.client.send(req, stream=True))
+                if upstream is None:  # the client went away first
+                    return Response(status_code=499)
+                if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                    handed_off = True
+                    return _Relay(self, b, upstream, use)  # it closes ``upstream`` and releases ``use``
+                content = await self._until_disconnect(request, upstream.aread())
+                if content is None:
+                    return Response(status_code=499)
+                self.pool.requests.labels(b.name, "http", "ok" if upstream.status_code < 400 else "refused").inc()
+                return Response(content, status_code=upstream.status_code,
+                                media_type=upstream.headers.get("content-type"))
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # never reached it: another one takes it
+                self.pool.set_dead(b, _reason(e))
+                self.pool.failovers.labels(b.name).inc()
+                tried.add(b.name)
+            except httpx.TransportError as e:
+                return JSONResponse(_error_body(self.failed(b, _reason(e), "http"), 500), status_code=500)
+            finally:
+                if not handed_off:
+                    if upstream is not None:
+                        await upstream.aclose()
+                    use.__exit__(None, None, None)
+
+    @staticmethod
+    async def _until_disconnect(request: Request, work):
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.ensure_future(wait_disconnect(request.receive))
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        if not task.done():
+            task.cancel()
+            result = (await asyncio.gather(task, return_exceptions=True))[0]
+            if isinstance(result, httpx.Response):
+                await result.aclose()
+            return None
+        return task.result()
+
+    # gRPC ----------------------------------------------------------------------------------------------------
+    def grpc_server(self, max_message_bytes: int) -> grpc.aio.Server:
+        from grpc_health.v1 import health_pb2_grpc
+        from grpc_health.v1._async import HealthServicer
+
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
+                                          ("grpc.so_reuseport", 0)])
+        handlers = {
+            "Generate": grpc.unary_stream_rpc_method_handler(self._generate),
+            "Tokenize": grpc.unary_unary_rpc_method_handler(self._tokenize),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(self._model_info),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        self.grpc_health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.grpc_health, server)
+        return server
+
+    async def set_health(self) -> None:
+        from grpc_health.v1 import health_pb2
+
+        status = health_pb2.HealthCheckResponse.SERVING if self.pool.live() else \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE):
+            await self.grpc_health.set(service, status)
+
+    @staticmethod
+    def _metadata(context) -> tuple:
+        return tuple((k, v) for k, v in (context.invocation_metadata() or ()) if k in _METADATA)
+
+    async def _call(self, name: str, stream: bool, request: bytes, context):
+        """Yields the decode server's responses to the call (one for a unary method)."""
+        tried: set[str] = set()
+        while True:
+            try:
+                b = self.pool.pick("grpc", tried)
+            except NoBackend as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            received = False
+            with self.pool.use(b):
+                call = b.method(name, stream)(request, metadata=self._metadata(context))
+                try:
+                    if stream:
+                        async for msg in call:
+                            received = True
+                            yield msg
+                    else:
+                        yield await call
+                    self.pool.requests.labels(b.name, "grpc", "ok").inc()
+                    return
+                except grpc.aio.AioRpcError as e:
+                    code, details = e.code(), e.details() or ""
+                    if code == grpc.StatusCode.UNAVAILABLE and not received and _never_connected(details):
+                        self.pool.set_dead(b, f"UNAVAILABLE: {details}")
+                        self.pool.failovers.labels(b.name).inc()
+                        tried.add(b.name)
+                        continue
+                    if code == grpc.StatusCode.UNAVAILABLE and "shutting down" not in details \
+                            and "no prefill server" not in details:
+                        await context.abort(code, self.failed(b, f"UNAVAILABLE: {details}", "grpc"))
+                    self.pool.requests.labels(b.name, "grpc", "refused").inc()
+                    await context.abort(code, details)  # the decode server's own answer, passed through
+                finally:
+                    call.cancel()  # no-op once done; on the client's cancellation it aborts the request there
+
+    async def _generate(self, request: bytes, context):
+        async for msg in self._call("Generate", True, request, context):
+            yield msg
+
+    async def _tokenize(self, request: bytes, context):
+        return [m async for m in self._call("Tokenize", False, request, context)][0]
+
+    async def _model_info(self, request: bytes, context):
+        return [m async for m in self._call("GetModelInfo", False, request, context)][0]
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+        for b in self.pool.backends:
+            await b.channel.close()
+
+
+def _reason(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _never_connected(details: str) -> bool:
+    d = details.lower()
+    return "failed to connect" in d or "connection refused" in d or "connect failed" in d
+
+
+async def run_router(args) -> int:
+    """``jaxserve serve --role router``: serve until SIGTERM/SIGINT; returns the exit code."""
+    import socket
+
+    import uvicorn
+
+    class _UvicornServer(uvicorn.Server):  # in our event loop; our signal handlers decide when it stops
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    def _url(host: str, port: int) -> str:
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request and probe
+    router = Router(parse_decode_urls(args.decode_url), max_body_bytes=args.max_request_bytes)
+    grpc_server = router.grpc_server(args.max_request_bytes)
+    try:
+        grpc_port = grpc_server.add_insecure_port(_url(args.host, args.grpc_port))
+        if not grpc_port:
+            raise OSError("the gRPC port is taken")
+        http_sock = socket.create_server((args.host, args.http_port), reuse_port=False, backlog=2048,
+                                         family=socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+        http_sock.setblocking(False)
+    except (OSError, RuntimeError) as e:
+        logger.error("cannot listen on %s (HTTP port %d, gRPC port %d): %s", args.host, args.http_port,
+                     args.grpc_port, e)
+        return 1
+    http_port = http_sock.getsockname()[1]
+    http_server = _UvicornServer(uvicorn.Config(router.app(), lifespan="off", log_config=None, access_log=False,
+                                                timeout_keep_alive=5, timeout_graceful_shutdown=5))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await grpc_server.start()
+    await router.set_health()
+    http_task = asyncio.create_task(http_server.serve(sockets=[http_sock]))
+    probe_task = asyncio.create_task(router.pool.probe_forever(router.client))
+
+    async def health_forever():
+        while True:
+            await router.set_health()
+            await asyncio.sleep(0.2)
+
+    health_task = asyncio.create_task(health_forever())
+    while not router.pool.live() and not stop.is_set() and not http_task.done():
+        await asyncio.sleep(0.1)
+    if router.pool.live():
+        print(f"jaxserve ready: router http=http://{_url(args.host, http_port)} grpc={_url(args.host, grpc_port)} "
+              f"decode={','.join(b.name for b in router.pool.backends)}", flush=True)
+        await asyncio.wait({asyncio.ensure_future(stop.wait()), http_task}, return_when=asyncio.FIRST_COMPLETED)
+    logger.info("stopping the router")
+    await grpc_server.stop(grace=args.shutdown_grace_period)
+    http_server.should_exit = True
+    with contextlib.suppress(Exception):
+        await http_task
+    for task in (probe_task, health_task):
+        task.cancel()
+    await asyncio.gather(probe_task, health_task, return_exceptions=True)
+    await router.aclose()
+    return 0

@@ -1,0 +1,1 @@
+"""Offline tools, never imported by the serving path: ahead-of-time compiles for described TPU topologies (aot), capacity, the deployment planner (plan), roofline arithmetic, batch jobs over JSONL files."""

@@ -1,0 +1,645 @@
+"""Compile the serving steps for TPU chips that are not attached, and predict what they will do.
+
+    python -m jaxserve.aot --model llama-3.1-8b --topology v5e:2x4 --mesh tensor=8 --dtype bfloat16 \
+        [--page-size 16] [--max-num-seqs 32] [--max-num-batched-tokens 512] [--max-model-len N] \
+        [--hbm-utilization 0.9] [--buckets all|probes] [--sample-layers] [--context 2048] [--json]
+
+``--model`` is a Hugging Face folder (only its config.json is read) or a preset shape (``PRESETS``). libtpu
+describes the topology with no chips attached (``jax.experimental.topologies``); the weights and the KV pool
+are abstract (``jax.ShapeDtypeStruct`` with their engine shardings), so nothing is downloaded or allocated.
+Every bucket the engine warms up is compiled exactly as the engine would compile it on those chips (the same
+``jit_step``, mesh, rules, Pallas TPU kernels, donated cache), and the sampler's variants too. From the compiled
+executables it reports, per device: weight bytes, the compiler's argument/output/temporary bytes
+(``memory_analysis()``), the KV pool that fits in the chip's HBM after the weights and the largest temporaries
+(pages, tokens, context per sequence), and from ``cost_analysis()`` the FLOPs of decode steps and of a prompt,
+turned into roofline-predicted step times and tokens/s at the chip's published peaks.
+
+The predictions are bounds computed from the compiler's figures, not measurements. The Pallas kernels are
+custom calls that XLA's cost analysis does not see into, so attention's work at the stated context (its
+FLOPs, and the K/V it reads) is added from the kernel's work formula (``jaxserve.tools.roofline``).
+
+``--buckets probes`` compiles only the shapes the predictions need (and the sampler) instead of every bucket.
+``--sample-layers`` compiles each shape with 2 and 3 of the model's layers (real per-layer shapes) and
+extrapolates linearly in the layer count. Argument bytes come out exactly as a full compile's and FLOPs to
+1e-4 relative (the matmuls scale exactly, a few scalar ops do not; tests/test_aot.py checks both against a full
+compile; Llama-3.1-8B decode on v5e:2x4 at full depth: 3,627,588,352 FLOPs compiled, 3,627,587,008
+extrapolated). Temporaries are approximate (there: 37 MiB compiled, 55 MiB extrapolated) and XLA's
+bytes-accessed does not extrapolate (4.3 GB compiled, 9.0 GB extrapolated), so sampled reports leave it out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from jaxserve.config.args import add_engine_args
+from jaxserve.config.engine import KV_CACHE_DTYPES
+from jaxserve.executor.batch import MeshBatch, StepKind
+from jaxserve.executor.kv_cache import CACHE_AXES, CacheConfig, bytes_per_token, cache_sharding
+from jaxserve.executor.penalty_state import PenaltyState
+from jaxserve.executor.runner import StepOutput, jit_step
+from jaxserve.executor.sampler import SamplingTensors, sample
+from jaxserve.executor.shapes import StepShapes
+from jaxserve.models.attention import AttentionBackend, ShardedAttention
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.loader import abstract_model, param_shardings, quantization_plan, resolve_dtype
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from jaxserve.tools.roofline import attention_flops
+from pallas_kernels.quantized_pages import STORAGE as KV_STORAGE
+from pallas_kernels.quantized_pages import QuantizedPages
+from sharding.config import MeshConfig
+from sharding.layout import StepLayout
+from sharding.mesh import make_mesh
+from sharding.rules import check_expert_parallel, logical_sharding, model_rules
+
+GiB = 2**30
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+_LLAMA = dict(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, vocab_size=128256,
+              max_position_embeddings=131072, torch_dtype="bfloat16", bos_token_id=128000, eos_token_id=128001)
+_QWEN3 = dict(architectures=["Qwen3ForCausalLM"], rms_norm_eps=1e-6, vocab_size=151936, head_dim=128,
+              max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
+              bos_token_id=151643, eos_token_id=151645)
+# The config.json shapes of the published checkpoints (no weights are needed to compile).
+PRESETS: dict[str, dict] = {
+    "llama-3.2-1b": dict(_LLAMA, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, intermediate_size=8192, tie_word_embeddings=True,
+                         rope_parameters=dict(_LLAMA3_ROPE, factor=32.0)),
+    "llama-3.1-8b": dict(_LLAMA, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, intermediate_size=14336, tie_word_embeddings=False,
+                         rope_parameters=dict(_LLAMA3_ROPE, factor=8.0)),
+    "llama-3.1-70b": dict(_LLAMA, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                          num_key_value_heads=8, intermediate_size=28672, tie_word_embeddings=False,
+                          rope_parameters=dict(_LLAMA3_ROPE, factor=8.0)),
+    "qwen3-8b": dict(_QWEN3, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=12288),
+    "qwen3-32b": dict(_QWEN3, hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
+                      intermediate_size=25600),
+    "mixtral-8x7b": dict(architectures=["MixtralForCausalLM"], hidden_size=4096, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=32000,
+                         num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5, max_position_embeddings=32768,
+                         rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False, torch_dtype="bfloat16",
+                         bos_token_id=1, eos_token_id=2),
+    "qwen3-30b-a3b": dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, intermediate_size=6144,
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[]),
+    "mistral-7b": dict(architectures=["MistralForCausalLM"], hidden_size=4096, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=32768,
+                       rms_norm_eps=1e-5, max_position_embeddings=32768, rope_theta=1000000.0, sliding_window=None,
+                       tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """Per-chip figures from the Google Cloud TPU system-architecture pages (docs.cloud.google.com/tpu/docs/v5e,
+    v5p, v6e, v4): bf16 peak and HBM bandwidth as published; HBM capacity taken as 16 / 32 / 95 / 32 GiB."""
+
+    name: str
+    hbm_bytes: int
+    peak_flops: float  # bf16 FLOP/s
+    hbm_bytes_per_s: float
+
+
+CHIPS = {  # jax device_kind -> chip
+    "TPU v4": Chip("v4", 32 * GiB, 275e12, 1200e9),
+    "TPU v5 lite": Chip("v5e", 16 * GiB, 197e12, 819e9),
+    "TPU v5": Chip("v5p", 95 * GiB, 459e12, 2765e9),
+    "TPU v6 lite": Chip("v6e", 32 * GiB, 918e12, 1638e9),
+}
+
+DECODE_PROBES = (1, 64, 256)
+PROMPT_PROBE = 2048
+
+
+class AotError(ValueError):
+    """A request the tool cannot serve (unknown topology, mesh too large, ...): one line for the user."""
+
+
+# Inputs ---------------------------------------------------------------------------------------------------------
+def model_config(model: str) -> ModelConfig:
+    """A preset name, or a local folder's config.json (no weights are read, nothing is downloaded)."""
+    if model in PRESETS:
+        return ModelConfig.from_hf_dict(PRESETS[model])
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise AotError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a folder with a "
+                       "config.json")
+    return ModelConfig.from_pretrained(path)
+
+
+def topology_devices(name: str) -> list:
+    """The devices of a described TPU topology (``v5e:2x2``, ``v5p:2x2x1``, ...); no chips needed."""
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        raise AotError("compiling for TPU needs libtpu: pip install -e '.[tpu]' (the libtpu matching jax "
+                       f"{jax.__version__})") from None
+    from jax.experimental import topologies
+
+    # libtpu takes a machine-wide lock for the chips it drives; a described topology drives none, so several
+    # compiling processes (tests, a sweep) may share the machine.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if not (Path("/dev/accel0").exists() or Path("/dev/vfio").exists()):  # no TPU here: quiet libtpu's probing
+        for var, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0")):
+            os.environ.setdefault(var, value)
+    try:
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+    except Exception as e:  # libtpu's message is long; its first line says what it did not accept
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise AotError(f"topology {name!r} is not one the installed libtpu ({_libtpu_version()}) can describe: "
+                       f"{first[:200]}") from None
+
+
+def _libtpu_version() -> str:
+    from importlib import metadata
+
+    try:
+        return "libtpu " + metadata.version("libtpu")
+    except metadata.PackageNotFoundError:
+        return "libtpu (version unknown)"
+
+
+def chip_of(devices: list, topology: str) -> tuple[Chip, int]:
+    """(the chip, devices per chip): per-device figures divide the chip's among its devices."""
+    kind = devices[0].device_kind
+    if kind not in CHIPS:
+        raise AotError(f"no published figures for device kind {kind!r} (known: {', '.join(CHIPS)})")
+    dims = topology.split(":")[-1].split("x")
+    chips = math.prod(int(d) for d in dims) if all(d.isdigit() for d in dims) else len(devices)
+    return CHIPS[kind], max(1, len(devices) // chips)
+
+
+def warmup_shapes(shapes: StepShapes) -> list[tuple[str, int, int, int]]:
+    """Every (kind, tokens, slots, pages per sequence) the engine's warm-up compiles, in its order."""
+    return [("decode" if decode else "prefill", t, s, p) for decode, t, s, p in shapes.all_shapes()]
+
+
+# Compiling ------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Figures:
+    """What one compiled executable says about itself (per device)."""
+
+    argument: float
+    output: float
+    alias: float
+    temp: float
+    code: float
+    flops: float
+    bytes_accessed: float
+    collectives: dict[str, int] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+    exact: bool = True  # False when extrapolated from fewer layers (temp approximate, bytes_accessed unusable)
+
+    @classmethod
+    def of(cls, compiled, seconds: float) -> "Figures":
+        m = compiled.memory_analysis()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        text = compiled.as_text()
+        ops = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+        counts = {op: text.count(f" {op}(") + text.count(f" {op}-start(") for op in ops}
+        return cls(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes,
+                   m.generated_code_size_in_bytes, float(cost.get("flops", 0.0)),
+                   float(cost.get("bytes accessed", 0.0)), {k: v for k, v in counts.items() if v}, seconds)
+
+    @classmethod
+    def extrapolate(cls, a: "Figures", b: "Figures", la: int, lb: int, layers: int) -> "Figures":
+        """Linear in the layer count through (la, a) and (lb, b)."""
+        def lin(x, y):
+            return x + (y - x) * (layers - la) / (lb - la)
+
+        counts = {k: round(lin(a.collectives.get(k, 0), b.collectives.get(k, 0)))
+                  for k in set(a.collectives) | set(b.collectives)}
+        return cls(lin(a.argument, b.argument), lin(a.output, b.output), lin(a.alias, b.alias),
+                   max(0.0, lin(a.temp, b.temp)), lin(a.code, b.code), lin(a.flops, b.flops),
+                   lin(a.bytes_accessed, b.bytes_accessed), counts, a.seconds + b.seconds, exact=False)
+
+
+class StepCompiler:
+    """The engine's compiled steps and sampler over abstract weights and pool, on a described mesh."""
+
+    def __init__(self, cfg: ModelConfig, dtype, mesh, *, page_size: int, num_pages: int, max_num_seqs: int,
+                 backend: AttentionBackend, quantization: str | None = None, quantize_lm_head: bool = False,
+                 cache_dtype=None):
+        self.cfg, self.dtype, self.mesh, self.backend = cfg, dtype, mesh, backend
+        self.num_replicas = int(mesh.shape["data"])
+        self.sequence = int(mesh.shape["sequence"])
+        self.cache_dtype = cache_dtype or backend.cache_dtype(dtype, "tpu")
+        self.cache = CacheConfig(page_size, num_pages, self.num_replicas)
+        self.rules = model_rules(cfg.num_heads, cfg.num_kv_heads, mesh)
+        plan, _ = quantization_plan(cfg, dtype, quantization, quantize_lm_head)
+        self.graphdef, abstract = abstract_model(cfg, dtype, plan)
+        shardings = param_shardings(abstract, mesh, self.rules)
+        flat = dict(nnx.to_flat_state(abstract))
+        for path, var in flat.items():
+            var.set_value(jax.ShapeDtypeStruct(var.get_value().shape, var.get_value().dtype, sharding=shardings[path]))
+        self.params = nnx.from_flat_state(flat)
+        shape, sharding = cache_sharding(cfg, self.cache, mesh)
+        pool = jax.ShapeDtypeStruct(shape, self.cache_dtype, sharding=sharding)
+        if jnp.dtype(self.cache_dtype).itemsize == 1:  # 8-bit pages and their per-token scales, as the engine's
+            scale_sharding = logical_sharding(CACHE_AXES, shape[:-1] + (1,), mesh)
+            pool = QuantizedPages(pool, jax.ShapeDtypeStruct(shape[:-1] + (1,), jnp.float32, sharding=scale_sharding))
+            sharding = QuantizedPages(sharding, scale_sharding)
+        self.kv_cache = [(pool, pool) for _ in range(cfg.num_layers)]
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.outs = (StepOutput(self.replicated, self.replicated), [(sharding, sharding)] * cfg.num_layers)
+        self.num_logit_rows = self.num_replicas * max_num_seqs
+        self.sample_device = mesh.devices.flat[0]
+
+    def step(self, kind: str, tokens: int, slots: int, pages: int) -> Figures:
+        """Compile one bucket of ``prefill_step`` or ``decode_step`` as ``ModelRunner`` would."""
+        batch = MeshBatch.padding(self.num_replicas, num_tokens=tokens, max_seqs=slots, pages_per_seq=pages)
+        step_kind = StepKind.DECODE if kind == "decode" else StepKind.PREFILL
+        # As ModelRunner.layout_for: prefill rows split over `sequence` when the axis divides them.
+        split = step_kind == StepKind.PREFILL and self.sequence > 1 and tokens % self.sequence == 0
+        layout = StepLayout.create(self.mesh, self.rules, split_sequence=split)
+        attention = ShardedAttention(dataclasses.replace(self.backend, decode=step_kind == StepKind.DECODE), layout,
+                                     self.cfg.num_kv_heads)
+        packed = jax.ShapeDtypeStruct(batch.pack().shape, jnp.int32, sharding=self.replicated)
+        rows = max(self.num_logit_rows, batch.max_seqs)  # a probe wider than max_num_seqs gets its own rows
+        fn = jit_step(self.graphdef, rows, self.outs)
+        start = time.perf_counter()
+        traced = fn.trace(self.params, packed, self.kv_cache, batch.shape_fields(), attention, layout)
+        compiled = traced.lower().compile()
+        return Figures.of(compiled, time.perf_counter() - start)
+
+    def sampler(self, max_model_len: int) -> list[Figures]:
+        """The sampler's four variants and the penalty-row reset, on the sampling device."""
+        one = SingleDeviceSharding(self.sample_device)
+        sds = lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype if not hasattr(a, "dtype")  # noqa: E731
+                                             else a.dtype, sharding=one)
+        rows = self.num_logit_rows
+        logits = jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32, sharding=one)
+        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one),
+                             jax.eval_shape(lambda: PenaltyState.create(rows + 1, self.cfg.vocab_size)))
+        out = []
+        for logprobs in (None, 1):
+            tensors = SamplingTensors.build([SamplingParams(temperature=1.0, logprobs=logprobs)], num_slots=rows,
+                                            seeds=[0], num_generated=[0], penalty_rows=[0],
+                                            token_bitmask=np.full((rows, (self.cfg.vocab_size + 31) // 32), -1,
+                                                                  np.int32),  # as the executor always passes
+                                            logit_bias_width=MAX_LOGIT_BIAS)
+            tensors = jax.tree.map(sds, tensors)
+            for penalties in (None, state):
+                start = time.perf_counter()
+                compiled = jax.jit(sample).trace(logits, tensors, penalties).lower().compile()
+                out.append(Figures.of(compiled, time.perf_counter() - start))
+        ids = jax.ShapeDtypeStruct((1, max_model_len), jnp.int32, sharding=one)
+        start = time.perf_counter()
+        compiled = jax.jit(PenaltyState.reset_rows).trace(
+            state, jax.ShapeDtypeStruct((1,), jnp.int32, sharding=one), ids, ids).lower().compile()
+        out.append(Figures.of(compiled, time.perf_counter() - start))
+        return out
+
+    @property
+    def weight_bytes(self) -> int:
+        """Parameter bytes on the most loaded device (replicated pieces counted in full)."""
+        total = 0
+        for _, var in nnx.to_flat_state(self.params):
+            a = var.get_value()
+            total += math.prod(a.sharding.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize
+        return total
+
+    @property
+    def expert_weight_bytes(self) -> int:
+        """Of ``weight_bytes``, the routed experts' (a step reads only the experts its tokens chose)."""
+        total = 0
+        for path, var in nnx.to_flat_state(self.params):
+            if "experts" in path:
+                a = var.get_value()
+                total += math.prod(a.sharding.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize
+        return total
+
+    @property
+    def penalty_bytes(self) -> int:
+        """The sampler's penalty state, kept on the sampling device: [rows + 1, vocab] i32 + bool."""
+        return (self.num_logit_rows + 1) * self.cfg.vocab_size * 5
+
+
+# The report -----------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Request:
+    model: str
+    topology: str
+    mesh: str | None
+    dtype: str = "bfloat16"
+    page_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    num_pages: int | None = None
+    hbm_utilization: float = 0.9
+    buckets: str = "all"
+    sample_layers: bool = False
+    context: int = 2048
+    decode_batches: tuple[int, ...] = DECODE_PROBES
+    report_seqs: tuple[int, ...] = (64, 256)
+    quantization: str | None = None  # weights quantized at load ("int8", "fp8"): the 8-bit model's fit
+    quantize_lm_head: bool = False
+    kv_cache_dtype: str = "auto"  # 8-bit KV pages ("int8", "fp8", ...): their fit, and the TPU kernel reading them
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def run(req: Request, log=None) -> dict:
+    """Compile and predict; returns the report as a JSON-able dict. Raises AotError for bad requests."""
+    log = log or (lambda msg: None)
+    if req.buckets not in ("all", "probes"):
+        raise AotError(f"--buckets {req.buckets!r} must be 'all' or 'probes'")
+    cfg = model_config(req.model)
+    dtype = resolve_dtype(req.dtype, cfg)
+    devices = topology_devices(req.topology)
+    chip, per_chip = chip_of(devices, req.topology)
+    mesh_cfg = MeshConfig.parse(req.mesh)
+    if mesh_cfg.num_devices > len(devices):
+        raise AotError(f"mesh {mesh_cfg} needs {mesh_cfg.num_devices} devices; topology {req.topology} has "
+                       f"{len(devices)}")
+    try:
+        mesh = make_mesh(mesh_cfg, devices[: mesh_cfg.num_devices])
+        model_rules(cfg.num_heads, cfg.num_kv_heads, mesh)
+        check_expert_parallel(cfg.moe and cfg.moe.num_experts, mesh_cfg.expert)
+    except ValueError as e:
+        raise AotError(str(e)) from None
+    if 16 % mesh_cfg.sequence:
+        raise AotError(f"mesh sequence={mesh_cfg.sequence} must divide 16 (the smallest token bucket)")
+    hbm = chip.hbm_bytes / per_chip
+    peak_flops, peak_bw = chip.peak_flops / per_chip, chip.hbm_bytes_per_s / per_chip
+    backend = AttentionBackend.resolve("auto", "tpu")
+    if req.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise AotError(f"kv_cache_dtype={req.kv_cache_dtype!r} must be one of {', '.join(KV_CACHE_DTYPES)}")
+    cache_dtype = (backend.cache_dtype(dtype, "tpu") if req.kv_cache_dtype == "auto"
+                   else jnp.dtype(KV_STORAGE[req.kv_cache_dtype]))
+    replicas, tensor = mesh_cfg.data, mesh_cfg.tensor
+    max_model_len = min(req.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    shapes = StepShapes(req.max_num_seqs, req.max_num_batched_tokens, _ceil(max_model_len, req.page_size))
+    page_bytes = bytes_per_token(cfg, cache_dtype, tensor) * req.page_size
+    pages_per_seq = _ceil(max_model_len, req.page_size)
+
+    def compiler(layers: int, num_pages: int) -> StepCompiler:
+        c = cfg if layers == cfg.num_layers else dataclasses.replace(
+            cfg, num_layers=layers, sliding_windows=cfg.sliding_windows[:layers])
+        return StepCompiler(c, dtype, mesh, page_size=req.page_size, num_pages=num_pages,
+                            max_num_seqs=req.max_num_seqs, backend=backend, quantization=req.quantization,
+                            quantize_lm_head=req.quantize_lm_head, cache_dtype=cache_dtype)
+
+    full = compiler(cfg.num_layers, 2 * replicas)  # for the exact weight bytes only (nothing compiled)
+    weights = full.weight_bytes
+    # The engine sizes its pool from free HBM after loading the weights (Engine._auto_num_pages).
+    wanted = req.max_num_seqs * pages_per_seq
+    engine_pages = min(wanted, int((hbm * req.hbm_utilization - weights) // page_bytes))
+    num_pages = req.num_pages // replicas if req.num_pages else engine_pages
+    compile_pages = max(num_pages, pages_per_seq, 2)  # the shape compiled (temporaries do not depend on it)
+
+    # Shapes to compile: the warm-up's buckets and the probes the predictions need.
+    context = min(req.context, max_model_len - 1)
+    prompt_len = min(PROMPT_PROBE, max_model_len)
+    probe_pages = shapes.step_pages(True, _ceil(context + 1, req.page_size))
+    prompt_tokens = shapes.token_bucket(min(prompt_len, req.max_num_batched_tokens))
+    prompt_pages = shapes.step_pages(False, _ceil(prompt_len, req.page_size))
+    probes = {f"decode@{b}": ("decode", b, b, probe_pages) for b in req.decode_batches}
+    probes["prefill"] = ("prefill", prompt_tokens, shapes.prefill_seqs(prompt_tokens), prompt_pages)
+    todo = list(dict.fromkeys((warmup_shapes(shapes) if req.buckets == "all" else []) + list(probes.values())))
+    layers_compiled = (2, 3) if req.sample_layers and cfg.num_layers > 3 else (cfg.num_layers,)
+    if req.sample_layers and len(set(cfg.sliding_windows)) > 1:
+        raise AotError("--sample-layers needs every layer alike; this model mixes sliding-window and full layers")
+
+    log(f"{cfg.architecture} {cfg.num_params / 1e9:.2f}B ({cfg.num_active_params / 1e9:.2f}B active) on "
+        f"{req.topology} ({len(devices)} x {devices[0].device_kind}), mesh {mesh_cfg}: compiling {len(todo)} step "
+        f"shapes x {len(layers_compiled)} layer count(s) + sampler")
+    compilers = [compiler(n, compile_pages * replicas) for n in layers_compiled]
+    figures: dict[tuple, Figures] = {}
+    for i, shape in enumerate(todo):
+        got = []
+        for c in compilers:
+            try:
+                got.append(c.step(*shape))
+            except Exception as e:
+                raise RuntimeError(f"compiling {shape} for {req.topology} failed: {e}") from e
+        figures[shape] = got[0] if len(got) == 1 else Figures.extrapolate(*got, *layers_compiled, cfg.num_layers)
+        log(f"  [{i + 1}/{len(todo)}] {shape[0]} T={shape[1]} S={shape[2]} P={shape[3]}: "
+            f"{sum(f.seconds for f in got):.1f}s, temp {figures[shape].temp / 2**20:.1f} MiB")
+    sampler = compilers[-1].sampler(max_model_len)
+    log(f"  sampler: 5 executables, {sum(f.seconds for f in sampler):.1f}s")
+
+    # Memory per device ------------------------------------------------------------------------------------
+    step_temp = max(f.temp for f in figures.values())
+    sampler_temp = max(f.temp for f in sampler)
+    # Non-donated outputs (logits, argmax) live beside the pool while the sampler runs.
+    outputs = max(f.output - f.alias for f in figures.values())
+    reserved = weights + step_temp + outputs + sampler_temp + full.penalty_bytes
+    usable = hbm * req.hbm_utilization
+    fit_pages = int((usable - reserved) // page_bytes)
+    pool_pages = min(wanted, fit_pages) if not req.num_pages else num_pages
+    pool_tokens = max(pool_pages, 0) * req.page_size
+    fits = fit_pages * req.page_size >= max_model_len and (not req.num_pages or num_pages <= fit_pages)
+    need = reserved + (num_pages if req.num_pages else pages_per_seq) * page_bytes
+    # At another max_num_seqs the engine would size its pool as min(that many full-length sequences, what fits).
+    capacity = {}
+    for n in sorted({req.max_num_seqs, *req.report_seqs}):
+        pages = max(0, min(n * pages_per_seq, fit_pages)) // n
+        capacity[str(n)] = {"pages_per_sequence": pages,
+                            "context_per_sequence": min(max_model_len, pages * req.page_size)}
+
+    # Predictions ------------------------------------------------------------------------------------------
+    kv_token_dev = bytes_per_token(cfg, cache_dtype, tensor)
+    heads_dev = cfg.num_heads // tensor
+
+    def attn_flops_dev(queries: int, keys_per_query: float) -> float:
+        return attention_flops(cfg, queries, keys_per_query) / cfg.num_heads * heads_dev
+
+    expert_bytes = full.expert_weight_bytes
+
+    def weights_read(tokens: int) -> float:
+        """Weight bytes a step of ``tokens`` rows reads: all, except the routed experts no token chose. Under
+        uniform routing an expert is chosen by none of ``tokens`` rows with probability (1 - top_k / E) ** tokens."""
+        if not expert_bytes:
+            return weights
+        m = cfg.moe
+        return weights - expert_bytes * (1 - m.top_k / m.num_experts) ** tokens
+
+    def predict(f: Figures, flops_attn: float, kv_read: float, kv_written: float, logits_rows: int,
+                tokens: int) -> dict:
+        flops = f.flops + flops_attn
+        # Lower bound on HBM traffic: every weight once (of the routed experts, those chosen), the K/V read and
+        # written, the logits.
+        min_bytes = weights_read(tokens) + kv_read + kv_written + logits_rows * cfg.vocab_size * 4
+        xla_bytes = f.bytes_accessed + kv_read
+        t = max(flops / peak_flops, min_bytes / peak_bw)
+        t_xla = max(flops / peak_flops, xla_bytes / peak_bw)
+        return {"flops": flops, "xla_flops": f.flops, "min_bytes": min_bytes, "xla_bytes_accessed": f.bytes_accessed,
+                "seconds": t, "seconds_xla_bytes": t_xla, "compute_bound": flops / peak_flops >= min_bytes / peak_bw,
+                "collectives": f.collectives}
+
+    decode = {}
+    for b in req.decode_batches:
+        f = figures[probes[f"decode@{b}"]]
+        p = predict(f, attn_flops_dev(b, context + 1), b * (context + 1) * kv_token_dev, b * kv_token_dev, b, b)
+        p.update(batch=b, context=context, tokens_per_s=replicas * b / p["seconds"],
+                 tokens_per_s_xla_bytes=replicas * b / p["seconds_xla_bytes"],
+                 within_max_num_seqs=b <= req.max_num_seqs)
+        decode[str(b)] = p
+    f = figures[probes["prefill"]]
+    chunks, ttft, ttft_xla, flops_total = _ceil(prompt_len, prompt_tokens), 0.0, 0.0, 0.0
+    for i in range(chunks):
+        rows = min(prompt_tokens, prompt_len - i * prompt_tokens)
+        before = i * prompt_tokens
+        p = predict(f, attn_flops_dev(rows, before + (rows + 1) / 2), before * kv_token_dev, rows * kv_token_dev, 1,
+                    rows)
+        ttft, ttft_xla, flops_total = ttft + p["seconds"], ttft_xla + p["seconds_xla_bytes"], flops_total + p["flops"]
+    prefill = {"prompt_tokens": prompt_len, "step_tokens": prompt_tokens, "steps": chunks, "ttft_s": ttft,
+               "ttft_s_xla_bytes": ttft_xla, "flops": flops_total, "collectives": f.collectives,
+               "compute_bound": p["compute_bound"]}
+
+    return {
+        "model": req.model, "architecture": cfg.architecture, "params_b": cfg.num_params / 1e9,
+        "active_params_b": cfg.num_active_params / 1e9,
+        "num_layers": cfg.num_layers, "topology": req.topology, "device_kind": devices[0].device_kind,
+        "chip": dataclasses.asdict(chip), "devices_per_chip": per_chip, "mesh": str(mesh_cfg),
+        "dtype": jnp.dtype(dtype).name, "kv_dtype": jnp.dtype(cache_dtype).name, "quantization": req.quantization,
+        "page_size": req.page_size,
+        "max_num_seqs": req.max_num_seqs, "max_num_batched_tokens": req.max_num_batched_tokens,
+        "max_model_len": max_model_len, "hbm_utilization": req.hbm_utilization,
+        "jax": jax.__version__, "libtpu": _libtpu_version(),
+        "compiled": {"step_shapes": len(todo), "buckets": req.buckets, "layers_compiled": list(layers_compiled),
+                     "exact": not req.sample_layers or len(layers_compiled) == 1,
+                     "sampler_executables": len(sampler),
+                     "compile_seconds": sum(f.seconds for f in figures.values()) + sum(f.seconds for f in sampler)},
+        "memory_per_device": {
+            "hbm": hbm, "weights": weights, "expert_weights": expert_bytes, "kv_bytes_per_page": page_bytes,
+            "step_temp_max": step_temp,
+            "step_outputs_max": outputs, "sampler_temp_max": sampler_temp, "penalty_state": full.penalty_bytes,
+            "generated_code_max": max(f.code for f in figures.values()),
+            "argument_max": max(f.argument for f in figures.values()),
+            "engine_pool_pages": engine_pages, "pool_pages": pool_pages, "pool_bytes": max(pool_pages, 0) * page_bytes,
+            "pool_tokens": pool_tokens, "fits": fits, "short_by": max(0.0, need - usable),
+            "full_length_sequences": pool_tokens // max_model_len,
+        },
+        "capacity_at_max_num_seqs": capacity,
+        "decode": decode, "prefill": prefill,
+        "steps": [{"kind": k, "tokens": t, "slots": s, "pages": p, **{n: getattr(fig, n) for n in (
+            "argument", "output", "alias", "temp", "code", "flops", "bytes_accessed", "seconds", "exact")}}
+            for (k, t, s, p), fig in figures.items()],
+    }
+
+
+def format_report(r: dict) -> str:
+    m, gib = r["memory_per_device"], lambda x: f"{x / GiB:.2f} GiB"  # noqa: E731
+    chip = r["chip"]
+    lines = [
+        f"{r['architecture']} ({r['model']}, {r['params_b']:.2f}B"
+        + (f" total, {r['active_params_b']:.2f}B active per token" if r["active_params_b"] < r["params_b"] else "")
+        + f", {r['dtype']}{', weights ' + r['quantization'] if r.get('quantization') else ''}"
+        + (f", KV {r['kv_dtype']}" if r.get("kv_dtype") not in (None, r["dtype"]) else "") + f") on {r['topology']} "
+        f"({r['device_kind']}), mesh {r['mesh']}; {r['jax'] and 'jax ' + r['jax']}, {r['libtpu']}",
+        f"page_size {r['page_size']}, max_num_seqs {r['max_num_seqs']}, max_num_batched_tokens "
+        f"{r['max_num_batched_tokens']}, max_model_len {r['max_model_len']:,}, hbm_utilization {r['hbm_utilization']}",
+        f"compiled {r['compiled']['step_shapes']} step shapes ({r['compiled']['buckets']}) + "
+        f"{r['compiled']['sampler_executables']} sampler executables in {r['compiled']['compile_seconds']:.0f}s"
+        + ("" if r["compiled"]["exact"] else f" at {r['compiled']['layers_compiled']} layers, extrapolated to "
+           f"{r['num_layers']} (arguments exact, FLOPs to 1e-4, temporaries approximate)"),
+        "",
+        "| per device | |",
+        "| --- | --- |",
+        f"| HBM ({chip['name']}) | {gib(m['hbm'])} |",
+        f"| weights | {gib(m['weights'])} |",
+        f"| largest step: arguments / outputs (not aliased) / temporaries | {gib(m['argument_max'])} / "
+        f"{gib(m['step_outputs_max'])} / {m['step_temp_max'] / 2**20:.1f} MiB |",
+        f"| sampler: temporaries / penalty state | {m['sampler_temp_max'] / 2**20:.1f} MiB / "
+        f"{m['penalty_state'] / 2**20:.1f} MiB |",
+        f"| KV pool (after weights and temporaries, {r['hbm_utilization']:.0%} of HBM) | "
+        f"{m['pool_pages']:,} pages = {gib(m['pool_bytes'])} = {m['pool_tokens']:,} tokens |",
+        f"| fits | {'yes' if m['fits'] else 'NO, short by ' + gib(m['short_by'])}; "
+        f"{m['full_length_sequences']:,} sequences of {r['max_model_len']:,} tokens |",
+    ]
+    for n, c in r["capacity_at_max_num_seqs"].items():
+        lines.append(f"| at max_num_seqs {n} | {c['pages_per_sequence']:,} pages = "
+                     f"{c['context_per_sequence']:,} tokens of context per sequence |")
+    exact = r["compiled"]["exact"]  # XLA's bytes-accessed does not extrapolate over layers: shown when compiled
+    xla = lambda v: f" ({v})" if exact else ""  # noqa: E731
+    lines += ["", f"Predicted at {chip['name']} peaks ({chip['peak_flops'] / 1e12:.0f} TFLOP/s bf16, "
+              f"{chip['hbm_bytes_per_s'] / 1e9:.0f} GB/s per chip): roofline from the compiler's FLOPs and the step's "
+              "minimum HBM traffic (weights once, of routed experts those a uniform router would choose, K/V, logits); "
+              "collectives not included"
+              + ("; in brackets, with XLA's bytes-accessed instead (an upper estimate)." if exact else "."), "",
+              "| step | FLOPs/device | min bytes/device | predicted step | tokens/s | bound |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    bound = lambda d: "compute" if d["compute_bound"] else "HBM"  # noqa: E731
+    for b, d in r["decode"].items():
+        step_ms, step_xla = f"{d['seconds'] * 1e3:.2f} ms", xla(f"{d['seconds_xla_bytes'] * 1e3:.2f}")
+        rate, rate_xla = f"{d['tokens_per_s']:,.0f}", xla(f"{d['tokens_per_s_xla_bytes']:,.0f}")
+        lines.append(f"| decode batch {b}, context {d['context']:,} | {d['flops'] / 1e9:.1f} G | "
+                     f"{d['min_bytes'] / 1e9:.2f} GB | {step_ms}{step_xla} | {rate}{rate_xla} | {bound(d)} |")
+    p = r["prefill"]
+    ttft, ttft_xla = f"TTFT {p['ttft_s'] * 1e3:.1f} ms", xla(f"{p['ttft_s_xla_bytes'] * 1e3:.1f}")
+    lines.append(f"| prefill {p['prompt_tokens']:,} tokens ({p['steps']} step(s) of {p['step_tokens']}) | "
+                 f"{p['flops'] / 1e12:.2f} T | | {ttft}{ttft_xla} | | {bound(p)} |")
+    lines.append("")
+    first = next(iter(r["decode"].values()))
+    lines.append(f"Collectives per decode step (batch {first['batch']}): "
+                 + (", ".join(f"{k} {v}" for k, v in first["collectives"].items()) or "none"))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help=f"a Hugging Face folder (config.json) or a preset: "
+                                                  f"{', '.join(PRESETS)}")
+    p.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:2x2, v5e:2x4, v6e:2x4, v5p:2x2x1")
+    keep = ("dtype", "page_size", "num_pages", "hbm_utilization", "max_model_len", "max_num_seqs",
+            "max_num_batched_tokens", "mesh", "quantization", "quantize_lm_head", "kv_cache_dtype")
+    from jaxserve.config.engine import EngineConfig
+
+    add_engine_args(p, skip=tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name not in keep),
+                    defaults={"dtype": "bfloat16"})
+    p.add_argument("--buckets", default="all", choices=("all", "probes"),
+                   help="all: every bucket the engine warms up (and the probes); probes: only the probes")
+    p.add_argument("--sample-layers", action="store_true",
+                   help="compile at 2 and 3 layers and extrapolate to the model's depth (much faster)")
+    p.add_argument("--context", type=int, default=2048, help="context per sequence of the decode probes")
+    p.add_argument("--decode-batches", default="1,64,256", help="batch sizes of the decode probes")
+    p.add_argument("--report-seqs", default="64,256", help="max_num_seqs values to report capacity at")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = p.parse_args(argv)
+    req = Request(model=args.model, topology=args.topology, mesh=args.mesh, dtype=args.dtype, page_size=args.page_size,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_model_len=args.max_model_len, num_pages=args.num_pages, hbm_utilization=args.hbm_utilization,
+                  buckets=args.buckets, sample_layers=args.sample_layers, context=args.context,
+                  decode_batches=tuple(int(x) for x in args.decode_batches.split(",") if x),
+                  report_seqs=tuple(int(x) for x in args.report_seqs.split(",") if x),
+                  quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
+                  kv_cache_dtype=args.kv_cache_dtype)
+    try:
+        report = run(req, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except AotError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    return 0
+
+
+def cli() -> int:
+    """The command line (``python -m jaxserve.aot``): compiles on the host CPU unless ``JAX_PLATFORMS`` says
+    otherwise, since the chips are described, not attached."""
+    if "JAX_PLATFORMS" not in os.environ:
+        jax.config.update("jax_platforms", "cpu")
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,105 @@
+"""How many KV pages, concurrent sequences and tokens of context fit on a device.
+
+    python -m jaxserve.capacity --model M --hbm-gb 80 [--mesh tensor=8] [--dtype bfloat16] [--page-size 16]
+        [--hbm-utilization 0.9] [--max-model-len N] [--quantization int8|fp8 [--quantize-lm-head]]
+        [--kv-cache-dtype auto|int8|fp8|fp8_e4m3|fp8_e5m2]
+
+8-bit weights take one byte per parameter plus a float32 scale per output channel; an 8-bit KV cache takes one
+byte per value plus a float32 scale per token, KV head and K or V (``jaxserve.executor.kv_cache.bytes_per_token``).
+
+Reads only config.json (no weights are loaded). With a mesh, weights and the KV cache are divided across the
+tensor axis (KV heads replicated when the axis exceeds them), a Mixture-of-Experts model's routed experts also
+across the expert axis, and each data replica holds a full copy. For an MoE model it reports total parameters
+(what memory holds) and active ones (what one token's forward pass reads: its top-k experts per layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxserve.config.engine import KV_CACHE_DTYPES, QUANTIZATIONS
+from jaxserve.executor.kv_cache import bytes_per_token
+from jaxserve.models.checkpoint import resolve_model_path
+from jaxserve.models.config import ModelConfig
+from pallas_kernels.quantized_pages import STORAGE
+from sharding.config import MeshConfig
+from sharding.rules import check_expert_parallel, check_tensor_parallel
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def capacity(cfg: ModelConfig, *, hbm_gb: float, dtype: str, page_size: int, mesh: MeshConfig,
+             utilization: float, max_model_len: int, quantization: str | None = None, quantize_lm_head: bool = False,
+             kv_cache_dtype: str = "auto") -> dict[str, float]:
+    dtype = dtype if dtype != "auto" else cfg.torch_dtype
+    item = _ITEMSIZE[dtype]
+    kv_dtype = dtype if kv_cache_dtype == "auto" else STORAGE[kv_cache_dtype]
+    tensor = mesh.tensor
+    check_tensor_parallel(cfg.num_heads, cfg.num_kv_heads, tensor)  # as the engine refuses a mesh it cannot use
+    check_expert_parallel(cfg.moe and cfg.moe.num_experts, mesh.expert)
+    routed = cfg.moe.routed_params(cfg.hidden_size) if cfg.moe else 0
+    embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)  # embedding and LM head
+    if quantization is None:
+        dense_bytes, routed_bytes = (cfg.num_params - routed) * item, routed * item
+    else:  # 1 byte a weight plus a 4-byte scale per output channel (a column of about hidden_size weights)
+        per_weight = 1 + 4 / cfg.hidden_size
+        head_item = per_weight if quantize_lm_head else item
+        dense_bytes = (cfg.num_params - routed - embed) * per_weight + embed * head_item
+        routed_bytes = routed * per_weight
+    weights_per_device = dense_bytes / tensor + routed_bytes / (tensor * mesh.expert)
+    kv_token_device = bytes_per_token(cfg, kv_dtype, tensor)  # exactly what the engine's pool allocates
+    budget = hbm_gb * 2**30 * utilization - weights_per_device
+    if budget <= 0:
+        raise ValueError(f"the weights ({weights_per_device / 2**30:.1f} GiB per device) do not fit in "
+                         f"{hbm_gb} GB at utilization {utilization}")
+    pages = int(budget // (kv_token_device * page_size))
+    tokens = pages * page_size * mesh.data
+    return {
+        "total_params": cfg.num_params,
+        "active_params": cfg.num_active_params,
+        "weights_gib_per_device": weights_per_device / 2**30,
+        "kv_bytes_per_token": bytes_per_token(cfg, kv_dtype),
+        "kv_bytes_per_token_per_device": kv_token_device,
+        "pages_per_replica": pages,
+        "tokens_of_context": tokens,
+        "full_length_sequences": tokens // max_model_len,
+        "max_model_len": max_model_len,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--hbm-gb", type=float, required=True, help="accelerator memory per device, GB")
+    p.add_argument("--mesh", default=None)
+    p.add_argument("--dtype", default="bfloat16", choices=["auto", *_ITEMSIZE])
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--hbm-utilization", type=float, default=0.9)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
+    p.add_argument("--quantize-lm-head", action="store_true")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    args = p.parse_args(argv)
+    cfg = ModelConfig.from_pretrained(resolve_model_path(args.model))
+    max_len = args.max_model_len or cfg.max_position_embeddings
+    c = capacity(cfg, hbm_gb=args.hbm_gb, dtype=args.dtype, page_size=args.page_size,
+                 mesh=MeshConfig.parse(args.mesh), utilization=args.hbm_utilization, max_model_len=max_len,
+                 quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
+                 kv_cache_dtype=args.kv_cache_dtype)
+    print(f"{cfg.architecture}: {cfg.num_params / 1e9:.2f}B parameters, dtype {args.dtype}, weights "
+          f"{args.quantization or args.dtype}, KV cache {args.kv_cache_dtype}, mesh {MeshConfig.parse(args.mesh)}")
+    if cfg.moe:
+        m = cfg.moe
+        print(f"  parameters                {c['total_params'] / 1e9:.2f}B total, {c['active_params'] / 1e9:.2f}B "
+              f"active per token ({m.top_k} of {m.num_experts} experts"
+              f"{', plus a shared expert' if m.shared_expert_size else ''})")
+    print(f"  weights per device        {c['weights_gib_per_device']:.2f} GiB")
+    print(f"  KV bytes per token        {c['kv_bytes_per_token']:,} (all layers, K+V; "
+          f"{c['kv_bytes_per_token_per_device']:,.0f} per device)")
+    print(f"  KV pages per replica      {c['pages_per_replica']:,} of {args.page_size} tokens")
+    print(f"  tokens of context         {c['tokens_of_context']:,} (batch x context, all replicas)")
+    print(f"  sequences at {max_len:,} tokens  {c['full_length_sequences']:,}")
+
+
+if __name__ == "__main__":
+    main()
