@@ -60,11 +60,11 @@ class ReplicatedPlan:
 class ReplicatedScheduler:
     """The ``Scheduler`` interface over ``num_replicas`` schedulers of ``config`` each (limits per replica)."""
 
-    def __init__(self, config: SchedulerConfig, num_replicas: int = 1):
+    def __init__(self, config: SchedulerConfig, num_replicas: int = 1, *, bulk_decodes: bool = True):
         if num_replicas < 1:
             raise ValueError(f"num_replicas={num_replicas} must be >= 1")
         self.config = config
-        self.replicas = [Scheduler(config) for _ in range(num_replicas)]
+        self.replicas = [Scheduler(config, bulk_decodes=bulk_decodes) for _ in range(num_replicas)]
         self._replica_of: dict[str, int] = {}  # live request id -> replica
 
     @property
