@@ -260,7 +260,7 @@ class AsyncEngine:
             self.engine = engine
             self.prompts = PromptTokenizer(engine.tokenizer, int(engine.max_model_len),
                                            int(engine.model_config.vocab_size))
-            self.grammars = getattr(engine, "grammars", None)
+            self.grammars = engine.grammars
             self.info = engine.describe()
             self._stats = engine.stats()
             _log_ready(self.info, time.monotonic() - started)
@@ -275,9 +275,7 @@ class AsyncEngine:
         self._to_loop(self._set_future, self._ready, None, None)
         try:
             self._run(engine)
-            close = getattr(engine, "close", None)
-            if close is not None:
-                close()  # a multi-host run's followers stop with it
+            engine.close()  # a multi-host run's followers stop with it
         except _LoopClosed:
             logger.warning("the event loop closed without stopping the engine; the engine thread ends")
         except BaseException:  # noqa: BLE001 - the loop itself catches step errors; this is a bug
@@ -356,8 +354,7 @@ class AsyncEngine:
             logger.exception("engine step failed; the requests in its batch finish with reason 'error'")
             if self.metrics is not None:
                 self.metrics.step_errors.inc()
-            scheduler = getattr(engine, "scheduler", None)
-            affected = list(dict.fromkeys(s.request_id for s in getattr(scheduler, "running", ())))
+            affected = list(dict.fromkeys(s.request_id for s in engine.scheduler.running))
             if not affected:  # the failure is not tied to the batch: nothing else can make progress either
                 affected = list(self._engine_live)
             outs = []
