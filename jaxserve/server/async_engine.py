@@ -94,7 +94,9 @@ class AsyncEngine:
         # asyncio-side view, only touched in the event loop thread
         self._live: dict[str, RequestStream] = {}
         self._pending_seqs = 0  # sequences sent to the engine thread and not yet acknowledged
-        self._sched = {"num_running": 0, "num_waiting": 0}
+        # The engine's counts at its last iteration; ``max_num_running``: the sequences it may run at once (with
+        # data > 1, max_num_seqs per replica), read from its stats once it is ready.
+        self._sched = {"num_running": 0, "num_waiting": 0, "max_num_running": config.max_num_seqs}
         self._idle: asyncio.Event | None = None
         # engine-thread state
         self._stats: dict | None = None
@@ -166,7 +168,7 @@ class AsyncEngine:
             raise EngineNotReady("the engine is still starting up (loading and compiling the model)")
         limit = self.config.max_waiting_requests
         if limit is not None:
-            free_slots = max(0, self.config.max_num_seqs - self._sched["num_running"])
+            free_slots = max(0, self._sched["max_num_running"] - self._sched["num_running"])
             would_wait = self._pending_seqs + self._sched["num_waiting"] + num_seqs - free_slots
             if would_wait > limit:
                 raise EngineOverloaded(f"the server is overloaded: more than max_waiting_requests={limit} "
@@ -264,6 +266,7 @@ class AsyncEngine:
             self.info = engine.describe()
             self._stats = engine.stats()
             _log_ready(self.info, time.monotonic() - started)
+            self._to_loop(self._deliver, [], [], self._sched_of(self._stats))  # before the first admission check
         except BaseException as e:  # noqa: BLE001 - reported to the event loop, which exits
             if isinstance(e, ValueError):  # a bad option or checkpoint: its message says what to change
                 logger.error("the engine failed to start: %s", e)
@@ -418,9 +421,14 @@ class AsyncEngine:
             logger.exception("engine stats failed")
             stats = self._stats or {}
         self._stats = stats
-        sched = {"num_running": int(stats.get("num_running", 0)), "num_waiting": int(stats.get("num_waiting", 0))}
-        if not self._to_loop(self._deliver, acks, items, sched):
+        if not self._to_loop(self._deliver, acks, items, self._sched_of(stats)):
             raise _LoopClosed
+
+    def _sched_of(self, stats: dict) -> dict:
+        """What the admission check reads of the engine's stats (an engine that does not say how many sequences
+        it may run at once runs ``max_num_seqs``)."""
+        return {"num_running": int(stats.get("num_running", 0)), "num_waiting": int(stats.get("num_waiting", 0)),
+                "max_num_running": int(stats.get("max_num_running", self.config.max_num_seqs))}
 
     # Event loop side ----------------------------------------------------------------------------------------
     def _deliver(self, acks: list, items: list, sched: dict) -> None:
