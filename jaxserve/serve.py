@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") 
             and not multihost.is_leader():
         return follow(args)
     if args.role == "prefill":
-        from jaxserve.disagg.remote import serve_prefill
+        from jaxserve.disagg.prefill import serve_prefill
 
         return serve_prefill(args)
     if args.role == "decode":

@@ -72,6 +72,7 @@ class FakeEngine:
         self.pages_used = 0
         self.step_delay = 0.0  # seconds each step takes (asleep, as a step waiting on its device frees the GIL)
         self.check_lengths = False  # True: refuse prompt + max_tokens beyond max_model_len, as the engine does
+        self.grammars = None  # no structured-output grammars to compile ahead
 
     def tokenize(self, prompt):
         ids = [ord(c) % 100 for c in prompt] if isinstance(prompt, str) else list(prompt)
@@ -133,6 +134,9 @@ class FakeEngine:
             outs.append(self._out(req, "length" if done else None, [req.tokens[-1]]))
         self.scheduler.running = [_Seq(r) for r in self.requests]
         return outs
+
+    def close(self):
+        pass
 
     def describe(self):
         return {"model_path": "", "architecture": "Fake", "family": "fake", "vocab_size": 100, "max_model_len": 64,

@@ -102,6 +102,14 @@ def test_abort_in_every_stage_frees_pages_on_both_sides(disagg):
         r.block_manager.check_invariants()
 
 
+def test_stages_count_the_running_slots_of_both_sides(disagg):
+    """The server's admission check weighs the engine's running sequences (both sides) against the sequences it
+    may run at once: max_num_seqs per replica of each side (prefill data=1, decode data=2)."""
+    stages = disagg.engine.scheduler
+    assert stages.max_num_running == 3 * (1 + 2) == disagg.engine.stats()["max_num_running"]
+    assert stages.running == [] and stages.num_running == 0
+
+
 def test_disaggregated_config_is_checked():
     with pytest.raises(ValueError, match="prefill_mesh and decode_mesh go together"):
         EngineConfig(prefill_mesh="tensor=2")
@@ -187,7 +195,8 @@ def test_8bit_kv_cache_across_processes(llama, colocated_int8):
     """--role prefill/decode with both ends in this process: 8-bit values and their scales travel together,
     pulled through JAX's transfer server and as bytes over the gRPC stream, to a decode side that speculates; a
     decode side with another KV dtype is refused by the prefill server, naming the flag."""
-    from jaxserve.disagg.remote import PrefillServer, RemotePrefillEngine
+    from jaxserve.disagg.prefill import PrefillServer
+    from jaxserve.disagg.remote import RemotePrefillEngine
 
     cfg = EngineConfig(model=str(llama), kv_cache_dtype="int8", **SHAPES)
     server = PrefillServer(cfg, "127.0.0.1", 0, kv_transfer="jax")

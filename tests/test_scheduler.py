@@ -497,3 +497,17 @@ def test_windowed_model_releases_pages_behind_the_window_and_stays_exact(seed, w
                                                                       cfg.max_model_len, s.index), s
     for pool in {bm, sched.block_manager.full if local else bm}:
         assert pool.num_used_pages == 0 and pool.num_free_pages == pool.num_pages
+
+
+def test_replicated_scheduler_counts_running_slots_of_every_replica():
+    """A data=2 engine's scheduler may run max_num_seqs sequences per replica: it says so (``max_num_running``,
+    also in its stats, which the server's admission check reads), and ``running`` lists every replica's."""
+    from jaxserve.scheduler.replicas import ReplicatedScheduler
+
+    sched = ReplicatedScheduler(make_config(max_num_seqs=2), num_replicas=2)
+    for i in range(4):
+        sched.add(seq(str(i), [1, 2, 3]))
+    sched.schedule()
+    assert sched.max_num_running == 4 and sched.stats()["max_num_running"] == 4
+    assert sched.num_running == 4 and sorted(s.request_id for s in sched.running) == ["0", "1", "2", "3"]
+    assert sorted(len(r.running) for r in sched.replicas) == [2, 2]

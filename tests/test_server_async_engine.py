@@ -21,11 +21,11 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 20))
 
 
-async def _started(**config) -> tuple[AsyncEngine, FakeEngine]:
+async def _started(engine_cls=FakeEngine, **config) -> tuple[AsyncEngine, FakeEngine]:
     engines = []
 
     def factory(cfg):
-        engines.append(FakeEngine(cfg))
+        engines.append(engine_cls(cfg))
         return engines[0]
 
     ae = AsyncEngine(EngineConfig(warmup=False, **config), metrics=ServerMetrics("fake"), engine_factory=factory)
@@ -201,6 +201,47 @@ def test_admission_overload_draining_and_not_ready():
         for s in streams:
             s.abort()
         assert await ae.wait_idle(30)  # returns as soon as idle; the bound only matters on a loaded machine
+        await ae.stop()
+
+    run(main())
+
+
+class _DataParallelFake(FakeEngine):
+    """Reports itself as an engine on a mesh with data=2 does (``ReplicatedScheduler.stats``): ``max_num_seqs``
+    running per replica, two replicas."""
+
+    def stats(self):
+        out = super().stats()
+        slots = 2 * self.max_num_seqs
+        running = min(len(self.requests), slots)
+        out.update(num_running=running, num_waiting=len(self.requests) - running, max_num_running=slots)
+        return out
+
+
+def test_a_data_parallel_engine_admits_max_num_seqs_per_replica():
+    """With data=2, max_num_seqs applies per replica: 2 * max_num_seqs requests arriving at once all run at once,
+    so none is refused as overloaded, even with one waiting place and none of them acknowledged yet (the engine
+    thread is busy while they arrive)."""
+    async def main():
+        ae, fake = await _started(_DataParallelFake, max_num_seqs=2, max_waiting_requests=1)
+        gate = threading.Event()
+        busy = asyncio.ensure_future(ae.call(lambda engine: gate.wait(10)))
+        adds = [asyncio.ensure_future(ae.add_request(c, SamplingParams(max_tokens=2))) for c in "abcd"]
+        while ae.intake_length() < 1 + len(adds) and not any(a.done() for a in adds):
+            await asyncio.sleep(0.005)
+        gate.set()
+        await busy
+        results = await asyncio.gather(*adds, return_exceptions=True)
+        assert not [r for r in results if isinstance(r, BaseException)], results
+        assert [len(await _collect(s)) for s in results] == [2, 2, 2, 2]
+        # A fifth sequence waits in the one waiting place; a sixth is refused.
+        fake.paused = True
+        more = [await ae.add_request(c, SamplingParams(max_tokens=10_000)) for c in "efghi"]
+        with pytest.raises(EngineOverloaded, match="max_waiting_requests=1"):
+            await ae.add_request("j", SamplingParams(max_tokens=1))
+        for s in more:
+            s.abort()
+        assert await ae.wait_idle(10)
         await ae.stop()
 
     run(main())

@@ -32,6 +32,15 @@ def test_help_documents_every_flag():
     assert "demo-model-v1" in out.stdout.replace("\n", "")  # where the demo model lives, for outside tools' --tokenizer
 
 
+def test_waiting_queue_is_sized_per_data_replica_of_the_decode_mesh():
+    """--prefill-mesh/--decode-mesh: the default waiting queue counts the decode mesh's data replicas, as --mesh
+    counts its own (max_num_seqs applies per replica)."""
+    args = parse_args(["--prefill-mesh", "tensor=2", "--decode-mesh", "data=2", "--max-num-seqs", "4"])
+    assert args.engine_config.max_waiting_requests == 4 * 4 * 2
+    args = parse_args(["--prefill-mesh", "data=2", "--decode-mesh", "tensor=2", "--max-num-seqs", "4"])
+    assert args.engine_config.max_waiting_requests == 4 * 4
+
+
 def test_defaults_and_engine_config(monkeypatch):
     monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)
     args = parse_args([])

@@ -189,8 +189,7 @@ def test_bulk_decode_planning_equals_the_per_sequence_loop(seed, caching):
     rng = random.Random(seed)
     cfg = make_config(num_pages=14, page_size=4, max_model_len=40, max_num_seqs=6, max_num_batched_tokens=24,
                       enable_prefix_caching=caching)
-    bulk, loop = Scheduler(cfg), Scheduler(cfg)
-    loop.bulk_decodes = False
+    bulk, loop = Scheduler(cfg), Scheduler(cfg, bulk_decodes=False)
     model = FakeModel(bulk)
     pending_requests, steps, bulk_steps = 40, 0, 0
     while pending_requests or bulk.has_unfinished():
@@ -287,9 +286,8 @@ def test_async_decode_runs_equal_the_per_sequence_loop(seed, caching):
     rng = random.Random(seed)
     cfg = make_config(num_pages=12, page_size=4, max_model_len=40, max_num_seqs=6, max_num_batched_tokens=24,
                       enable_prefix_caching=caching)
-    bulk, loop = ReplicatedScheduler(cfg), ReplicatedScheduler(cfg)
+    bulk, loop = ReplicatedScheduler(cfg), ReplicatedScheduler(cfg, bulk_decodes=False)
     inner = bulk.replicas[0]
-    loop.replicas[0].bulk_decodes = False
     model = FakeModel(inner)
     pending_requests, requests, pending, steps, runs, sync = 40, [], None, 0, 0, False
     while pending_requests or bulk.has_unfinished() or pending is not None:

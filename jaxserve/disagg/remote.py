@@ -1,19 +1,11 @@
-"""Prefill/decode disaggregation across processes: ``jaxserve serve --role prefill`` and ``--role decode``.
-
-A prefill process (``--role prefill --kv-port P``) runs an engine on its own devices and serves one gRPC method,
-``jaxserve.disagg.staged.v1.Prefill/Run``: given a prompt, its sampling parameters and the request's index, it runs
-the prompt (chunked, with prefix caching), samples the first token exactly as the colocated engine would, and
-streams back a JSON header (the token, its logprobs and prompt logprobs, a finish reason if the token ended the
-request, the KV layout). The pages are read out of its pool with one gather and freed once it has run; then
-either offered to JAX's transfer server, the header naming the offer (``jaxserve/disagg/kv_transfer.py``, when both
-sides run one: ``--kv-transfer``), or copied to the host and streamed after the header in chunks of at most
-``CHUNK_BYTES``.
+"""The decode process of disaggregation across processes: ``jaxserve serve --role decode``.
 
 The decode process (``--role decode --prefill-url HOST:P[,HOST:P...]``) is the front door: clients speak the
 usual OpenAI and gRPC APIs to it. Its engine (``RemotePrefillEngine``) sends each new request to a prefill
-process (round robin over the live ones), emits the first token when it arrives, writes the received pages
-into its own pool (``PageWriter``: ``jax.device_put`` onto its mesh, one scatter) once it has room, and decodes
-with continuous batching. Pulled pages are fetched by the call's receiving thread, before the engine sees them.
+process (``jaxserve.disagg.prefill``; round robin over the live ones), emits the first token when it arrives,
+writes the received pages into its own pool (``PageWriter``: ``jax.device_put`` onto its mesh, one scatter) once
+it has room, and decodes with continuous batching. Pulled pages are fetched by the call's receiving thread, before
+the engine sees them. What travels is ``jaxserve.disagg.wire``'s.
 
 Failure and load: a prefill call that fails ends its request with an error naming the prefill server; a
 server that cannot be reached is skipped for ``RETRY_DEAD_S`` seconds, and with none left new requests are
@@ -24,7 +16,6 @@ room on the decode side; further requests wait in the decode process's queue (ne
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import itertools
 import json
@@ -34,255 +25,24 @@ import threading
 import time
 from collections import deque
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 from jaxserve.config.engine import EngineConfig
-from jaxserve.disagg.staged import PageReader, PageWriter, StagedEngine
-from jaxserve.engine.engine import Engine
-from jaxserve.engine.request_stream import EngineNotReady, take_all
+from jaxserve.disagg.pages import PageWriter
+from jaxserve.disagg.staged import StagedEngine
+from jaxserve.disagg.wire import CHUNK_BYTES, METHOD, STATS_METHOD, identity, pages_from_bytes, params_to_json
+from jaxserve.engine.request_stream import EngineNotReady
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams, sequence_seed
+from jaxserve.scheduler.replicas import ReplicatedScheduler
 from jaxserve.scheduler.sequence import Sequence
-from jaxserve.text.structured_output import StructuredOutputsParams
+
+__all__ = ["CHUNK_BYTES", "STATS_METHOD", "RemotePrefill", "RemotePrefillEngine"]
 
 logger = logging.getLogger(__name__)
 
-METHOD = "/jaxserve.disagg.staged.v1.Prefill/Run"
-STATS_METHOD = "/jaxserve.disagg.staged.v1.Prefill/Stats"  # the prefill engine's stats() as JSON
-CHUNK_BYTES = 1 << 20
 RETRY_DEAD_S = 5.0
 _RETRY = object()
 
 
-def _identity(b: bytes) -> bytes:
-    return b
-
-
-def params_to_json(p: SamplingParams) -> dict:
-    d = dataclasses.asdict(p)
-    if d.get("logit_bias"):
-        d["logit_bias"] = {str(k): v for k, v in d["logit_bias"].items()}
-    return d
-
-
-def params_from_json(d: dict) -> SamplingParams:
-    d = dict(d)
-    for name in ("stop", "stop_token_ids"):
-        d[name] = tuple(d.get(name) or ())
-    so = d.get("structured_outputs")
-    if so is not None:
-        if so.get("choice") is not None:
-            so["choice"] = tuple(so["choice"])
-        d["structured_outputs"] = StructuredOutputsParams(**so)
-    return SamplingParams(**d)
-
-
-# ---- the prefill process ---------------------------------------------------------------------------------------
-class PrefillEngine(Engine):
-    """An ``Engine`` that only prefills: after each step, sequences whose first token was sampled (and that it
-    did not finish) leave it with their KV pages (``step_prefill`` returns them as hand-offs): offered to JAX's
-    transfer server (``transfer``) for requests whose decode side pulls them, else as NumPy bytes."""
-
-    steps_async = False  # a sequence leaves once its first token is on the host, before any further step
-
-    def __init__(self, config: EngineConfig, **kwargs):
-        if config.speculative_config is not None:
-            raise ValueError("speculative_config: speculation verifies decodes, which run on the decode side; start "
-                             "the prefill process without --speculative-config")
-        super().__init__(config, **kwargs)
-        self.reader = PageReader(self.executor.runner)
-        self.transfer = None  # a JaxTransfer, set by the server
-        self._pulled: set[str] = set()  # request ids whose pages the decode side pulls through it
-        self.stats_counters.update(kv_transfer_offers=0)
-
-    def add_prefill(self, request_id: str, ids: list[int], params: SamplingParams, request_index: int,
-                    pull: bool = False) -> None:
-        if params.n != 1:  # the decode process sends each of a request's n outputs as its own call
-            raise ValueError(f"n={params.n}: a prefill process serves one sequence per request")
-        self.add_request(request_id, ids, params)
-        for seq in self.scheduler.get_request(request_id):
-            seq.request_index = request_index  # the decode side's: seeds of unseeded sampling depend on it
-        if pull and self.transfer is not None:
-            self._pulled.add(request_id)
-
-    def abort_request(self, request_id: str, reason: str = "abort", **kwargs):
-        self._pulled.discard(request_id)
-        return super().abort_request(request_id, reason, **kwargs)
-
-    def step_prefill(self) -> tuple[list[RequestOutput], list[tuple[str, dict, bytes]]]:
-        outputs = self.step()
-        handoffs = []
-        for out in outputs:
-            if out.finished:
-                continue
-            req = self._requests[out.request_id]
-            seq = req.seqs[0]
-            replica, holder = self.scheduler.detach(seq)
-            staged, full, local, nbytes = self.reader.read(replica, holder, seq.num_computed_tokens)
-            pull = out.request_id in self._pulled
-            self._pulled.discard(out.request_id)
-            if pull:
-                jax.block_until_ready(staged)  # the gather has run: its copy no longer needs the pool ...
-            else:
-                staged = [np.ascontiguousarray(np.asarray(a)) for a in staged]  # (or the copy to the host)
-            self.scheduler.replicas[replica].block_manager.free(holder)  # ... so the pages are free again
-            self.executor.release([seq])
-            self.structured.release([seq])
-            del self._requests[out.request_id]
-            kv = {"parts": [{"shape": list(a.shape), "dtype": jnp.dtype(a.dtype).name} for a in staged],
-                  "full": full, "local": local, "nbytes": nbytes, "num_cached_tokens": seq.num_cached_tokens}
-            if pull:
-                kv["pull"] = self.transfer.offer(staged)
-                self.stats_counters["kv_transfer_offers"] += 1
-                data = b""
-            else:
-                data = b"".join(a.tobytes() for a in staged)
-            handoffs.append((out.request_id, kv, data))
-        return outputs, handoffs
-
-
-class PrefillServer:
-    """The prefill process's gRPC service around a ``PrefillEngine`` stepped by one thread."""
-
-    def __init__(self, config: EngineConfig, host: str, port: int, engine_factory=None, kv_transfer: str = "auto"):
-        import grpc
-
-        from jaxserve.disagg import kv_transfer as kvt
-        self.config = config
-        self.engine = (engine_factory or PrefillEngine)(config)
-        self.engine.transfer = kvt.start(kv_transfer, host)
-        self.stats = self.engine.stats()  # the engine's latest, refreshed by its thread after each iteration
-        self._intake: queue.Queue = queue.Queue()
-        self._streams: dict[str, queue.Queue] = {}
-        self._stop = threading.Event()
-        handler = grpc.method_handlers_generic_handler("jaxserve.disagg.staged.v1.Prefill", {
-            "Run": grpc.unary_stream_rpc_method_handler(self._run, request_deserializer=_identity,
-                                                        response_serializer=_identity),
-            "Stats": grpc.unary_unary_rpc_method_handler(
-                lambda _req, _ctx: json.dumps(self.stats).encode(), request_deserializer=_identity,
-                response_serializer=_identity)})
-        self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=64),
-                                  options=[("grpc.max_send_message_length", 4 * CHUNK_BYTES)])
-        self.server.add_generic_rpc_handlers((handler,))
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
-        if not self.port:
-            raise OSError(f"cannot listen on {host}:{port}")
-        self._thread = threading.Thread(target=self._loop, name="prefill-engine", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-        self.server.start()
-
-    def stop(self, grace: float = 1.0) -> None:
-        self._stop.set()
-        self._intake.put(None)
-        self.server.stop(grace).wait()
-
-    def _run(self, request: bytes, context):
-        import grpc
-
-        msg = json.loads(request)
-        if int(msg.get("engine_seed", self.config.seed)) != self.config.seed:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"engine seed {msg['engine_seed']} differs from this prefill server's --seed "
-                          f"{self.config.seed}; start both with the same --seed")
-        if msg.get("kv_cache_dtype", "auto") != self.config.kv_cache_dtype:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"kv_cache_dtype {msg.get('kv_cache_dtype', 'auto')!r} differs from this prefill server's "
-                          f"--kv-cache-dtype {self.config.kv_cache_dtype!r}; start both with the same one")
-        rid = str(msg["request_id"])
-        out: queue.Queue = queue.Queue()
-        self._intake.put(("add", rid, msg, out))
-        context.add_callback(lambda: self._intake.put(("abort", rid, None, None)))
-        while True:
-            item = out.get()
-            if isinstance(item, Exception):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT if isinstance(item, ValueError)
-                              else grpc.StatusCode.INTERNAL, str(item))
-            if item is None:
-                return
-            yield item
-
-    def _loop(self) -> None:
-        engine = self.engine
-        while not self._stop.is_set():
-            block = not engine.has_unfinished()
-            items = take_all(self._intake, block)
-            for item in items:
-                if item is None:
-                    return
-                kind, rid, msg, out = item
-                if kind == "add":
-                    try:
-                        engine.add_prefill(rid, [int(t) for t in msg["prompt_token_ids"]],
-                                           params_from_json(msg["params"]), int(msg["request_index"]),
-                                           pull=msg.get("kv_transfer") == "jax")
-                        self._streams[rid] = out
-                    except Exception as e:  # noqa: BLE001 - reported to the caller
-                        out.put(e if isinstance(e, ValueError) else RuntimeError(f"{type(e).__name__}: {e}"))
-                elif rid in self._streams:  # the caller went away: free its pages now
-                    engine.abort_request(rid)
-                    self._streams.pop(rid).put(None)
-            if not engine.has_unfinished():
-                self.stats = engine.stats()
-                continue
-            try:
-                outputs, handoffs = engine.step_prefill()
-            except Exception as e:  # noqa: BLE001 - one bad step fails its requests, not the server
-                logger.exception("a prefill step failed")
-                for rid in list(self._streams):
-                    engine.abort_request(rid, "error", error=str(e))
-                    self._streams.pop(rid).put(RuntimeError(f"the prefill step failed: {e}"))
-                continue
-            kv = {rid: (meta, data) for rid, meta, data in handoffs}
-            for o in outputs:
-                stream = self._streams.pop(o.request_id, None)
-                if stream is None:
-                    continue
-                c = o.outputs[0]
-                lps = c.logprobs[0] if c.logprobs else None
-                header = {"token": c.token_ids[0] if c.token_ids else None,
-                          "finish_reason": c.finish_reason if o.finished else None,
-                          "stop_reason": c.stop_reason if o.finished else None,
-                          "error": o.error,
-                          "logprobs": {str(k): v for k, v in lps.items()} if lps else None,
-                          "num_cached_tokens": int(o.metrics.num_cached_tokens or 0) if o.metrics else 0}
-                if o.prompt_logprobs is not None:
-                    header["prompt_logprobs"] = [None if e is None else {str(k): v for k, v in e.items()}
-                                                 for e in o.prompt_logprobs]
-                meta, data = kv.get(o.request_id, (None, b""))
-                if meta is None and not o.finished:
-                    continue
-                if meta is not None:
-                    header["kv"] = meta
-                    header["num_cached_tokens"] = meta["num_cached_tokens"]
-                stream.put(json.dumps(header).encode())
-                for i in range(0, len(data), CHUNK_BYTES):
-                    stream.put(data[i:i + CHUNK_BYTES])
-                stream.put(None)
-            self.stats = engine.stats()
-
-
-def serve_prefill(args) -> int:
-    """``jaxserve serve --role prefill``: the prefill service until SIGTERM/SIGINT."""
-    import signal
-
-    server = PrefillServer(args.engine_config, args.host, args.kv_port, kv_transfer=args.kv_transfer)
-    server.start()
-    t = server.engine.transfer
-    print(f"jaxserve prefill ready: kv=grpc://{args.host}:{server.port} "
-          f"transfer={'jax://' + t.address if t else 'grpc'} path={server.engine.model_path}", flush=True)
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
-    server.stop()
-    return 0
-
-
-# ---- the decode process ----------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class _Remote:
     seq: Sequence
@@ -302,7 +62,7 @@ class _Endpoint:
 
         self.url = url
         self.channel = grpc.insecure_channel(url, options=[("grpc.max_receive_message_length", 4 * CHUNK_BYTES)])
-        self.run = self.channel.unary_stream(METHOD, request_serializer=_identity, response_deserializer=_identity)
+        self.run = self.channel.unary_stream(METHOD, request_serializer=identity, response_deserializer=identity)
         self.dead_until = 0.0
         self.last_error = ""
 
@@ -451,18 +211,19 @@ class RemotePrefill:
 
 
 class _RemoteStages:
-    """The ``Scheduler`` interface over the remote prefill stage and the local decode scheduler."""
+    """The ``RequestScheduler`` (``jaxserve.scheduler.protocol``) over the remote prefill stage and the local
+    decode scheduler."""
 
-    def __init__(self, prefill: RemotePrefill, decode):
+    def __init__(self, prefill: RemotePrefill, decode: ReplicatedScheduler):
         self.prefill, self.decode = prefill, decode
 
-    def add(self, seq):
+    def add(self, seq: Sequence) -> list[Sequence]:
         return self.prefill.add(seq)
 
-    def get_request(self, request_id):
+    def get_request(self, request_id: str) -> list[Sequence]:
         return self.prefill.get_request(request_id) + self.decode.get_request(request_id)
 
-    def finish(self, seq, reason, stop_reason=None):
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         if seq.is_finished:
             return
         if self.prefill.holds(seq):
@@ -470,22 +231,26 @@ class _RemoteStages:
         else:
             self.decode.finish(seq, reason, stop_reason)
 
-    def has_unfinished(self):
+    def has_unfinished(self) -> bool:
         return self.prefill.has_unfinished() or self.decode.has_unfinished()
 
     @property
-    def num_waiting(self):
+    def num_waiting(self) -> int:
         return self.prefill.num_waiting + self.decode.num_waiting
 
     @property
-    def num_running(self):
+    def num_running(self) -> int:
         return self.decode.num_running
 
     @property
-    def running(self):
-        return [s for r in self.decode.replicas for s in r.running]
+    def max_num_running(self) -> int:
+        return self.decode.max_num_running
 
-    def stats(self):
+    @property
+    def running(self) -> list[Sequence]:
+        return self.decode.running
+
+    def stats(self) -> dict[str, int]:
         out = dict(self.decode.stats())
         out["num_waiting"] = self.num_waiting
         out["prefill_servers_live"] = len(self.prefill.live())
@@ -591,14 +356,7 @@ class RemotePrefillEngine(StagedEngine):
             self._landed.popleft()
             self.remote.forget(seq)
             kv = r.result["kv"]
-            pages, offset = r.arrays, 0
-            if pages is None:  # bytes from the stream
-                pages = []
-                for part in kv["parts"]:
-                    dtype = jnp.dtype(part["dtype"])  # knows the 8-bit float names NumPy alone does not
-                    count = int(np.prod(part["shape"]))
-                    pages.append(np.frombuffer(r.data, dtype, count, offset).reshape(part["shape"]))
-                    offset += count * dtype.itemsize
+            pages = r.arrays if r.arrays is not None else pages_from_bytes(kv, r.data)  # pulled, or streamed
             self.writer.write(tuple(pages), kv["full"], kv["local"], replica, seq)
             if r.arrays is not None:
                 self.stats_counters["kv_transfer_pulls"] += 1

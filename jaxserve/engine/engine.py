@@ -22,7 +22,9 @@ from jaxserve.models.checkpoint import resolve_model_path
 from jaxserve.models.config import ModelConfig
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler.protocol import RequestScheduler, StepScheduler
 from jaxserve.scheduler.replicas import ReplicatedScheduler
+from jaxserve.scheduler.scheduler import UpdateResult
 from jaxserve.scheduler.sequence import Sequence
 from jaxserve.scheduler.step_result import StepFailed, StepResult
 from jaxserve.text.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
@@ -57,6 +59,8 @@ class Engine:
 
     # Subclasses whose steps hand sequences on between stages (jaxserve/disagg/staged.py) step synchronously.
     steps_async = True
+    # Request bookkeeping; steps run on it when it is also a ``StepScheduler`` (colocated), else on each stage's.
+    scheduler: RequestScheduler
 
     def __init__(self, config: EngineConfig, *, executor_factory=None):
         self.config = config
@@ -105,9 +109,8 @@ class Engine:
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         # Async scheduling: the launched step whose tokens are not read yet, as (plan, executor's PendingStep).
         # Speculation verifies on the host's view of each sequence (jaxserve/spec_decode/): its steps run synchronously.
-        self._async = self.steps_async and bool(getattr(config, "async_scheduling", False)) and \
-            config.speculative_config is None and hasattr(self.executor, "launch") and \
-            getattr(getattr(self.executor, "runner", None), "channel", None) is None
+        self._async = self.steps_async and config.async_scheduling and config.speculative_config is None and \
+            self.executor.runner.channel is None
         self._pending = None
         self._sync_requests = 0  # live requests whose steps need the host's view of the previous token
         self._unstamped: set[str] = set()  # live requests not scheduled yet (``_mark_scheduled``)
@@ -213,30 +216,46 @@ class Engine:
             return self._step_async()
         if self._pending is not None:  # a step needing the host's view follows: resolve the one in flight first
             return self._resolve()
-        plan = self.scheduler.schedule()
-        self.executor.release(plan.preempted, finished=False)
+        return self._step_on(self.scheduler, self.executor)[0]
+
+    def _step_on(self, scheduler: StepScheduler, executor, kind: str | None = None
+                 ) -> tuple[list[RequestOutput], UpdateResult | None]:
+        """One synchronous step of ``scheduler``'s plan on ``executor``: plan, run, record (or fail). Returns the
+        outputs and the scheduler's update (None if the step failed). ``kind``: the stage a staged engine steps
+        ("prefill", "decode": jaxserve/disagg/staged.py), counted as ``{kind}_steps`` and named in the log."""
+        plan = scheduler.schedule()
+        executor.release(plan.preempted, finished=False)
         if plan.is_empty:
-            return self._collect(self.scheduler.update(plan, []).finished, [])
+            update = scheduler.update(plan, [])
+            return self._collect(update.finished, []), update
         self._mark_scheduled(plan)
         try:
-            result = self.executor.execute(plan)
+            result = executor.execute(plan)
         except StepFailed as e:
-            return self._fail_step(plan, e)
+            return self._fail_step(plan, e, scheduler, executor, kind), None
+        return self._record_step(plan, result, scheduler, executor, kind)
+
+    def _record_step(self, plan, result: StepResult, scheduler: StepScheduler, executor, kind: str | None
+                     ) -> tuple[list[RequestOutput], UpdateResult]:
+        """Record a synchronous step's ``result``: the scheduler's tokens, grammars, counters and the outputs."""
         runs = result.spec_tokens or {}  # speculation: entries that emit several tokens
         tokens = [runs[i] if i in runs else int(t) for i, t in enumerate(result.token_ids)]
         if result.prompt_logprobs:
             self._record_prompt_logprobs(plan, result.prompt_logprobs)
         before = {s.seq_id: s.num_output_tokens for s in plan.seqs}
-        update = self.scheduler.update(plan, tokens)
+        update = scheduler.update(plan, tokens)
         self.structured.accept(update.updated)
         self.stats_counters["steps"] += 1
+        if kind is not None:
+            self.stats_counters[f"{kind}_steps"] += 1
         logprobs = _logprobs(plan, result)
         for i, lps in (result.spec_logprobs or {}).items():
             logprobs[plan.scheduled[i].seq.seq_id] = lps
         outputs = self._collect(update.finished, update.updated, logprobs, before=before)
-        # A finished sequence's penalty row returns now: its siblings may run on, and new sequences need rows.
-        self.executor.release(update.finished, finished=False)
-        return outputs
+        # A finished sequence's penalty row returns now: its siblings may run on (on another stage, too), and new
+        # sequences need rows.
+        executor.release(update.finished, finished=False)
+        return outputs, update
 
     # Async scheduling ---------------------------------------------------------------------------------------
     def _async_now(self) -> bool:
@@ -302,13 +321,19 @@ class Engine:
                 for pos, entry in items:  # a recomputed prompt (after preemption) scores its tokens again
                     req.prompt_logprobs[pos] = entry
 
-    def _fail_step(self, plan, error: StepFailed) -> list[RequestOutput]:
+    def _fail_step(self, plan, error: StepFailed, scheduler: StepScheduler | None = None, executor=None,
+                   kind: str | None = None) -> list[RequestOutput]:
+        """End the requests of a failed step's ``plan`` (reason "error"); if the failure took the KV cache, every
+        other sequence of ``scheduler`` (the engine's by default) recomputes its KV on ``executor``."""
         affected = list(dict.fromkeys(e.seq.request_id for e in plan.scheduled))
-        logger.error("a step failed; its requests %s finish with reason 'error'", ", ".join(affected), exc_info=error)
+        logger.error("a %s failed; its requests %s finish with reason 'error'",
+                     "step" if kind is None else f"{kind} step", ", ".join(affected), exc_info=error)
         message = f"the step running this request failed: {error}"
         outputs = [out for rid in affected if (out := self.abort_request(rid, "error", error=message)) is not None]
         if error.cache_lost:  # every other sequence's KV went with the cache: recompute it from its tokens
-            self.executor.release(self.scheduler.drop_cache(), finished=False)
+            scheduler = self.scheduler if scheduler is None else scheduler
+            executor = self.executor if executor is None else executor
+            executor.release(scheduler.drop_cache(), finished=False)
         return outputs
 
     def _collect(self, finished: list[Sequence], updated: list[Sequence], logprobs: dict | None = None, *,
@@ -435,7 +460,7 @@ class Engine:
         s = dict(self.scheduler.stats())
         s.update(self.stats_counters)
         s["num_pages"] = self.executor.cache_config.num_pages
-        s["compilations_after_warmup"] = getattr(self.executor, "compilations_after_warmup", 0)
+        s["compilations_after_warmup"] = self.executor.compilations_after_warmup
         s["kv_bytes_per_token"] = self.executor.kv_bytes_per_token
         if self.spec is not None:
             s.update(self.spec.counters.stats())

@@ -58,13 +58,14 @@ class ReplicatedPlan:
 
 
 class ReplicatedScheduler:
-    """The ``Scheduler`` interface over ``num_replicas`` schedulers of ``config`` each (limits per replica)."""
+    """The ``Scheduler`` interface over ``num_replicas`` schedulers of ``config`` each (limits per replica): the
+    engine's ``StepScheduler`` (``jaxserve.scheduler.protocol``)."""
 
-    def __init__(self, config: SchedulerConfig, num_replicas: int = 1):
+    def __init__(self, config: SchedulerConfig, num_replicas: int = 1, *, bulk_decodes: bool = True):
         if num_replicas < 1:
             raise ValueError(f"num_replicas={num_replicas} must be >= 1")
         self.config = config
-        self.replicas = [Scheduler(config) for _ in range(num_replicas)]
+        self.replicas = [Scheduler(config, bulk_decodes=bulk_decodes) for _ in range(num_replicas)]
         self._replica_of: dict[str, int] = {}  # live request id -> replica
 
     @property
@@ -88,6 +89,15 @@ class ReplicatedScheduler:
         return sum(r.num_running for r in self.replicas)
 
     @property
+    def max_num_running(self) -> int:
+        """``max_num_seqs`` per replica: the sequences all replicas may run at once."""
+        return self.config.max_num_seqs * len(self.replicas)
+
+    @property
+    def running(self) -> list[Sequence]:
+        return [s for r in self.replicas for s in r.running]
+
+    @property
     def num_preemptions(self) -> int:
         return sum(r.num_preemptions for r in self.replicas)
 
@@ -103,6 +113,7 @@ class ReplicatedScheduler:
         for r in self.replicas:
             for k, v in r.stats().items():
                 total[k] = total.get(k, 0) + v
+        total["max_num_running"] = self.max_num_running
         return total
 
     # ---- requests in and out ------------------------------------------------------------------------------

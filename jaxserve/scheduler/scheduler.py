@@ -128,10 +128,11 @@ class Scheduler:
     prompt's last, partial page into a page of their own, so no page is ever written by two sequences.
     """
 
-    bulk_decodes = True  # plan plain decodes in bulk (False: one by one, the reference the tests compare with)
-
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, *, bulk_decodes: bool = True):
+        """``bulk_decodes``: plan plain decodes in bulk, as a ``DecodeRun`` (False: one by one, the reference the
+        bulk planner must equal)."""
         self.config = config
+        self.bulk_decodes = bulk_decodes
         if config.local_pages:
             self.block_manager = WindowedBlockManager(
                 config.num_pages, config.local_pages, config.page_size, window=config.local_window,
@@ -286,35 +287,56 @@ class Scheduler:
         counts = self._slot_counts() if bulk else _decode_counts(self.running)
         decodes_left = int(counts[0].sum())
         speculating = self.spec is not None and self.spec.active(decodes_left)
-        # A prompt that reports prompt_logprobs needs a logits row per token of its chunk, not one: its chunk
-        # takes logits rows (at most max_num_seqs per step) from the sequences scheduled with it.
-        extra_rows = 0
         # A decode whose next token fits the pages it holds, in a pool without a window to release behind, needs
         # no page bookkeeping: the common case of a running batch, kept to a few operations per sequence.
         plain_pages = 0 if speculating or type(bm) is not BlockManager or bm.attention_window else cfg.page_size
-        i = 0
         if plain_pages and bulk:
-            # Such decodes are found with NumPy over the running sequences' slots and planned in bulk, as a
-            # ``DecodeRun`` of slot arrays: all running sequences when every one decodes, the budget takes them all
-            # and the free pages cover one more page for each that needs one (nothing is preempted, so growing
-            # those first, in order, takes the same pages as the loop below would); else the leading run of them,
-            # the loop below taking the rest.
-            decoding, num_tokens, num_pages, slots = counts
-            fast = decoding & (num_tokens <= num_pages * plain_pages)
-            i = min(budget, len(fast) if fast.all() else int(fast.argmin()))
-            if i < len(fast) <= budget and decoding.all():
-                grows = np.flatnonzero(~fast)
-                if len(grows) <= bm.num_free_pages and (num_tokens[grows] <= num_pages[grows] * plain_pages + 1).all():
-                    for j in grows.tolist():
-                        bm.grow(self.running[j], int(num_tokens[j]))
-                        self.slots.write_pages(int(slots[j]), self.running[j])
-                    i = len(fast)
-            if i:
-                mine, sl = self.slots, slots[:i]
-                run = DecodeRun(self.running[:i], sl, mine.tokens[sl], num_tokens[:i], mine.pages[sl],
-                                mine.num_pages[sl], mine.versions[sl])
-                decodes_left -= i
-                budget -= i
+            run = self._plan_decode_run(counts, plain_pages, budget)
+            if run is not None:
+                decodes_left -= len(run)
+                budget -= len(run)
+        budget, extra_rows = self._plan_running(0 if run is None else len(run), budget, decodes_left, speculating,
+                                                plain_pages, plan, preempted)
+        if not preempted:  # admitting right after a preemption would only take back the pages just freed
+            budget = self._plan_admissions(budget, extra_rows, plan)
+        return SchedulerOutput(tuple(plan), tuple(preempted), cfg.max_num_batched_tokens - budget, run)
+
+    def _plan_decode_run(self, counts, plain_pages: int, budget: int) -> DecodeRun | None:
+        """The leading running sequences that decode with no page bookkeeping (``plain_pages`` tokens a page), as
+        a ``DecodeRun``; None if the first running sequence is not one.
+
+        Such decodes are found with NumPy over the running sequences' slots and planned in bulk, as slot arrays:
+        all running sequences when every one decodes, the budget takes them all and the free pages cover one more
+        page for each that needs one (nothing is preempted, so growing those first, in order, takes the same
+        pages as ``_plan_running`` would); else the leading run of them, ``_plan_running`` taking the rest."""
+        bm = self.block_manager
+        decoding, num_tokens, num_pages, slots = counts
+        fast = decoding & (num_tokens <= num_pages * plain_pages)
+        i = min(budget, len(fast) if fast.all() else int(fast.argmin()))
+        if i < len(fast) <= budget and decoding.all():
+            grows = np.flatnonzero(~fast)
+            if len(grows) <= bm.num_free_pages and (num_tokens[grows] <= num_pages[grows] * plain_pages + 1).all():
+                for j in grows.tolist():
+                    bm.grow(self.running[j], int(num_tokens[j]))
+                    self.slots.write_pages(int(slots[j]), self.running[j])
+                i = len(fast)
+        if not i:
+            return None
+        mine, sl = self.slots, slots[:i]
+        return DecodeRun(self.running[:i], sl, mine.tokens[sl], num_tokens[:i], mine.pages[sl], mine.num_pages[sl],
+                         mine.versions[sl])
+
+    def _plan_running(self, i: int, budget: int, decodes_left: int, speculating: bool, plain_pages: int,
+                      plan: list[ScheduledSequence], preempted: list[Sequence]) -> tuple[int, int]:
+        """Plan the running sequences from the ``i``-th on (a decode token each, drafts to verify, or a prefill
+        chunk), preempting the newest ones where pages run out; appends to ``plan`` and ``preempted`` and returns
+        (the budget left, the extra logits rows taken by prompts that score their tokens).
+
+        ``decodes_left``: the decodes not planned yet, each of which keeps one token of the budget from the prefill
+        chunks ahead of it. A prompt that reports prompt_logprobs needs a logits row per token of its chunk, not
+        one: its chunk takes logits rows (at most max_num_seqs per step) from the sequences scheduled with it."""
+        cfg, bm = self.config, self.block_manager
+        extra_rows = 0
         decode_entry = ScheduledSequence.decode
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -330,12 +352,9 @@ class Scheduler:
             draft: list[int] = []
             if seq.num_uncomputed_tokens == 1:
                 decodes_left -= 1
-                n = 1
                 if speculating:
-                    draft = self.spec.propose(seq, budget - decodes_left - 1)
-                    if draft and not bm.can_grow(seq, seq.num_computed_tokens + 1 + len(draft)):
-                        draft = []  # never preempt anyone for a speculation
-                    n += len(draft)
+                    draft = self._draft(seq, budget - decodes_left - 1)
+                n = 1 + len(draft)
             else:
                 n = self._chunk(seq.num_uncomputed_tokens, budget - decodes_left)
                 if n and scores_prompt(seq):
@@ -346,20 +365,7 @@ class Scheduler:
                     continue
             kv_len = seq.num_computed_tokens + n
             bm.release_behind(seq)  # pages every layer's window has passed come back before any new one
-            while not bm.can_grow(seq, kv_len):
-                victim = self.running[-1]
-                if victim is seq and i == 0:
-                    # Alone and still short of pages: cannot happen within a valid config; fail loudly, not forever.
-                    self.finish(seq, "error")
-                    self._finished_in_schedule.append(seq)
-                    break
-                self.running.pop()
-                if victim is not seq and victim.num_uncomputed_tokens == 1:
-                    decodes_left -= 1  # its reserved token is no longer needed
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
+            decodes_left -= self._make_room(seq, kv_len, i == 0, preempted)
             if seq.status is not SequenceStatus.RUNNING:
                 break  # seq was the last running sequence
             bm.grow(seq, kv_len)
@@ -369,10 +375,42 @@ class Scheduler:
                 BlockManager.readable_table(seq.local_page_table), num_proposed=len(draft)))
             budget -= n
             i += 1
+        return budget, extra_rows
 
-        # Admitting right after a preemption would only take back the pages just freed.
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) + extra_rows < cfg.max_num_seqs):
+    def _draft(self, seq: Sequence, room: int) -> list[int]:
+        """Speculation's draft tokens for a decoding sequence (at most ``room``); none where they would need pages
+        that are not free: never preempt anyone for a speculation."""
+        draft = self.spec.propose(seq, room)
+        if draft and not self.block_manager.can_grow(seq, seq.num_computed_tokens + 1 + len(draft)):
+            return []
+        return draft
+
+    def _make_room(self, seq: Sequence, kv_len: int, first: bool, preempted: list[Sequence]) -> int:
+        """Preempt the newest running sequences (appended to ``preempted``) until ``seq`` can grow to ``kv_len``
+        tokens, ``seq`` itself last; ``first``: it is the first running sequence. Returns how many of the
+        preempted were decodes (their reserved budget tokens are no longer needed)."""
+        decodes = 0
+        while not self.block_manager.can_grow(seq, kv_len):
+            victim = self.running[-1]
+            if victim is seq and first:
+                # Alone and still short of pages: cannot happen within a valid config; fail loudly, not forever.
+                self.finish(seq, "error")
+                self._finished_in_schedule.append(seq)
+                break
+            self.running.pop()
+            if victim is not seq and victim.num_uncomputed_tokens == 1:
+                decodes += 1
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                break
+        return decodes
+
+    def _plan_admissions(self, budget: int, extra_rows: int, plan: list[ScheduledSequence]) -> int:
+        """Admit waiting sequences, in order, while sequence slots, the budget and free pages allow (appended to
+        ``plan``); returns the budget left."""
+        cfg, bm = self.config, self.block_manager
+        while self.waiting and budget > 0 and len(self.running) + extra_rows < cfg.max_num_seqs:
             seq = self.waiting[0]
             leader = self._running_leader(seq)
             if leader is not None and self._waits_for_leader(seq, leader):
@@ -395,8 +433,7 @@ class Scheduler:
             budget -= n
             if scoring:
                 extra_rows += n - 1
-
-        return SchedulerOutput(tuple(plan), tuple(preempted), cfg.max_num_batched_tokens - budget, run)
+        return budget
 
     def update(self, output: SchedulerOutput, sampled_token_ids: Seq[int]) -> UpdateResult:
         """Record a finished step: one sampled token per entry of ``output.scheduled`` (ignored where

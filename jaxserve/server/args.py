@@ -186,7 +186,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.se
     if args.max_request_bytes < 1024:
         parser.error("--max-request-bytes must be >= 1024")
     if args.max_waiting_requests is None:
-        replicas = _data_replicas(args.mesh)
+        # Disaggregated in one process: the decode mesh's replicas are where sequences run on after their prompts.
+        replicas = _data_replicas(args.decode_mesh if args.prefill_mesh is not None else args.mesh)
         args.max_waiting_requests = WAITING_PER_SEQ * args.max_num_seqs * replicas
     elif args.max_waiting_requests == 0:
         args.max_waiting_requests = None  # no limit

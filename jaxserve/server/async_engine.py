@@ -94,7 +94,9 @@ class AsyncEngine:
         # asyncio-side view, only touched in the event loop thread
         self._live: dict[str, RequestStream] = {}
         self._pending_seqs = 0  # sequences sent to the engine thread and not yet acknowledged
-        self._sched = {"num_running": 0, "num_waiting": 0}
+        # The engine's counts at its last iteration; ``max_num_running``: the sequences it may run at once (with
+        # data > 1, max_num_seqs per replica), read from its stats once it is ready.
+        self._sched = {"num_running": 0, "num_waiting": 0, "max_num_running": config.max_num_seqs}
         self._idle: asyncio.Event | None = None
         # engine-thread state
         self._stats: dict | None = None
@@ -166,7 +168,7 @@ class AsyncEngine:
             raise EngineNotReady("the engine is still starting up (loading and compiling the model)")
         limit = self.config.max_waiting_requests
         if limit is not None:
-            free_slots = max(0, self.config.max_num_seqs - self._sched["num_running"])
+            free_slots = max(0, self._sched["max_num_running"] - self._sched["num_running"])
             would_wait = self._pending_seqs + self._sched["num_waiting"] + num_seqs - free_slots
             if would_wait > limit:
                 raise EngineOverloaded(f"the server is overloaded: more than max_waiting_requests={limit} "
@@ -260,10 +262,11 @@ class AsyncEngine:
             self.engine = engine
             self.prompts = PromptTokenizer(engine.tokenizer, int(engine.max_model_len),
                                            int(engine.model_config.vocab_size))
-            self.grammars = getattr(engine, "grammars", None)
+            self.grammars = engine.grammars
             self.info = engine.describe()
             self._stats = engine.stats()
             _log_ready(self.info, time.monotonic() - started)
+            self._to_loop(self._deliver, [], [], self._sched_of(self._stats))  # before the first admission check
         except BaseException as e:  # noqa: BLE001 - reported to the event loop, which exits
             if isinstance(e, ValueError):  # a bad option or checkpoint: its message says what to change
                 logger.error("the engine failed to start: %s", e)
@@ -275,9 +278,7 @@ class AsyncEngine:
         self._to_loop(self._set_future, self._ready, None, None)
         try:
             self._run(engine)
-            close = getattr(engine, "close", None)
-            if close is not None:
-                close()  # a multi-host run's followers stop with it
+            engine.close()  # a multi-host run's followers stop with it
         except _LoopClosed:
             logger.warning("the event loop closed without stopping the engine; the engine thread ends")
         except BaseException:  # noqa: BLE001 - the loop itself catches step errors; this is a bug
@@ -356,8 +357,7 @@ class AsyncEngine:
             logger.exception("engine step failed; the requests in its batch finish with reason 'error'")
             if self.metrics is not None:
                 self.metrics.step_errors.inc()
-            scheduler = getattr(engine, "scheduler", None)
-            affected = list(dict.fromkeys(s.request_id for s in getattr(scheduler, "running", ())))
+            affected = list(dict.fromkeys(s.request_id for s in engine.scheduler.running))
             if not affected:  # the failure is not tied to the batch: nothing else can make progress either
                 affected = list(self._engine_live)
             outs = []
@@ -421,9 +421,14 @@ class AsyncEngine:
             logger.exception("engine stats failed")
             stats = self._stats or {}
         self._stats = stats
-        sched = {"num_running": int(stats.get("num_running", 0)), "num_waiting": int(stats.get("num_waiting", 0))}
-        if not self._to_loop(self._deliver, acks, items, sched):
+        if not self._to_loop(self._deliver, acks, items, self._sched_of(stats)):
             raise _LoopClosed
+
+    def _sched_of(self, stats: dict) -> dict:
+        """What the admission check reads of the engine's stats (an engine that does not say how many sequences
+        it may run at once runs ``max_num_seqs``)."""
+        return {"num_running": int(stats.get("num_running", 0)), "num_waiting": int(stats.get("num_waiting", 0)),
+                "max_num_running": int(stats.get("max_num_running", self.config.max_num_seqs))}
 
     # Event loop side ----------------------------------------------------------------------------------------
     def _deliver(self, acks: list, items: list, sched: dict) -> None:
