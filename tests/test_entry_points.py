@@ -67,6 +67,9 @@ def test_the_jaxserve_command_lists_every_subcommand_with_a_line_each():
             assert line is not None and len(line.split()) > 2, (name, out.stdout)  # the name, then a description
     unknown = _run("-m", "jaxserve.cli", "nonsense")
     assert unknown.returncode == 2 and "nonsense" in unknown.stderr
+    # Each command's module is imported only when it runs: listing them loads no jax.
+    quiet = _run("-c", "import sys; from jaxserve.cli import main; main(['--help']); assert 'jax' not in sys.modules")
+    assert quiet.returncode == 0, quiet.stderr
 
 
 def test_the_console_script_is_the_cli():
