@@ -1,34 +1,90 @@
-"""The ``jaxserve`` command, shaped like vLLM's: ``jaxserve serve MODEL [options]`` (the same options as
-``python -m jaxserve.serve``, the model given by position) and ``jaxserve generate [options]``."""
+"""The ``jaxserve`` command, shaped like vLLM's ``vllm``: ``jaxserve COMMAND [options]``.
+
+``jaxserve serve MODEL [options]`` takes the same options as ``python -m jaxserve.serve`` (the model given by
+position); ``generate``, ``aot``, ``plan`` and ``capacity`` run ``python -m jaxserve.<command>`` with the same
+options. ``jaxserve COMMAND --help`` lists a command's options.
+
+Each command's module is imported only when that command runs, so ``jaxserve --help`` loads no jax.
+"""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import dataclasses
+import importlib
 import sys
+from collections.abc import Callable, Iterator
 
-USAGE = """usage: jaxserve serve [MODEL] [options]     serve MODEL over HTTP (OpenAI-compatible) and gRPC
-       jaxserve generate [options]          generate offline (python -m jaxserve.generate)
 
-'jaxserve serve --help' lists every option."""
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """A subcommand: its one-line description and the module and function that run it. ``takes_argv``: the
+    function takes ``(argv, prog=...)``; the offline tools' entry points read ``sys.argv`` instead."""
+
+    summary: str
+    module: str
+    function: str
+    takes_argv: bool = False
+
+
+COMMANDS = {
+    "serve": Command("serve a model over an OpenAI-compatible HTTP API and gRPC", "jaxserve.serve", "main",
+                     takes_argv=True),
+    "generate": Command("generate text offline for prompts given on the command line", "jaxserve.generate", "main",
+                        takes_argv=True),
+    "aot": Command("compile the serving steps ahead of time for TPU topologies", "jaxserve.tools.aot", "cli"),
+    "plan": Command("simulate deployments and find the rates that meet the SLOs", "jaxserve.tools.plan", "main"),
+    "capacity": Command("the KV pages, sequences and context that fit on a device", "jaxserve.tools.capacity",
+                        "main"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser, for its help only: each command parses its own options."""
+    p = argparse.ArgumentParser(prog="jaxserve", description="jaxserve: an LLM inference engine in JAX.",
+                                epilog="'jaxserve COMMAND --help' lists a command's options.")
+    sub = p.add_subparsers(title="commands", metavar="COMMAND")
+    for name, command in COMMANDS.items():
+        sub.add_parser(name, help=command.summary, add_help=False)
+    return p
+
+
+@contextlib.contextmanager
+def _as_program(prog: str, argv: list[str]) -> Iterator[None]:
+    """Runs a tool's entry point as its own program: the tools read their options from ``sys.argv`` (``aot``'s
+    ``cli`` takes none) and argparse names the program after ``sys.argv[0]``."""
+    saved = sys.argv
+    sys.argv = [prog, *argv]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def run_command(name: str, argv: list[str]) -> int:
+    """Runs subcommand ``name`` with its options ``argv``; returns the exit code."""
+    if name == "serve" and argv and not argv[0].startswith("-"):  # jaxserve serve MODEL, as vllm serve MODEL
+        argv = ["--model", argv[0], *argv[1:]]
+    command, prog = COMMANDS[name], f"jaxserve {name}"
+    entry: Callable[..., int | None] = getattr(importlib.import_module(command.module), command.function)
+    if command.takes_argv:
+        return entry(argv, prog=prog) or 0
+    with _as_program(prog, argv):
+        return entry() or 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        build_parser().print_help()
         return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command == "serve":
-        if rest and not rest[0].startswith("-"):
-            rest = ["--model", rest[0], *rest[1:]]
-        from jaxserve.serve import main as serve_main
-
-        return serve_main(rest, prog="jaxserve serve")
-    if command == "generate":
-        from jaxserve.generate import main as generate_main
-
-        return generate_main(rest) or 0
-    print(f"jaxserve: unknown command {command!r}\n{USAGE}", file=sys.stderr)
-    return 2
+    if argv[0] not in COMMANDS:
+        parser = build_parser()
+        parser.print_usage(sys.stderr)
+        print(f"jaxserve: unknown command {argv[0]!r} (choose from {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
+    return run_command(argv[0], argv[1:])
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ from jaxserve.server import logs
 from jaxserve.server.args import add_engine_args_with_demo_shapes, fill_demo_shapes
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.generate") -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)

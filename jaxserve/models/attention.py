@@ -10,6 +10,12 @@ metadata, so a kernel sees exactly the single-device contract. Sequence-parallel
 separately (``write`` all of a chunk's rows, then ``attend`` for a window of them), with window metadata
 (``window_metadata``) in which some sequences have zero query rows (and ``kv_len`` 0); ``attend`` must accept
 that.
+
+Shapes are noted ``dtype[dims]``, as in ``pallas_kernels``: ``i32`` is a fixed dtype, ``dt`` the model's dtype
+(bf16, f16 or f32), ``kv`` the KV pool's (``AttentionBackend.cache_dtype``; an 8-bit pool is a ``QuantizedPages``
+of 8-bit values and f32 scales). Dims: T query rows (of one replica), R data replicas, S sequence slots, P pages
+per slot, H query heads, K KV heads (``cache_heads``: those a device holds), D head_dim; a prime marks one
+shard's part (T' its query rows, H' and K' its heads).
 """
 
 from __future__ import annotations
@@ -79,28 +85,30 @@ class AttentionBackend:
 
     def __call__(
         self,
-        q: jax.Array,  # [T, num_q_heads, head_dim]
-        k: jax.Array,  # [T, num_kv_heads, head_dim]
-        v: jax.Array,  # [T, num_kv_heads, head_dim]
-        k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
-        v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
-        md: AttentionMetadata,
+        q: jax.Array,  # dt[T, H, D]
+        k: jax.Array,  # dt[T, K, D]
+        v: jax.Array,  # dt[T, K, D]
+        k_pages: jax.Array,  # kv[K, num_pages, page_size, D]
+        v_pages: jax.Array,  # kv[K, num_pages, page_size, D]
+        md: AttentionMetadata,  # cu_q_lens i32[S + 1], kv_lens i32[S], page_indices i32[S, P], num_seqs i32[1]
         *,
         sm_scale: float,
         sliding_window: int | None,
         soft_cap: float | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Write this step's K/V, then attend. Returns (out [T, num_q_heads, head_dim], k_pages, v_pages)."""
-        k_pages, v_pages = self.write(k, v, k_pages, v_pages, md)
+        """Write this step's K/V, then attend. Returns (out dt[T, H, D], k_pages, v_pages)."""
+        k_pages, v_pages = self.write(k, v, k_pages, v_pages, md)  # kv[K, num_pages, page_size, D] each
         out = self.attend(q, k, v, k_pages, v_pages, md, sm_scale=sm_scale, sliding_window=sliding_window,
-                          soft_cap=soft_cap)
+                          soft_cap=soft_cap)  # dt[T, H, D]
         return out, k_pages, v_pages
 
     # The two halves, for callers whose query rows are a subset of the rows written (sequence parallelism:
     # every sequence shard writes all of a chunk's K/V, then attends for its own rows only).
     def write(self, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
               md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
-        """Write each real row's K/V into its page slot. Returns (k_pages, v_pages)."""
+        """Write each real row's K/V (dt[T, K, D] each) into its page slot. Returns (k_pages, v_pages),
+        kv[K, num_pages, page_size, D] each."""
+        # Each branch returns the two pools, kv[K, num_pages, page_size, D] each.
         if isinstance(k_pages, QuantizedPages):  # an 8-bit pool: quantized as written (pallas_kernels.quantized_pages)
             self.check_quantized()
             return write_quantized(rpa.write_kv, k_pages, v_pages, k, v, md)
@@ -113,7 +121,7 @@ class AttentionBackend:
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                md: AttentionMetadata, *, sm_scale: float, sliding_window: int | None,
                soft_cap: float | None = None) -> jax.Array:
-        """Attention of ``q``'s rows over pages that already hold their K/V. Returns [T, num_q_heads, head_dim].
+        """Attention of ``q``'s rows (dt[T, H, D]) over pages that already hold their K/V. Returns dt[T, H, D].
 
         ``k`` and ``v`` are the same rows' own K/V (already written): the kernels read everything from the
         pages; the pure-JAX prompt path takes each chunk's own rows from here and only earlier context from
@@ -124,7 +132,8 @@ class AttentionBackend:
             # The pages dequantize what they are asked for as they are gathered; a chunk's own rows are taken as
             # they read back from the pool, so the result does not depend on how a prompt was chunked.
             self.check_quantized()
-            k, v = fake_quantize(k, k_pages.storage_dtype), fake_quantize(v, v_pages.storage_dtype)
+            k, v = fake_quantize(k, k_pages.storage_dtype), fake_quantize(v, v_pages.storage_dtype)  # dt[T, K, D]
+        # Each returns dt[T, H, D].
         if self.name == "pallas_tpu":
             return rpa.ragged_paged_attention_tpu(q, k_pages, v_pages, md, interpret=self.interpret, **kw)
         if self.name == "pallas_gpu":
@@ -134,7 +143,7 @@ class AttentionBackend:
         return rpa.ragged_paged_attention_chunks(q, k, v, k_pages, v_pages, md, **kw)
 
 
-CACHE_AXES = ("cache_kv_heads", "cache_pages", "page_size", "head_dim")
+CACHE_AXES = ("cache_kv_heads", "cache_pages", "page_size", "head_dim")  # the logical axes of kv[K, num_pages, ...]
 
 
 def window_metadata(md: AttentionMetadata, offset: jax.Array, rows: int) -> AttentionMetadata:
@@ -144,11 +153,11 @@ def window_metadata(md: AttentionMetadata, offset: jax.Array, rows: int) -> Atte
     rows it has after the window, so every row keeps its absolute position. Sequences with no rows in the
     window get ``kv_len`` 0.
     """
-    cu = jnp.clip(md.cu_q_lens - offset, 0, rows)
-    after = jnp.maximum(md.cu_q_lens[1:] - (offset + rows), 0)
-    q_lens = cu[1:] - cu[:-1]
-    kv_lens = jnp.where(q_lens > 0, md.kv_lens - after, 0)
-    return AttentionMetadata(cu, kv_lens, md.page_indices, md.num_seqs)
+    cu = jnp.clip(md.cu_q_lens - offset, 0, rows)  # i32[S + 1]: the window's cumulative rows
+    after = jnp.maximum(md.cu_q_lens[1:] - (offset + rows), 0)  # i32[S]: each sequence's rows past the window
+    q_lens = cu[1:] - cu[:-1]  # i32[S]
+    kv_lens = jnp.where(q_lens > 0, md.kv_lens - after, 0)  # i32[S]
+    return AttentionMetadata(cu, kv_lens, md.page_indices, md.num_seqs)  # page_indices i32[S, P], num_seqs i32[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,12 +194,12 @@ class ShardedAttention:
 
     def __call__(
         self,
-        q: jax.Array,  # [R * T, num_q_heads, head_dim]
-        k: jax.Array,  # [R * T, num_kv_heads, head_dim]
-        v: jax.Array,  # [R * T, num_kv_heads, head_dim]
-        k_pages: jax.Array,  # [cache_heads, R * pages_per_replica, page_size, head_dim]
-        v_pages: jax.Array,
-        md: AttentionMetadata,  # every field with a leading replica axis R
+        q: jax.Array,  # dt[R * T, H, D]
+        k: jax.Array,  # dt[R * T, K, D]
+        v: jax.Array,  # dt[R * T, K, D]
+        k_pages: jax.Array,  # kv[cache_heads, R * pages_per_replica, page_size, D]
+        v_pages: jax.Array,  # kv[cache_heads, R * pages_per_replica, page_size, D]
+        md: AttentionMetadata,  # every field with a leading replica axis R: cu_q_lens i32[R, S + 1], ...
         *,
         sm_scale: float,
         sliding_window: int | None,
@@ -205,24 +214,29 @@ class ShardedAttention:
         kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
         def local(q, k, v, k_pages, v_pages, md):
-            md = jax.tree.map(lambda a: a[0], md)  # this replica's block
+            """One shard's blocks: q dt[T', H', D] (its rows and heads); k, v dt[T, K', D] (the replica's whole
+            chunk; all K heads when they are replicated over tensor, sliced below); the pages kv[K',
+            pages_per_replica, page_size, D]."""
+            md = jax.tree.map(lambda a: a[0], md)  # this replica's block: cu_q_lens i32[S + 1], ...
             if k.shape[1] != k_pages.shape[0]:
                 # KV heads replicated over tensor: keep the one this shard's q heads read.
                 head = jax.lax.axis_index("tensor") // (tensor // nkv) * k_pages.shape[0]
-                k = jax.lax.dynamic_slice_in_dim(k, head, k_pages.shape[0], axis=1)
-                v = jax.lax.dynamic_slice_in_dim(v, head, k_pages.shape[0], axis=1)
+                k = jax.lax.dynamic_slice_in_dim(k, head, k_pages.shape[0], axis=1)  # dt[T, K', D]
+                v = jax.lax.dynamic_slice_in_dim(v, head, k_pages.shape[0], axis=1)  # dt[T, K', D]
             if not split:
-                return backend(q, k, v, k_pages, v_pages, md, **kw)
+                return backend(q, k, v, k_pages, v_pages, md, **kw)  # (dt[T', H', D], the pages)
             k_pages, v_pages = backend.write(k, v, k_pages, v_pages, md)
             rows = q.shape[0]
             offset = jax.lax.axis_index("sequence") * rows
+            # dt[T, K', D] -> dt[T', K', D]
             mine = lambda a: jax.lax.dynamic_slice_in_dim(a, offset, rows)  # noqa: E731  this shard's rows
+            # dt[T', H', D]
             out = backend.attend(q, mine(k), mine(v), k_pages, v_pages, window_metadata(md, offset, rows), **kw)
             return out, k_pages, v_pages
 
         if lay.mesh.size == 1:
             return local(q, k, v, k_pages, v_pages, md)
-        return jax.shard_map(
+        return jax.shard_map(  # (dt[R * T, H, D], the pages)
             local, mesh=lay.mesh, in_specs=(q_spec, kv_spec, kv_spec, page_spec, page_spec, md_spec),
             out_specs=(q_spec, page_spec, page_spec), check_vma=False,
         )(q, k, v, k_pages, v_pages, md)

@@ -65,14 +65,14 @@ def read_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(header_len))
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)  # u8[bytes after the header]
     for name, info in header.items():
         if name == "__metadata__":
             continue
         if info["dtype"] not in _DTYPES:
             raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
         start, end = info["data_offsets"]
-        yield name, data[start:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+        yield name, data[start:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])  # the header's dtype[shape]
 
 
 def read_checkpoint(folder: Path) -> Iterator[tuple[str, np.ndarray]]:

@@ -5,6 +5,12 @@ Flax NNX modules hold the parameters with their logical sharding axes; each ``__
 the pure functions of ``layers``. Family differences are switches on ``ModelConfig`` (biases, q/k norm, norm
 offset and placement, activation, embedding scale, soft caps, per-layer windows and rope), set by each family's
 file, never copies of the code.
+
+Shapes are noted ``dtype[dims]``, as in ``pallas_kernels``: ``i32``, ``f32`` are fixed dtypes, ``dt`` is the
+model's dtype (bf16, f16 or f32), ``w8`` an 8-bit weight's (``jaxserve.models.quantization``), ``kv`` the KV
+pool's (``AttentionBackend.cache_dtype``; an 8-bit pool is a ``QuantizedPages``). Dims: R data replicas, T token
+rows per replica (a step runs R * T), N rows whose logits are taken, S sequence slots, P pages per slot, C hidden
+size, H query heads, K KV heads, D head_dim, I the MLP's width, V vocabulary, B the edge of a block scale's blocks.
 """
 
 from __future__ import annotations
@@ -20,50 +26,52 @@ from jaxserve.models.attention import AttentionBackend, AttentionMetadata
 from jaxserve.models.config import ModelConfig
 from sharding.layout import StepLayout
 
-KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages) [KVH, num_pages, page_size, D]
+KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages), kv[K, num_pages, page_size, D] each
 
 
 def _constrain(x: jax.Array, layout: StepLayout | None, *axes: str | None) -> jax.Array:
     """Pin an activation's sharding by logical axes (no-op without a mesh layout)."""
-    return x if layout is None else layout.constrain(x, axes)
+    return x if layout is None else layout.constrain(x, axes)  # x's dtype and shape
 
 
 def _param(shape, dtype, axes) -> nnx.Param:
     # Real values come from a checkpoint (or the demo initialiser); modules are built under nnx.eval_shape.
-    return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)
+    return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)  # dtype[*shape]
 
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, cfg: ModelConfig, dtype, axes=("norm",)):
-        self.weight = _param((dim,), dtype, axes)
+        self.weight = _param((dim,), dtype, axes)  # dt[dim]: C, or D for the q/k norms
         self.eps, self.offset = cfg.rms_norm_eps, cfg.norm_offset
 
-    def __call__(self, x):
+    def __call__(self, x):  # dt[..., dim] -> dt[..., dim]
         return layers.rms_norm(x, self.weight[...], self.eps, self.offset)
 
 
 class Embed(nnx.Module):
     def __init__(self, vocab: int, dim: int, dtype, scale: bool = False):
-        self.embedding = _param((vocab, dim), dtype, ("vocab", "embed"))
-        self.embedding_scale = nnx.data(None)  # f32[vocab] when the embedding is quantized (jaxserve.models.quantization)
+        self.embedding = _param((vocab, dim), dtype, ("vocab", "embed"))  # dt[V, C] (w8[V, C] when quantized)
+        self.embedding_scale = nnx.data(None)  # f32[V] when the embedding is quantized (jaxserve.models.quantization)
         self.scale, self.dtype = scale, dtype
 
-    def __call__(self, token_ids):
-        x = self.embedding[...][token_ids]
+    def __call__(self, token_ids):  # i32[R * T] -> dt[R * T, C]
+        x = self.embedding[...][token_ids]  # dt[R * T, C] (w8 when quantized)
         if self.embedding_scale is not None:
+            # f32[R * T, C] * f32[R * T, 1] -> dt[R * T, C]
             x = (x.astype(jnp.float32) * self.embedding_scale[...][token_ids][:, None]).astype(self.dtype)
         if self.scale:  # sqrt(hidden) rounded to the model's dtype first, as the checkpoints were trained
-            x = x * jnp.asarray(x.shape[-1] ** 0.5, x.dtype)
+            x = x * jnp.asarray(x.shape[-1] ** 0.5, x.dtype)  # dt[R * T, C]
         return x
 
 
 class Linear(nnx.Module):
     def __init__(self, din: int, dout: int, *, bias: bool, dtype, axes: tuple[str, str]):
-        self.weight = _param((din, dout), dtype, axes)
-        self.bias = _param((dout,), dtype, axes[1:]) if bias else None
-        self.weight_scale = nnx.data(None)  # set when the weight is quantized (jaxserve.models.quantization)
+        self.weight = _param((din, dout), dtype, axes)  # dt[in, out] (w8[in, out] when quantized)
+        self.bias = _param((dout,), dtype, axes[1:]) if bias else None  # dt[out]
+        # Set when the weight is quantized (jaxserve.models.quantization): f32[out], or f32[in / B, out / B]
+        self.weight_scale = nnx.data(None)
 
-    def __call__(self, x):
+    def __call__(self, x):  # dt[..., in] -> dt[..., out]
         return layers.linear(x, self.weight[...], None if self.bias is None else self.bias[...],
                              None if self.weight_scale is None else self.weight_scale[...])
 
@@ -71,43 +79,49 @@ class Linear(nnx.Module):
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype):
         h, d = cfg.hidden_size, cfg.head_dim
+        # weight dt[C, H * D] (w8 when quantized; so for every Linear)
         self.q_proj = Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias, dtype=dtype, axes=("embed", "q_heads"))
+        # weight dt[C, K * D] each
         self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, axes=("embed", "kv_heads"))
         self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, axes=("embed", "kv_heads"))
+        # weight dt[H * D, C]
         self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_bias, dtype=dtype, axes=("q_heads", "embed"))
-        self.q_norm = RMSNorm(d, cfg, dtype, ("head_dim",)) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg, dtype, ("head_dim",)) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(d, cfg, dtype, ("head_dim",)) if cfg.qk_norm else None  # dt[D]
+        self.k_norm = RMSNorm(d, cfg, dtype, ("head_dim",)) if cfg.qk_norm else None  # dt[D]
         self.cfg, self.sliding_window = cfg, cfg.sliding_windows[layer]
 
     def __call__(self, x, rope_table, k_pages, v_pages, md: AttentionMetadata, backend: AttentionBackend,
                  layout: StepLayout | None = None):
+        """x: dt[R * T, C]; rope_table: (cos, sin) f32[R * T, D] each; k_pages, v_pages: kv[K, num_pages,
+        page_size, D]. Returns (dt[R * T, C], k_pages, v_pages) with this step's K/V written."""
         cfg, t = self.cfg, x.shape[0]
-        q = _constrain(self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim), layout, "tokens", "act_heads", None)
+        q = _constrain(self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim), layout, "tokens", "act_heads",
+                       None)  # dt[R * T, H, D]
         k = _constrain(self.k_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim), layout, "tokens", "act_kv_heads",
-                       None)
+                       None)  # dt[R * T, K, D]
         v = _constrain(self.v_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim), layout, "tokens", "act_kv_heads",
-                       None)
+                       None)  # dt[R * T, K, D]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = layers.rope(q, *rope_table), layers.rope(k, *rope_table)
-        out, k_pages, v_pages = backend(
+            q, k = self.q_norm(q), self.k_norm(k)  # dt[R * T, H, D], dt[R * T, K, D]
+        q, k = layers.rope(q, *rope_table), layers.rope(k, *rope_table)  # dt[R * T, H, D], dt[R * T, K, D]
+        out, k_pages, v_pages = backend(  # out: dt[R * T, H, D]; the pages: kv[K, num_pages, page_size, D]
             q, k, v, k_pages, v_pages, md, sm_scale=cfg.sm_scale, sliding_window=self.sliding_window,
             soft_cap=cfg.attn_soft_cap,
         )
-        return self.o_proj(out.reshape(t, cfg.num_heads * cfg.head_dim)), k_pages, v_pages
+        return self.o_proj(out.reshape(t, cfg.num_heads * cfg.head_dim)), k_pages, v_pages  # dt[R * T, C], ...
 
 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, intermediate_size: int | None = None):
         h, m, b = cfg.hidden_size, intermediate_size or cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = Linear(h, m, bias=b, dtype=dtype, axes=("embed", "mlp"))
-        self.up_proj = Linear(h, m, bias=b, dtype=dtype, axes=("embed", "mlp"))
-        self.down_proj = Linear(m, h, bias=b, dtype=dtype, axes=("mlp", "embed"))
+        self.gate_proj = Linear(h, m, bias=b, dtype=dtype, axes=("embed", "mlp"))  # weight dt[C, I]
+        self.up_proj = Linear(h, m, bias=b, dtype=dtype, axes=("embed", "mlp"))  # weight dt[C, I]
+        self.down_proj = Linear(m, h, bias=b, dtype=dtype, axes=("mlp", "embed"))  # weight dt[I, C]
         self.act = cfg.hidden_act
 
-    def __call__(self, x, layout: StepLayout | None = None):
-        hidden = layers.ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x)
-        return self.down_proj(_constrain(hidden, layout, "tokens", "act_mlp"))
+    def __call__(self, x, layout: StepLayout | None = None):  # dt[R * T, C] -> dt[R * T, C]
+        hidden = layers.ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x)  # dt[R * T, I]
+        return self.down_proj(_constrain(hidden, layout, "tokens", "act_mlp"))  # dt[R * T, C]
 
 
 def make_mlp(cfg: ModelConfig, layer: int, dtype) -> nnx.Module:
@@ -133,16 +147,17 @@ class DecoderLayer(nnx.Module):
         self.mlp = make_mlp(cfg, layer, dtype)
 
     def __call__(self, x, rope_table, k_pages, v_pages, md, backend, layout: StepLayout | None = None):
-        attn, k_pages, v_pages = self.self_attn(
+        """x: dt[R * T, C] -> (dt[R * T, C], k_pages, v_pages) (as ``Attention``)."""
+        attn, k_pages, v_pages = self.self_attn(  # attn: dt[R * T, C]
             self.input_layernorm(x), rope_table, k_pages, v_pages, md, backend, layout
         )
         if self.pre_feedforward_layernorm is None:
-            x = _constrain(x + attn, layout, "tokens", "act_embed")
-            x = x + self.mlp(self.post_attention_layernorm(x), layout)
+            x = _constrain(x + attn, layout, "tokens", "act_embed")  # dt[R * T, C]
+            x = x + self.mlp(self.post_attention_layernorm(x), layout)  # dt[R * T, C]
         else:
-            x = _constrain(x + self.post_attention_layernorm(attn), layout, "tokens", "act_embed")
-            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), layout))
-        return _constrain(x, layout, "tokens", "act_embed"), k_pages, v_pages
+            x = _constrain(x + self.post_attention_layernorm(attn), layout, "tokens", "act_embed")  # dt[R * T, C]
+            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), layout))  # dt[R * T, C]
+        return _constrain(x, layout, "tokens", "act_embed"), k_pages, v_pages  # dt[R * T, C], ...
 
 
 class DecoderLM(nnx.Module):
@@ -150,10 +165,10 @@ class DecoderLM(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32):
         self.cfg = cfg
-        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype, scale=cfg.embed_scale)
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype, scale=cfg.embed_scale)  # dt[V, C]
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg, dtype)
-        self.lm_head = (
+        self.norm = RMSNorm(cfg.hidden_size, cfg, dtype)  # dt[C]
+        self.lm_head = (  # weight dt[C, V]
             None if cfg.tie_word_embeddings
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, axes=("embed", "vocab"))
         )
@@ -163,8 +178,8 @@ def forward(
     model: DecoderLM,
     token_ids: jax.Array,  # i32[R * T]
     positions: jax.Array,  # i32[R * T]  each row's absolute position (0 for padding rows)
-    md: AttentionMetadata,  # every field with a leading replica axis R
-    kv_cache: KVCache,
+    md: AttentionMetadata,  # every field with a leading replica axis R: page_indices i32[R, S, P], ...
+    kv_cache: KVCache,  # per layer: (k_pages, v_pages), kv[K, num_pages, page_size, D] each
     logits_indices: jax.Array,  # i32[N]
     attention,
     layout: StepLayout | None = None,
@@ -179,33 +194,35 @@ def forward(
     their own: each page-table row is the global table followed by the windowed one, of equal widths.
 
     Returns:
-      (logits f32[N, vocab] at the ``logits_indices`` rows, gathered over the mesh; the updated cache).
+      (logits f32[N, V] at the ``logits_indices`` rows, gathered over the mesh; the updated cache).
     """
     cfg = model.cfg
     # One cos/sin table per distinct rope (Gemma 3: global and local), shared by the layers that use it.
-    tables = {}
+    tables = {}  # rope -> (cos, sin), f32[R * T, D] each
     for i in range(cfg.num_layers):
         rope = cfg.layer_rope(i)
         if rope not in tables:
             tables[rope] = layers.rope_tables(positions, rope, cfg.head_dim)
     md_global = md_local = md
     if local_pool:
-        width = md.page_indices.shape[-1] // 2
-        md_global = dataclasses.replace(md, page_indices=md.page_indices[..., :width])
-        md_local = dataclasses.replace(md, page_indices=md.page_indices[..., width:])
+        width = md.page_indices.shape[-1] // 2  # P / 2: each pool's pages per slot
+        md_global = dataclasses.replace(md, page_indices=md.page_indices[..., :width])  # i32[R, S, P / 2]
+        md_local = dataclasses.replace(md, page_indices=md.page_indices[..., width:])  # i32[R, S, P / 2]
+    # dt[R * T, C]
     x = _constrain(model.embed_tokens(_constrain(token_ids, layout, "tokens")), layout, "tokens", "act_embed")
     new_cache = []
     for i, (layer, (k_pages, v_pages)) in enumerate(zip(model.layers, kv_cache, strict=True)):
         layer_md = md_local if cfg.sliding_windows[i] is not None else md_global
+        # x: dt[R * T, C]; the pages: kv[K, num_pages, page_size, D]
         x, k_pages, v_pages = layer(x, tables[cfg.layer_rope(i)], k_pages, v_pages, layer_md, attention, layout)
         new_cache.append((k_pages, v_pages))
-    x = model.norm(x[logits_indices])
+    x = model.norm(x[logits_indices])  # dt[N, C]
     head_module = model.embed_tokens if model.lm_head is None else model.lm_head
     head, head_scale = (getattr(head_module, n) for n in (("embedding", "embedding_scale") if model.lm_head is None
                                                           else ("weight", "weight_scale")))
-    head = head[...].T if model.lm_head is None else head[...]
-    head_scale = None if head_scale is None else head_scale[...]
-    # Each tensor shard computes its vocab slice; then the [N, vocab] logits (not the head) are gathered.
+    head = head[...].T if model.lm_head is None else head[...]  # dt[C, V] (w8[C, V] when quantized)
+    head_scale = None if head_scale is None else head_scale[...]  # f32[V] (or f32[C / B, V / B]) when quantized
+    # Each tensor shard computes its vocab slice; then the f32[N, V] logits (not the head) are gathered.
     logits = layers.soft_cap(_constrain(layers.matmul_f32(x, head, head_scale), layout, "slots", "act_vocab"),
-                             cfg.final_soft_cap)
-    return _constrain(logits, layout, "slots", "logits_vocab"), new_cache
+                             cfg.final_soft_cap)  # f32[N, V]
+    return _constrain(logits, layout, "slots", "logits_vocab"), new_cache  # f32[N, V], per layer the pages

@@ -72,7 +72,7 @@ def write_random_checkpoint(folder: Path, hf_config: dict, *, seed: int = 0, std
     shards, current, size = [], {}, 0
     for name, shape in hf_tensor_shapes(hf_config).items():
         t = np.ones(shape, np.float32) if name.endswith("norm.weight") else rng.standard_normal(shape, np.float32) * std
-        current[name] = t.astype(np_dtype)
+        current[name] = t.astype(np_dtype)  # f32[shape] -> f32 or bf16[shape], as ``dtype`` says
         size += current[name].nbytes
         if size >= shard_bytes:
             shards.append(current)

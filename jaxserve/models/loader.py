@@ -2,6 +2,10 @@
 
 Two sources: a Hugging Face folder (safetensors) and an orbax checkpoint written by
 ``scripts/convert_checkpoint.py`` (restored straight into the target shardings).
+
+Shapes are noted ``dtype[dims]``, as in ``pallas_kernels``: ``f32`` is a fixed dtype, ``ck`` a tensor's dtype in
+the checkpoint, ``dt`` the model's, ``w8`` an 8-bit weight's (``jaxserve.models.quantization``). Dims: E experts,
+C hidden size, I an expert's width, ``in`` / ``out`` a weight's input and output widths, B a block scale's edge.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ DTYPES = {name: jnp.dtype(name) for name in engine_config.DTYPES if name != "aut
 ORBAX_DIR = "params"
 # Buffers some checkpoints carry that are derived, not learned.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
-# Mixture-of-Experts checkpoints store one tensor per expert; ours are stacked [E, in, out] (models/moe.py).
+# Mixture-of-Experts checkpoints store one tensor per expert; ours are stacked dt[E, in, out] (models/moe.py).
 # Mixtral names its block `block_sparse_moe` and its experts' projections w1 (gate), w3 (up), w2 (down).
 _MIXTRAL = {".block_sparse_moe.": ".mlp.", ".w1.weight": ".gate_proj.weight", ".w3.weight": ".up_proj.weight",
             ".w2.weight": ".down_proj.weight"}
@@ -37,7 +41,7 @@ _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up
 # Tensors of pre-quantized checkpoints that weight-only serving does not use: static activation scales, the
 # KV cache's calibrated scales (our KV cache computes its own, jaxserve/kv_quant.py).
 _UNUSED_QUANT = re.compile(r"\.(input_scale|k_scale|v_scale|kv_scale|q_scale)$")
-# The stacked layout transformers >= 5 keeps in memory: gate_up_proj [E, 2I, H], down_proj [E, H, I].
+# The stacked layout transformers >= 5 keeps in memory: gate_up_proj ck[E, 2I, C], down_proj ck[E, C, I].
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
@@ -158,15 +162,16 @@ def _expert_tensors(name: str, array, cfg: ModelConfig) -> list[tuple[str, int |
         return []
     stacked, index = _expert_weight(name, cfg)
     if index is not None:
-        return [(stacked, index, np.asarray(array).T)]
+        return [(stacked, index, np.asarray(array).T)]  # one expert's ck[out, in] -> ck[in, out]
     if cfg.family == "mixtral" and ".block_sparse_moe." in name:
         for old, new in _MIXTRAL.items():
             name = name.replace(old, new)
     if m := _FUSED.match(name):
-        array = np.swapaxes(np.asarray(array), 1, 2)
+        array = np.swapaxes(np.asarray(array), 1, 2)  # gate_up ck[E, C, 2I], or down ck[E, I, C]
         if m[2] == "down_proj":
-            return [(f"{m[1]}.down_proj", None, array)]
+            return [(f"{m[1]}.down_proj", None, array)]  # ck[E, I, C]
         half = array.shape[2] // 2
+        # gate ck[E, C, I], up ck[E, C, I]
         return [(f"{m[1]}.gate_proj", None, array[..., :half]), (f"{m[1]}.up_proj", None, array[..., half:])]
     return []
 
@@ -188,15 +193,15 @@ def _load_safetensors(folder: Path, cfg: ModelConfig, abstract: nnx.State, shard
         if ckq is not None and quant.is_router(path) and host.dtype.itemsize == 1:  # published 8-bit router
             pending.setdefault(path, {})["q"] = host
             flush(path)
-        elif spath is None:
+        elif spath is None:  # ck[...] -> dt[...], placed on its sharding
             placed[path] = place(np.ascontiguousarray(host.astype(target.dtype, copy=False)), shardings[path])
         elif ckq is None:  # quantized here, on the host: only 8-bit values and scales reach the devices
             kind = "int8" if target.dtype == np.int8 else "fp8"
             if path[-1] == "embedding":  # [vocab, embed]: a scale per vocabulary row
-                q, scale = quant.quantize(host.T, kind)
-                q = q.T
+                q, scale = quant.quantize(host.T, kind)  # w8[embed, vocab], f32[vocab]
+                q = q.T  # w8[vocab, embed]
             else:
-                q, scale = quant.quantize(host, kind)
+                q, scale = quant.quantize(host, kind)  # w8[..., in, out], f32[..., out]
             placed[path] = place(np.ascontiguousarray(q), shardings[path])
             placed[spath] = place(scale, shardings[spath])
         else:
@@ -208,7 +213,7 @@ def _load_safetensors(folder: Path, cfg: ModelConfig, abstract: nnx.State, shard
         if "q" not in entry or "s" not in entry:
             return
         if quant.is_router(path):  # dequantized once: the router scores experts in the model dtype (moe.route)
-            w = quant.dequantize_host(entry["q"], entry["s"]).astype(target.dtype)
+            w = quant.dequantize_host(entry["q"], entry["s"]).astype(target.dtype)  # dt[C, E]
             placed[path] = place(np.ascontiguousarray(w), shardings[path])
             del pending[path]
             return
@@ -223,6 +228,7 @@ def _load_safetensors(folder: Path, cfg: ModelConfig, abstract: nnx.State, shard
     def stack(path, index, part, name, dtype=None):
         """Fill one expert (``index``; None: all) of a stacked tensor; True once every expert is in."""
         target = flat[path].get_value()
+        # host: the whole stack, dt[E, in, out] (w8 pre-quantized; f32 to be quantized here), or its scales f32[E, ...]
         host, filled = stacks.setdefault(path, (np.zeros(target.shape, dtype or target.dtype), set()))
         want = target.shape if index is None else target.shape[1:]
         if tuple(part.shape) != tuple(want) or (index is not None and index >= target.shape[0]):
@@ -244,7 +250,7 @@ def _load_safetensors(folder: Path, cfg: ModelConfig, abstract: nnx.State, shard
                 continue
             target = flat[path].get_value()
             out_in = (target.shape[-1], target.shape[-2])
-            scale = quant.prequantized_scale(array, out_in, ckq.block)
+            scale = quant.prequantized_scale(array, out_in, ckq.block)  # f32[out] or f32[in / B, out / B]
             if target.ndim == 3:  # one expert's scale
                 stack(scale_of[path], _expert_weight(wname, cfg)[1], scale, name, np.float32)
             else:
@@ -271,7 +277,7 @@ def _load_safetensors(folder: Path, cfg: ModelConfig, abstract: nnx.State, shard
         target = flat[path].get_value()
         # HF stores linear weights [out, in]; ours are [in, out].
         if array.ndim == 2 and path[-1] == "weight":
-            array = array.T
+            array = array.T  # ck[out, in] -> ck[in, out]
         if tuple(array.shape) != tuple(target.shape):
             raise ValueError(
                 f"tensor {name}: checkpoint shape {tuple(array.shape)} (after layout conversion) does not match "

@@ -19,6 +19,12 @@ of rows that belongs to its own experts, and computes only those. The combine is
 tensor-parallel MLP ends with (docs/architecture.md, "Expert parallelism", says why not all-to-all).
 
 ``dense_reference`` (every expert on every token, weighted by the router) is the test reference, never served.
+
+Shapes are noted ``dtype[dims]``, as in ``pallas_kernels``: ``i32``, ``f32`` are fixed dtypes, ``dt`` is the
+model's dtype (bf16, f16 or f32), ``w8`` an 8-bit weight's (``jaxserve.models.quantization``). Dims: T tokens
+(rows), C hidden size, E experts, G the experts a shard holds, I an expert's width, ``top_k`` experts per token,
+M rows of a grouped matmul, ``in`` / ``out`` a weight's input and output widths, B the edge of a block scale's
+blocks; a prime marks one shard's part (T' its rows, I' its slice of the width).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from jaxserve.models import layers
 from jaxserve.models.config import ModelConfig, MoeConfig
 from sharding.layout import StepLayout
 
-EXPERT_AXES = {  # logical axes of the stacked expert weights [E, in, out]
+EXPERT_AXES = {  # logical axes of the stacked expert weights dt[E, C, I] (gate, up) and dt[E, I, C] (down)
     "gate_proj": ("experts", "embed", "moe_mlp"),
     "up_proj": ("experts", "embed", "moe_mlp"),
     "down_proj": ("experts", "moe_mlp", "embed"),
@@ -43,18 +49,18 @@ def route(x: jax.Array, router: jax.Array, moe: MoeConfig) -> tuple[jax.Array, j
     """Each row's top-k experts and their weights.
 
     Args:
-      x: [T, H] the MLP input rows.
-      router: [H, E] the gate's weight.
+      x: dt[T, C] the MLP input rows.
+      router: dt[C, E] the gate's weight.
 
     Returns:
       (weights f32[T, top_k], expert ids i32[T, top_k]), highest probability first.
     """
-    logits = layers.matmul_f32(x, router).astype(x.dtype)  # transformers' router logits are in the model dtype
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, moe.top_k)
+    logits = layers.matmul_f32(x, router).astype(x.dtype)  # dt[T, E]: transformers' router logits are in dt
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # f32[T, E]
+    weights, experts = jax.lax.top_k(probs, moe.top_k)  # f32[T, top_k], i32[T, top_k]
     if moe.norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, experts.astype(jnp.int32)
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)  # f32[T, top_k], summing to 1 per row
+    return weights, experts.astype(jnp.int32)  # f32[T, top_k], i32[T, top_k]
 
 
 def group_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -65,11 +71,11 @@ def group_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, ja
 
     Returns:
       (order i32[T * top_k]: pair indices sorted by expert (stable, so ties keep token order; pair ``p`` is
-      token ``p // top_k``), group_sizes i32[num_experts]: rows per expert).
+      token ``p // top_k``), group_sizes i32[E]: rows per expert).
     """
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    flat = experts.reshape(-1)  # i32[T * top_k]: pair p's expert
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # i32[T * top_k]
+    sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)  # i32[E]
     return order, sizes
 
 
@@ -78,20 +84,21 @@ def grouped_swiglu(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Ar
     """``down(silu(gate(x)) * up(x))`` of consecutive row groups, group ``g`` through expert ``g``.
 
     Args:
-      rows: [M, H] sorted by expert; rows past ``sum(group_sizes)`` give zeros.
-      gate, up: [G, H, I];  down: [G, I, H]
+      rows: dt[M, C] sorted by expert; rows past ``sum(group_sizes)`` give zeros.
+      gate, up: dt[G, C, I];  down: dt[G, I, C]
       group_sizes: i32[G]
 
     Returns:
-      f32[M, H]
+      f32[M, C]
     """
     # 16-bit operands gain nothing from a higher precision, and Mosaic's TPU grouped matmul refuses one for them
     # (a process-wide jax_default_matmul_precision="highest" would otherwise reach it).
     precision = jax.lax.Precision.DEFAULT if rows.dtype.itemsize == 2 else None
+    # dt[M, in] @ dt[G, in, out] (row group g through matrix g) -> f32[M, out]
     mm = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes, precision=precision,  # noqa: E731
                                          preferred_element_type=jnp.float32)
-    hidden = (jax.nn.silu(mm(rows, gate)) * mm(rows, up)).astype(rows.dtype)
-    return mm(hidden, down)
+    hidden = (jax.nn.silu(mm(rows, gate)) * mm(rows, up)).astype(rows.dtype)  # dt[M, I]
+    return mm(hidden, down)  # f32[M, C]
 
 
 def experts_local(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array,
@@ -103,61 +110,65 @@ def experts_local(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: ja
     shard's part, and the parts sum to the whole.
 
     Args:
-      x: [T, H];  weights: f32[T, K];  experts: i32[T, K]
-      gate, up: [G, H, I];  down: [G, I, H]
+      x: dt[T, C];  weights: f32[T, top_k];  experts: i32[T, top_k]
+      gate, up: dt[G, C, I];  down: dt[G, I, C]
 
     Returns:
-      f32[T, H]
+      f32[T, C]
     """
     t, k = experts.shape
-    order, all_sizes = group_by_expert(experts, num_experts)
-    sizes = jax.lax.dynamic_slice_in_dim(all_sizes, first_expert, gate.shape[0])
-    start = jnp.sum(jnp.where(jnp.arange(num_experts) < first_expert, all_sizes, 0))
+    order, all_sizes = group_by_expert(experts, num_experts)  # i32[T * top_k], i32[E]
+    sizes = jax.lax.dynamic_slice_in_dim(all_sizes, first_expert, gate.shape[0])  # i32[G]
+    start = jnp.sum(jnp.where(jnp.arange(num_experts) < first_expert, all_sizes, 0))  # i32[]
     # This shard's experts own sorted rows start .. start + sum(sizes) - 1: rotate them to the front.
-    mine = jnp.roll(order, -start)
-    out = grouped_swiglu(x[mine // k], gate, up, down, sizes)  # [T * K, H], zero past the local rows
-    pair_out = jnp.zeros_like(out).at[mine].set(out)  # back to pair order (token-major)
-    return jnp.einsum("tkh,tk->th", pair_out.reshape(t, k, -1), weights)
+    mine = jnp.roll(order, -start)  # i32[T * top_k]
+    out = grouped_swiglu(x[mine // k], gate, up, down, sizes)  # f32[T * top_k, C], zero past the local rows
+    pair_out = jnp.zeros_like(out).at[mine].set(out)  # f32[T * top_k, C]: back to pair order (token-major)
+    return jnp.einsum("tkh,tk->th", pair_out.reshape(t, k, -1), weights)  # f32[T, C]
 
 
 def dense_reference(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
                     moe: MoeConfig) -> jax.Array:
     """Every expert on every row, weighted by the router (zero for experts not chosen): the test reference for
-    the routed MoE (shared expert excluded). Returns f32[T, H]."""
-    weights, experts = route(x, router, moe)
-    dense = jnp.zeros((x.shape[0], moe.num_experts), jnp.float32)
-    dense = dense.at[jnp.arange(x.shape[0])[:, None], experts].set(weights)
+    the routed MoE (shared expert excluded): x dt[T, C], router dt[C, E], gate and up dt[E, C, I], down
+    dt[E, I, C]. Returns f32[T, C]."""
+    weights, experts = route(x, router, moe)  # f32[T, top_k], i32[T, top_k]
+    dense = jnp.zeros((x.shape[0], moe.num_experts), jnp.float32)  # f32[T, E]
+    dense = dense.at[jnp.arange(x.shape[0])[:, None], experts].set(weights)  # f32[T, E], zero where not chosen
     hi = jax.lax.Precision.HIGHEST
+    # dt[E, T, I]
     h = jax.nn.silu(jnp.einsum("th,ehi->eti", x, gate, precision=hi)) * jnp.einsum("th,ehi->eti", x, up, precision=hi)
-    return jnp.einsum("eti,eih,te->th", h, down, dense, precision=hi)
+    return jnp.einsum("eti,eih,te->th", h, down, dense, precision=hi)  # f32[T, C]
 
 
 def _param(shape, dtype, axes) -> nnx.Param:
-    return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)
+    return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)  # dtype[*shape]
 
 
 class Weight(nnx.Module):
-    """One [in, out] matrix (the router, the shared expert's gate), named ``weight`` as in the checkpoint."""
+    """One dt[in, out] matrix (the router dt[C, E], the shared expert's gate dt[C, 1]), named ``weight`` as in
+    the checkpoint."""
 
     def __init__(self, din: int, dout: int, dtype):
-        self.weight = _param((din, dout), dtype, ("embed", None))
+        self.weight = _param((din, dout), dtype, ("embed", None))  # dt[in, out]
 
 
 class Experts(nnx.Module):
-    """The routed experts' SwiGLU weights, stacked: gate/up [E, H, I], down [E, I, H]."""
+    """The routed experts' SwiGLU weights, stacked: gate/up dt[E, C, I], down dt[E, I, C] (w8 when quantized)."""
 
     def __init__(self, moe: MoeConfig, hidden: int, dtype):
         e, i = moe.num_experts, moe.intermediate_size
         shapes = {"gate_proj": (e, hidden, i), "up_proj": (e, hidden, i), "down_proj": (e, i, hidden)}
         for name, shape in shapes.items():
-            setattr(self, name, _param(shape, dtype, EXPERT_AXES[name]))
-            setattr(self, name + "_scale", nnx.data(None))  # set when quantized (jaxserve.models.quantization)
+            setattr(self, name, _param(shape, dtype, EXPERT_AXES[name]))  # dt[E, C, I] or dt[E, I, C]
+            # Set when quantized (jaxserve.models.quantization): f32[E, out], or f32[E, in / B, out / B]
+            setattr(self, name + "_scale", nnx.data(None))
 
     def weight(self, name: str, dtype) -> jax.Array:
         """A stacked weight in ``dtype`` (dequantized from its 8-bit values when quantized)."""
         scale = getattr(self, name + "_scale")
-        w = getattr(self, name)[...]
-        return w if scale is None else layers.dequantize(w, scale[...], dtype)
+        w = getattr(self, name)[...]  # dt[E, in, out] (w8 when quantized)
+        return w if scale is None else layers.dequantize(w, scale[...], dtype)  # dtype[E, in, out]
 
 
 class SparseMoeBlock(nnx.Module):
@@ -173,37 +184,41 @@ class SparseMoeBlock(nnx.Module):
         self.shared_expert_gate = None if shared_expert is None else Weight(h, 1, dtype)
 
     def __call__(self, x: jax.Array, layout: StepLayout | None = None) -> jax.Array:
-        """x: [T, H] -> [T, H] in x's dtype."""
-        weights, experts = route(x, self.gate.weight[...], self.moe)
+        """x: dt[T, C] -> dt[T, C]."""
+        weights, experts = route(x, self.gate.weight[...], self.moe)  # f32[T, top_k], i32[T, top_k]
         ex = self.experts
         out = expert_parallel(x, weights, experts, ex.weight("gate_proj", x.dtype), ex.weight("up_proj", x.dtype),
-                              ex.weight("down_proj", x.dtype), self.moe.num_experts, layout)
+                              ex.weight("down_proj", x.dtype), self.moe.num_experts, layout)  # f32[T, C]
         if self.shared_expert is not None:
+            # dt[T, 1]
             gate = jax.nn.sigmoid(layers.matmul_f32(x, self.shared_expert_gate.weight[...]).astype(x.dtype))
-            out = out.astype(x.dtype) + gate * self.shared_expert(x, layout)
-        return out.astype(x.dtype)
+            out = out.astype(x.dtype) + gate * self.shared_expert(x, layout)  # dt[T, C]
+        return out.astype(x.dtype)  # dt[T, C]
 
 
 def expert_parallel(x, weights, experts, gate, up, down, num_experts: int, layout: StepLayout | None) -> jax.Array:
     """``experts_local`` over the mesh: one ``shard_map`` in which each device runs its own experts (and its
     slice of their hidden width) on every row of its data/sequence shard, then one ``psum`` over the axes the
-    weights are split on. Without a mesh (or on one device) it is ``experts_local`` over all experts."""
+    weights are split on. Without a mesh (or on one device) it is ``experts_local`` over all experts.
+
+    x dt[T, C], weights f32[T, top_k], experts i32[T, top_k], gate and up dt[E, C, I], down dt[E, I, C] (a device
+    holds G of the experts, and its slice I' of their width). Returns f32[T, C]."""
     if layout is None or layout.mesh.size == 1:
-        return experts_local(x, weights, experts, gate, up, down, 0, num_experts)
+        return experts_local(x, weights, experts, gate, up, down, 0, num_experts)  # f32[T, C]
     rows = layout.spec(("tokens",), x.shape[:1])[0]
     w_specs = [layout.spec(EXPERT_AXES[n], w.shape) for n, w in
                (("gate_proj", gate), ("up_proj", up), ("down_proj", down))]
     split = tuple(a for a in ("expert", "tensor") if any(a in _axes(s) for s in w_specs))
     expert_split = "expert" in _axes(w_specs[0])
 
-    def local(x, weights, experts, gate, up, down):
+    def local(x, weights, experts, gate, up, down):  # x dt[T', C], ..., gate dt[G, C, I'], ...
         first = jax.lax.axis_index("expert") * gate.shape[0] if expert_split else 0
-        out = experts_local(x, weights, experts, gate, up, down, first, num_experts)
-        return jax.lax.psum(out, split) if split else out
+        out = experts_local(x, weights, experts, gate, up, down, first, num_experts)  # f32[T', C]: this part
+        return jax.lax.psum(out, split) if split else out  # f32[T', C]: the parts summed
 
     row_spec = P(rows, None)
     return jax.shard_map(local, mesh=layout.mesh, in_specs=(row_spec, row_spec, row_spec, *w_specs),
-                         out_specs=row_spec, check_vma=False)(x, weights, experts, gate, up, down)
+                         out_specs=row_spec, check_vma=False)(x, weights, experts, gate, up, down)  # f32[T, C]
 
 
 def _axes(spec: P) -> set[str]:

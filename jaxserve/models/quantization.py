@@ -18,6 +18,9 @@ Two sources:
 Our layout: a quantized ``[in, out]`` weight (``[E, in, out]`` for experts) has a float32 sibling parameter
 named ``<name>_scale``: ``[out]`` (``[E, out]``) per channel, or ``[ceil(in / B), ceil(out / B)]`` for ``B``-blocks.
 A scale carries its weight's logical axes without the reduced ones, so it is sharded as its weight on every mesh.
+
+Shapes are noted ``dtype[dims]``, as in ``pallas_kernels``: ``f32``, ``i8``, ``f8`` (float8_e4m3fn) are fixed
+dtypes, ``w8`` is either 8-bit one, ``...`` any leading dims (an expert stack's E); B is the block edge.
 """
 
 from __future__ import annotations
@@ -52,31 +55,31 @@ class QuantizedWeight:
 def quantize(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric per-output-channel quantization of ``w`` [..., in, out] (reduced over ``in``).
 
-    Returns (q [..., in, out] int8 or float8_e4m3fn, scale f32[..., out]) with ``w ~= q * scale``.
+    Returns (q w8[..., in, out] (i8 or f8 by ``kind``), scale f32[..., out]) with ``w ~= q * scale``.
     """
-    w32 = np.asarray(w, np.float32)
-    amax = np.max(np.abs(w32), axis=-2)
-    scale = np.where(amax > 0, amax / QMAX[kind], 1.0).astype(np.float32)
-    x = w32 / scale[..., None, :]
+    w32 = np.asarray(w, np.float32)  # f32[..., in, out]
+    amax = np.max(np.abs(w32), axis=-2)  # f32[..., out]
+    scale = np.where(amax > 0, amax / QMAX[kind], 1.0).astype(np.float32)  # f32[..., out]
+    x = w32 / scale[..., None, :]  # f32[..., in, out], within [-qmax, qmax]
     if kind == "int8":
-        q = np.clip(np.rint(x), -127, 127).astype(np.int8)
+        q = np.clip(np.rint(x), -127, 127).astype(np.int8)  # i8[..., in, out]
     else:  # ml_dtypes rounds to nearest even; the clip keeps rounding from reaching NaN (e4m3fn has no inf)
-        q = np.clip(x, -QMAX[kind], QMAX[kind]).astype(WEIGHT_DTYPES[kind])
+        q = np.clip(x, -QMAX[kind], QMAX[kind]).astype(WEIGHT_DTYPES[kind])  # f8[..., in, out]
     return q, scale
 
 
 def dequantize_host(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """The float32 weight of ``q`` [..., in, out] and its scale (per channel or block), on the host (tests)."""
-    q = np.asarray(q, np.float32)
-    if scale.ndim == q.ndim - 1:
-        return q * scale[..., None, :]
-    return q * expand_blocks(scale, q.shape, np)
+    q = np.asarray(q, np.float32)  # f32[..., in, out]
+    if scale.ndim == q.ndim - 1:  # per channel: scale f32[..., out]
+        return q * scale[..., None, :]  # f32[..., in, out]
+    return q * expand_blocks(scale, q.shape, np)  # f32[in, out]
 
 
 def expand_blocks(scale, shape, xp=jnp):
     """A block scale [ceil(in / B), ceil(out / B)] repeated to ``shape`` [in, out]."""
-    bi, bo = -(-shape[0] // scale.shape[0]), -(-shape[1] // scale.shape[1])
-    return xp.repeat(xp.repeat(scale, bi, axis=0)[: shape[0]], bo, axis=1)[:, : shape[1]]
+    bi, bo = -(-shape[0] // scale.shape[0]), -(-shape[1] // scale.shape[1])  # the block edges along in and out
+    return xp.repeat(xp.repeat(scale, bi, axis=0)[: shape[0]], bo, axis=1)[:, : shape[1]]  # f32[in, out]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -120,13 +123,14 @@ def apply_plan(model, plan: dict[tuple, QuantizedWeight]):
         param = getattr(owner, name)
         shape, axes = param.get_value().shape, param.logical_axes
         if name == "embedding":  # [vocab, embed]: one scale per vocabulary row
-            scale_shape, scale_axes = shape[:1], axes[:1]
+            scale_shape, scale_axes = shape[:1], axes[:1]  # f32[vocab]
         elif qw.block is None:
-            scale_shape, scale_axes = shape[:-2] + shape[-1:], axes[:-2] + axes[-1:]
+            scale_shape, scale_axes = shape[:-2] + shape[-1:], axes[:-2] + axes[-1:]  # f32[..., out]
         else:
+            # f32[..., in / B, out / B]
             scale_shape = shape[:-2] + (-(-shape[-2] // qw.block), -(-shape[-1] // qw.block))
             scale_axes = axes
-        setattr(owner, name, nnx.Param(jnp.zeros(shape, qw.dtype), logical_axes=axes))
+        setattr(owner, name, nnx.Param(jnp.zeros(shape, qw.dtype), logical_axes=axes))  # w8[*shape]
         setattr(owner, name + SCALE_SUFFIX, nnx.Param(jnp.zeros(scale_shape, jnp.float32), logical_axes=scale_axes))
     return model
 
@@ -209,14 +213,14 @@ def prequantized_scale(scale: np.ndarray, q_out_in_shape: tuple[int, int], block
     """A checkpoint's scale for an HF weight [out, in] -> ours: f32[out] per channel, or the block scale
     transposed to [in_blocks, out_blocks]."""
     out, inp = q_out_in_shape
-    s = np.asarray(scale, np.float32)
+    s = np.asarray(scale, np.float32)  # f32[out / B, in / B], f32[out] (or [out, 1]) or f32[] (or [1]), as published
     if block is not None and s.ndim == 2:
         want = (-(-out // block), -(-inp // block))
         if s.shape != want:
             raise ValueError(f"block scale shape {s.shape} does not match {want} for a [{out}, {inp}] weight")
-        return np.ascontiguousarray(s.T)
+        return np.ascontiguousarray(s.T)  # f32[in / B, out / B]
     if s.size == 1:
-        return np.full((out,), float(s.reshape(())), np.float32)
+        return np.full((out,), float(s.reshape(())), np.float32)  # f32[out]
     if s.size == out:
-        return s.reshape(out)
+        return s.reshape(out)  # f32[out]
     raise ValueError(f"scale shape {s.shape} fits neither per-tensor nor per-channel for a [{out}, {inp}] weight")

@@ -11,6 +11,9 @@ build the cos/sin tables from it (``layers.rope_tables``). The frequencies follo
   the base grows with ``p`` past ``max_position_embeddings``; for longrope, the long factors apply from
   position ``original_max_position_embeddings`` on. That is what transformers' own cached generation does for
   every decoded token, and it means a key is rotated once, when it is written, and never again.
+
+Arrays here are NumPy, noted ``dtype[dims]`` as in ``pallas_kernels`` (``f32``, ``f64``, ``bool``); F is the
+number of frequencies, ``rotary_dim // 2``.
 """
 
 from __future__ import annotations
@@ -121,34 +124,34 @@ class RopeConfig:
         return max_position_embeddings
 
     def inv_freq(self, rotary_dim: int) -> np.ndarray:
-        """f32[rotary_dim // 2]: the inverse frequencies (longrope: the short ones; dynamic: the unscaled ones)."""
-        exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
-        inv = 1.0 / self.theta**exponents
+        """f32[F]: the inverse frequencies (longrope: the short ones; dynamic: the unscaled ones)."""
+        exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim  # f64[F]
+        inv = 1.0 / self.theta**exponents  # f64[F]
         if self.kind == "linear":
-            inv = inv / self.factor
+            inv = inv / self.factor  # f64[F]
         elif self.kind == "llama3":
-            inv = self._llama3(inv)
+            inv = self._llama3(inv)  # f64[F]
         elif self.kind == "yarn":
-            inv = self._yarn(inv, rotary_dim)
+            inv = self._yarn(inv, rotary_dim)  # f64[F]
         elif self.kind == "longrope":
-            inv = inv / np.asarray(self.short_factor, np.float64)
-        return inv.astype(np.float32)
+            inv = inv / np.asarray(self.short_factor, np.float64)  # f64[F]
+        return inv.astype(np.float32)  # f32[F]
 
     def long_inv_freq(self, rotary_dim: int) -> np.ndarray:
-        """f32[rotary_dim // 2]: longrope's frequencies past the original context."""
-        exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
-        return (1.0 / (np.asarray(self.long_factor, np.float64) * self.theta**exponents)).astype(np.float32)
+        """f32[F]: longrope's frequencies past the original context."""
+        exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim  # f64[F]
+        return (1.0 / (np.asarray(self.long_factor, np.float64) * self.theta**exponents)).astype(np.float32)  # f32[F]
 
-    def _llama3(self, inv: np.ndarray) -> np.ndarray:
+    def _llama3(self, inv: np.ndarray) -> np.ndarray:  # f64[F] -> f64[F]
         original = self.original_max_position_embeddings
         low_wavelen, high_wavelen = original / self.low_freq_factor, original / self.high_freq_factor
-        wavelen = 2 * math.pi / inv
-        smooth = (original / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
-        scaled = np.where(wavelen > low_wavelen, inv / self.factor, inv)
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return np.where(medium, (1 - smooth) * scaled / self.factor + smooth * scaled, scaled)
+        wavelen = 2 * math.pi / inv  # f64[F]
+        smooth = (original / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)  # f64[F]
+        scaled = np.where(wavelen > low_wavelen, inv / self.factor, inv)  # f64[F]
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)  # bool[F]
+        return np.where(medium, (1 - smooth) * scaled / self.factor + smooth * scaled, scaled)  # f64[F]
 
-    def _yarn(self, inv: np.ndarray, dim: int) -> np.ndarray:
+    def _yarn(self, inv: np.ndarray, dim: int) -> np.ndarray:  # f64[F] -> f64[F]
         original = self.original_max_position_embeddings
 
         def correction_dim(rotations: float) -> float:
@@ -160,9 +163,9 @@ class RopeConfig:
         low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001  # as transformers: no zero-width ramp
-        ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
-        extrapolation = 1 - ramp  # 1: keep the frequency, 0: divide it by the factor
-        return inv / self.factor * (1 - extrapolation) + inv * extrapolation
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)  # f64[F]
+        extrapolation = 1 - ramp  # f64[F]; 1: keep the frequency, 0: divide it by the factor
+        return inv / self.factor * (1 - extrapolation) + inv * extrapolation  # f64[F]
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

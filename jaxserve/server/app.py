@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -71,20 +72,28 @@ async def _drain(engine: AsyncEngine, grace: float, force: asyncio.Event) -> Non
     forced.cancel()
 
 
-async def serve(args: argparse.Namespace) -> int:
-    """Run the server until a signal; returns the process exit code."""
-    names = args.served_model_name
-    cache_dir = args.engine_config.compilation_cache_dir
+def _make_cache_dir(cache_dir: str | None) -> None:
     if cache_dir:  # XLA only writes cache entries into a folder that exists
         try:
             os.makedirs(cache_dir, exist_ok=True)
         except OSError as e:
             logger.warning("cannot create the compilation cache folder %s: %s", cache_dir, e)
-    metrics = ServerMetrics(names[0])
-    engine = AsyncEngine(args.engine_config, metrics=metrics, engine_factory=getattr(args, "engine_factory", None))
-    metrics.attach_engine(engine.stats, engine.intake_length)
 
-    limits = getattr(args, "limits", None)
+
+@dataclasses.dataclass(frozen=True)
+class _FrontEnds:
+    """The two servers, bound to their ports but not yet serving."""
+
+    grpc: GrpcServer
+    grpc_port: int
+    http: _UvicornServer
+    http_sock: socket.socket
+    http_port: int
+
+
+def _open_front_ends(args: argparse.Namespace, engine: AsyncEngine, metrics: ServerMetrics) -> _FrontEnds | None:
+    """Both servers bound to their ports; None (logged) when a port cannot be had."""
+    names, limits = args.served_model_name, getattr(args, "limits", None)
     grpc_server = GrpcServer(engine, metrics, names, api_key=args.api_key, max_message_bytes=args.max_request_bytes,
                              limits=limits)
     try:
@@ -93,14 +102,17 @@ async def serve(args: argparse.Namespace) -> int:
     except (OSError, RuntimeError) as e:
         logger.error("cannot listen on %s (HTTP port %d, gRPC port %d): %s", args.host, args.http_port,
                      args.grpc_port, e)
-        return 1
-    http_port = http_sock.getsockname()[1]
+        return None
     app = OpenAIServer(engine, metrics, names, api_key=args.api_key, max_body_bytes=args.max_request_bytes,
                        limits=limits, enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
                        tool_call_parser=getattr(args, "tool_call_parser", None)).app()
     http_server = _UvicornServer(uvicorn.Config(
         app, lifespan="off", log_config=None, access_log=False, timeout_keep_alive=5, timeout_graceful_shutdown=5))
+    return _FrontEnds(grpc_server, grpc_port, http_server, http_sock, http_sock.getsockname()[1])
 
+
+def _stop_events() -> tuple[asyncio.Event, asyncio.Event]:
+    """(stop, force): SIGTERM or SIGINT sets stop (drain); a second one also sets force (cut the grace short)."""
     loop = asyncio.get_running_loop()
     stop, force = asyncio.Event(), asyncio.Event()
 
@@ -111,22 +123,22 @@ async def serve(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    return stop, force
 
-    await grpc_server.start()
-    http_task = asyncio.create_task(http_server.serve(sockets=[http_sock]))
-    engine.start()
-    logger.info("loading and warming up %s; HTTP on %s and gRPC on %s answer 'not ready' until then",
-                args.model or "the demo model", _url(args.host, http_port), _url(args.host, grpc_port))
 
-    ready = asyncio.ensure_future(engine.wait_ready())
-    stopping = asyncio.ensure_future(stop.wait())
+async def _serve_until_stopped(args: argparse.Namespace, engine: AsyncEngine, metrics: ServerMetrics,
+                               fronts: _FrontEnds, ready: asyncio.Future, stopping: asyncio.Future,
+                               http_task: asyncio.Task) -> int:
+    """Waits for the engine to be ready, turns health to serving, then serves until a signal; returns 1 when the
+    engine failed to start or the HTTP server stopped on its own, else 0."""
+    names, host = args.served_model_name, args.host
     await asyncio.wait({ready, stopping, http_task}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
     if ready.done() and ready.exception() is None and not http_task.done():
-        await grpc_server.set_serving(True)
+        await fronts.grpc.set_serving(True)
         metrics.ready.set(1)
-        print(f"jaxserve ready: model={names[0]} http=http://{_url(args.host, http_port)} "
-              f"grpc={_url(args.host, grpc_port)} path={engine.info.get('model_path', '')}", flush=True)
+        print(f"jaxserve ready: model={names[0]} http=http://{_url(host, fronts.http_port)} "
+              f"grpc={_url(host, fronts.grpc_port)} path={engine.info.get('model_path', '')}", flush=True)
         await asyncio.wait({stopping, http_task}, return_when=asyncio.FIRST_COMPLETED)
     elif ready.done():
         logger.error("the engine failed to start: %s", ready.exception())
@@ -135,19 +147,48 @@ async def serve(args: argparse.Namespace) -> int:
         logger.error("the HTTP server stopped unexpectedly: %s", http_task.exception() if not
                      http_task.cancelled() else "cancelled")
         code = 1
+    return code
 
+
+async def _shut_down(engine: AsyncEngine, metrics: ServerMetrics, fronts: _FrontEnds, http_task: asyncio.Task,
+                     grace: float, force: asyncio.Event) -> bool:
+    """Stops admitting, drains (when the engine got warm), closes both servers and stops the engine; returns
+    whether the engine was warm (if not, its thread is still busy starting)."""
     engine.begin_drain()
     metrics.ready.set(0)
-    await grpc_server.set_serving(False)
+    await fronts.grpc.set_serving(False)
     warm = engine.ready
     if warm:
-        await _drain(engine, args.shutdown_grace_period, force)
-    await grpc_server.stop(grace=3)
-    http_server.should_exit = True
+        await _drain(engine, grace, force)
+    await fronts.grpc.stop(grace=3)
+    fronts.http.should_exit = True
     with contextlib.suppress(Exception):
         await http_task
     if warm:
         await engine.stop()
+    return warm
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Run the server until a signal; returns the process exit code."""
+    _make_cache_dir(args.engine_config.compilation_cache_dir)
+    metrics = ServerMetrics(args.served_model_name[0])
+    engine = AsyncEngine(args.engine_config, metrics=metrics, engine_factory=getattr(args, "engine_factory", None))
+    metrics.attach_engine(engine.stats, engine.intake_length)
+    fronts = _open_front_ends(args, engine, metrics)
+    if fronts is None:
+        return 1
+    stop, force = _stop_events()
+
+    await fronts.grpc.start()
+    http_task = asyncio.create_task(fronts.http.serve(sockets=[fronts.http_sock]))
+    engine.start()
+    logger.info("loading and warming up %s; HTTP on %s and gRPC on %s answer 'not ready' until then",
+                args.model or "the demo model", _url(args.host, fronts.http_port), _url(args.host, fronts.grpc_port))
+    ready = asyncio.ensure_future(engine.wait_ready())
+    stopping = asyncio.ensure_future(stop.wait())
+    code = await _serve_until_stopped(args, engine, metrics, fronts, ready, stopping, http_task)
+    warm = await _shut_down(engine, metrics, fronts, http_task, args.shutdown_grace_period, force)
     ready.cancel()
     stopping.cancel()
     logger.info("stopped")

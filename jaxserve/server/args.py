@@ -62,6 +62,22 @@ def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentPar
         formatter_class=_HelpFormatter,
         epilog=demo_note(),
     )
+    _add_model_args(p)
+    # The groups show in --help in the order they are made, their options in the usage line in the order added.
+    server = p.add_argument_group("server")
+    _add_disagg_args(p.add_argument_group("disaggregated serving across processes"))
+    _add_server_args(server)
+    _add_limit_args(p.add_argument_group(
+        "per-request limits (each refusal is a 400 / INVALID_ARGUMENT naming its flag)"))
+    _add_multihost_args(p.add_argument_group(
+        "multi-host (every process runs the same command with its own --process-id; process 0 serves, the others "
+        "follow its steps)"))
+    _add_vllm_aliases(p.add_argument_group("vLLM's names for the options above"))
+    return p
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """The served name(s) and every engine option (the demo model's shapes as defaults without --model)."""
     m = p.add_argument_group("model")
     m.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in the 'model' field; the first is reported in responses. Default: "
@@ -69,8 +85,8 @@ def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentPar
     notes = {"max_waiting_requests": f"default: {WAITING_PER_SEQ} x --max-num-seqs per data replica; 0: no limit"}
     add_engine_args_with_demo_shapes(p, skip=("warmup",), notes=notes)
 
-    s = p.add_argument_group("server")
-    d = p.add_argument_group("disaggregated serving across processes")
+
+def _add_disagg_args(d: argparse._ArgumentGroup) -> None:
     d.add_argument("--role", choices=("colocated", "prefill", "decode", "router"), default="colocated",
                    help="colocated: one engine does everything; prefill: a prefill process (gRPC KV service on "
                         "--kv-port, no client APIs); decode: a server (OpenAI and gRPC APIs) whose prompts "
@@ -86,6 +102,9 @@ def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentPar
                         "to use jax)")
     d.add_argument("--decode-url", default=None,
                    help="--role router: the decode servers, HOST:HTTP_PORT:GRPC_PORT[,...]")
+
+
+def _add_server_args(s: argparse._ArgumentGroup) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address both servers listen on (0.0.0.0: every interface)")
     s.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (0: a free port)")
     s.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: a free port)")
@@ -105,7 +124,8 @@ def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentPar
                    help="how the model writes tool calls: hermes (<tool_call>JSON</tool_call>), llama3_json (a JSON "
                         "object), mistral ([TOOL_CALLS] JSON list)")
 
-    lim = p.add_argument_group("per-request limits (each refusal is a 400 / INVALID_ARGUMENT naming its flag)")
+
+def _add_limit_args(lim: argparse._ArgumentGroup) -> None:
     defaults = RequestLimits()
     lim.add_argument("--max-n", type=int, default=defaults.max_n, help="most outputs per prompt (n, best_of)")
     lim.add_argument("--max-prompts-per-request", type=int, default=defaults.max_prompts_per_request,
@@ -117,14 +137,15 @@ def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentPar
     lim.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
                      help="most top alternatives per token (logprobs, top_logprobs, prompt_logprobs); at most 20")
 
-    mh = p.add_argument_group("multi-host (every process runs the same command with its own --process-id; process 0 "
-                              "serves, the others follow its steps)")
+
+def _add_multihost_args(mh: argparse._ArgumentGroup) -> None:
     mh.add_argument("--coordinator-address", default=None,
                     help="HOST:PORT of process 0's coordinator (or JAX_COORDINATOR_ADDRESS)")
     mh.add_argument("--num-processes", type=int, default=None, help="processes in the run (or JAX_NUM_PROCESSES)")
     mh.add_argument("--process-id", type=int, default=None, help="this process's index (or JAX_PROCESS_ID)")
 
-    v = p.add_argument_group("vLLM's names for the options above")
+
+def _add_vllm_aliases(v: argparse._ArgumentGroup) -> None:
     keep = argparse.SUPPRESS  # an alias left out changes nothing
     v.add_argument("--port", dest="http_port", type=int, default=keep, help="--http-port")
     v.add_argument("--block-size", dest="page_size", type=int, default=keep, help="--page-size")
@@ -135,7 +156,6 @@ def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentPar
     v.add_argument("--trust-remote-code", action="store_true",
                    help="refused: jaxserve runs no code from a checkpoint (its own model code covers the supported "
                         "families)")
-    return p
 
 
 def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") -> argparse.Namespace:
