@@ -34,12 +34,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxserve.executor.kv_cache import CacheConfig, init_kv_cache  # noqa: E402
+from jaxserve.executor.kv_cache import CacheConfig, init_kv_cache, kv_storage_dtype  # noqa: E402
 from jaxserve.models.attention import AttentionBackend, ShardedAttention  # noqa: E402
 from jaxserve.models.decoder import forward  # noqa: E402
 from jaxserve.models.loader import load_model  # noqa: E402
 from pallas_kernels.metadata import AttentionMetadata  # noqa: E402
-from pallas_kernels.quantized_pages import STORAGE  # noqa: E402
 from sharding.layout import StepLayout  # noqa: E402
 from sharding.mesh import make_mesh  # noqa: E402
 from sharding.rules import model_rules  # noqa: E402
@@ -88,7 +87,7 @@ def teacher_forced_logits(model_path: str, tokens: np.ndarray, *, quantization: 
     mesh = make_mesh(mesh, num_devices=None if mesh is None else MeshConfig.parse(mesh).num_devices)
     model, cfg, _ = load_model(model_path, dtype, mesh, quantization)
     backend = AttentionBackend("reference")
-    cache_dtype = backend.cache_dtype(model.embed_tokens.dtype) if kv_cache_dtype == "auto" else STORAGE[kv_cache_dtype]
+    cache_dtype = kv_storage_dtype(kv_cache_dtype, backend.cache_dtype(model.embed_tokens.dtype))
     seqs, length = tokens.shape
     pages = -(-length // page_size)
     cache_cfg = CacheConfig(page_size, max(2, pages))

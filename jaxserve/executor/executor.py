@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable, Iterable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config.engine import EngineConfig
@@ -26,7 +25,7 @@ from jaxserve.executor import compile_counter, compile_progress
 from jaxserve.executor.batch import MeshBatch, StepBatch, StepKind
 from jaxserve.executor.decode_rows import DecodeRows
 from jaxserve.executor.executable_store import ExecutableStore
-from jaxserve.executor.kv_cache import CacheConfig, bytes_per_token
+from jaxserve.executor.kv_cache import CacheConfig, bytes_per_token, kv_storage_dtype, local_pool_pages, pool_pages
 from jaxserve.executor.penalty_state import PenaltyState
 from jaxserve.executor.prompt_logprobs import ScoreRows, score
 from jaxserve.executor.runner import ModelRunner, StepOutput
@@ -40,9 +39,8 @@ from jaxserve.models.loader import load_model
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams, sequence_seed
 from jaxserve.scheduler.sequence import Sequence
 from jaxserve.scheduler.step_result import StepFailed, StepResult
-from jaxserve.scheduler.window_pool import global_pool_budget, window_pages_needed
+from jaxserve.scheduler.window_pool import window_pages_needed
 from jaxserve.spec_decode.rows import SpecRows
-from pallas_kernels.quantized_pages import STORAGE as KV_STORAGE
 from pallas_kernels.ragged_paged_attention.tpu import check_8_bit_page_size
 from sharding import multihost
 from sharding.mesh import make_mesh
@@ -82,14 +80,13 @@ class Executor:
                              f"(max_position_embeddings in config.json, with its rope scaling)")
         self.max_model_len = config.max_model_len or limit
         backend = AttentionBackend.resolve(config.attention_backend)
-        self.cache_dtype = backend.cache_dtype(model.embed_tokens.dtype)
         if config.kv_cache_dtype != "auto":  # an 8-bit pool with per-token scales (pallas_kernels.quantized_pages)
             if not backend.supports_kv_cache_dtype(config.kv_cache_dtype):
                 raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported by attention_backend="
                                  f"{backend.name!r}")
             if backend.name == "pallas_tpu" and not backend.interpret:
                 check_8_bit_page_size(config.page_size)
-            self.cache_dtype = jnp.dtype(KV_STORAGE[config.kv_cache_dtype])
+        self.cache_dtype = kv_storage_dtype(config.kv_cache_dtype, backend.cache_dtype(model.embed_tokens.dtype))
         num_pages = config.num_pages or self._auto_num_pages()
         # A model interleaving windowed and global layers: the windowed layers get a pool of their own, as large
         # as the windows of max_num_seqs sequences need (jaxserve/scheduler/window_pool.py), and never larger than the
@@ -172,28 +169,28 @@ class Executor:
         return f"{' + '.join(names)}, {sum(a.nbytes for a in leaves) / 2**20:.1f} MiB"
 
     def _auto_num_pages(self) -> int:
-        """Total pages (all replicas) of the pool: each replica's block as large as one device's budget allows."""
+        """Total pages (all replicas) of the pool: each replica's block as large as one device's budget allows
+        (``kv_cache.pool_pages``, the rule ``capacity``, ``aot`` and ``plan`` size pools by)."""
         cfg, config, replicas = self.model_config, self.config, self.num_replicas
         page_size = config.page_size
         device = jax.local_devices()[0]
         stats = device.memory_stats() if device.platform != "cpu" else None
-        if stats and "bytes_limit" in stats:
-            budget = stats["bytes_limit"] * config.hbm_utilization - stats.get("bytes_in_use", 0)
-            per_page = bytes_per_token(cfg, self.cache_dtype, int(self.mesh.shape["tensor"])) * page_size
+        on_device = bool(stats and "bytes_limit" in stats)
+        tensor = int(self.mesh.shape["tensor"]) if on_device else 1  # CPU: the pool's bytes, not a shard's
+        if on_device:
+            memory, utilization, used = stats["bytes_limit"], config.hbm_utilization, stats.get("bytes_in_use", 0)
         else:  # CPU: cpu_kv_cache_gib is the whole pool, all replicas together
-            budget = config.cpu_kv_cache_gib * 2**30 / replicas
-            per_page = bytes_per_token(cfg, self.cache_dtype) * page_size
-        if cfg.local_window is not None:  # interleaved: the windowed layers' own pool first, then the global
-            local = window_pages_needed(cfg.local_window, page_size, config.max_num_seqs,
-                                        config.max_num_batched_tokens)
-            budget, per_page = global_pool_budget(budget, per_page, cfg.sliding_windows, local)
+            memory, utilization, used = config.cpu_kv_cache_gib * 2**30 / replicas, 1.0, 0
+        draft = 0
         if self.config.speculative_config is not None and self.config.speculative_config.model:
             # the draft's pool mirrors the target's pages (jaxserve/executor/drafter.py): one budget for both
-            draft = ModelConfig.from_pretrained(resolve_model_path(self.config.speculative_config.model))
-            tensor = int(self.mesh.shape["tensor"]) if stats and "bytes_limit" in stats else 1
-            per_page += bytes_per_token(draft, self.cache_dtype, tensor) * page_size
-        wanted = config.max_num_seqs * config.pages_per_seq(self.max_model_len)
-        pages = int(min(wanted, budget // per_page))
+            draft_cfg = ModelConfig.from_pretrained(resolve_model_path(self.config.speculative_config.model))
+            draft = bytes_per_token(draft_cfg, self.cache_dtype, tensor)
+        pages = pool_pages(memory, bytes_per_token(cfg, self.cache_dtype, tensor), page_size, utilization=utilization,
+                           used=used, windows=cfg.sliding_windows, extra_bytes_per_token=draft,
+                           local_pages=local_pool_pages(cfg.sliding_windows, page_size, config.max_num_seqs,
+                                                        config.max_num_batched_tokens),
+                           max_pages=config.max_num_seqs * config.pages_per_seq(self.max_model_len))
         if jax.process_count() > 1:  # every process must build the same cache shape: process 0's
             pages = int(multihost.broadcast_ints([pages])[0])
         if pages * page_size < self.max_model_len:

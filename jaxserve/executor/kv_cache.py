@@ -11,13 +11,16 @@ use local ids ``0 .. P - 1``. The cache is replicated over ``sequence``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence as Seq
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from jaxserve.config.engine import KV_CACHE_DTYPES
 from jaxserve.models.config import ModelConfig
-from pallas_kernels.quantized_pages import QuantizedPages, is_quantized_dtype
+from jaxserve.scheduler.window_pool import global_pool_budget, window_pages_needed
+from pallas_kernels.quantized_pages import STORAGE, QuantizedPages, is_quantized_dtype
 from sharding.rules import cache_heads, logical_sharding
 
 CACHE_AXES = ("cache_kv_heads", "cache_pages", "page_size", "head_dim")
@@ -61,6 +64,49 @@ def bytes_per_token(cfg: ModelConfig, dtype, tensor: int = 1) -> int:
 
 
 SCALE_BYTES = 4  # one f32 scale per token and KV head of an 8-bit pool
+
+
+def kv_storage_dtype(kv_cache_dtype: str, auto_dtype):
+    """The pool's element dtype for ``kv_cache_dtype`` (``EngineConfig``): ``auto_dtype`` as given for "auto"
+    (the attention backend's dtype for the model's, ``AttentionBackend.cache_dtype``), else the 8-bit storage
+    format (``pallas_kernels.quantized_pages.STORAGE``: "fp8" is e4m3). The engine, ``capacity`` and ``aot`` all
+    take their pool's dtype from here, so a pool is sized in the dtype it is allocated in."""
+    if kv_cache_dtype == "auto":
+        return auto_dtype
+    if kv_cache_dtype not in STORAGE:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} must be one of {', '.join(KV_CACHE_DTYPES)}")
+    return jnp.dtype(STORAGE[kv_cache_dtype])
+
+
+def local_pool_pages(windows: Seq[int | None], page_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """Pages (per replica) of the windowed layers' own pool for a model interleaving windowed and global layers
+    (``ModelConfig.local_window``): as many as the windows of ``max_num_seqs`` sequences need; 0 when all or
+    none of the layers are windowed (one pool)."""
+    given = [w for w in windows if w is not None]
+    if not given or len(given) == len(windows):
+        return 0
+    return window_pages_needed(max(given), page_size, max_num_seqs, max_num_batched_tokens)
+
+
+def pool_pages(memory: float, bytes_per_token: float, page_size: int, *, utilization: float = 1.0,
+               used: float = 0.0, windows: Seq[int | None] = (), local_pages: int = 0,
+               extra_bytes_per_token: float = 0.0, max_pages: int | None = None) -> int:
+    """KV pages of ``page_size`` tokens that fit in ``memory * utilization - used`` bytes of one device (on the
+    CPU path, of one replica's share): the one sizing rule of the engine (``Executor``), ``capacity``, ``aot``
+    and ``plan``, so all four give the same count for the same model and budget.
+
+    ``bytes_per_token``: what a token costs on that device (``bytes_per_token`` of its tensor shard). A model
+    interleaving windowed and global layers (``windows``) first sets its windowed layers' own pool of
+    ``local_pages`` pages aside (``local_pool_pages``); each global page then holds only the global layers' KV
+    (``global_pool_budget``). ``extra_bytes_per_token``: a pool paged in step with this one (a draft model's).
+    ``max_pages``: at most this many (the engine's ``max_num_seqs`` full-length sequences); may be negative
+    when the budget is, which callers report."""
+    budget = memory * utilization - used
+    page_bytes = bytes_per_token * page_size
+    if local_pages:
+        budget, page_bytes = global_pool_budget(budget, page_bytes, windows, local_pages)
+    fit = budget // (page_bytes + extra_bytes_per_token * page_size)
+    return int(fit if max_pages is None else min(max_pages, fit))
 
 
 def cache_sharding(cfg: ModelConfig, cache: CacheConfig, mesh: Mesh, num_pages: int | None = None):

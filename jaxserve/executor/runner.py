@@ -76,6 +76,22 @@ def device_inputs(batch: MeshBatch, layout: StepLayout):
     return (pin(batch.token_ids, ("tokens",)), pin(positions.reshape(-1), ("tokens",)), md, batch.logits_indices)
 
 
+def step_layouts(mesh: Mesh, rules) -> dict[bool, StepLayout]:
+    """The two layouts of a mesh's steps, keyed by whether token rows are split over ``sequence``."""
+    return {split: StepLayout.create(mesh, rules, split_sequence=split) for split in (False, True)}
+
+
+def step_static_args(kind: StepKind, batch: MeshBatch, layouts: dict[bool, StepLayout], backend: AttentionBackend,
+                     num_kv_heads: int) -> tuple:
+    """``jit_step``'s static arguments for a batch's step: (shape fields, attention, layout). Prefill rows split
+    over ``sequence`` when the axis divides them; decode rows never are. The runner and ``jaxserve.tools.aot``
+    (compiling for chips not attached) both build them here, so both compile the same step."""
+    sequence = layouts[True].size("sequence")
+    layout = layouts[kind == StepKind.PREFILL and sequence > 1 and batch.tokens_per_replica % sequence == 0]
+    attention = ShardedAttention(dataclasses.replace(backend, decode=kind == StepKind.DECODE), layout, num_kv_heads)
+    return batch.shape_fields(), attention, layout
+
+
 class ModelRunner:
     """The parameters and the KV cache on the mesh, and the compiled steps that read and update them.
 
@@ -93,8 +109,7 @@ class ModelRunner:
         self.graphdef, self.params = nnx.split(model)
         self.kv_cache = init_kv_cache(cfg, cache, cache_dtype, mesh)
         rules = model_rules(cfg.num_heads, cfg.num_kv_heads, mesh)
-        # Prefill rows split over `sequence` when the axis divides them; decode rows never are.
-        self.layouts = {split: StepLayout.create(mesh, rules, split_sequence=split) for split in (False, True)}
+        self.layouts = step_layouts(mesh, rules)
         self.channel = multihost.StepChannel() if jax.process_count() > 1 else None
         # Where this process finds its copy of the (replicated) logits: its first device of the mesh.
         self.sample_device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
@@ -145,8 +160,7 @@ class ModelRunner:
             self.channel = None
 
     def layout_for(self, kind: StepKind, batch: MeshBatch) -> StepLayout:
-        split = kind == StepKind.PREFILL and self.sequence > 1 and batch.tokens_per_replica % self.sequence == 0
-        return self.layouts[split]
+        return step_static_args(kind, batch, self.layouts, self.backend, self.cfg.num_kv_heads)[2]
 
     def _call_args(self, kind: StepKind, batch: MeshBatch, payload: np.ndarray):
         """The compiled step for a batch and its arguments; ``payload`` is ``batch.pack()``, placed replicated
@@ -154,10 +168,8 @@ class ModelRunner:
         fields = batch.shape_fields()
         static = self._static.get((kind, fields))
         if static is None:  # built once per shape: hashing fresh ones would cost every call (jit's static args)
-            layout = self.layout_for(kind, batch)
-            backend = dataclasses.replace(self.backend, decode=kind == StepKind.DECODE)
-            static = self._static[kind, fields] = (fields, ShardedAttention(backend, layout, self.cfg.num_kv_heads),
-                                                   layout)
+            static = self._static[kind, fields] = step_static_args(kind, batch, self.layouts, self.backend,
+                                                                   self.cfg.num_kv_heads)
         packed = place(payload, self._replicated)
         return self._steps[kind], (self.params, packed, self.kv_cache, *static)
 

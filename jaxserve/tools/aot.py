@@ -45,22 +45,21 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jaxserve.config.args import add_engine_args
-from jaxserve.config.engine import KV_CACHE_DTYPES
 from jaxserve.executor.batch import MeshBatch, StepKind
-from jaxserve.executor.kv_cache import CACHE_AXES, CacheConfig, bytes_per_token, cache_sharding
+from jaxserve.executor.kv_cache import (CACHE_AXES, CacheConfig, bytes_per_token, cache_sharding, kv_storage_dtype,
+                                       pool_pages)
 from jaxserve.executor.penalty_state import PenaltyState
-from jaxserve.executor.runner import StepOutput, jit_step
+from jaxserve.executor.runner import StepOutput, jit_step, step_layouts, step_static_args
 from jaxserve.executor.sampler import SamplingTensors, sample
 from jaxserve.executor.shapes import StepShapes
-from jaxserve.models.attention import AttentionBackend, ShardedAttention
+from jaxserve.models.attention import AttentionBackend
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loader import abstract_model, param_shardings, quantization_plan, resolve_dtype
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from jaxserve.tools.chips import DEVICE_KINDS, Chip
 from jaxserve.tools.roofline import attention_flops
-from pallas_kernels.quantized_pages import STORAGE as KV_STORAGE
 from pallas_kernels.quantized_pages import QuantizedPages
 from sharding.config import MeshConfig
-from sharding.layout import StepLayout
 from sharding.mesh import make_mesh
 from sharding.rules import check_expert_parallel, logical_sharding, model_rules
 
@@ -102,24 +101,6 @@ PRESETS: dict[str, dict] = {
                        tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2),
 }
 
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-    """Per-chip figures from the Google Cloud TPU system-architecture pages (docs.cloud.google.com/tpu/docs/v5e,
-    v5p, v6e, v4): bf16 peak and HBM bandwidth as published; HBM capacity taken as 16 / 32 / 95 / 32 GiB."""
-
-    name: str
-    hbm_bytes: int
-    peak_flops: float  # bf16 FLOP/s
-    hbm_bytes_per_s: float
-
-
-CHIPS = {  # jax device_kind -> chip
-    "TPU v4": Chip("v4", 32 * GiB, 275e12, 1200e9),
-    "TPU v5 lite": Chip("v5e", 16 * GiB, 197e12, 819e9),
-    "TPU v5": Chip("v5p", 95 * GiB, 459e12, 2765e9),
-    "TPU v6 lite": Chip("v6e", 32 * GiB, 918e12, 1638e9),
-}
 
 DECODE_PROBES = (1, 64, 256)
 PROMPT_PROBE = 2048
@@ -176,11 +157,11 @@ def _libtpu_version() -> str:
 def chip_of(devices: list, topology: str) -> tuple[Chip, int]:
     """(the chip, devices per chip): per-device figures divide the chip's among its devices."""
     kind = devices[0].device_kind
-    if kind not in CHIPS:
-        raise AotError(f"no published figures for device kind {kind!r} (known: {', '.join(CHIPS)})")
+    if kind not in DEVICE_KINDS:
+        raise AotError(f"no published figures for device kind {kind!r} (known: {', '.join(DEVICE_KINDS)})")
     dims = topology.split(":")[-1].split("x")
     chips = math.prod(int(d) for d in dims) if all(d.isdigit() for d in dims) else len(devices)
-    return CHIPS[kind], max(1, len(devices) // chips)
+    return DEVICE_KINDS[kind], max(1, len(devices) // chips)
 
 
 def warmup_shapes(shapes: StepShapes) -> list[tuple[str, int, int, int]]:
@@ -237,10 +218,10 @@ class StepCompiler:
                  cache_dtype=None):
         self.cfg, self.dtype, self.mesh, self.backend = cfg, dtype, mesh, backend
         self.num_replicas = int(mesh.shape["data"])
-        self.sequence = int(mesh.shape["sequence"])
         self.cache_dtype = cache_dtype or backend.cache_dtype(dtype, "tpu")
         self.cache = CacheConfig(page_size, num_pages, self.num_replicas)
         self.rules = model_rules(cfg.num_heads, cfg.num_kv_heads, mesh)
+        self.layouts = step_layouts(mesh, self.rules)
         plan, _ = quantization_plan(cfg, dtype, quantization, quantize_lm_head)
         self.graphdef, abstract = abstract_model(cfg, dtype, plan)
         shardings = param_shardings(abstract, mesh, self.rules)
@@ -264,16 +245,12 @@ class StepCompiler:
         """Compile one bucket of ``prefill_step`` or ``decode_step`` as ``ModelRunner`` would."""
         batch = MeshBatch.padding(self.num_replicas, num_tokens=tokens, max_seqs=slots, pages_per_seq=pages)
         step_kind = StepKind.DECODE if kind == "decode" else StepKind.PREFILL
-        # As ModelRunner.layout_for: prefill rows split over `sequence` when the axis divides them.
-        split = step_kind == StepKind.PREFILL and self.sequence > 1 and tokens % self.sequence == 0
-        layout = StepLayout.create(self.mesh, self.rules, split_sequence=split)
-        attention = ShardedAttention(dataclasses.replace(self.backend, decode=step_kind == StepKind.DECODE), layout,
-                                     self.cfg.num_kv_heads)
+        static = step_static_args(step_kind, batch, self.layouts, self.backend, self.cfg.num_kv_heads)
         packed = jax.ShapeDtypeStruct(batch.pack().shape, jnp.int32, sharding=self.replicated)
         rows = max(self.num_logit_rows, batch.max_seqs)  # a probe wider than max_num_seqs gets its own rows
         fn = jit_step(self.graphdef, rows, self.outs)
         start = time.perf_counter()
-        traced = fn.trace(self.params, packed, self.kv_cache, batch.shape_fields(), attention, layout)
+        traced = fn.trace(self.params, packed, self.kv_cache, *static)
         compiled = traced.lower().compile()
         return Figures.of(compiled, time.perf_counter() - start)
 
@@ -357,12 +334,39 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def run(req: Request, log=None) -> dict:
-    """Compile and predict; returns the report as a JSON-able dict. Raises AotError for bad requests."""
-    log = log or (lambda msg: None)
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A request resolved: the model, the described chips and mesh, the pool's dtype and the engine's shapes."""
+
+    cfg: ModelConfig
+    dtype: object
+    devices: list
+    chip: Chip
+    per_chip: int  # devices per chip
+    mesh_cfg: MeshConfig
+    mesh: object
+    backend: AttentionBackend
+    cache_dtype: object
+    max_model_len: int
+    shapes: StepShapes
+
+    @property
+    def hbm(self) -> float:
+        return self.chip.hbm_bytes / self.per_chip
+
+    @property
+    def pages_per_seq(self) -> int:
+        return self.shapes.pages_per_seq
+
+
+def resolve(req: Request) -> Target:
+    """The model, topology, mesh and pool dtype of a request; AotError for one the tool cannot serve."""
     if req.buckets not in ("all", "probes"):
         raise AotError(f"--buckets {req.buckets!r} must be 'all' or 'probes'")
     cfg = model_config(req.model)
+    if cfg.local_window is not None:
+        raise AotError("this model interleaves windowed and global layers: the engine gives it two KV pools "
+                       "(jaxserve/scheduler/window_pool.py), which aot does not compile")
     dtype = resolve_dtype(req.dtype, cfg)
     devices = topology_devices(req.topology)
     chip, per_chip = chip_of(devices, req.topology)
@@ -378,51 +382,63 @@ def run(req: Request, log=None) -> dict:
         raise AotError(str(e)) from None
     if 16 % mesh_cfg.sequence:
         raise AotError(f"mesh sequence={mesh_cfg.sequence} must divide 16 (the smallest token bucket)")
-    hbm = chip.hbm_bytes / per_chip
-    peak_flops, peak_bw = chip.peak_flops / per_chip, chip.hbm_bytes_per_s / per_chip
     backend = AttentionBackend.resolve("auto", "tpu")
-    if req.kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise AotError(f"kv_cache_dtype={req.kv_cache_dtype!r} must be one of {', '.join(KV_CACHE_DTYPES)}")
-    cache_dtype = (backend.cache_dtype(dtype, "tpu") if req.kv_cache_dtype == "auto"
-                   else jnp.dtype(KV_STORAGE[req.kv_cache_dtype]))
-    replicas, tensor = mesh_cfg.data, mesh_cfg.tensor
+    try:
+        cache_dtype = kv_storage_dtype(req.kv_cache_dtype, backend.cache_dtype(dtype, "tpu"))
+    except ValueError as e:
+        raise AotError(str(e)) from None
     max_model_len = min(req.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     shapes = StepShapes(req.max_num_seqs, req.max_num_batched_tokens, _ceil(max_model_len, req.page_size))
-    page_bytes = bytes_per_token(cfg, cache_dtype, tensor) * req.page_size
-    pages_per_seq = _ceil(max_model_len, req.page_size)
+    return Target(cfg, dtype, devices, chip, per_chip, mesh_cfg, mesh, backend, cache_dtype, max_model_len, shapes)
 
-    def compiler(layers: int, num_pages: int) -> StepCompiler:
-        c = cfg if layers == cfg.num_layers else dataclasses.replace(
-            cfg, num_layers=layers, sliding_windows=cfg.sliding_windows[:layers])
-        return StepCompiler(c, dtype, mesh, page_size=req.page_size, num_pages=num_pages,
-                            max_num_seqs=req.max_num_seqs, backend=backend, quantization=req.quantization,
-                            quantize_lm_head=req.quantize_lm_head, cache_dtype=cache_dtype)
 
-    full = compiler(cfg.num_layers, 2 * replicas)  # for the exact weight bytes only (nothing compiled)
-    weights = full.weight_bytes
-    # The engine sizes its pool from free HBM after loading the weights (Engine._auto_num_pages).
-    wanted = req.max_num_seqs * pages_per_seq
-    engine_pages = min(wanted, int((hbm * req.hbm_utilization - weights) // page_bytes))
-    num_pages = req.num_pages // replicas if req.num_pages else engine_pages
-    compile_pages = max(num_pages, pages_per_seq, 2)  # the shape compiled (temporaries do not depend on it)
+def engine_pool_pages(t: Target, req: Request, used: float) -> int:
+    """The pages (per replica) the engine's pool gets on one of ``t``'s devices with ``used`` bytes taken
+    (the weights): the engine's own rule, ``kv_cache.pool_pages``, capped at max_num_seqs full-length sequences
+    as the engine caps it; without the cap, what fits."""
+    return pool_pages(t.hbm, bytes_per_token(t.cfg, t.cache_dtype, t.mesh_cfg.tensor), req.page_size,
+                      utilization=req.hbm_utilization, used=used, max_pages=req.max_num_seqs * t.pages_per_seq)
 
-    # Shapes to compile: the warm-up's buckets and the probes the predictions need.
-    context = min(req.context, max_model_len - 1)
-    prompt_len = min(PROMPT_PROBE, max_model_len)
+
+def _fit_pages(t: Target, req: Request, used: float) -> int:
+    return pool_pages(t.hbm, bytes_per_token(t.cfg, t.cache_dtype, t.mesh_cfg.tensor), req.page_size,
+                      utilization=req.hbm_utilization, used=used)
+
+
+def _probes(t: Target, req: Request) -> tuple[dict, list, int, int, int]:
+    """(probes by name, every shape to compile, decode context, prompt length, prompt step tokens): the warm-up's
+    buckets (with ``--buckets all``) and the shapes the predictions need."""
+    shapes = t.shapes
+    context = min(req.context, t.max_model_len - 1)
+    prompt_len = min(PROMPT_PROBE, t.max_model_len)
     probe_pages = shapes.step_pages(True, _ceil(context + 1, req.page_size))
     prompt_tokens = shapes.token_bucket(min(prompt_len, req.max_num_batched_tokens))
     prompt_pages = shapes.step_pages(False, _ceil(prompt_len, req.page_size))
     probes = {f"decode@{b}": ("decode", b, b, probe_pages) for b in req.decode_batches}
     probes["prefill"] = ("prefill", prompt_tokens, shapes.prefill_seqs(prompt_tokens), prompt_pages)
     todo = list(dict.fromkeys((warmup_shapes(shapes) if req.buckets == "all" else []) + list(probes.values())))
+    return probes, todo, context, prompt_len, prompt_tokens
+
+
+def _compiler(t: Target, req: Request, layers: int, num_pages: int) -> StepCompiler:
+    cfg = t.cfg if layers == t.cfg.num_layers else dataclasses.replace(
+        t.cfg, num_layers=layers, sliding_windows=t.cfg.sliding_windows[:layers])
+    return StepCompiler(cfg, t.dtype, t.mesh, page_size=req.page_size, num_pages=num_pages,
+                        max_num_seqs=req.max_num_seqs, backend=t.backend, quantization=req.quantization,
+                        quantize_lm_head=req.quantize_lm_head, cache_dtype=t.cache_dtype)
+
+
+def _compile_all(t: Target, req: Request, todo: list, compile_pages: int, log) -> tuple[dict, list, tuple]:
+    """Every shape of ``todo`` compiled (at full depth, or at 2 and 3 layers and extrapolated) and the sampler:
+    (figures by shape, the sampler's figures, the layer counts compiled)."""
+    cfg = t.cfg
     layers_compiled = (2, 3) if req.sample_layers and cfg.num_layers > 3 else (cfg.num_layers,)
     if req.sample_layers and len(set(cfg.sliding_windows)) > 1:
         raise AotError("--sample-layers needs every layer alike; this model mixes sliding-window and full layers")
-
     log(f"{cfg.architecture} {cfg.num_params / 1e9:.2f}B ({cfg.num_active_params / 1e9:.2f}B active) on "
-        f"{req.topology} ({len(devices)} x {devices[0].device_kind}), mesh {mesh_cfg}: compiling {len(todo)} step "
-        f"shapes x {len(layers_compiled)} layer count(s) + sampler")
-    compilers = [compiler(n, compile_pages * replicas) for n in layers_compiled]
+        f"{req.topology} ({len(t.devices)} x {t.devices[0].device_kind}), mesh {t.mesh_cfg}: compiling {len(todo)} "
+        f"step shapes x {len(layers_compiled)} layer count(s) + sampler")
+    compilers = [_compiler(t, req, n, compile_pages * t.mesh_cfg.data) for n in layers_compiled]
     figures: dict[tuple, Figures] = {}
     for i, shape in enumerate(todo):
         got = []
@@ -434,104 +450,141 @@ def run(req: Request, log=None) -> dict:
         figures[shape] = got[0] if len(got) == 1 else Figures.extrapolate(*got, *layers_compiled, cfg.num_layers)
         log(f"  [{i + 1}/{len(todo)}] {shape[0]} T={shape[1]} S={shape[2]} P={shape[3]}: "
             f"{sum(f.seconds for f in got):.1f}s, temp {figures[shape].temp / 2**20:.1f} MiB")
-    sampler = compilers[-1].sampler(max_model_len)
+    sampler = compilers[-1].sampler(t.max_model_len)
     log(f"  sampler: 5 executables, {sum(f.seconds for f in sampler):.1f}s")
+    return figures, sampler, layers_compiled
 
-    # Memory per device ------------------------------------------------------------------------------------
+
+def _memory(t: Target, req: Request, full: StepCompiler, figures: dict, sampler: list, engine_pages: int,
+            num_pages: int) -> tuple[dict, dict]:
+    """(memory per device, capacity at each of ``report_seqs``): the pool that fits beside the weights and the
+    largest temporaries, by the engine's rule."""
+    weights = full.weight_bytes
+    page_bytes = bytes_per_token(t.cfg, t.cache_dtype, t.mesh_cfg.tensor) * req.page_size
     step_temp = max(f.temp for f in figures.values())
     sampler_temp = max(f.temp for f in sampler)
     # Non-donated outputs (logits, argmax) live beside the pool while the sampler runs.
     outputs = max(f.output - f.alias for f in figures.values())
     reserved = weights + step_temp + outputs + sampler_temp + full.penalty_bytes
-    usable = hbm * req.hbm_utilization
-    fit_pages = int((usable - reserved) // page_bytes)
-    pool_pages = min(wanted, fit_pages) if not req.num_pages else num_pages
-    pool_tokens = max(pool_pages, 0) * req.page_size
-    fits = fit_pages * req.page_size >= max_model_len and (not req.num_pages or num_pages <= fit_pages)
-    need = reserved + (num_pages if req.num_pages else pages_per_seq) * page_bytes
+    usable = t.hbm * req.hbm_utilization
+    fit_pages = _fit_pages(t, req, reserved)
+    wanted = req.max_num_seqs * t.pages_per_seq
+    pool = min(wanted, fit_pages) if not req.num_pages else num_pages
+    pool_tokens = max(pool, 0) * req.page_size
+    fits = fit_pages * req.page_size >= t.max_model_len and (not req.num_pages or num_pages <= fit_pages)
+    need = reserved + (num_pages if req.num_pages else t.pages_per_seq) * page_bytes
     # At another max_num_seqs the engine would size its pool as min(that many full-length sequences, what fits).
     capacity = {}
     for n in sorted({req.max_num_seqs, *req.report_seqs}):
-        pages = max(0, min(n * pages_per_seq, fit_pages)) // n
+        pages = max(0, min(n * t.pages_per_seq, fit_pages)) // n
         capacity[str(n)] = {"pages_per_sequence": pages,
-                            "context_per_sequence": min(max_model_len, pages * req.page_size)}
+                            "context_per_sequence": min(t.max_model_len, pages * req.page_size)}
+    memory = {
+        "hbm": t.hbm, "weights": weights, "expert_weights": full.expert_weight_bytes, "kv_bytes_per_page": page_bytes,
+        "step_temp_max": step_temp,
+        "step_outputs_max": outputs, "sampler_temp_max": sampler_temp, "penalty_state": full.penalty_bytes,
+        "generated_code_max": max(f.code for f in figures.values()),
+        "argument_max": max(f.argument for f in figures.values()),
+        "engine_pool_pages": engine_pages, "pool_pages": pool, "pool_bytes": max(pool, 0) * page_bytes,
+        "pool_tokens": pool_tokens, "fits": fits, "short_by": max(0.0, need - usable),
+        "full_length_sequences": pool_tokens // t.max_model_len,
+    }
+    return memory, capacity
 
-    # Predictions ------------------------------------------------------------------------------------------
-    kv_token_dev = bytes_per_token(cfg, cache_dtype, tensor)
-    heads_dev = cfg.num_heads // tensor
 
-    def attn_flops_dev(queries: int, keys_per_query: float) -> float:
-        return attention_flops(cfg, queries, keys_per_query) / cfg.num_heads * heads_dev
+class _Predictor:
+    """Roofline step times per device from the compiler's figures, attention's work and the minimum HBM traffic."""
 
-    expert_bytes = full.expert_weight_bytes
+    def __init__(self, t: Target, full: StepCompiler):
+        self.cfg, self.weights, self.expert_bytes = t.cfg, full.weight_bytes, full.expert_weight_bytes
+        self.peak_flops = t.chip.peak_flops / t.per_chip
+        self.peak_bw = t.chip.hbm_bytes_per_s / t.per_chip
+        self.kv_token = bytes_per_token(t.cfg, t.cache_dtype, t.mesh_cfg.tensor)
+        self.heads = t.cfg.num_heads // t.mesh_cfg.tensor
 
-    def weights_read(tokens: int) -> float:
+    def attn_flops(self, queries: int, keys_per_query: float) -> float:
+        return attention_flops(self.cfg, queries, keys_per_query) / self.cfg.num_heads * self.heads
+
+    def weights_read(self, tokens: int) -> float:
         """Weight bytes a step of ``tokens`` rows reads: all, except the routed experts no token chose. Under
         uniform routing an expert is chosen by none of ``tokens`` rows with probability (1 - top_k / E) ** tokens."""
-        if not expert_bytes:
-            return weights
-        m = cfg.moe
-        return weights - expert_bytes * (1 - m.top_k / m.num_experts) ** tokens
+        if not self.expert_bytes:
+            return self.weights
+        m = self.cfg.moe
+        return self.weights - self.expert_bytes * (1 - m.top_k / m.num_experts) ** tokens
 
-    def predict(f: Figures, flops_attn: float, kv_read: float, kv_written: float, logits_rows: int,
+    def predict(self, f: Figures, flops_attn: float, kv_read: float, kv_written: float, logits_rows: int,
                 tokens: int) -> dict:
         flops = f.flops + flops_attn
         # Lower bound on HBM traffic: every weight once (of the routed experts, those chosen), the K/V read and
         # written, the logits.
-        min_bytes = weights_read(tokens) + kv_read + kv_written + logits_rows * cfg.vocab_size * 4
+        min_bytes = self.weights_read(tokens) + kv_read + kv_written + logits_rows * self.cfg.vocab_size * 4
         xla_bytes = f.bytes_accessed + kv_read
-        t = max(flops / peak_flops, min_bytes / peak_bw)
-        t_xla = max(flops / peak_flops, xla_bytes / peak_bw)
+        t = max(flops / self.peak_flops, min_bytes / self.peak_bw)
+        t_xla = max(flops / self.peak_flops, xla_bytes / self.peak_bw)
         return {"flops": flops, "xla_flops": f.flops, "min_bytes": min_bytes, "xla_bytes_accessed": f.bytes_accessed,
-                "seconds": t, "seconds_xla_bytes": t_xla, "compute_bound": flops / peak_flops >= min_bytes / peak_bw,
-                "collectives": f.collectives}
+                "seconds": t, "seconds_xla_bytes": t_xla,
+                "compute_bound": flops / self.peak_flops >= min_bytes / self.peak_bw, "collectives": f.collectives}
 
-    decode = {}
-    for b in req.decode_batches:
-        f = figures[probes[f"decode@{b}"]]
-        p = predict(f, attn_flops_dev(b, context + 1), b * (context + 1) * kv_token_dev, b * kv_token_dev, b, b)
-        p.update(batch=b, context=context, tokens_per_s=replicas * b / p["seconds"],
-                 tokens_per_s_xla_bytes=replicas * b / p["seconds_xla_bytes"],
-                 within_max_num_seqs=b <= req.max_num_seqs)
-        decode[str(b)] = p
-    f = figures[probes["prefill"]]
-    chunks, ttft, ttft_xla, flops_total = _ceil(prompt_len, prompt_tokens), 0.0, 0.0, 0.0
-    for i in range(chunks):
-        rows = min(prompt_tokens, prompt_len - i * prompt_tokens)
-        before = i * prompt_tokens
-        p = predict(f, attn_flops_dev(rows, before + (rows + 1) / 2), before * kv_token_dev, rows * kv_token_dev, 1,
-                    rows)
-        ttft, ttft_xla, flops_total = ttft + p["seconds"], ttft_xla + p["seconds_xla_bytes"], flops_total + p["flops"]
-    prefill = {"prompt_tokens": prompt_len, "step_tokens": prompt_tokens, "steps": chunks, "ttft_s": ttft,
-               "ttft_s_xla_bytes": ttft_xla, "flops": flops_total, "collectives": f.collectives,
-               "compute_bound": p["compute_bound"]}
+    def decode(self, req: Request, figures: dict, probes: dict, context: int, replicas: int) -> dict:
+        out = {}
+        for b in req.decode_batches:
+            f = figures[probes[f"decode@{b}"]]
+            p = self.predict(f, self.attn_flops(b, context + 1), b * (context + 1) * self.kv_token,
+                             b * self.kv_token, b, b)
+            p.update(batch=b, context=context, tokens_per_s=replicas * b / p["seconds"],
+                     tokens_per_s_xla_bytes=replicas * b / p["seconds_xla_bytes"],
+                     within_max_num_seqs=b <= req.max_num_seqs)
+            out[str(b)] = p
+        return out
 
+    def prefill(self, f: Figures, prompt_len: int, prompt_tokens: int) -> dict:
+        chunks, ttft, ttft_xla, flops_total = _ceil(prompt_len, prompt_tokens), 0.0, 0.0, 0.0
+        for i in range(chunks):
+            rows = min(prompt_tokens, prompt_len - i * prompt_tokens)
+            before = i * prompt_tokens
+            p = self.predict(f, self.attn_flops(rows, before + (rows + 1) / 2), before * self.kv_token,
+                             rows * self.kv_token, 1, rows)
+            ttft, ttft_xla = ttft + p["seconds"], ttft_xla + p["seconds_xla_bytes"]
+            flops_total += p["flops"]
+        return {"prompt_tokens": prompt_len, "step_tokens": prompt_tokens, "steps": chunks, "ttft_s": ttft,
+                "ttft_s_xla_bytes": ttft_xla, "flops": flops_total, "collectives": f.collectives,
+                "compute_bound": p["compute_bound"]}
+
+
+def run(req: Request, log=None) -> dict:
+    """Compile and predict; returns the report as a JSON-able dict. Raises AotError for bad requests."""
+    log = log or (lambda msg: None)
+    t = resolve(req)
+    replicas = t.mesh_cfg.data
+    full = _compiler(t, req, t.cfg.num_layers, 2 * replicas)  # for the exact weight bytes only (nothing compiled)
+    # The engine sizes its pool from free HBM after loading the weights (Executor._auto_num_pages).
+    engine_pages = engine_pool_pages(t, req, full.weight_bytes)
+    num_pages = req.num_pages // replicas if req.num_pages else engine_pages
+    compile_pages = max(num_pages, t.pages_per_seq, 2)  # the shape compiled (temporaries do not depend on it)
+    probes, todo, context, prompt_len, prompt_tokens = _probes(t, req)
+    figures, sampler, layers_compiled = _compile_all(t, req, todo, compile_pages, log)
+    memory, capacity = _memory(t, req, full, figures, sampler, engine_pages, num_pages)
+    predictor = _Predictor(t, full)
+    cfg = t.cfg
     return {
         "model": req.model, "architecture": cfg.architecture, "params_b": cfg.num_params / 1e9,
         "active_params_b": cfg.num_active_params / 1e9,
-        "num_layers": cfg.num_layers, "topology": req.topology, "device_kind": devices[0].device_kind,
-        "chip": dataclasses.asdict(chip), "devices_per_chip": per_chip, "mesh": str(mesh_cfg),
-        "dtype": jnp.dtype(dtype).name, "kv_dtype": jnp.dtype(cache_dtype).name, "quantization": req.quantization,
+        "num_layers": cfg.num_layers, "topology": req.topology, "device_kind": t.devices[0].device_kind,
+        "chip": dataclasses.asdict(t.chip), "devices_per_chip": t.per_chip, "mesh": str(t.mesh_cfg),
+        "dtype": jnp.dtype(t.dtype).name, "kv_dtype": jnp.dtype(t.cache_dtype).name, "quantization": req.quantization,
         "page_size": req.page_size,
         "max_num_seqs": req.max_num_seqs, "max_num_batched_tokens": req.max_num_batched_tokens,
-        "max_model_len": max_model_len, "hbm_utilization": req.hbm_utilization,
+        "max_model_len": t.max_model_len, "hbm_utilization": req.hbm_utilization,
         "jax": jax.__version__, "libtpu": _libtpu_version(),
         "compiled": {"step_shapes": len(todo), "buckets": req.buckets, "layers_compiled": list(layers_compiled),
                      "exact": not req.sample_layers or len(layers_compiled) == 1,
                      "sampler_executables": len(sampler),
                      "compile_seconds": sum(f.seconds for f in figures.values()) + sum(f.seconds for f in sampler)},
-        "memory_per_device": {
-            "hbm": hbm, "weights": weights, "expert_weights": expert_bytes, "kv_bytes_per_page": page_bytes,
-            "step_temp_max": step_temp,
-            "step_outputs_max": outputs, "sampler_temp_max": sampler_temp, "penalty_state": full.penalty_bytes,
-            "generated_code_max": max(f.code for f in figures.values()),
-            "argument_max": max(f.argument for f in figures.values()),
-            "engine_pool_pages": engine_pages, "pool_pages": pool_pages, "pool_bytes": max(pool_pages, 0) * page_bytes,
-            "pool_tokens": pool_tokens, "fits": fits, "short_by": max(0.0, need - usable),
-            "full_length_sequences": pool_tokens // max_model_len,
-        },
+        "memory_per_device": memory,
         "capacity_at_max_num_seqs": capacity,
-        "decode": decode, "prefill": prefill,
+        "decode": predictor.decode(req, figures, probes, context, replicas),
+        "prefill": predictor.prefill(figures[probes["prefill"]], prompt_len, prompt_tokens),
         "steps": [{"kind": k, "tokens": t, "slots": s, "pages": p, **{n: getattr(fig, n) for n in (
             "argument", "output", "alias", "temp", "code", "flops", "bytes_accessed", "seconds", "exact")}}
             for (k, t, s, p), fig in figures.items()],
@@ -597,7 +650,8 @@ def format_report(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m jaxserve.aot", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help=f"a Hugging Face folder (config.json) or a preset: "
                                                   f"{', '.join(PRESETS)}")
     p.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:2x2, v5e:2x4, v6e:2x4, v5p:2x2x1")

@@ -3,6 +3,7 @@
     python -m jaxserve.capacity --model M --hbm-gb 80 [--mesh tensor=8] [--dtype bfloat16] [--page-size 16]
         [--hbm-utilization 0.9] [--max-model-len N] [--quantization int8|fp8 [--quantize-lm-head]]
         [--kv-cache-dtype auto|int8|fp8|fp8_e4m3|fp8_e5m2]
+        [--max-num-seqs 32 --max-num-batched-tokens 512]
 
 8-bit weights take one byte per parameter plus a float32 scale per output channel; an 8-bit KV cache takes one
 byte per value plus a float32 scale per token, KV head and K or V (``jaxserve.executor.kv_cache.bytes_per_token``).
@@ -11,29 +12,31 @@ Reads only config.json (no weights are loaded). With a mesh, weights and the KV 
 tensor axis (KV heads replicated when the axis exceeds them), a Mixture-of-Experts model's routed experts also
 across the expert axis, and each data replica holds a full copy. For an MoE model it reports total parameters
 (what memory holds) and active ones (what one token's forward pass reads: its top-k experts per layer).
+
+Pages are counted by the engine's own rule (``jaxserve.executor.kv_cache.pool_pages``): for a model interleaving
+windowed and global layers (Gemma 2/3) the windowed layers' own pool, sized from ``--max-num-seqs`` and
+``--max-num-batched-tokens`` as the engine sizes it, is set aside first.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from jaxserve.config.engine import KV_CACHE_DTYPES, QUANTIZATIONS
-from jaxserve.executor.kv_cache import bytes_per_token
+from jaxserve.config.engine import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from jaxserve.executor.kv_cache import bytes_per_token, kv_storage_dtype, local_pool_pages, pool_pages
 from jaxserve.models.checkpoint import resolve_model_path
 from jaxserve.models.config import ModelConfig
-from pallas_kernels.quantized_pages import STORAGE
 from sharding.config import MeshConfig
 from sharding.rules import check_expert_parallel, check_tensor_parallel
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def capacity(cfg: ModelConfig, *, hbm_gb: float, dtype: str, page_size: int, mesh: MeshConfig,
-             utilization: float, max_model_len: int, quantization: str | None = None, quantize_lm_head: bool = False,
-             kv_cache_dtype: str = "auto") -> dict[str, float]:
-    dtype = dtype if dtype != "auto" else cfg.torch_dtype
+def weights_per_device(cfg: ModelConfig, dtype: str, mesh: MeshConfig, quantization: str | None = None,
+                       quantize_lm_head: bool = False) -> float:
+    """Weight bytes on each device: dense weights divided over ``tensor``, routed experts also over ``expert``.
+    8-bit weights take a byte each plus a float32 scale per output channel (a column of about hidden_size)."""
     item = _ITEMSIZE[dtype]
-    kv_dtype = dtype if kv_cache_dtype == "auto" else STORAGE[kv_cache_dtype]
     tensor = mesh.tensor
     check_tensor_parallel(cfg.num_heads, cfg.num_kv_heads, tensor)  # as the engine refuses a mesh it cannot use
     check_expert_parallel(cfg.moe and cfg.moe.num_experts, mesh.expert)
@@ -41,26 +44,40 @@ def capacity(cfg: ModelConfig, *, hbm_gb: float, dtype: str, page_size: int, mes
     embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)  # embedding and LM head
     if quantization is None:
         dense_bytes, routed_bytes = (cfg.num_params - routed) * item, routed * item
-    else:  # 1 byte a weight plus a 4-byte scale per output channel (a column of about hidden_size weights)
+    else:
         per_weight = 1 + 4 / cfg.hidden_size
         head_item = per_weight if quantize_lm_head else item
         dense_bytes = (cfg.num_params - routed - embed) * per_weight + embed * head_item
         routed_bytes = routed * per_weight
-    weights_per_device = dense_bytes / tensor + routed_bytes / (tensor * mesh.expert)
-    kv_token_device = bytes_per_token(cfg, kv_dtype, tensor)  # exactly what the engine's pool allocates
-    budget = hbm_gb * 2**30 * utilization - weights_per_device
-    if budget <= 0:
-        raise ValueError(f"the weights ({weights_per_device / 2**30:.1f} GiB per device) do not fit in "
+    return dense_bytes / tensor + routed_bytes / (tensor * mesh.expert)
+
+
+def capacity(cfg: ModelConfig, *, hbm_gb: float, dtype: str, page_size: int, mesh: MeshConfig,
+             utilization: float, max_model_len: int, quantization: str | None = None, quantize_lm_head: bool = False,
+             kv_cache_dtype: str = "auto", max_num_seqs: int = EngineConfig.max_num_seqs,
+             max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens) -> dict[str, float]:
+    """The pool the engine would size on a device of ``hbm_gb`` (``kv_cache.pool_pages``, the engine's rule).
+    ``max_num_seqs`` and ``max_num_batched_tokens`` size the windowed layers' own pool of a model interleaving
+    windowed and global layers (Gemma 2/3), which comes first; the pages reported are the global pool's."""
+    dtype = dtype if dtype != "auto" else cfg.torch_dtype
+    kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
+    weights = weights_per_device(cfg, dtype, mesh, quantization, quantize_lm_head)
+    kv_token_device = bytes_per_token(cfg, kv_dtype, mesh.tensor)  # exactly what the engine's pool allocates
+    if hbm_gb * 2**30 * utilization - weights <= 0:
+        raise ValueError(f"the weights ({weights / 2**30:.1f} GiB per device) do not fit in "
                          f"{hbm_gb} GB at utilization {utilization}")
-    pages = int(budget // (kv_token_device * page_size))
+    local = local_pool_pages(cfg.sliding_windows, page_size, max_num_seqs, max_num_batched_tokens)
+    pages = pool_pages(hbm_gb * 2**30, kv_token_device, page_size, utilization=utilization, used=weights,
+                       windows=cfg.sliding_windows, local_pages=local)
     tokens = pages * page_size * mesh.data
     return {
         "total_params": cfg.num_params,
         "active_params": cfg.num_active_params,
-        "weights_gib_per_device": weights_per_device / 2**30,
+        "weights_gib_per_device": weights / 2**30,
         "kv_bytes_per_token": bytes_per_token(cfg, kv_dtype),
         "kv_bytes_per_token_per_device": kv_token_device,
         "pages_per_replica": pages,
+        "window_pages_per_replica": local,
         "tokens_of_context": tokens,
         "full_length_sequences": tokens // max_model_len,
         "max_model_len": max_model_len,
@@ -68,7 +85,8 @@ def capacity(cfg: ModelConfig, *, hbm_gb: float, dtype: str, page_size: int, mes
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m jaxserve.capacity", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--hbm-gb", type=float, required=True, help="accelerator memory per device, GB")
     p.add_argument("--mesh", default=None)
@@ -79,13 +97,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
     p.add_argument("--quantize-lm-head", action="store_true")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
+                   help="with --max-num-batched-tokens: the windowed layers' own pool of a model interleaving "
+                        "windowed and global layers")
+    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     args = p.parse_args(argv)
     cfg = ModelConfig.from_pretrained(resolve_model_path(args.model))
     max_len = args.max_model_len or cfg.max_position_embeddings
     c = capacity(cfg, hbm_gb=args.hbm_gb, dtype=args.dtype, page_size=args.page_size,
                  mesh=MeshConfig.parse(args.mesh), utilization=args.hbm_utilization, max_model_len=max_len,
                  quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
-                 kv_cache_dtype=args.kv_cache_dtype)
+                 kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
+                 max_num_batched_tokens=args.max_num_batched_tokens)
     print(f"{cfg.architecture}: {cfg.num_params / 1e9:.2f}B parameters, dtype {args.dtype}, weights "
           f"{args.quantization or args.dtype}, KV cache {args.kv_cache_dtype}, mesh {MeshConfig.parse(args.mesh)}")
     if cfg.moe:
@@ -97,6 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  KV bytes per token        {c['kv_bytes_per_token']:,} (all layers, K+V; "
           f"{c['kv_bytes_per_token_per_device']:,.0f} per device)")
     print(f"  KV pages per replica      {c['pages_per_replica']:,} of {args.page_size} tokens")
+    if c["window_pages_per_replica"]:
+        print(f"  windowed layers' pool     {c['window_pages_per_replica']:,} pages (set aside first; the pages "
+              "above hold only the global layers' KV)")
     print(f"  tokens of context         {c['tokens_of_context']:,} (batch x context, all replicas)")
     print(f"  sequences at {max_len:,} tokens  {c['full_length_sequences']:,}")
 
