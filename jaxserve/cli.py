@@ -10,31 +10,27 @@ Each command's module is imported only when that command runs, so ``jaxserve --h
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import importlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 
 @dataclasses.dataclass(frozen=True)
 class Command:
-    """A subcommand: its one-line description and the module and function that run it. ``takes_argv``: the
-    function takes ``(argv, prog=...)``; the offline tools' entry points read ``sys.argv`` instead."""
+    """A subcommand: its one-line description and the module and function that run it, as
+    ``function(argv, prog=...)``."""
 
     summary: str
     module: str
     function: str
-    takes_argv: bool = False
 
 
 COMMANDS = {
-    "serve": Command("serve a model over an OpenAI-compatible HTTP API and gRPC", "jaxserve.serve", "main",
-                     takes_argv=True),
-    "generate": Command("generate text offline for prompts given on the command line", "jaxserve.generate", "main",
-                        takes_argv=True),
+    "serve": Command("serve a model over an OpenAI-compatible HTTP API and gRPC", "jaxserve.serve", "main"),
+    "generate": Command("generate text offline for prompts given on the command line", "jaxserve.generate", "main"),
     "aot": Command("compile the serving steps ahead of time for TPU topologies", "jaxserve.tools.aot", "cli"),
-    "plan": Command("simulate deployments and find the rates that meet the SLOs", "jaxserve.tools.plan", "main"),
+    "plan": Command("simulate deployments and find the rates that meet the SLOs", "jaxserve.tools.plan.cli", "main"),
     "capacity": Command("the KV pages, sequences and context that fit on a device", "jaxserve.tools.capacity",
                         "main"),
 }
@@ -50,28 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-@contextlib.contextmanager
-def _as_program(prog: str, argv: list[str]) -> Iterator[None]:
-    """Runs a tool's entry point as its own program: the tools read their options from ``sys.argv`` (``aot``'s
-    ``cli`` takes none) and argparse names the program after ``sys.argv[0]``."""
-    saved = sys.argv
-    sys.argv = [prog, *argv]
-    try:
-        yield
-    finally:
-        sys.argv = saved
-
-
 def run_command(name: str, argv: list[str]) -> int:
     """Runs subcommand ``name`` with its options ``argv``; returns the exit code."""
     if name == "serve" and argv and not argv[0].startswith("-"):  # jaxserve serve MODEL, as vllm serve MODEL
         argv = ["--model", argv[0], *argv[1:]]
     command, prog = COMMANDS[name], f"jaxserve {name}"
     entry: Callable[..., int | None] = getattr(importlib.import_module(command.module), command.function)
-    if command.takes_argv:
-        return entry(argv, prog=prog) or 0
-    with _as_program(prog, argv):
-        return entry() or 0
+    return entry(argv, prog=prog) or 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 JAXSERVE_COMMANDS = ("serve", "generate", "aot", "plan", "capacity")
-PLAN_XFAIL = pytest.mark.xfail(strict=False, reason="plan's parser is being fixed")
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess:
@@ -27,14 +26,14 @@ CASES = [
     (["-m", "jaxserve.generate"], "python -m jaxserve.generate", ["--prompt", "--model"]),
     (["-m", "jaxserve.aot"], "aot", ["--topology", "--model"]),
     (["-m", "jaxserve.capacity"], "capacity", ["--hbm-gb", "--model"]),
-    pytest.param(["-m", "jaxserve.plan"], "plan", ["calibrate", "simulate"], marks=PLAN_XFAIL),
+    (["-m", "jaxserve.plan"], "plan", ["calibrate", "simulate"]),
     (["-m", "jaxserve.plan", "simulate"], "plan simulate", ["--steps"]),
     (["-m", "jaxserve.cli"], "jaxserve", JAXSERVE_COMMANDS),
     (["-m", "jaxserve.cli", "serve"], "jaxserve serve", ["--model", "--http-port"]),
     (["-m", "jaxserve.cli", "generate"], "jaxserve generate", ["--prompt", "--model"]),
     (["-m", "jaxserve.cli", "aot"], "jaxserve aot", ["--topology", "--model"]),
     (["-m", "jaxserve.cli", "capacity"], "jaxserve capacity", ["--hbm-gb", "--model"]),
-    pytest.param(["-m", "jaxserve.cli", "plan"], "jaxserve plan", ["calibrate", "simulate"], marks=PLAN_XFAIL),
+    (["-m", "jaxserve.cli", "plan"], "jaxserve plan", ["calibrate", "simulate"]),
     (["-m", "jaxserve.cli", "plan", "calibrate"], "plan calibrate", ["--out"]),
     (["-m", "jaxserve.cli", "plan", "simulate"], "plan simulate", ["--steps"]),
 ]

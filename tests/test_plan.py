@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxserve.tools import plan
-from jaxserve.tools.plan import (Deployment, EngineShape, LinearStepModel, PlannedRequest, StepFeatures, max_rate,
-                           poisson_workload, simulate, summarize)
+from jaxserve.tools.plan import calibration, cli, simulator, step_model, workload
+from jaxserve.tools.plan.simulator import Deployment, EngineShape, max_rate, simulate, summarize
+from jaxserve.tools.plan.step_model import LinearStepModel, StepFeatures
+from jaxserve.tools.plan.workload import PlannedRequest, poisson_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,7 +93,7 @@ def test_largest_rate_search_brackets_where_attainment_drops():
     reqs = poisson_workload(300, 1.0, (100, 100), (10, 10), seed=0)
 
     def run(rate):
-        tracks = simulate(plan.scale_arrivals(reqs, rate), Deployment("c", 512), FLAT, ENGINE)
+        tracks = simulate(workload.scale_arrivals(reqs, rate), Deployment("c", 512), FLAT, ENGINE)
         return summarize(tracks, "c", rate, 1, slo_ttft_s=0.5, slo_tpot_s=0.05)
 
     best = max_rate(run, 0.01, 100.0, attainment=0.9, tolerance=0.05)
@@ -114,7 +115,7 @@ def test_early_stop_agrees_with_the_full_run_on_an_overloaded_deployment():
 def test_roofline_model_is_weight_bound_at_batch_one_and_compute_bound_in_prefill():
     from jaxserve.tools.aot import model_config
 
-    m = plan.roofline_from_config(model_config("llama-3.1-8b"), chip="h100", chips=1, efficiency=1.0)
+    m = step_model.roofline_from_config(model_config("llama-3.1-8b"), chip="h100", chips=1, efficiency=1.0)
     one = m.seconds(StepFeatures(True, 1, 1, 1, 0.0))
     assert one == pytest.approx(m.weight_bytes / 3350e9, rel=1e-3)  # ~16 GB of weights at 3.35 TB/s
     prefill = m.seconds(StepFeatures(False, 2048, 2048, 2048, 2048 * 2049 / 2))
@@ -139,22 +140,22 @@ def test_linear_fit_recovers_known_coefficients():
 
 def test_bad_input_is_refused_naming_the_field(tmp_path):
     with pytest.raises(ValueError, match="--prompt-len"):
-        plan.parse_range("0:4", "--prompt-len")
+        workload.parse_range("0:4", "--prompt-len")
     with pytest.raises(ValueError, match="--splits"):
-        plan.parse_split("2-2")
+        simulator.parse_split("2-2")
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"arrival_s": 0, "prompt_len": 4}\n')
     with pytest.raises(ValueError, match="output_len"):
-        plan.read_trace(trace)
+        workload.read_trace(trace)
     with pytest.raises(ValueError, match="chip"):
-        plan.roofline_from_config(None, chip="a100", chips=1)
+        step_model.roofline_from_config(None, chip="a100", chips=1)
     with pytest.raises(SystemExit):
-        plan.main(["simulate", "--chip", "v6e", "--model", "llama-3.1-8b", "--chips", "4", "--splits", "1:2"])
+        cli.main(["simulate", "--chip", "v6e", "--model", "llama-3.1-8b", "--chips", "4", "--splits", "1:2"])
 
 
 def test_simulate_command_writes_every_report(tmp_path, capsys):
     out = tmp_path / "plan"
-    code = plan.main(["simulate", "--model", "llama-3.1-8b", "--chip", "v6e", "--chips", "4", "--num-requests",
+    code = cli.main(["simulate", "--model", "llama-3.1-8b", "--chip", "v6e", "--chips", "4", "--num-requests",
                       "30", "--prompt-len", "512", "--output-len", "16", "--rates", "2", "--chunks", "256,512",
                       "--splits", "1:3", "--chip-hour-usd", "2.7", "--search-duration-s", "2", "--out-dir",
                       str(out)])
@@ -170,14 +171,15 @@ def test_simulate_command_writes_every_report(tmp_path, capsys):
 
 
 def test_calibrate_times_the_engines_own_steps(tmp_path):
-    from jaxserve.engine.engine import Engine
     from jaxserve.config.engine import EngineConfig
+    from jaxserve.engine.engine import Engine
+
     from tiny import build_tiny_model
 
     folder = build_tiny_model("llama", tmp_path / "m")
     engine = Engine(EngineConfig(model=str(folder), page_size=4, num_pages=64, max_model_len=64, max_num_seqs=4,
                                  max_num_batched_tokens=32, warmup=False, compilation_cache_dir=None))
-    model, samples = plan.calibrate(engine, contexts=[8, 40], decode_steps=3, log=lambda m: None)
+    model, samples = calibration.calibrate(engine, contexts=[8, 40], decode_steps=3, log=lambda m: None)
     kinds = {f.decode for f, _ in samples}
     assert kinds == {True, False}
     # Per context: 3 decode slot buckets (1, 2, 4), each with its prompt steps and 3 decode steps.
@@ -197,14 +199,14 @@ def test_step_features_follow_the_compiled_shape():
     for i, n in enumerate((19, 39, 7)):
         sched.add(Sequence(str(i), [1] * n, SamplingParams(max_tokens=4, ignore_eos=True)))
     prompt = sched.schedule()
-    f = plan.step_features(prompt, shapes, eng.page_size)
+    f = step_model.step_features(prompt, shapes, eng.page_size)
     assert not f.decode and f.new_tokens == 19 + 39 + 6  # the budget of 64 cuts the third prompt at 6 tokens
     assert f.padded_tokens == 64 and f.keys_read == 64
     assert f.prompt_pairs == 19 * 20 / 2 + 39 * 40 / 2 + 6 * 7 / 2
     sched.update(prompt, [0, 0, 0])
     sched.update(sched.schedule(), [0, 0, 0])  # the third prompt's last token beside two decodes
     decode = sched.schedule()
-    f = plan.step_features(decode, shapes, eng.page_size)
+    f = step_model.step_features(decode, shapes, eng.page_size)
     # Three decodes (KV 21, 41, 8 tokens): 4 slots (bucket) x the page table of decode steps, always the full
     # 64 pages (max_model_len 256 / 4), x 4 tokens.
     assert f.decode and f.padded_tokens == 4 and f.keys_read == 21 + 41 + 8
@@ -215,15 +217,15 @@ def test_sliding_window_caps_keys_pairs_and_pages():
     from jaxserve.sampling_params import SamplingParams
     from jaxserve.scheduler.sequence import Sequence
 
-    assert plan._causal_pairs(0, 10, None) == 55 and plan._causal_pairs(0, 10, 4) == 1 + 2 + 3 + 4 * 7
-    assert plan._causal_pairs(2, 6, 4) == 3 + 4 + 4 + 4 and plan._causal_pairs(6, 10, 4) == 16
+    assert step_model._causal_pairs(0, 10, None) == 55 and step_model._causal_pairs(0, 10, 4) == 1 + 2 + 3 + 4 * 7
+    assert step_model._causal_pairs(2, 6, 4) == 3 + 4 + 4 + 4 and step_model._causal_pairs(6, 10, 4) == 16
     eng = EngineShape(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_pages=256, page_size=4,
                       attention_window=8)
     sched, shapes = eng.scheduler(), eng.shapes()
     sched.add(Sequence("w", [1] * 40, SamplingParams(max_tokens=4, ignore_eos=True)))
     prompt = sched.schedule()
-    f = plan.step_features(prompt, shapes, eng.page_size, window=8)
-    assert f.keys_read == 8 and f.prompt_pairs == plan._causal_pairs(0, 40, 8) < 40 * 41 / 2
+    f = step_model.step_features(prompt, shapes, eng.page_size, window=8)
+    assert f.keys_read == 8 and f.prompt_pairs == step_model._causal_pairs(0, 40, 8) < 40 * 41 / 2
     sched.update(prompt, [0])
     sched.schedule()  # the decode releases the pages its window has passed, as the engine's scheduler does
     assert sched.block_manager.stats()["pages_released_behind_window"] > 0
@@ -233,26 +235,27 @@ def test_mixed_window_model_is_planned_per_layer(tmp_path):
     """Gemma-style interleaved windowed and global layers: keys, pairs and transfer bytes are averaged over the
     layers, the global pool holds only the global layers' KV beside the windowed layers' own pool, sized as the
     engine sizes it, and the simulated scheduler recycles the windowed pool as the engine's does."""
-    from jaxserve.engine.engine import Engine
     from jaxserve.config.engine import EngineConfig
+    from jaxserve.engine.engine import Engine
     from jaxserve.sampling_params import SamplingParams
     from jaxserve.scheduler.sequence import Sequence
     from jaxserve.scheduler.window_pool import window_pages_needed
+
     from tiny import build_tiny_model
 
     windows = (8, 8, None)  # two windowed layers for each global one
-    assert plan.kv_tokens(40, windows) == pytest.approx(2 / 3 * 8 + 1 / 3 * 40)
-    assert plan.kv_tokens(40, None) == 40 and plan.kv_tokens(40, 8) == 8
-    fields = plan.window_fields(windows, page_size=4, max_num_seqs=8, max_num_batched_tokens=64, num_pages=256)
+    assert step_model.kv_tokens(40, windows) == pytest.approx(2 / 3 * 8 + 1 / 3 * 40)
+    assert step_model.kv_tokens(40, None) == 40 and step_model.kv_tokens(40, 8) == 8
+    fields = simulator.window_fields(windows, page_size=4, max_num_seqs=8, max_num_batched_tokens=64, num_pages=256)
     local = window_pages_needed(8, 4, 8, 64)
     assert fields == {"local_window": 8, "local_pages": local, "layer_windows": windows}
-    assert plan.window_fields((None, None), page_size=4, max_num_seqs=8, max_num_batched_tokens=64) == {}
-    assert plan.window_fields((8, 8), page_size=4, max_num_seqs=8, max_num_batched_tokens=64) == \
+    assert simulator.window_fields((None, None), page_size=4, max_num_seqs=8, max_num_batched_tokens=64) == {}
+    assert simulator.window_fields((8, 8), page_size=4, max_num_seqs=8, max_num_batched_tokens=64) == \
         {"attention_window": 8}
     # Capacity: the global pool's pages carry a third of the KV bytes, after the windowed pool's share.
     budget, per_token = 1e6, 96.0
-    as_global = plan.pool_pages(budget, per_token, 4, {})
-    mixed = plan.pool_pages(budget, per_token, 4, fields)
+    as_global = simulator.pool_pages(budget, per_token, 4, {})
+    mixed = simulator.pool_pages(budget, per_token, 4, fields)
     assert mixed == int((budget - local * 4 * per_token * 2 / 3) // (per_token / 3 * 4)) and mixed > 2 * as_global
 
     eng = EngineShape(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_pages=256, page_size=4,
@@ -260,9 +263,9 @@ def test_mixed_window_model_is_planned_per_layer(tmp_path):
     sched, shapes = eng.scheduler(), eng.shapes()
     sched.add(Sequence("g", [1] * 40, SamplingParams(max_tokens=4, ignore_eos=True)))
     prompt = sched.schedule()
-    f = plan.step_features(prompt, shapes, eng.page_size, window=eng.windows)
-    assert f.keys_read == pytest.approx(plan.kv_tokens(40, windows))
-    assert f.prompt_pairs == pytest.approx(2 / 3 * plan._causal_pairs(0, 40, 8) + 1 / 3 * 40 * 41 / 2)
+    f = step_model.step_features(prompt, shapes, eng.page_size, window=eng.windows)
+    assert f.keys_read == pytest.approx(step_model.kv_tokens(40, windows))
+    assert f.prompt_pairs == pytest.approx(2 / 3 * step_model._causal_pairs(0, 40, 8) + 1 / 3 * 40 * 41 / 2)
     sched.update(prompt, [0])
     sched.schedule()
     stats = sched.block_manager.stats()
@@ -273,7 +276,7 @@ def test_mixed_window_model_is_planned_per_layer(tmp_path):
     engine = Engine(EngineConfig(model=str(path), page_size=4, max_model_len=64, max_num_seqs=4,
                                  max_num_batched_tokens=16, num_pages=64, warmup=False, compilation_cache_dir=None))
     cfg, sc = engine.model_config, engine.executor.scheduler_config
-    planned = plan.window_fields(cfg.sliding_windows, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+    planned = simulator.window_fields(cfg.sliding_windows, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
                                  num_pages=64)
     assert (sc.local_window, sc.local_pages) == (planned["local_window"], planned["local_pages"])
     assert None in cfg.sliding_windows and planned["layer_windows"] == cfg.sliding_windows
@@ -290,7 +293,7 @@ def test_mixed_window_model_is_planned_per_layer(tmp_path):
     sized = Engine(EngineConfig(model=str(path), page_size=4, max_model_len=64, max_num_seqs=4,
                                 max_num_batched_tokens=16, cpu_kv_cache_gib=budget / 2**30, warmup=False,
                                 compilation_cache_dir=None, dtype="float32"))
-    fields = plan.window_fields(cfg.sliding_windows, page_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    fields = simulator.window_fields(cfg.sliding_windows, page_size=4, max_num_seqs=4, max_num_batched_tokens=16)
     pages = sized.executor.cache_config.num_pages
-    assert pages == plan.pool_pages(budget, per_token, 4, fields) > 24
+    assert pages == simulator.pool_pages(budget, per_token, 4, fields) > 24
     assert sum(a.nbytes for a in jax.tree.leaves(sized.executor.runner.kv_cache)) <= budget

@@ -15,10 +15,12 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.executor.executor import Executor
 from jaxserve.executor.kv_cache import bytes_per_token, kv_storage_dtype, local_pool_pages, pool_pages
 from jaxserve.models.config import ModelConfig
-from jaxserve.tools import aot, plan
+from jaxserve.tools import aot
 from jaxserve.tools.capacity import capacity, weights_per_device
 from jaxserve.tools.chips import CHIPS, DEVICE_KINDS
+from jaxserve.tools.plan import cli, simulator, step_model
 from sharding.config import MeshConfig
+
 from tiny import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,9 +66,9 @@ def test_engine_capacity_aot_and_plan_count_the_same_pages(model):
     assert cap["pages_per_replica"] == engine
     assert cap["window_pages_per_replica"] == local_pool_pages(cfg.sliding_windows, PAGE, SEQS, TOKENS)
     # plan: its simulated engine's pool (from the budget), and an instance's pool on chips (from their HBM).
-    fields = plan.window_fields(cfg.sliding_windows, page_size=PAGE, max_num_seqs=SEQS, max_num_batched_tokens=TOKENS)
-    assert plan.pool_pages(budget, per_token, PAGE, fields) == engine
-    assert plan.instance_pool_pages(cfg, budget + weights, chips=1, utilization=1.0, page_size=PAGE,
+    fields = simulator.window_fields(cfg.sliding_windows, page_size=PAGE, max_num_seqs=SEQS, max_num_batched_tokens=TOKENS)
+    assert simulator.pool_pages(budget, per_token, PAGE, fields) == engine
+    assert cli.instance_pool_pages(cfg, budget + weights, chips=1, utilization=1.0, page_size=PAGE,
                                     max_model_len=MAX_LEN, max_num_seqs=SEQS, max_num_batched_tokens=TOKENS,
                                     dtype="float32") == engine
     if cfg.local_window is not None:  # two pools: more global pages than pricing each page at every layer's KV
@@ -108,7 +110,7 @@ def test_one_chip_table_with_the_published_figures():
     v6e = CHIPS["v6e"]
     assert (v6e.peak_flops, v6e.hbm_bytes_per_s, v6e.hbm_bytes) == (918e12, 1640e9, 32 * 2**30)
     assert aot.chip_of([type("D", (), {"device_kind": "TPU v6 lite"})()], "v6e:1x1") == (v6e, 1)
-    m = plan.roofline_from_config(aot.model_config("llama-3.2-1b"), chip="v6e", chips=1)
+    m = step_model.roofline_from_config(aot.model_config("llama-3.2-1b"), chip="v6e", chips=1)
     assert (m.peak_flops, m.peak_bytes_per_s) == (918e12, 1640e9)
 
 
@@ -126,12 +128,12 @@ def test_help_exits_0_and_lists_what_the_tool_takes(module, listed):
     for name in listed:
         assert any(line.strip().startswith(name) for line in lines), name
     if module == "jaxserve.plan":  # each command on a line of its own, with what it does
-        for name, text in plan.COMMANDS.items():
+        for name, text in cli.COMMANDS.items():
             assert f"  {name}" in done.stdout and text in done.stdout
 
 
 def test_plan_without_a_command_is_an_error_that_lists_the_commands(capsys):
-    assert plan.main([]) == 2 and plan.main(["bogus"]) == 2
+    assert cli.main([]) == 2 and cli.main(["bogus"]) == 2
     err = capsys.readouterr().err
     assert "calibrate" in err and "simulate" in err and "unknown command 'bogus'" in err
 
@@ -143,7 +145,7 @@ def test_plan_sizes_an_instance_at_the_configured_utilization(tmp_path, capsys):
     for util in (None, 0.5):
         argv = ["simulate", "--model", "llama-3.1-8b", "--chip", "v6e", "--rates", "1", "--num-requests", "2",
                 "--no-search", "--json"] + ([] if util is None else ["--hbm-utilization", str(util)])
-        assert plan.main(argv) == 0
+        assert cli.main(argv) == 0
         report = json.loads(capsys.readouterr().out)
         expected = capacity(cfg, hbm_gb=32, dtype="bfloat16", page_size=16, mesh=MeshConfig.parse(None),
                             utilization=util or EngineConfig.hbm_utilization, max_model_len=4096, max_num_seqs=256,

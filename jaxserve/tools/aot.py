@@ -46,8 +46,14 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jaxserve.config.args import add_engine_args
 from jaxserve.executor.batch import MeshBatch, StepKind
-from jaxserve.executor.kv_cache import (CACHE_AXES, CacheConfig, bytes_per_token, cache_sharding, kv_storage_dtype,
-                                       pool_pages)
+from jaxserve.executor.kv_cache import (
+    CACHE_AXES,
+    CacheConfig,
+    bytes_per_token,
+    cache_sharding,
+    kv_storage_dtype,
+    pool_pages,
+)
 from jaxserve.executor.penalty_state import PenaltyState
 from jaxserve.executor.runner import StepOutput, jit_step, step_layouts, step_static_args
 from jaxserve.executor.sampler import SamplingTensors, sample
@@ -649,8 +655,8 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jaxserve.aot", description=__doc__,
+def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.aot") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help=f"a Hugging Face folder (config.json) or a preset: "
                                                   f"{', '.join(PRESETS)}")
@@ -687,12 +693,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def cli() -> int:
+def cli(argv: list[str] | None = None, prog: str = "python -m jaxserve.aot") -> int:
     """The command line (``python -m jaxserve.aot``): compiles on the host CPU unless ``JAX_PLATFORMS`` says
     otherwise, since the chips are described, not attached."""
     if "JAX_PLATFORMS" not in os.environ:
         jax.config.update("jax_platforms", "cpu")
-    return main()
+    return main(argv, prog)
 
 
 if __name__ == "__main__":

@@ -84,8 +84,8 @@ def capacity(cfg: ModelConfig, *, hbm_gb: float, dtype: str, page_size: int, mes
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m jaxserve.capacity", description=__doc__,
+def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.capacity") -> None:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--hbm-gb", type=float, required=True, help="accelerator memory per device, GB")

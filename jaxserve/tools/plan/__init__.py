@@ -36,23 +36,8 @@ as many as the HBM left after the weights and the windowed pool holds).
 
 The workload generator draws the same lengths and Poisson arrivals as ``scripts/benchmark_serving.py`` for the
 same ``--seed``, so a simulation can be held against a measured run of the real server.
+
+Modules, one job each: ``workload`` (requests), ``step_model`` (step features, the linear and roofline models),
+``simulator`` (the engines on a simulated clock, the summary, the largest-rate search), ``calibration`` (timing
+the engine's steps), ``report`` (tables and files), ``cli`` (the commands).
 """
-
-# Modules, one job each: workload (requests), step_model (step features, the linear and roofline models),
-# simulator (the engines on a simulated clock, the summary, the largest-rate search), calibration (timing the
-# engine's steps), report (tables and files), cli (the commands).
-
-from jaxserve.tools.plan.calibration import calibrate
-from jaxserve.tools.plan.cli import COMMANDS, instance_pool_pages, format_report, main
-from jaxserve.tools.plan.simulator import (Deployment, EngineShape, Result, max_rate, parse_split, pool_pages,
-                                           simulate, summarize, window_fields)
-from jaxserve.tools.plan.step_model import (FEATURES, LinearStepModel, RooflineStepModel, StepFeatures, _causal_pairs,
-                                            kv_tokens, layer_groups, load_step_model, roofline_from_aot,
-                                            roofline_from_config, step_features)
-from jaxserve.tools.plan.workload import PlannedRequest, parse_range, poisson_workload, read_trace, scale_arrivals
-
-__all__ = ["COMMANDS", "FEATURES", "Deployment", "EngineShape", "LinearStepModel", "PlannedRequest", "Result",
-           "RooflineStepModel", "StepFeatures", "_causal_pairs", "calibrate", "format_report", "instance_pool_pages",
-           "kv_tokens", "layer_groups", "load_step_model", "main", "max_rate", "parse_range", "parse_split",
-           "poisson_workload", "pool_pages", "read_trace", "roofline_from_aot", "roofline_from_config",
-           "scale_arrivals", "simulate", "step_features", "summarize", "window_fields"]

@@ -75,12 +75,12 @@ def calibrate(engine, *, contexts: Seq[int] = (), decode_steps: int = 8, seed: i
 
 
 
-def calibrate_main(argv: list[str]) -> int:
+def calibrate_main(argv: list[str], prog: str = "python -m jaxserve.plan calibrate") -> int:
     from jaxserve.config.args import add_engine_args, engine_config_from_args
     from jaxserve.engine.engine import Engine
     from jaxserve.executor.kv_cache import bytes_per_token
 
-    p = argparse.ArgumentParser(prog="python -m jaxserve.plan calibrate",
+    p = argparse.ArgumentParser(prog=prog,
                                 description="Time the engine's steps on this machine and fit a step-time model.")
     p.add_argument("--out", required=True, help="where to write the step-time model (JSON)")
     p.add_argument("--contexts", default="", help="prompt lengths to calibrate at, e.g. 64,256 (default: two)")

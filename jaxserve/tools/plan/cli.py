@@ -19,10 +19,17 @@ from jaxserve.tools.capacity import capacity
 from jaxserve.tools.chips import CHIPS, GiB
 from jaxserve.tools.plan.calibration import calibrate_main
 from jaxserve.tools.plan.report import format_report, write_report
-from jaxserve.tools.plan.simulator import (Deployment, EngineShape, Result, max_rate, parse_split, simulate, summarize,
-                                           window_fields)
-from jaxserve.tools.plan.step_model import (StepFeatures, load_step_model, roofline_from_aot,
-                                            roofline_from_config)
+from jaxserve.tools.plan.simulator import (
+    Deployment,
+    EngineShape,
+    Result,
+    max_rate,
+    parse_split,
+    simulate,
+    summarize,
+    window_fields,
+)
+from jaxserve.tools.plan.step_model import StepFeatures, load_step_model, roofline_from_aot, roofline_from_config
 from jaxserve.tools.plan.workload import PlannedRequest, parse_range, poisson_workload, read_trace, scale_arrivals
 from sharding.config import MeshConfig
 
@@ -32,11 +39,11 @@ COMMANDS = {  # one line each in --help
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.plan") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in COMMANDS:
-        return (calibrate_main if argv[0] == "calibrate" else simulate_main)(argv[1:])
-    parser = _commands_parser()
+        return (calibrate_main if argv[0] == "calibrate" else simulate_main)(argv[1:], f"{prog} {argv[0]}")
+    parser = _commands_parser(prog)
     if argv[:1] in (["-h"], ["--help"]):
         parser.print_help()
         return 0
@@ -46,22 +53,22 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def _commands_parser() -> argparse.ArgumentParser:
+def _commands_parser(prog: str) -> argparse.ArgumentParser:
     """The top level's help: the planner's description and one line per command (each parses its own flags)."""
     from jaxserve.tools import plan
 
     width = max(map(len, COMMANDS)) + 2
     listing = "\n".join(f"  {name:<{width}}{text}" for name, text in COMMANDS.items())
     return argparse.ArgumentParser(
-        prog="python -m jaxserve.plan", usage=f"%(prog)s [-h] {{{','.join(COMMANDS)}}} ...",
+        prog=prog, usage=f"%(prog)s [-h] {{{','.join(COMMANDS)}}} ...",
         description=plan.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=f"commands:\n{listing}\n\nEach command's flags: python -m jaxserve.plan COMMAND --help")
+        epilog=f"commands:\n{listing}\n\nEach command's flags: {prog} COMMAND --help")
 
 
-def _simulate_parser() -> argparse.ArgumentParser:
+def _simulate_parser(prog: str) -> argparse.ArgumentParser:
     from jaxserve.tools import plan
 
-    p = argparse.ArgumentParser(prog="python -m jaxserve.plan simulate", description=plan.__doc__,
+    p = argparse.ArgumentParser(prog=prog, description=plan.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("step-time model (one of)")
     src.add_argument("--steps", help="a model from `plan calibrate` (or a saved roofline model)")
@@ -242,8 +249,8 @@ class _Runs:
         return row, cache
 
 
-def simulate_main(argv: list[str]) -> int:
-    p = _simulate_parser()
+def simulate_main(argv: list[str], prog: str = "python -m jaxserve.plan simulate") -> int:
+    p = _simulate_parser(prog)
     args = p.parse_args(argv)
     model, calibrated = _step_model(args, p)
     per_instance = args.chips_per_instance or (args.tensor if args.chip else 1)
