@@ -6,7 +6,6 @@ Two sources: a Hugging Face folder (safetensors) and an orbax checkpoint written
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -326,9 +325,3 @@ def save_orbax(model: DecoderLM, dst: Path) -> None:
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save((dst / ORBAX_DIR).absolute(), flat)
 
-
-def write_config(cfg_src: Path, dst: Path) -> None:
-    with open(cfg_src / "config.json") as f:
-        hf = json.load(f)
-    with open(dst / "config.json", "w") as f:
-        json.dump(hf, f, indent=2)
