@@ -8,13 +8,16 @@ import pytest
 
 from jaxserve import SamplingParams
 
-from jaxserve.executor import compile_counter
+from jaxserve.executor.compile_counter import CompileCounter
 from jaxserve.engine.engine import Engine
 from jaxserve.config.args import add_engine_args, engine_config_from_args
 from jaxserve.config.engine import EngineConfig
 from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.spec_decode.ngram import propose
 from tiny import build_tiny_model, train_tokenizer
+
+# Compilations in this process from here on (the tests read differences).
+compile_counter = CompileCounter()
 
 PAGE = 4
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config.engine import EngineConfig
-from jaxserve.executor import compile_counter, compile_progress
+from jaxserve.executor import compile_progress
 from jaxserve.executor.batch import MeshBatch, StepBatch, StepKind
 from jaxserve.executor.decode_rows import DecodeRows
 from jaxserve.executor.executable_store import ExecutableStore
@@ -61,7 +61,6 @@ class Executor:
     def __init__(self, config: EngineConfig, *, model_path: str, eos_token_ids: tuple[int, ...] = (),
                  devices: list | None = None):
         self.config = config
-        compile_counter.install()
         # JAX's compilation cache is process-wide: each engine sets it to its own option, on or off.
         jax.config.update("jax_enable_compilation_cache", bool(config.compilation_cache_dir))
         if config.compilation_cache_dir:
@@ -157,6 +156,7 @@ class Executor:
         self._decode_rows = DecodeRows()  # decode steps' page-table rows, kept across steps
         self.host_wait_seconds = 0.0  # time the host spent blocked in ``fetch`` (scripts/bench_host.py)
         self.warmed_up = False
+        self.warmup_summary: dict | None = None  # the warm-up's figures (``compile_progress.Progress.finish``)
         self.compilations_after_warmup = 0
         self._last_shape = ""  # the latest launched step's shapes, for the compile guard's warning
         if config.warmup and self.is_leader:
@@ -221,7 +221,8 @@ class Executor:
         Raises:
           StepFailed: the step raised; the plan's sequences got no token.
         """
-        compiled = compile_counter.count()
+        compiles = self.runner.compiles
+        compiled = compiles.count()
         try:
             if self.fault is not None:
                 self.fault(plan)
@@ -229,8 +230,8 @@ class Executor:
         except Exception as e:
             raise self._failed(e) from e
         finally:
-            if self.warmed_up and compile_counter.count() != compiled:
-                self._compiled_while_serving(compile_counter.count() - compiled)
+            if self.warmed_up and compiles.count() != compiled:
+                self._compiled_while_serving(compiles.count() - compiled)
 
     def _compiled_while_serving(self, n: int) -> None:
         """The compile guard: warm-up compiles every shape serving uses, so a compilation now is a bug that
@@ -539,7 +540,7 @@ class Executor:
                     progress.tick()
         if store is not None:
             progress.stored = (store.hits, store.misses)
-        progress.finish()
+        self.warmup_summary = progress.finish()
         self.warmed_up = True
         logger.debug("warm-up prepared the steps and the sampler in %.1fs", time.perf_counter() - start)
 

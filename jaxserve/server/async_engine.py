@@ -263,7 +263,8 @@ class AsyncEngine:
             self.grammars = getattr(engine, "grammars", None)
             self.info = engine.describe()
             self._stats = engine.stats()
-            _log_ready(self.info, time.monotonic() - started)
+            _log_ready(self.info, time.monotonic() - started,
+                       getattr(getattr(engine, "executor", None), "warmup_summary", None))
         except BaseException as e:  # noqa: BLE001 - reported to the event loop, which exits
             if isinstance(e, ValueError):  # a bad option or checkpoint: its message says what to change
                 logger.error("the engine failed to start: %s", e)
@@ -471,10 +472,9 @@ class AsyncEngine:
             future.set_result(result)
 
 
-def _log_ready(info: dict, seconds: float) -> None:
-    """One line: what was loaded, on which devices, and where the start-up time went."""
-    from jaxserve.executor import compile_progress
-    warm = compile_progress.last_summary
+def _log_ready(info: dict, seconds: float, warm: dict | None) -> None:
+    """One line: what was loaded, on which devices, and where the start-up time went (``warm``: the executor's
+    warm-up summary, None without one)."""
     try:
         import jax
 
