@@ -146,8 +146,6 @@ class Executor:
         self._free_rows = list(range(max_running, 0, -1))
         self._rows: dict[int, int] = {}  # seq_id -> penalty row
         self._seeds: dict[int, int] = {}  # seq_id -> sequence seed
-        # Test hook: called with each plan before it runs; whatever it raises is a failed step.
-        self.fault: Callable[[object], None] | None = None
         # Structured output: ``token_masks(entries, bitmask)`` writes the allowed-token bits of the constrained
         # entries into their rows (i32[S, W]) and says whether there were any; set by the engine. It runs on the
         # host while the device computes the step's logits.
@@ -224,8 +222,6 @@ class Executor:
         compiles = self.runner.compiles
         compiled = compiles.count()
         try:
-            if self.fault is not None:
-                self.fault(plan)
             return self._launch(plan, prev)
         except Exception as e:
             raise self._failed(e) from e
