@@ -118,20 +118,20 @@ def param_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
 
 def load_model(
     model: str | Path, dtype: str = "auto", mesh: Mesh | None = None, quantization: str | None = None,
-    quantize_lm_head: bool = False,
+    quantize_lm_head: bool = False, *, cfg: ModelConfig | None = None,
 ) -> tuple[DecoderLM, ModelConfig, Path]:
     """Load a model folder (HF safetensors or our orbax layout) or a hub id onto ``mesh``.
 
     With ``quantization`` ("int8", "fp8") the weights are quantized on the host tensor by tensor as they are
     read, and only the 8-bit values and scales are placed (``jaxserve.models.quantization``); a pre-quantized checkpoint
-    loads as published.
+    loads as published. ``cfg``: the folder's ``ModelConfig`` when the caller has read it already (else read here).
 
     Raises:
       ValueError: for an unsupported architecture, a pickled checkpoint, or missing / unexpected /
       mis-shaped tensors (the message names the tensor and both shapes).
     """
     folder = resolve_model_path(model)
-    cfg = ModelConfig.from_pretrained(folder)
+    cfg = cfg if cfg is not None else ModelConfig.from_pretrained(folder)
     jdtype = resolve_dtype(dtype, cfg)
     mesh = mesh if mesh is not None else make_mesh()
     orbax = (folder / ORBAX_DIR).is_dir()
