@@ -112,7 +112,8 @@ class Executor:
         model, self.model_config, self.folder = load_model(self.model_path, config.dtype, self.mesh,
                                                            config.quantization, config.quantize_lm_head,
                                                            cfg=model_config)
-        limit = self.model_config.max_context  # max_position_embeddings, stretched by rope scaling where it says so
+        cfg = self.model_config
+        limit = cfg.max_context  # max_position_embeddings, stretched by rope scaling where the rope says so
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} is above the model's limit of {limit} tokens "
                              f"(max_position_embeddings in config.json, with its rope scaling)")
