@@ -31,11 +31,10 @@ def child(argv: list[str]) -> dict:
     import jax
     import numpy as np
 
-    from jaxserve.executor import compile_counter
-
     from jaxserve.executor import executor as executor_module
     from jaxserve.executor.batch import StepKind
     from jaxserve.config.args import add_engine_args, engine_config_from_args
+    from jaxserve.executor.compile_counter import CompileCounter
     from jaxserve.executor.executable_store import ExecutableStore
 
     t_import = time.perf_counter() - t0
@@ -56,7 +55,7 @@ def child(argv: list[str]) -> dict:
     s = time.perf_counter()
     ex = executor_module.Executor(config, model_path=config.model or str(_demo()))
     t_executor = time.perf_counter() - s
-    compile_counter.install()
+    compile_counter = CompileCounter()
     rows = []
     runner = ex.runner
     store = ExecutableStore.for_runner(config.compilation_cache_dir, runner)

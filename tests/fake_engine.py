@@ -135,6 +135,8 @@ class FakeEngine:
         self.scheduler.running = [_Seq(r) for r in self.requests]
         return outs
 
+    warmup_summary = None
+
     def close(self):
         pass
 

@@ -15,15 +15,15 @@ import pytest
 
 from jaxserve import SamplingParams
 
-from jaxserve.executor import compile_counter
-
-from jaxserve.executor import compile_progress
-
 from jaxserve.executor import executable_store
 from jaxserve.engine.engine import Engine
 from jaxserve.config.engine import EngineConfig
+from jaxserve.executor.compile_counter import CompileCounter
 from pallas_kernels.ragged_paged_attention import native
 from tiny import build_tiny_model, hf_greedy, hf_model, train_tokenizer
+
+# Compilations in this process from here on (the tests read differences).
+compile_counter = CompileCounter()
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def _serve(engine: Engine) -> tuple[dict, int]:
 def first(model_dir, cache_dir):
     """The cold start (every shape compiled and saved) and what it served."""
     engine = _engine(model_dir, cache_dir)
-    summary = compile_progress.last_summary
+    summary = engine.executor.warmup_summary
     return engine, summary, _serve(engine)
 
 
@@ -75,7 +75,7 @@ def test_warm_start_loads_every_step_and_serves_the_same_tokens(model_dir, cache
 
     compiled = compile_counter.count()
     warm = _engine(model_dir, cache_dir)
-    summary = compile_progress.last_summary
+    summary = warm.executor.warmup_summary
     assert (summary["executables_loaded"], summary["executables_compiled"]) == (shapes, 0)
     assert compile_counter.count() - compiled <= 5, "only the sampler's programs may compile (from the XLA cache)"
     assert len(warm.executor.runner.executables) == shapes
@@ -87,7 +87,6 @@ import json, sys
 import jax
 jax.config.update("jax_default_matmul_precision", "highest")
 from jaxserve import SamplingParams
-from jaxserve.executor import compile_progress
 from jaxserve.engine.engine import Engine
 from jaxserve.config.engine import EngineConfig
 model_dir, cache_dir = sys.argv[1:]
@@ -96,7 +95,7 @@ engine = Engine(EngineConfig(model=model_dir, page_size=4, num_pages=32, max_mod
 engine.add_request("greedy", list(range(3, 43)), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
 while engine.has_unfinished():
     tokens = [o.outputs[0].token_ids for o in engine.step() if o.finished] or None
-print(json.dumps(dict(tokens=tokens[0], **compile_progress.last_summary)))
+print(json.dumps(dict(tokens=tokens[0], **engine.executor.warmup_summary)))
 """
 
 
@@ -123,7 +122,7 @@ def test_mismatch_or_damaged_file_compiles_instead(model_dir, cache_dir, first, 
     files[0].write_bytes(b"not an executable")
     with caplog.at_level(logging.WARNING, logger="jaxserve.executor.executable_store"):
         damaged = _engine(model_dir, cache_dir)
-    summary = compile_progress.last_summary
+    summary = damaged.executor.warmup_summary
     assert (summary["executables_loaded"], summary["executables_compiled"]) == (shapes - 1, 1)
     assert any("did not load" in r.getMessage() for r in caplog.records)
     assert _serve(damaged) == (first[2][0], 0)
@@ -131,7 +130,7 @@ def test_mismatch_or_damaged_file_compiles_instead(model_dir, cache_dir, first, 
     # Different code (the source hash is part of every key): nothing loads, every shape compiles.
     monkeypatch.setattr(executable_store, "_source_digest", "some other source")
     changed = _engine(model_dir, cache_dir)
-    summary = compile_progress.last_summary
+    summary = changed.executor.warmup_summary
     assert (summary["executables_loaded"], summary["executables_compiled"]) == (0, shapes)
     assert _serve(changed) == (first[2][0], 0)
 
@@ -145,9 +144,9 @@ def test_a_step_read_from_the_compilation_cache_is_not_stored(model_dir, first, 
     from pathlib import Path
 
     hits = count()
-    monkeypatch.setattr(compile_counter, "thread_cache_hits", lambda: next(hits))
+    monkeypatch.setattr(CompileCounter, "thread_cache_hits", lambda self: next(hits))
     engine = _engine(model_dir, str(tmp_path))
-    summary = compile_progress.last_summary
+    summary = engine.executor.warmup_summary
     shapes = len(engine.executor.shapes.all_shapes())
     assert (summary["executables_loaded"], summary["executables_compiled"]) == (0, shapes)
     assert not list(Path(tmp_path, "executables").glob("*.exe"))

@@ -1,17 +1,21 @@
 """A step that raises ends only the requests in it (reason "error", with a message) and returns their pages;
-the engine, and the server in front of it, keep serving. Faults are injected through the executor's hook."""
+the engine, and the server in front of it, keep serving. Faults are injected through a test executor's hook."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import httpx
 import jax
 import pytest
 
+import jaxserve.llm
 from jaxserve import LLM, SamplingParams
-from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.config.engine import EngineConfig
+from jaxserve.disagg.factory import make_engine
+from jaxserve.executor.executor import Executor
+from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.openai_api import OpenAIServer
 from tiny import build_tiny_model, train_tokenizer
@@ -20,11 +24,25 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 VICTIM = [7] * 32  # a prompt whose steps fail: it fills a whole step (max_num_batched_tokens=32)
 
 
+class FaultyExecutor(Executor):
+    """An executor with a fault hook: ``fault`` is called with each plan before it runs, and whatever it raises
+    is a failed step (the step's ``launch`` turns it into ``StepFailed`` as it would a device error)."""
+
+    fault = None
+
+    def _launch(self, plan, prev):
+        if self.fault is not None:
+            self.fault(plan)
+        return super()._launch(plan, prev)
+
+
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     path = build_tiny_model("llama", tmp_path_factory.mktemp("m") / "m", tokenizer=train_tokenizer())
-    return LLM(str(path), page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
-               warmup=False, compilation_cache_dir=None)
+    with pytest.MonkeyPatch.context() as patch:  # the offline API's engine, built with the faulty executor
+        patch.setattr(jaxserve.llm, "make_engine", functools.partial(make_engine, executor_factory=FaultyExecutor))
+        return LLM(str(path), page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+                   warmup=False, compilation_cache_dir=None)
 
 
 def fail_with(victim: list[int], *, lose_cache: bool = False):

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve import LLM, SamplingParams
 
-from jaxserve.executor import compile_counter
+from jaxserve.executor.compile_counter import CompileCounter
 from jaxserve.models.attention import AttentionBackend, AttentionMetadata, window_metadata
 from jaxserve.executor.batch import StepKind
 from jaxserve.config.engine import EngineConfig
@@ -25,6 +25,9 @@ from sharding import multihost
 from sharding.config import MeshConfig
 from sharding.mesh import make_mesh
 from tiny import FAMILIES, MOE_FAMILIES, build_tiny_model, train_tokenizer
+
+# Compilations in this process from here on (the tests read differences).
+compile_counter = CompileCounter()
 
 PROMPT_LENS = [1, 7, 19, 40]  # page size 4: page edges; 19 and 40 > max_num_batched_tokens = 16 (chunked)
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -8,13 +8,16 @@ import pytest
 
 from jaxserve import SamplingParams
 
-from jaxserve.executor import compile_counter
+from jaxserve.executor.compile_counter import CompileCounter
 from jaxserve.engine.engine import Engine
 from jaxserve.config.args import add_engine_args, engine_config_from_args
 from jaxserve.config.engine import EngineConfig
 from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.spec_decode.ngram import propose
 from tiny import build_tiny_model, train_tokenizer
+
+# Compilations in this process from here on (the tests read differences).
+compile_counter = CompileCounter()
 
 PAGE = 4
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
@@ -370,6 +373,29 @@ def test_draft_model_greedy_matches_transformers(family, tmp_path, small_draft):
     assert c.proposed > 0
     if draft == target:
         assert c.accepted == c.proposed
+
+
+def test_an_engine_with_a_draft_model_reads_each_config_once(model_dir, small_draft, monkeypatch):
+    """The engine reads the target's and the draft's config.json once each and hands them down: the executor,
+    its loader, the pool's sizing (num_pages unset: sized from both models' bytes per page) and the draft's
+    proposer read none again."""
+    from collections import Counter
+    from pathlib import Path
+
+    from jaxserve.models.config import ModelConfig
+
+    reads = Counter()
+    read = ModelConfig.from_pretrained.__func__
+
+    def counted(cls, path):
+        reads[Path(path).resolve()] += 1
+        return read(cls, path)
+
+    monkeypatch.setattr(ModelConfig, "from_pretrained", classmethod(counted))
+    engine = Engine(_config(model_dir, warmup=False, num_pages=None, max_num_seqs=2, max_num_batched_tokens=16,
+                            speculative_config={"model": str(small_draft), "num_speculative_tokens": 3}))
+    assert engine.executor.drafter is not None
+    assert reads == {Path(model_dir).resolve(): 1, Path(small_draft).resolve(): 1}
 
 
 def test_grpc_speculative_field_reaches_sampling_params():

@@ -40,10 +40,11 @@ def test_random_arrivals_with_preemption_and_prefix_hits_match_transformers(fami
 def test_windowed_pool_warms_up_and_serves_without_compiling(tmp_path):
     """The two-table page rows are part of every compiled shape: warm-up compiles them all, serving nothing."""
     from jaxserve import LLM, SamplingParams
-    from jaxserve.executor import compile_counter
+    from jaxserve.executor.compile_counter import CompileCounter
     path = build_tiny_model("gemma2", tmp_path / "g", tokenizer=train_tokenizer(), sliding_window=5)
     llm = LLM(str(path), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, compilation_cache_dir=None)
     assert llm.engine.executor.runner.local_pool
+    compile_counter = CompileCounter()
     before = compile_counter.count()
     prompts = [list(range(5, 23)), [7, 7, 3]]
     outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))

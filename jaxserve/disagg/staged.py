@@ -155,7 +155,8 @@ class DisaggregatedEngine(StagedEngine):
             factory, devices=devices[n_prefill:n_prefill + n_decode]))
         self.config = config
         self.prefill_executor = factory(prefill_config, model_path=self.executor.model_path,
-                                        eos_token_ids=self.eos_token_ids, devices=devices[:n_prefill])
+                                        eos_token_ids=self.eos_token_ids, devices=devices[:n_prefill],
+                                        model_config=self.model_config)
         self.prefill_executor.token_masks = self.structured.fill_bitmask
         self.prefill_scheduler = ReplicatedScheduler(self.prefill_executor.scheduler_config,
                                                      self.prefill_executor.num_replicas)

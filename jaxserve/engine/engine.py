@@ -73,11 +73,11 @@ class Engine:
         # The tokenizer first: a checkpoint without a usable one fails before anything is compiled.
         folder = resolve_model_path(model_path, revision=config.revision, download_dir=config.download_dir)
         cfg = ModelConfig.from_pretrained(folder)
-        spec = config.speculative_config
+        spec, draft = config.speculative_config, None
         if spec is not None and spec.model:  # refused before anything is loaded or compiled
             from jaxserve.spec_decode.draft import check_draft
 
-            check_draft(spec.model, cfg)
+            draft = check_draft(spec.model, cfg)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or folder)
         if config.chat_template is not None and self.tokenizer is not None:
             self.tokenizer.chat_template = resolve_chat_template(config.chat_template)
@@ -88,7 +88,9 @@ class Engine:
             from jaxserve.executor.executor import Executor  # the device side: loads jax
 
             executor_factory = Executor
-        self.executor = executor_factory(config, model_path=str(folder), eos_token_ids=self.eos_token_ids)
+        # Each config.json read once: the executor (and its loader, its draft) take the configs read here.
+        self.executor = executor_factory(config, model_path=str(folder), eos_token_ids=self.eos_token_ids,
+                                         model_config=cfg, draft_config=draft)
         self.model_path = model_path
         self.model_config = self.executor.model_config
         self.max_model_len = self.executor.max_model_len
@@ -465,6 +467,11 @@ class Engine:
         if self.spec is not None:
             s.update(self.spec.counters.stats())
         return s
+
+    @property
+    def warmup_summary(self) -> dict | None:
+        """The start-up warm-up's figures (seconds, shapes compiled, compilation-cache hits and misses)."""
+        return self.executor.warmup_summary
 
     def describe(self) -> dict:
         """What this engine serves (model, limits, pool, dtype, tokenizer facts), as plain values."""

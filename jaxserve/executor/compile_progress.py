@@ -3,8 +3,8 @@ terminal, else a log line every few seconds with an estimate of the time left), 
 time taken, whether the persistent compilation cache was used (hits and misses) and, when the executor sets
 ``stored``, how many step executables the executable store loaded or had to compile.
 
-The warm-up loop calls ``start(total)`` once, ``tick()`` after each compiled shape and ``finish()`` at the end;
-``tick()`` is a module-level call, so code that compiles a shape needs no handle on the reporter.
+The warm-up loop calls ``start(total)`` once, ``tick()`` on what it returns after each compiled shape and
+``finish()`` at the end, which returns the summary: whoever ran the warm-up keeps it (``Executor.warmup_summary``).
 """
 
 from __future__ import annotations
@@ -13,14 +13,11 @@ import logging
 import sys
 import time
 
-from jaxserve.executor import compile_counter
+from jaxserve.executor.compile_counter import CompileCounter
 
 logger = logging.getLogger("jaxserve.compile")
 
 LOG_EVERY_S = 5.0  # without a terminal: at most one progress line this often
-
-_active: Progress | None = None
-last_summary: dict | None = None  # the latest finished warm-up's figures (seconds, shapes, hits, misses)
 
 
 class Progress:
@@ -33,8 +30,9 @@ class Progress:
         self.done = 0
         self.start = time.monotonic()
         self._last_log = self.start
-        self._counts0 = compile_counter.cache_counts()
+        self._counter = CompileCounter()  # the cache's lookups and hits from now on
         self.stored: tuple[int, int] | None = None  # (loaded, compiled) step executables of the executable store
+        self.summary: dict | None = None  # set by ``finish``
         self._bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
@@ -57,14 +55,12 @@ class Progress:
             logger.info("compiled %d/%d %s, about %.0fs left", self.done, self.total, self.what, left)
 
     def finish(self) -> dict:
-        """Close the bar, log the summary line and return its figures."""
-        global _active, last_summary
+        """Close the bar, log the summary line and return its figures (seconds, shapes, hits, misses)."""
         if self._bar is not None:
             self._bar.close()
         seconds = time.monotonic() - self.start
-        counts = compile_counter.cache_counts()
-        lookups = counts["lookups"] - self._counts0["lookups"]
-        hits = counts["hits"] - self._counts0["hits"]
+        counts = self._counter.cache_counts()
+        lookups, hits = counts["lookups"], counts["hits"]
         summary = {"seconds": seconds, "shapes": self.total, "cache_hits": hits, "cache_misses": lookups - hits,
                    "cache_dir": self.cache_dir}
         if not self.cache_dir:
@@ -81,21 +77,10 @@ class Progress:
             summary.update(executables_loaded=loaded, executables_compiled=compiled)
             cache += f"; executable store: {loaded} loaded, {compiled} compiled and saved"
         logger.info("warm-up done: %d %s ready in %.1fs; %s", self.total, self.what, seconds, cache)
-        last_summary = summary
-        if _active is self:
-            _active = None
+        self.summary = summary
         return summary
 
 
 def start(total: int, cache_dir: str | None = None, what: str = "step shapes") -> Progress:
-    """Begin reporting a warm-up of ``total`` shapes; ``tick()`` then advances it."""
-    global _active
-    compile_counter.install()
-    _active = Progress(total, cache_dir, what)
-    return _active
-
-
-def tick() -> None:
-    """One more shape compiled (no-op when no warm-up is being reported)."""
-    if _active is not None:
-        _active.tick()
+    """Begin reporting a warm-up of ``total`` shapes; the returned ``Progress``'s ``tick()`` advances it."""
+    return Progress(total, cache_dir, what)

@@ -30,6 +30,7 @@ from jaxserve.executor.kv_cache import CacheConfig
 from jaxserve.executor.runner import ModelRunner
 from jaxserve.executor.sampler import GREEDY_EPS, argmax
 from jaxserve.executor.shapes import StepShapes
+from jaxserve.models.config import ModelConfig
 from jaxserve.models.loader import load_model
 from jaxserve.spec_decode.planner import static_ok
 
@@ -54,9 +55,11 @@ def pick(
 
 
 class DraftProposer:
-    def __init__(self, path: str, *, dtype: str, mesh, cache: CacheConfig, cache_dtype, backend, max_num_seqs: int,
-                 max_num_batched_tokens: int, num_slots: int, pages_per_seq: int, k: int, debug_checks: bool):
-        model, self.cfg, _ = load_model(path, dtype, mesh)
+    def __init__(self, path: str, *, cfg: ModelConfig | None = None, dtype: str, mesh, cache: CacheConfig,
+                 cache_dtype, backend, max_num_seqs: int, max_num_batched_tokens: int, num_slots: int,
+                 pages_per_seq: int, k: int, debug_checks: bool):
+        """``cfg``: the draft's config when the caller has read it (else read from ``path``)."""
+        model, self.cfg, _ = load_model(path, dtype, mesh, cfg=cfg)
         if self.cfg.local_window is not None:
             raise ValueError(f"speculative_config: the draft model {path!r} interleaves windowed and global layers; "
                              "such a draft is not supported")

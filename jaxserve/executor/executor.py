@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jaxserve.config.engine import EngineConfig
-from jaxserve.executor import compile_counter, compile_progress
+from jaxserve.executor import compile_progress
 from jaxserve.executor.batch import MeshBatch, StepBatch, StepKind
 from jaxserve.executor.decode_rows import DecodeRows
 from jaxserve.executor.executable_store import ExecutableStore
@@ -33,19 +33,27 @@ from jaxserve.executor.sampler import SamplingTensors, sample
 from jaxserve.executor.shapes import StepShapes, bucket
 from jaxserve.executor.verify import verify
 from jaxserve.models.attention import AttentionBackend
-from jaxserve.models.checkpoint import resolve_model_path
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loader import load_model
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams, sequence_seed
 from jaxserve.scheduler.sequence import Sequence
 from jaxserve.scheduler.step_result import StepFailed, StepResult
 from jaxserve.scheduler.window_pool import window_pages_needed
+from jaxserve.spec_decode.draft import check_draft
 from jaxserve.spec_decode.rows import SpecRows
 from pallas_kernels.ragged_paged_attention.tpu import check_8_bit_page_size
 from sharding import multihost
 from sharding.mesh import make_mesh
 
 logger = logging.getLogger(__name__)
+
+
+def _use_compilation_cache(config: EngineConfig) -> None:
+    """JAX's compilation cache is process-wide: each engine sets it to its own option, on or off."""
+    jax.config.update("jax_enable_compilation_cache", bool(config.compilation_cache_dir))
+    if config.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 class Executor:
@@ -57,42 +65,82 @@ class Executor:
     """
 
     def __init__(self, config: EngineConfig, *, model_path: str, eos_token_ids: tuple[int, ...] = (),
-                 devices: list | None = None):
+                 devices: list | None = None, model_config: ModelConfig | None = None,
+                 draft_config: ModelConfig | None = None):
+        """``model_config`` and ``draft_config`` (the draft model's, with speculation's ``model``): the configs a
+        caller has read already (the engine has: each ``config.json`` is read once), else read here.
+        ``devices``: the devices this executor's mesh uses (a disaggregated engine's prefill or decode group)."""
         self.config = config
-        compile_counter.install()
-        # JAX's compilation cache is process-wide: each engine sets it to its own option, on or off.
-        jax.config.update("jax_enable_compilation_cache", bool(config.compilation_cache_dir))
-        if config.compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
         self.model_path = model_path
         self.eos_token_ids = tuple(eos_token_ids)  # banned before a request's min_tokens
-        # ``devices``: the devices this executor's mesh uses (a disaggregated engine's prefill or decode group).
+        self.spec = config.speculative_config
+        _use_compilation_cache(config)
         self.mesh = make_mesh(config.mesh, devices, num_devices=config.num_devices)
         self.num_replicas = int(self.mesh.shape["data"])
         self.is_leader = multihost.is_leader()
+        model = self._load_model(model_config)
+        backend = AttentionBackend.resolve(config.attention_backend)
+        self.cache_dtype = self._kv_cache_dtype(backend, model.embed_tokens.dtype)
+        self.draft_config = self._read_draft_config(draft_config)
+        self._configure_pool(model)
+        self._plan_rows()
+        self.runner = ModelRunner(model, self.model_config, self.cache_config, self.mesh, cache_dtype=self.cache_dtype,
+                                  num_logit_rows=self._sample_rows + self._spec_rows * self.num_replicas,
+                                  backend=backend, debug_checks=config.debug_checks)
+        self._jit_device_functions()
+        self.drafter = self._make_drafter(backend)
+        self._init_sequence_state()
+        # Structured output: ``token_masks(entries, bitmask)`` writes the allowed-token bits of the constrained
+        # entries into their rows (i32[S, W]) and says whether there were any; set by the engine. It runs on the
+        # host while the device computes the step's logits.
+        self.token_masks: Callable[[list, np.ndarray], bool] | None = None
+        self._all_allowed = np.full((self._sample_rows, (self.model_config.vocab_size + 31) // 32), -1, np.int32)
+        self._decode_rows = DecodeRows()  # decode steps' page-table rows, kept across steps
+        self.host_wait_seconds = 0.0  # time the host spent blocked in ``fetch`` (scripts/bench_host.py)
+        self.warmed_up = False
+        self.warmup_summary: dict | None = None  # the warm-up's figures (``compile_progress.Progress.finish``)
+        self.compilations_after_warmup = 0
+        self._last_shape = ""  # the latest launched step's shapes, for the compile guard's warning
+        if config.warmup and self.is_leader:
+            self.warmup()  # on a multi-process run the followers compile the same shapes as they follow
+
+    def _load_model(self, model_config: ModelConfig | None):
+        """The model's weights on the mesh; sets ``model_config``, ``folder`` and ``max_model_len``."""
+        config = self.config
         model, self.model_config, self.folder = load_model(self.model_path, config.dtype, self.mesh,
-                                                               config.quantization, config.quantize_lm_head)
+                                                           config.quantization, config.quantize_lm_head,
+                                                           cfg=model_config)
         cfg = self.model_config
         limit = cfg.max_context  # max_position_embeddings, stretched by rope scaling where the rope says so
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} is above the model's limit of {limit} tokens "
                              f"(max_position_embeddings in config.json, with its rope scaling)")
         self.max_model_len = config.max_model_len or limit
-        backend = AttentionBackend.resolve(config.attention_backend)
-        if config.kv_cache_dtype != "auto":  # an 8-bit pool with per-token scales (pallas_kernels.quantized_pages)
+        return model
+
+    def _kv_cache_dtype(self, backend: AttentionBackend, weights_dtype):
+        """The KV pool's dtype: the backend's for the weights' dtype, or an 8-bit pool with per-token scales
+        (``kv_cache_dtype``, pallas_kernels.quantized_pages)."""
+        config = self.config
+        if config.kv_cache_dtype != "auto":
             if not backend.supports_kv_cache_dtype(config.kv_cache_dtype):
                 raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported by attention_backend="
                                  f"{backend.name!r}")
             if backend.name == "pallas_tpu" and not backend.interpret:
                 check_8_bit_page_size(config.page_size)
-        self.cache_dtype = kv_storage_dtype(config.kv_cache_dtype, backend.cache_dtype(model.embed_tokens.dtype))
-        num_pages = config.num_pages or self._auto_num_pages()
-        # A model interleaving windowed and global layers: the windowed layers get a pool of their own, as large
-        # as the windows of max_num_seqs sequences need (jaxserve/scheduler/window_pool.py), and never larger than the
-        # global pool (a sequence's windowed table never holds more pages than its global one).
-        local = 0 if cfg.local_window is None else min(num_pages // self.num_replicas, window_pages_needed(
-            cfg.local_window, config.page_size, config.max_num_seqs, config.max_num_batched_tokens))
+        return kv_storage_dtype(config.kv_cache_dtype, backend.cache_dtype(weights_dtype))
+
+    def _read_draft_config(self, draft_config: ModelConfig | None) -> ModelConfig | None:
+        """The draft model's config (speculation with a ``model``; None otherwise), read here if not given."""
+        if self.spec is None or not self.spec.model:
+            return None
+        return draft_config if draft_config is not None else check_draft(self.spec.model, self.model_config)
+
+    def _configure_pool(self, model) -> None:
+        """The KV pool's shape and the scheduler's view of it: ``cache_config``, ``kv_bytes_per_token``,
+        ``scheduler_config``."""
+        config, cfg = self.config, self.model_config
+        num_pages, local = self._pool_pages()
         self.cache_config = CacheConfig(config.page_size, num_pages, self.num_replicas,
                                         num_local_pages=local * self.num_replicas)
         self.kv_bytes_per_token = bytes_per_token(cfg, self.cache_dtype)
@@ -104,60 +152,65 @@ class Executor:
         self.scheduler_config = dataclasses.replace(
             config.scheduler_config(num_pages=self.cache_config.pages_per_replica, max_model_len=self.max_model_len),
             attention_window=cfg.attention_window, local_window=cfg.local_window, local_pages=local)
-        spec = config.speculative_config  # a verified sequence alone: 1 + k rows, a bucket of its own
+
+    def _pool_pages(self) -> tuple[int, int]:
+        """(pages of the global pool, all replicas; pages of the windowed pool, per replica)."""
+        cfg, config = self.model_config, self.config
+        num_pages = config.num_pages or self._auto_num_pages()
+        # A model interleaving windowed and global layers: the windowed layers get a pool of their own, as large
+        # as the windows of max_num_seqs sequences need (jaxserve/scheduler/window_pool.py), and never larger than the
+        # global pool (a sequence's windowed table never holds more pages than its global one).
+        local = 0 if cfg.local_window is None else min(num_pages // self.num_replicas, window_pages_needed(
+            cfg.local_window, config.page_size, config.max_num_seqs, config.max_num_batched_tokens))
+        return num_pages, local
+
+    def _plan_rows(self) -> None:
+        """The step shapes, and the rows of the sampler and (speculation) the verifier."""
+        config, spec = self.config, self.spec  # a verified sequence alone: 1 + k rows, a bucket of its own
         self.shapes = StepShapes(config.max_num_seqs, config.max_num_batched_tokens,
                                  self.scheduler_config.pages_per_seq,
                                  16 if spec is None else min(16, bucket(1 + spec.num_speculative_tokens, 4, 16)))
-        max_running = config.max_num_seqs * self.num_replicas
         # Speculation: a verified sequence needs a logits row per draft too (jaxserve/spec_decode/rows.py).
-        self.spec = config.speculative_config
-        self.num_spec_tokens = self.spec.num_speculative_tokens if self.spec is not None else 0
-        self._sample_rows = max_running  # the sampler's slots: one per running sequence
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self._sample_rows = config.max_num_seqs * self.num_replicas  # the sampler's slots: one per running sequence
         # The verifier's slots: only steps with at most disable_by_batch_size decodes (per replica) speculate.
-        per_replica = min(config.max_num_seqs, max(1, self.spec.disable_by_batch_size)) if self.spec else 0
+        per_replica = min(config.max_num_seqs, max(1, spec.disable_by_batch_size)) if spec else 0
         self._spec_slots = per_replica * self.num_replicas
         self._spec_rows = per_replica * self.num_spec_tokens  # logits rows a step adds per replica for drafts
-        self.runner = ModelRunner(model, cfg, self.cache_config, self.mesh, cache_dtype=self.cache_dtype,
-                                  num_logit_rows=max_running + self._spec_rows * self.num_replicas, backend=backend,
-                                  debug_checks=config.debug_checks)
-        self._sample = jax.jit(sample if not self.spec else functools.partial(_sample_first_rows, max_running))
-        self._verify = jax.jit(verify, static_argnames=("with_logprobs",))
-        self.drafter = None
-        if self.spec is not None and self.spec.model:
-            if jax.process_count() > 1:  # its steps would need a channel of their own to the followers
-                raise ValueError("speculative_config: a draft model is not supported on a multi-process run; use "
-                                 "method='ngram'")
-            from jaxserve.executor.drafter import DraftProposer
 
-            self.drafter = DraftProposer(
-                self.spec.model, dtype=config.dtype, mesh=self.mesh, cache=self.cache_config,
-                cache_dtype=self._draft_cache_dtype(backend), backend=backend, max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens, num_slots=self._spec_slots,
-                pages_per_seq=self.scheduler_config.pages_per_seq, k=self.num_spec_tokens,
-                debug_checks=config.debug_checks)
+    def _jit_device_functions(self) -> None:
+        """The sampler, the verifier, prompt-logprob scoring and the penalty rows' reset, jitted."""
+        self._sample = jax.jit(sample if not self.spec else functools.partial(_sample_first_rows, self._sample_rows))
+        self._verify = jax.jit(verify, static_argnames=("with_logprobs",))
         self._score = jax.jit(score)
         self._reset_rows = jax.jit(PenaltyState.reset_rows)
+
+    def _make_drafter(self, backend: AttentionBackend):
+        """The draft model's proposer (speculation with a ``model``), else None."""
+        if self.draft_config is None:
+            return None
+        if jax.process_count() > 1:  # its steps would need a channel of their own to the followers
+            raise ValueError("speculative_config: a draft model is not supported on a multi-process run; use "
+                             "method='ngram'")
+        from jaxserve.executor.drafter import DraftProposer
+
+        config = self.config
+        return DraftProposer(
+            self.spec.model, cfg=self.draft_config, dtype=config.dtype, mesh=self.mesh, cache=self.cache_config,
+            cache_dtype=self._draft_cache_dtype(backend), backend=backend, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, num_slots=self._spec_slots,
+            pages_per_seq=self.scheduler_config.pages_per_seq, k=self.num_spec_tokens,
+            debug_checks=config.debug_checks)
+
+    def _init_sequence_state(self) -> None:
+        """Per-sequence device state: penalty rows (row 0: none) and seeds."""
         # Sampling runs on process 0, on one device, over the step's (replicated) logits. The penalty state lives
         # there from the start: the sampler's outputs do, and a differently placed input would recompile.
-        self._penalties = jax.device_put(PenaltyState.create(max_running + 1, cfg.vocab_size),
+        self._penalties = jax.device_put(PenaltyState.create(self._sample_rows + 1, self.model_config.vocab_size),
                                          self.runner.sample_device)
-        self._free_rows = list(range(max_running, 0, -1))
+        self._free_rows = list(range(self._sample_rows, 0, -1))
         self._rows: dict[int, int] = {}  # seq_id -> penalty row
         self._seeds: dict[int, int] = {}  # seq_id -> sequence seed
-        # Test hook: called with each plan before it runs; whatever it raises is a failed step.
-        self.fault: Callable[[object], None] | None = None
-        # Structured output: ``token_masks(entries, bitmask)`` writes the allowed-token bits of the constrained
-        # entries into their rows (i32[S, W]) and says whether there were any; set by the engine. It runs on the
-        # host while the device computes the step's logits.
-        self.token_masks: Callable[[list, np.ndarray], bool] | None = None
-        self._all_allowed = np.full((max_running, (cfg.vocab_size + 31) // 32), -1, np.int32)
-        self._decode_rows = DecodeRows()  # decode steps' page-table rows, kept across steps
-        self.host_wait_seconds = 0.0  # time the host spent blocked in ``fetch`` (scripts/bench_host.py)
-        self.warmed_up = False
-        self.compilations_after_warmup = 0
-        self._last_shape = ""  # the latest launched step's shapes, for the compile guard's warning
-        if config.warmup and self.is_leader:
-            self.warmup()  # on a multi-process run the followers compile the same shapes as they follow
 
     @staticmethod
     def _weights_description(model) -> str:
@@ -184,8 +237,7 @@ class Executor:
         draft = 0
         if self.config.speculative_config is not None and self.config.speculative_config.model:
             # the draft's pool mirrors the target's pages (jaxserve/executor/drafter.py): one budget for both
-            draft_cfg = ModelConfig.from_pretrained(resolve_model_path(self.config.speculative_config.model))
-            draft = bytes_per_token(draft_cfg, self.cache_dtype, tensor)
+            draft = bytes_per_token(self.draft_config, self.cache_dtype, tensor)
         pages = pool_pages(memory, bytes_per_token(cfg, self.cache_dtype, tensor), page_size, utilization=utilization,
                            used=used, windows=cfg.sliding_windows, extra_bytes_per_token=draft,
                            local_pages=local_pool_pages(cfg.sliding_windows, page_size, config.max_num_seqs,
@@ -218,16 +270,15 @@ class Executor:
         Raises:
           StepFailed: the step raised; the plan's sequences got no token.
         """
-        compiled = compile_counter.count()
+        compiles = self.runner.compiles
+        compiled = compiles.count()
         try:
-            if self.fault is not None:
-                self.fault(plan)
             return self._launch(plan, prev)
         except Exception as e:
             raise self._failed(e) from e
         finally:
-            if self.warmed_up and compile_counter.count() != compiled:
-                self._compiled_while_serving(compile_counter.count() - compiled)
+            if self.warmed_up and compiles.count() != compiled:
+                self._compiled_while_serving(compiles.count() - compiled)
 
     def _compiled_while_serving(self, n: int) -> None:
         """The compile guard: warm-up compiles every shape serving uses, so a compilation now is a bug that
@@ -270,8 +321,7 @@ class Executor:
     def _draft_cache_dtype(self, backend):
         from jaxserve.models.loader import resolve_dtype
 
-        draft = ModelConfig.from_pretrained(resolve_model_path(self.spec.model))
-        return backend.cache_dtype(resolve_dtype(self.config.dtype, draft))
+        return backend.cache_dtype(resolve_dtype(self.config.dtype, self.draft_config))
 
     def _launch(self, plan, prev: "PendingStep | None") -> "PendingStep":
         run = self._decode_run(plan)
@@ -536,7 +586,7 @@ class Executor:
                     progress.tick()
         if store is not None:
             progress.stored = (store.hits, store.misses)
-        progress.finish()
+        self.warmup_summary = progress.finish()
         self.warmed_up = True
         logger.debug("warm-up prepared the steps and the sampler in %.1fs", time.perf_counter() - start)
 

@@ -16,8 +16,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.executor import compile_counter
 from jaxserve.executor.batch import MeshBatch, StepKind
+from jaxserve.executor.compile_counter import CompileCounter
 from jaxserve.executor.kv_cache import CacheConfig, init_kv_cache
 from jaxserve.executor.sampler import argmax
 from jaxserve.models.attention import AttentionBackend, ShardedAttention
@@ -106,6 +106,8 @@ class ModelRunner:
         if 16 % self.sequence:
             raise ValueError(f"mesh sequence={self.sequence} must divide 16 (the smallest token bucket)")
         self.debug_checks = debug_checks
+        # Compilations in this process from now on (the executor's compile guard; ``prepare``'s cache hits).
+        self.compiles = CompileCounter()
         self.graphdef, self.params = nnx.split(model)
         self.kv_cache = init_kv_cache(cfg, cache, cache_dtype, mesh)
         rules = model_rules(cfg.num_heads, cfg.num_kv_heads, mesh)
@@ -186,13 +188,12 @@ class ModelRunner:
         compiled = store.load(key, list(self.mesh.devices.flat)) if store is not None else None
         loaded = compiled is not None
         if compiled is None:
-            compile_counter.install()
-            hits = compile_counter.thread_cache_hits()
+            hits = self.compiles.thread_cache_hits()
             compiled = self.lower(kind, batch).compile()
             # Saved before it ever runs (XLA:CPU's sort thunks do not serialize once they have run), and only when
             # XLA compiled it here: an executable read from the compilation cache serializes without some of its
             # XLA:CPU kernels, and another process loading it fails at its first step ("Function ... not found").
-            if store is not None and compile_counter.thread_cache_hits() == hits:
+            if store is not None and self.compiles.thread_cache_hits() == hits:
                 store.save(key, compiled)
         self.executables[key] = compiled
         return loaded

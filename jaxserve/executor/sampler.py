@@ -111,85 +111,117 @@ class SamplingTensors:
           ValueError: naming the argument that does not fit.
         """
         n = len(params)
-        if n > num_slots:
-            raise ValueError(f"params: {n} sequences do not fit num_slots={num_slots}")
-        for name, seq in (("seeds", seeds), ("num_generated", num_generated), ("penalty_rows", penalty_rows),
-                          ("commit", commit)):
-            if seq is not None and len(seq) != n:
-                raise ValueError(f"{name}: expected {n} entries, got {len(seq)}")
-        live_rows = [r for r in penalty_rows or () if r]
-        if len(set(live_rows)) != len(live_rows):
-            raise ValueError(f"penalty_rows: {list(penalty_rows)} gives one PenaltyState row to two slots")
-        if logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode={logprobs_mode!r} must be one of {LOGPROBS_MODES}")
-        wanted = max((p.logprobs or 0 for p in params), default=0)
-        if num_top_logprobs is None:
-            num_top_logprobs = MAX_TOP_LOGPROBS if wanted else 0
-        if not 0 <= num_top_logprobs or wanted > num_top_logprobs:
-            raise ValueError(f"num_top_logprobs={num_top_logprobs} is below the {wanted} a request asks for")
-
-        temperature = np.zeros(num_slots, np.float32)
-        top_p = np.ones(num_slots, np.float32)
-        rep = np.ones(num_slots, np.float32)
-        ints = np.zeros((4, num_slots), np.int32)  # top_k, rng_step, penalty_rows, num_logprobs
-        floats = np.zeros((3, num_slots), np.float32)  # min_p, presence, frequency
-        seed_words = np.zeros(num_slots, np.uint64)
-        commit_arr = np.zeros(num_slots, np.bool_)
-        commit_arr[:n] = True if commit is None else commit
-        # Column by column (a list per field, one NumPy copy each): the same values as slot by slot, without a
-        # NumPy item assignment per slot and field.
+        num_top_logprobs = _check_build_args(params, num_slots, seeds, num_generated, penalty_rows, commit,
+                                             logprobs_mode, num_top_logprobs)
         rows = [0] * n if penalty_rows is None else list(penalty_rows)
-        for s, p in enumerate(params):
-            if rows[s] == 0 and (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty):
-                raise ValueError(f"penalty_rows: slot {s} uses penalties but has no PenaltyState row")
-        if n:
-            temperature[:n] = [p.temperature for p in params]
-            top_p[:n] = [p.top_p for p in params]
-            rep[:n] = [p.repetition_penalty for p in params]
-            floats[:, :n] = [[p.min_p for p in params], [p.presence_penalty for p in params],
-                             [p.frequency_penalty for p in params]]
-            ints[:, :n] = [[max(p.top_k, 0) for p in params], list(num_generated), rows,
-                           [p.logprobs or 0 for p in params]]
-            seed_words[:n] = np.array([seed & _MASK64 for seed in seeds], np.uint64)
-        eos = tuple(eos_token_ids)
-        banned: list[tuple[int, ...]] = [
-            (p.stop_token_ids + (() if p.ignore_eos else eos)) if g < p.min_tokens else ()
-            for p, g in zip(params, num_generated)]
-        if token_bitmask is not None and (token_bitmask.shape[0] != num_slots or token_bitmask.dtype != np.int32):
-            raise ValueError(f"token_bitmask: expected i32[{num_slots}, W], got {token_bitmask.dtype}"
-                             f"{list(token_bitmask.shape)}")
-        width = max((len(b) for b in banned), default=0)
-        if width > max_banned and token_bitmask is not None and token_bitmask.shape[1]:
-            # Rows banning more than B ids clear their bits in the allowed-token mask instead: same result (the
-            # mask also sets -inf), and B, a compiled shape, never grows while serving.
-            token_bitmask = token_bitmask.copy()
-            words = token_bitmask.view(np.uint32)
-            for s, ids in enumerate(banned):
-                if len(ids) > max_banned:
-                    ids = np.asarray(ids, np.int64)
-                    ids = ids[(ids >= 0) & (ids < 32 * words.shape[1])]
-                    np.bitwise_and.at(words[s], ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
-                    banned[s] = ()
-            width = max((len(b) for b in banned), default=0)
-        b_cols = max_banned if width <= max_banned else 1 << (width - 1).bit_length()
-        banned_ids = np.full((num_slots, b_cols), -1, np.int32)
-        for s, ids in enumerate(banned):
-            if ids:
-                banned_ids[s, : len(ids)] = ids
-        if token_bitmask is None:
-            token_bitmask = np.zeros((num_slots, 0), np.int32)
-        bias_ids = np.full((num_slots, logit_bias_width), -1, np.int32)
-        bias_values = np.zeros((num_slots, logit_bias_width), np.float32)
-        for s, p in enumerate(params):
-            if p.logit_bias:
-                if len(p.logit_bias) > logit_bias_width:
-                    raise ValueError(f"logit_bias: {len(p.logit_bias)} entries, over the width {logit_bias_width}")
-                bias_ids[s, : len(p.logit_bias)] = list(p.logit_bias)
-                bias_values[s, : len(p.logit_bias)] = list(p.logit_bias.values())
+        temperature, top_p, rep, ints, floats, seed_words, commit_arr = _slot_columns(
+            params, num_slots, seeds, num_generated, rows, commit)
+        banned_ids, token_bitmask = _banned_ids(params, num_slots, num_generated, eos_token_ids, max_banned,
+                                                token_bitmask)
+        bias_ids, bias_values = _logit_bias(params, num_slots, logit_bias_width)
         rng_key = np.stack([(seed_words >> np.uint64(32)), seed_words & np.uint64(0xFFFFFFFF)], 1).astype(np.uint32)
         return cls(temperature, ints[0], top_p, floats[0], rep, floats[1], floats[2], rng_key, ints[1], ints[2],
                    commit_arr, banned_ids, ints[3], token_bitmask, bias_ids, bias_values, num_top_logprobs,
                    logprobs_mode)
+
+
+def _check_build_args(params, num_slots, seeds, num_generated, penalty_rows, commit, logprobs_mode,
+                      num_top_logprobs) -> int:
+    """``SamplingTensors.build``'s checks of its arguments; returns K, the top-n width."""
+    n = len(params)
+    if n > num_slots:
+        raise ValueError(f"params: {n} sequences do not fit num_slots={num_slots}")
+    for name, seq in (("seeds", seeds), ("num_generated", num_generated), ("penalty_rows", penalty_rows),
+                      ("commit", commit)):
+        if seq is not None and len(seq) != n:
+            raise ValueError(f"{name}: expected {n} entries, got {len(seq)}")
+    live_rows = [r for r in penalty_rows or () if r]
+    if len(set(live_rows)) != len(live_rows):
+        raise ValueError(f"penalty_rows: {list(penalty_rows)} gives one PenaltyState row to two slots")
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode={logprobs_mode!r} must be one of {LOGPROBS_MODES}")
+    wanted = max((p.logprobs or 0 for p in params), default=0)
+    if num_top_logprobs is None:
+        num_top_logprobs = MAX_TOP_LOGPROBS if wanted else 0
+    if not 0 <= num_top_logprobs or wanted > num_top_logprobs:
+        raise ValueError(f"num_top_logprobs={num_top_logprobs} is below the {wanted} a request asks for")
+    return num_top_logprobs
+
+
+def _slot_columns(params, num_slots: int, seeds, num_generated, rows: list[int], commit):
+    """The per-slot scalar controls, padded: (temperature, top_p, repetition, ints [top_k, rng_step,
+    penalty_rows, num_logprobs], floats [min_p, presence, frequency], seed words, commit)."""
+    n = len(params)
+    temperature = np.zeros(num_slots, np.float32)
+    top_p = np.ones(num_slots, np.float32)
+    rep = np.ones(num_slots, np.float32)
+    ints = np.zeros((4, num_slots), np.int32)  # top_k, rng_step, penalty_rows, num_logprobs
+    floats = np.zeros((3, num_slots), np.float32)  # min_p, presence, frequency
+    seed_words = np.zeros(num_slots, np.uint64)
+    commit_arr = np.zeros(num_slots, np.bool_)
+    commit_arr[:n] = True if commit is None else commit
+    # Column by column (a list per field, one NumPy copy each): the same values as slot by slot, without a
+    # NumPy item assignment per slot and field.
+    for s, p in enumerate(params):
+        if rows[s] == 0 and (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty):
+            raise ValueError(f"penalty_rows: slot {s} uses penalties but has no PenaltyState row")
+    if n:
+        temperature[:n] = [p.temperature for p in params]
+        top_p[:n] = [p.top_p for p in params]
+        rep[:n] = [p.repetition_penalty for p in params]
+        floats[:, :n] = [[p.min_p for p in params], [p.presence_penalty for p in params],
+                         [p.frequency_penalty for p in params]]
+        ints[:, :n] = [[max(p.top_k, 0) for p in params], list(num_generated), rows,
+                       [p.logprobs or 0 for p in params]]
+        seed_words[:n] = np.array([seed & _MASK64 for seed in seeds], np.uint64)
+    return temperature, top_p, rep, ints, floats, seed_words, commit_arr
+
+
+def _banned_ids(params, num_slots: int, num_generated, eos_token_ids, max_banned: int,
+                token_bitmask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(banned_ids i32[S, B], token_bitmask i32[S, W]): each slot's stop and EOS ids before its ``min_tokens``;
+    a slot banning more than ``max_banned`` clears them in (a copy of) the mask instead when there is one."""
+    eos = tuple(eos_token_ids)
+    banned: list[tuple[int, ...]] = [
+        (p.stop_token_ids + (() if p.ignore_eos else eos)) if g < p.min_tokens else ()
+        for p, g in zip(params, num_generated)]
+    if token_bitmask is not None and (token_bitmask.shape[0] != num_slots or token_bitmask.dtype != np.int32):
+        raise ValueError(f"token_bitmask: expected i32[{num_slots}, W], got {token_bitmask.dtype}"
+                         f"{list(token_bitmask.shape)}")
+    width = max((len(b) for b in banned), default=0)
+    if width > max_banned and token_bitmask is not None and token_bitmask.shape[1]:
+        # Rows banning more than B ids clear their bits in the allowed-token mask instead: same result (the
+        # mask also sets -inf), and B, a compiled shape, never grows while serving.
+        token_bitmask = token_bitmask.copy()
+        words = token_bitmask.view(np.uint32)
+        for s, ids in enumerate(banned):
+            if len(ids) > max_banned:
+                ids = np.asarray(ids, np.int64)
+                ids = ids[(ids >= 0) & (ids < 32 * words.shape[1])]
+                np.bitwise_and.at(words[s], ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+                banned[s] = ()
+        width = max((len(b) for b in banned), default=0)
+    b_cols = max_banned if width <= max_banned else 1 << (width - 1).bit_length()
+    banned_ids = np.full((num_slots, b_cols), -1, np.int32)
+    for s, ids in enumerate(banned):
+        if ids:
+            banned_ids[s, : len(ids)] = ids
+    if token_bitmask is None:
+        token_bitmask = np.zeros((num_slots, 0), np.int32)
+    return banned_ids, token_bitmask
+
+
+def _logit_bias(params, num_slots: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(bias_ids i32[S, L], bias_values f32[S, L]) of the slots' ``logit_bias``, -1 / 0 padded to ``width``."""
+    bias_ids = np.full((num_slots, width), -1, np.int32)
+    bias_values = np.zeros((num_slots, width), np.float32)
+    for s, p in enumerate(params):
+        if p.logit_bias:
+            if len(p.logit_bias) > width:
+                raise ValueError(f"logit_bias: {len(p.logit_bias)} entries, over the width {width}")
+            bias_ids[s, : len(p.logit_bias)] = list(p.logit_bias)
+            bias_values[s, : len(p.logit_bias)] = list(p.logit_bias.values())
+    return bias_ids, bias_values
 
 
 jax.tree_util.register_dataclass(

@@ -63,9 +63,6 @@ class StepShapes:
     def decode_buckets(self) -> list[int]:
         return ladder(self.seq_bucket, 1)
 
-    def page_buckets(self) -> list[int]:
-        return [self.step_pages(False, 1)]
-
     def all_shapes(self) -> list[tuple[bool, int, int, int]]:
         """Every compiled shape as (decode, tokens, slots, pages per sequence), prefill first."""
         pages = self.step_pages(False, 1)

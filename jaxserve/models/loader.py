@@ -10,7 +10,6 @@ C hidden size, I an expert's width, ``in`` / ``out`` a weight's input and output
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -123,20 +122,20 @@ def param_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
 
 def load_model(
     model: str | Path, dtype: str = "auto", mesh: Mesh | None = None, quantization: str | None = None,
-    quantize_lm_head: bool = False,
+    quantize_lm_head: bool = False, *, cfg: ModelConfig | None = None,
 ) -> tuple[DecoderLM, ModelConfig, Path]:
     """Load a model folder (HF safetensors or our orbax layout) or a hub id onto ``mesh``.
 
     With ``quantization`` ("int8", "fp8") the weights are quantized on the host tensor by tensor as they are
     read, and only the 8-bit values and scales are placed (``jaxserve.models.quantization``); a pre-quantized checkpoint
-    loads as published.
+    loads as published. ``cfg``: the folder's ``ModelConfig`` when the caller has read it already (else read here).
 
     Raises:
       ValueError: for an unsupported architecture, a pickled checkpoint, or missing / unexpected /
       mis-shaped tensors (the message names the tensor and both shapes).
     """
     folder = resolve_model_path(model)
-    cfg = ModelConfig.from_pretrained(folder)
+    cfg = cfg if cfg is not None else ModelConfig.from_pretrained(folder)
     jdtype = resolve_dtype(dtype, cfg)
     mesh = mesh if mesh is not None else make_mesh()
     orbax = (folder / ORBAX_DIR).is_dir()
@@ -178,58 +177,125 @@ def _expert_tensors(name: str, array, cfg: ModelConfig) -> list[tuple[str, int |
 
 def _load_safetensors(folder: Path, cfg: ModelConfig, abstract: nnx.State, shardings: dict,
                       ckq: "quant.CheckpointQuant | None" = None) -> nnx.State:
-    flat = dict(nnx.to_flat_state(abstract))
-    sfx = quant.SCALE_SUFFIX
-    scale_of = {p[:-1] + (p[-1][: -len(sfx)],): p for p in flat if p[-1].endswith(sfx)}  # weight -> its scale
-    wanted = {hf_name(path, cfg): path for path in flat if not path[-1].endswith(sfx)}
-    placed: dict = {}
-    stacks: dict = {}  # stacked expert tensors being filled: path -> (host array, experts filled)
-    pending: dict = {}  # a pre-quantized weight's halves until both are read: path -> {"q": ..., "s": ...}
-    unexpected = []
+    load = _SafetensorsLoad(cfg, abstract, shardings, ckq)
+    for name, array in read_checkpoint(folder):
+        load.add(name, array)
+    load.place_stacks()
+    return load.state(folder)
 
-    def put(path, host):
+
+class _SafetensorsLoad:
+    """One safetensors checkpoint read into the model's abstract state, tensor by tensor: each placed on its
+    sharding as soon as it is whole (an expert stack once every expert is in, a pre-quantized weight once its
+    scale is), quantized on the host first where the plan says so."""
+
+    def __init__(self, cfg: ModelConfig, abstract: nnx.State, shardings: dict, ckq: "quant.CheckpointQuant | None"):
+        self.cfg, self.shardings, self.ckq = cfg, shardings, ckq
+        self.flat = dict(nnx.to_flat_state(abstract))
+        sfx = quant.SCALE_SUFFIX
+        self.scale_of = {p[:-1] + (p[-1][: -len(sfx)],): p for p in self.flat if p[-1].endswith(sfx)}  # weight -> scale
+        self.wanted = {hf_name(path, cfg): path for path in self.flat if not path[-1].endswith(sfx)}
+        self.placed: dict = {}
+        self.stacks: dict = {}  # stacked expert tensors being filled: path -> (host array, experts filled)
+        self.pending: dict = {}  # a pre-quantized weight's halves until both are read: path -> {"q": ..., "s": ...}
+        self.unexpected: list[str] = []
+
+    def add(self, name: str, array) -> None:
+        """One tensor of the checkpoint: a scale, an expert's weight, or a tensor of ours (else unexpected)."""
+        ckq, cfg = self.ckq, self.cfg
+        if ckq is not None and name.endswith("." + ckq.scale_name):
+            self._scale(name, array)
+            return
+        if ckq is not None and _UNUSED_QUANT.search(name):
+            return
+        if experts := _expert_tensors(name, array, cfg):
+            for stacked, index, part in experts:
+                path = self.wanted.get(stacked)
+                if path is None:
+                    self.unexpected.append(name)
+                    continue
+                # Quantized at load: the stack is filled in fp32, then quantized whole.
+                self._stack(path, index, part, name, np.float32 if path in self.scale_of and ckq is None else None)
+            return
+        name = name.replace(".block_sparse_moe.", ".mlp.") if cfg.family == "mixtral" else name
+        if name not in self.wanted:
+            if not (_IGNORED.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings)):
+                self.unexpected.append(name)
+            return
+        path = self.wanted[name]
+        target = self.flat[path].get_value()
+        # HF stores linear weights [out, in]; ours are [in, out].
+        if array.ndim == 2 and path[-1] == "weight":
+            array = array.T  # ck[out, in] -> ck[in, out]
+        if tuple(array.shape) != tuple(target.shape):
+            raise ValueError(
+                f"tensor {name}: checkpoint shape {tuple(array.shape)} (after layout conversion) does not match "
+                f"the model's {tuple(target.shape)}"
+            )
+        self._put(path, array)
+
+    def _scale(self, name: str, array) -> None:
+        """A pre-quantized checkpoint's scale tensor: kept until its weight is read (or its expert stack filled)."""
+        ckq = self.ckq
+        wname = name[: -len(ckq.scale_name)] + "weight"
+        path = self.wanted.get(_our_weight_name(wname, self.cfg))
+        if path is None or (path not in self.scale_of and not quant.is_router(path)):
+            self.unexpected.append(name)
+            return
+        target = self.flat[path].get_value()
+        out_in = (target.shape[-1], target.shape[-2])
+        scale = quant.prequantized_scale(array, out_in, ckq.block)  # f32[out] or f32[in / B, out / B]
+        if target.ndim == 3:  # one expert's scale
+            self._stack(self.scale_of[path], _expert_weight(wname, self.cfg)[1], scale, name, np.float32)
+        else:
+            self.pending.setdefault(path, {})["s"] = scale
+            self._flush(path)
+
+    def _put(self, path, host) -> None:
         """Place one whole tensor (our layout, the checkpoint's dtype), quantizing it first if planned."""
-        target, spath = flat[path].get_value(), scale_of.get(path)
-        if ckq is not None and quant.is_router(path) and host.dtype.itemsize == 1:  # published 8-bit router
-            pending.setdefault(path, {})["q"] = host
-            flush(path)
+        target, spath = self.flat[path].get_value(), self.scale_of.get(path)
+        shardings = self.shardings
+        if self.ckq is not None and quant.is_router(path) and host.dtype.itemsize == 1:  # published 8-bit router
+            self.pending.setdefault(path, {})["q"] = host
+            self._flush(path)
         elif spath is None:  # ck[...] -> dt[...], placed on its sharding
-            placed[path] = place(np.ascontiguousarray(host.astype(target.dtype, copy=False)), shardings[path])
-        elif ckq is None:  # quantized here, on the host: only 8-bit values and scales reach the devices
+            self.placed[path] = place(np.ascontiguousarray(host.astype(target.dtype, copy=False)), shardings[path])
+        elif self.ckq is None:  # quantized here, on the host: only 8-bit values and scales reach the devices
             kind = "int8" if target.dtype == np.int8 else "fp8"
             if path[-1] == "embedding":  # [vocab, embed]: a scale per vocabulary row
                 q, scale = quant.quantize(host.T, kind)  # w8[embed, vocab], f32[vocab]
                 q = q.T  # w8[vocab, embed]
             else:
                 q, scale = quant.quantize(host, kind)  # w8[..., in, out], f32[..., out]
-            placed[path] = place(np.ascontiguousarray(q), shardings[path])
-            placed[spath] = place(scale, shardings[spath])
+            self.placed[path] = place(np.ascontiguousarray(q), shardings[path])
+            self.placed[spath] = place(scale, shardings[spath])
         else:
-            pending.setdefault(path, {})["q"] = host
-            flush(path)
+            self.pending.setdefault(path, {})["q"] = host
+            self._flush(path)
 
-    def flush(path):
-        entry, target = pending[path], flat[path].get_value()
+    def _flush(self, path) -> None:
+        """Place a pre-quantized weight and its scale once both are read (a router: dequantized)."""
+        entry, target, ckq = self.pending[path], self.flat[path].get_value(), self.ckq
         if "q" not in entry or "s" not in entry:
             return
         if quant.is_router(path):  # dequantized once: the router scores experts in the model dtype (moe.route)
             w = quant.dequantize_host(entry["q"], entry["s"]).astype(target.dtype)  # dt[C, E]
-            placed[path] = place(np.ascontiguousarray(w), shardings[path])
-            del pending[path]
+            self.placed[path] = place(np.ascontiguousarray(w), self.shardings[path])
+            del self.pending[path]
             return
-        spath = scale_of[path]
+        spath = self.scale_of[path]
         if entry["q"].dtype != target.dtype:
-            raise ValueError(f"tensor {hf_name(path, cfg)}: dtype {entry['q'].dtype} has a {ckq.scale_name} but "
-                             f"the {ckq.method} checkpoint's weights should be {target.dtype}")
-        placed[path] = place(np.ascontiguousarray(entry["q"]), shardings[path])
-        placed[spath] = place(np.ascontiguousarray(entry["s"]), shardings[spath])
-        del pending[path]
+            raise ValueError(f"tensor {hf_name(path, self.cfg)}: dtype {entry['q'].dtype} has a {ckq.scale_name} "
+                             f"but the {ckq.method} checkpoint's weights should be {target.dtype}")
+        self.placed[path] = place(np.ascontiguousarray(entry["q"]), self.shardings[path])
+        self.placed[spath] = place(np.ascontiguousarray(entry["s"]), self.shardings[spath])
+        del self.pending[path]
 
-    def stack(path, index, part, name, dtype=None):
-        """Fill one expert (``index``; None: all) of a stacked tensor; True once every expert is in."""
-        target = flat[path].get_value()
+    def _stack(self, path, index, part, name, dtype=None) -> None:
+        """Fill one expert (``index``; None: all) of a stacked tensor."""
+        target = self.flat[path].get_value()
         # host: the whole stack, dt[E, in, out] (w8 pre-quantized; f32 to be quantized here), or its scales f32[E, ...]
-        host, filled = stacks.setdefault(path, (np.zeros(target.shape, dtype or target.dtype), set()))
+        host, filled = self.stacks.setdefault(path, (np.zeros(target.shape, dtype or target.dtype), set()))
         want = target.shape if index is None else target.shape[1:]
         if tuple(part.shape) != tuple(want) or (index is not None and index >= target.shape[0]):
             raise ValueError(f"tensor {name}: checkpoint shape {tuple(part.shape)} (after layout conversion) "
@@ -241,68 +307,32 @@ def _load_safetensors(folder: Path, cfg: ModelConfig, abstract: nnx.State, shard
             host[index] = part
             filled.add(index)
 
-    for name, array in read_checkpoint(folder):
-        if ckq is not None and name.endswith("." + ckq.scale_name):
-            wname = name[: -len(ckq.scale_name)] + "weight"
-            path = wanted.get(_our_weight_name(wname, cfg))
-            if path is None or (path not in scale_of and not quant.is_router(path)):
-                unexpected.append(name)
+    def place_stacks(self) -> None:
+        """Place every expert stack whose experts are all in (a scale stack: with its weight)."""
+        weights_of = {s: w for w, s in self.scale_of.items()}
+        for path, (host, filled) in self.stacks.items():
+            if len(filled) != host.shape[0]:
                 continue
-            target = flat[path].get_value()
-            out_in = (target.shape[-1], target.shape[-2])
-            scale = quant.prequantized_scale(array, out_in, ckq.block)  # f32[out] or f32[in / B, out / B]
-            if target.ndim == 3:  # one expert's scale
-                stack(scale_of[path], _expert_weight(wname, cfg)[1], scale, name, np.float32)
+            if path in weights_of:
+                self.pending.setdefault(weights_of[path], {})["s"] = host
+                self._flush(weights_of[path])
             else:
-                pending.setdefault(path, {})["s"] = scale
-                flush(path)
-            continue
-        if ckq is not None and _UNUSED_QUANT.search(name):
-            continue
-        if experts := _expert_tensors(name, array, cfg):
-            for stacked, index, part in experts:
-                path = wanted.get(stacked)
-                if path is None:
-                    unexpected.append(name)
-                    continue
-                # Quantized at load: the stack is filled in fp32, then quantized whole.
-                stack(path, index, part, name, np.float32 if path in scale_of and ckq is None else None)
-            continue
-        name = name.replace(".block_sparse_moe.", ".mlp.") if cfg.family == "mixtral" else name
-        if name not in wanted:
-            if not (_IGNORED.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings)):
-                unexpected.append(name)
-            continue
-        path = wanted[name]
-        target = flat[path].get_value()
-        # HF stores linear weights [out, in]; ours are [in, out].
-        if array.ndim == 2 and path[-1] == "weight":
-            array = array.T  # ck[out, in] -> ck[in, out]
-        if tuple(array.shape) != tuple(target.shape):
+                self._put(path, host)
+
+    def state(self, folder: Path) -> nnx.State:
+        """The loaded state; ValueError naming the missing and unexpected tensors if the checkpoint does not fit."""
+        cfg = self.cfg
+        missing = sorted(hf_name(p, cfg) for p in self.flat if p not in self.placed)
+        if missing or self.unexpected:
+            unexpected = self.unexpected
             raise ValueError(
-                f"tensor {name}: checkpoint shape {tuple(array.shape)} (after layout conversion) does not match "
-                f"the model's {tuple(target.shape)}"
+                f"checkpoint in {folder} does not match {cfg.architecture}: "
+                f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+                f"unexpected tensors {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
             )
-        put(path, array)
-    weights_of = {s: w for w, s in scale_of.items()}
-    for path, (host, filled) in stacks.items():
-        if len(filled) != host.shape[0]:
-            continue
-        if path in weights_of:
-            pending.setdefault(weights_of[path], {})["s"] = host
-            flush(weights_of[path])
-        else:
-            put(path, host)
-    missing = sorted(hf_name(p, cfg) for p in flat if p not in placed)
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint in {folder} does not match {cfg.architecture}: "
-            f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
-            f"unexpected tensors {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
-        )
-    for path, var in flat.items():
-        var.set_value(placed[path])
-    return nnx.from_flat_state(flat)
+        for path, var in self.flat.items():
+            var.set_value(self.placed[path])
+        return nnx.from_flat_state(self.flat)
 
 
 def _restore_orbax(path: Path, abstract: nnx.State, shardings: dict) -> nnx.State:
@@ -332,9 +362,3 @@ def save_orbax(model: DecoderLM, dst: Path) -> None:
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save((dst / ORBAX_DIR).absolute(), flat)
 
-
-def write_config(cfg_src: Path, dst: Path) -> None:
-    with open(cfg_src / "config.json") as f:
-        hf = json.load(f)
-    with open(dst / "config.json", "w") as f:
-        json.dump(hf, f, indent=2)

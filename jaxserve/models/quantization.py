@@ -135,11 +135,6 @@ def apply_plan(model, plan: dict[tuple, QuantizedWeight]):
     return model
 
 
-def quantized_dtype_name(plan: dict) -> str | None:
-    names = {np.dtype(q.dtype).name for q in plan.values()}
-    return ", ".join(sorted(names)) or None
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Pre-quantized checkpoints
 

@@ -265,7 +265,7 @@ class AsyncEngine:
             self.grammars = engine.grammars
             self.info = engine.describe()
             self._stats = engine.stats()
-            _log_ready(self.info, time.monotonic() - started)
+            _log_ready(self.info, time.monotonic() - started, engine.warmup_summary)
             self._to_loop(self._deliver, [], [], self._sched_of(self._stats))  # before the first admission check
         except BaseException as e:  # noqa: BLE001 - reported to the event loop, which exits
             if isinstance(e, ValueError):  # a bad option or checkpoint: its message says what to change
@@ -476,10 +476,9 @@ class AsyncEngine:
             future.set_result(result)
 
 
-def _log_ready(info: dict, seconds: float) -> None:
-    """One line: what was loaded, on which devices, and where the start-up time went."""
-    from jaxserve.executor import compile_progress
-    warm = compile_progress.last_summary
+def _log_ready(info: dict, seconds: float, warm: dict | None) -> None:
+    """One line: what was loaded, on which devices, and where the start-up time went (``warm``: the executor's
+    warm-up summary, None without one)."""
     try:
         import jax
 
