@@ -42,7 +42,7 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.disagg.staged import PageReader, PageWriter, StagedEngine
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.request_stream import EngineNotReady, take_all
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import RequestOutput, TokenRecord
 from jaxserve.sampling_params import SamplingParams, sequence_seed
 from jaxserve.scheduler.sequence import Sequence
 from jaxserve.text.structured_output import StructuredOutputsParams
@@ -241,17 +241,17 @@ class PrefillServer:
                 stream = self._streams.pop(o.request_id, None)
                 if stream is None:
                     continue
-                c = o.outputs[0]
-                lps = c.logprobs[0] if c.logprobs else None
-                header = {"token": c.token_ids[0] if c.token_ids else None,
+                c = o.outputs[0]  # the request's first output: its first token is this step's
+                record = c.delta_records[0] if c.delta_records else None
+                header = {"token": c.delta_token_ids[0] if c.delta_token_ids else None,
                           "finish_reason": c.finish_reason if o.finished else None,
                           "stop_reason": c.stop_reason if o.finished else None,
                           "error": o.error,
-                          "logprobs": {str(k): v for k, v in lps.items()} if lps else None,
+                          "logprobs": record.to_json() if record is not None and record.logprob is not None
+                          else None,
                           "num_cached_tokens": int(o.metrics.num_cached_tokens or 0) if o.metrics else 0}
-                if o.prompt_logprobs is not None:
-                    header["prompt_logprobs"] = [None if e is None else {str(k): v for k, v in e.items()}
-                                                 for e in o.prompt_logprobs]
+                if o.prompt_records is not None:
+                    header["prompt_logprobs"] = [None if r is None else r.to_json() for r in o.prompt_records]
                 meta, data = kv.get(o.request_id, (None, b""))
                 if meta is None and not o.finished:
                     continue
@@ -562,8 +562,7 @@ class RemotePrefillEngine(StagedEngine):
                 continue
             req = self._requests.get(seq.request_id)
             if h.get("prompt_logprobs") is not None and req is not None:
-                req.prompt_logprobs = [None if e is None else {int(k): v for k, v in e.items()}
-                                       for e in h["prompt_logprobs"]]
+                req.prompt_records = [None if e is None else TokenRecord.from_json(e) for e in h["prompt_logprobs"]]
             seq.append_token(int(h["token"]))
             seq.num_computed_tokens = seq.num_prompt_tokens
             seq.num_cached_tokens = int(h.get("num_cached_tokens") or 0)
@@ -573,7 +572,7 @@ class RemotePrefillEngine(StagedEngine):
                 seq.set_finished(h["finish_reason"], h.get("stop_reason"))
                 finished.append(seq)
             self.structured.accept([seq])
-            lps = {seq.seq_id: {int(k): v for k, v in h["logprobs"].items()}} if h.get("logprobs") else {}
+            lps = {seq.seq_id: TokenRecord.from_json(h["logprobs"])} if h.get("logprobs") else {}
             outputs += self._collect(finished, [seq], lps)
             if not seq.is_finished:
                 self._landed.append(r)

@@ -182,24 +182,12 @@ class Scheduler:
     def add(self, seq: Sequence) -> list[Sequence]:
         """Queue a new request; returns its sequences (``sampling_params.n`` of them, ``seq`` first).
 
-        Raises:
-          ValueError: naming the field, if the request could never run within ``max_model_len``.
+        The request was checked at intake (``jaxserve.text.request_checks``: its prompt leaves room for output
+        in ``max_model_len``, and so does its ``max_tokens``; the engine refuses a request id in use); this
+        only refuses a sequence that is not new.
         """
         if seq.status is not SequenceStatus.WAITING or seq.num_output_tokens or seq.page_table:
             raise ValueError(f"{seq} is not a fresh waiting sequence")
-        if seq.request_id in self._requests:
-            raise ValueError(f"request_id={seq.request_id!r} is already in use")
-        limit, prompt_len = self.config.max_model_len, seq.num_prompt_tokens
-        if prompt_len >= limit:
-            raise ValueError(
-                f"prompt_token_ids has {prompt_len} tokens; max_model_len={limit} leaves no room for output"
-            )
-        max_tokens = seq.sampling_params.max_tokens
-        if max_tokens is not None and prompt_len + max_tokens > limit:
-            raise ValueError(
-                f"SamplingParams.max_tokens={max_tokens} with a {prompt_len}-token prompt exceeds "
-                f"max_model_len={limit}"
-            )
         seqs = [seq] + [seq.make_sibling(i) for i in range(1, seq.sampling_params.n)]
         self._requests[seq.request_id] = seqs
         self.waiting.extend(seqs)
