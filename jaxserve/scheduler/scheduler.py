@@ -15,6 +15,7 @@ from jaxserve.scheduler.block_manager import BlockManager, PageHolder
 from jaxserve.scheduler.sequence import Sequence, SequenceStatus
 from jaxserve.scheduler.slot_state import DecodeSlots, StopSlots
 from jaxserve.scheduler.window_pool import WindowedBlockManager
+from jaxserve.text.request_checks import check_fits
 
 __all__ = ["DecodeRun", "ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "UpdateResult"]
 
@@ -182,12 +183,19 @@ class Scheduler:
     def add(self, seq: Sequence) -> list[Sequence]:
         """Queue a new request; returns its sequences (``sampling_params.n`` of them, ``seq`` first).
 
-        The request was checked at intake (``jaxserve.text.request_checks``: its prompt leaves room for output
-        in ``max_model_len``, and so does its ``max_tokens``; the engine refuses a request id in use); this
-        only refuses a sequence that is not new.
+        Requests are checked at intake (``jaxserve.text.request_checks``); what this refuses guards the queue
+        and the pages for callers that skip it: a sequence that is not new, a request id in use, and (with
+        intake's own ``check_fits``, O(1)) a request that could never run within ``max_model_len``.
+
+        Raises:
+          ValueError: naming the field.
         """
         if seq.status is not SequenceStatus.WAITING or seq.num_output_tokens or seq.page_table:
             raise ValueError(f"{seq} is not a fresh waiting sequence")
+        if seq.request_id in self._requests:
+            raise ValueError(f"request_id={seq.request_id!r} is already in use")
+        check_fits(seq.num_prompt_tokens, seq.sampling_params.max_tokens, self.config.max_model_len,
+                   "prompt_token_ids")
         seqs = [seq] + [seq.make_sibling(i) for i in range(1, seq.sampling_params.n)]
         self._requests[seq.request_id] = seqs
         self.waiting.extend(seqs)

@@ -18,6 +18,16 @@ from typing import Any
 from jaxserve.sampling_params import SamplingParams
 
 
+def check_fits(prompt_len: int, max_tokens: int | None, max_model_len: int, field: str = "prompt") -> None:
+    """A prompt of ``prompt_len`` tokens (``field``) must leave room for output in ``max_model_len``, and so must
+    ``max_tokens`` with it. The scheduler guards its pages with this too (O(1)): its callers may skip intake."""
+    if prompt_len >= max_model_len:
+        raise ValueError(f"{field} has {prompt_len} tokens; max_model_len={max_model_len} leaves no room for output")
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise ValueError(f"SamplingParams.max_tokens={max_tokens} with a {prompt_len}-token prompt exceeds "
+                         f"max_model_len={max_model_len}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RequestChecks:
     """The checks of one engine: ``has_tokenizer`` is False with ``skip_tokenizer_init``; ``grammars`` is the
@@ -39,9 +49,7 @@ class RequestChecks:
         """Token ids of a prompt: not empty, inside the vocabulary, leaving room for output in max_model_len."""
         if not ids:
             raise ValueError(f"{field} is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"{field} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
-                             "room for output")
+        check_fits(len(ids), None, self.max_model_len, field)
         vocab = self.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -50,10 +58,7 @@ class RequestChecks:
     def params(self, params: SamplingParams, prompt_len: int) -> None:
         """Sampling parameters for a prompt of ``prompt_len`` tokens. A structured-output grammar is compiled
         (and cached for the engine's steps): ValueError naming the field if it is invalid."""
-        max_tokens = params.max_tokens
-        if max_tokens is not None and prompt_len + max_tokens > self.max_model_len:
-            raise ValueError(f"SamplingParams.max_tokens={max_tokens} with a {prompt_len}-token prompt exceeds "
-                             f"max_model_len={self.max_model_len}")
+        check_fits(prompt_len, params.max_tokens, self.max_model_len)
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
