@@ -9,6 +9,7 @@ import time
 
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.text.request_checks import RequestChecks
 
 
 class _Tokenizer:
@@ -39,6 +40,14 @@ class _Tokenizer:
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **template_options):
         self.threads.append(threading.current_thread())
         return [len(m["content"]) for m in messages]
+
+
+class _LenientChecks(RequestChecks):
+    """The intake checks, except that max_tokens may run past max_model_len (the fake keeps no KV cache)."""
+
+    def params(self, params, prompt_len):
+        if params.max_tokens is None or prompt_len + params.max_tokens <= self.max_model_len:
+            super().params(params, prompt_len)
 
 
 @dataclasses.dataclass
@@ -74,6 +83,11 @@ class FakeEngine:
         self.check_lengths = False  # True: refuse prompt + max_tokens beyond max_model_len, as the engine does
         self.grammars = None  # no structured-output grammars to compile ahead
 
+    @property
+    def checks(self):
+        """What the servers check at intake; max_tokens against max_model_len only with ``check_lengths``."""
+        return (RequestChecks if self.check_lengths else _LenientChecks)(self.max_model_len, 100)
+
     def tokenize(self, prompt):
         ids = [ord(c) % 100 for c in prompt] if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -82,7 +96,7 @@ class FakeEngine:
             raise ValueError("prompt token id is outside the vocabulary [0, 100)")
         return prompt if isinstance(prompt, str) else None, ids
 
-    def add_request(self, rid, ids, params, arrival_time=None):
+    def add_request(self, rid, ids, params, arrival_time=None, checked=False):
         self.tokenize(ids)  # the id range check, as the engine's add_request does
         if self.check_lengths and params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"SamplingParams.max_tokens={params.max_tokens} with a {len(ids)}-token prompt exceeds "

@@ -158,6 +158,36 @@ def test_n_samples_logprobs_and_metrics(engine):
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
 
 
+def test_running_requests_get_deltas_and_the_finished_one_its_whole_output(engine):
+    """A running request's outputs carry only each step's news (token ids, text, TokenRecords, prompt records
+    once); the final output assembles the whole, whose logprobs are the records' dicts."""
+    from jaxserve.outputs import CompletionDelta, RequestDelta, RequestOutput, TokenRecord
+
+    params = SamplingParams(n=2, max_tokens=5, temperature=1.0, seed=3, logprobs=2, prompt_logprobs=1,
+                            ignore_eos=True)
+    engine.add_request("d", list(range(3, 13)), params)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    *running, final = outs
+    assert running and all(type(o) is RequestDelta and not o.finished for o in running)
+    assert type(final) is RequestOutput and final.finished
+    assert sum(o.prompt_records is not None for o in [*running, final][:-1]) == 1  # once, with the first output
+    assert final.prompt_logprobs == [r.entry() if r else None for r in final.prompt_records]
+    for c in final.outputs:
+        news = [d for o in running for d in o.outputs if d.index == c.index]
+        assert all(type(d) is CompletionDelta and len(d.delta_token_ids) == len(d.delta_records) for d in news)
+        ids = [t for d in news for t in d.delta_token_ids] + c.delta_token_ids
+        records = [r for d in news for r in d.delta_records] + c.delta_records
+        assert ids == c.token_ids and records == c.records and len(records) == 5
+        assert "".join(d.delta_text for d in news) + c.delta_text == c.text
+        assert c.logprobs == [r.entry() for r in records]
+        for token, r in zip(ids, records):
+            assert type(r) is TokenRecord and r.id == token and len(r.top) == 2
+            assert r.top[0][1] >= r.top[1][1] and r.logprob <= r.top[0][1]
+            assert r.rank == (next((i for i, (t, _) in enumerate(r.top, 1) if t == token), None))
+
+
 def test_stop_string_is_removed_and_finishes(engine, hf):
     prompt = [5, 17, 99, 23]
     full = run(engine, [[("full", prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))]])

@@ -66,7 +66,8 @@ def test_engine_capacity_aot_and_plan_count_the_same_pages(model):
     assert cap["pages_per_replica"] == engine
     assert cap["window_pages_per_replica"] == local_pool_pages(cfg.sliding_windows, PAGE, SEQS, TOKENS)
     # plan: its simulated engine's pool (from the budget), and an instance's pool on chips (from their HBM).
-    fields = simulator.window_fields(cfg.sliding_windows, page_size=PAGE, max_num_seqs=SEQS, max_num_batched_tokens=TOKENS)
+    fields = simulator.window_fields(cfg.sliding_windows, page_size=PAGE, max_num_seqs=SEQS,
+                                     max_num_batched_tokens=TOKENS)
     assert simulator.pool_pages(budget, per_token, PAGE, fields) == engine
     assert cli.instance_pool_pages(cfg, budget + weights, chips=1, utilization=1.0, page_size=PAGE,
                                     max_model_len=MAX_LEN, max_num_seqs=SEQS, max_num_batched_tokens=TOKENS,

@@ -96,6 +96,22 @@ def test_invalid_prompt_is_refused_with_the_reason():
     run(main())
 
 
+def test_request_checks_run_at_intake_not_on_the_engine_thread():
+    """The engine's request checks (here logit_bias against the vocabulary) refuse a request before it is
+    queued for the engine thread, which adds what it gets unchecked."""
+    async def main():
+        ae, fake = await _started()
+        steps = fake.steps
+        with pytest.raises(ValueError, match="logit_bias: token id 500 is outside the vocabulary"):
+            await ae.add_request([5, 6], SamplingParams(max_tokens=2, logit_bias={500: 1.0}))
+        assert not fake.requests and ae.num_live_requests == 0 and ae.intake_length() == 0
+        stream = await ae.add_request([5, 6], SamplingParams(max_tokens=2, logit_bias={50: 1.0}))
+        assert (await _collect(stream))[-1].finished and fake.steps > steps
+        await ae.stop()
+
+    run(main())
+
+
 def test_abort_finishes_the_request_before_the_next_step():
     async def main():
         ae, fake = await _started()

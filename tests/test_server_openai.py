@@ -379,3 +379,22 @@ def test_non_streaming_disconnect_aborts(server):
     after = server.wait_metrics(lambda m: pages_idle(m) and _finished(m, "abort") > _finished(before, "abort"))
     assert pages_idle(after)
     assert _finished(after, "abort") == _finished(before, "abort") + 1
+
+
+def test_echo_shows_a_prompt_token_that_is_its_own_top_logprob(http):
+    """With echo, logprobs=1 and prompt_logprobs=3, a prompt token that is the most likely at its position is
+    its own top-1 entry (and has rank 1 in prompt_logprobs): the records say so, no count of entries does."""
+    ids = [5, 6, 7, 8, 9, 10]
+    first = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": ids, "max_tokens": 1,
+                                                 "prompt_logprobs": 1})
+    assert first.status_code == 200, first.text
+    last = first.json()["choices"][0]["prompt_logprobs"][-1]
+    best = next(int(t) for t, v in last.items() if v["rank"] == 1)
+    ids = ids[:-1] + [best]  # the model's most likely token at the last position (causal: still the most likely)
+    resp = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": ids, "max_tokens": 1, "echo": True,
+                                                "logprobs": 1, "prompt_logprobs": 3})
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    lp, p = choice["logprobs"], len(ids) - 1
+    assert lp["top_logprobs"][p] == {lp["tokens"][p]: lp["token_logprobs"][p]}
+    assert choice["prompt_logprobs"][p][str(best)]["rank"] == 1

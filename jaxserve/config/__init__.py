@@ -1,1 +1,2 @@
-"""Configuration: one frozen, validated dataclass per concern (engine, scheduler, speculation) and the command-line flags that build them. Host-only: imports no jax."""
+"""Configuration: one frozen, validated dataclass per concern (engine, scheduler, speculation) and the command-line
+flags that build them. Host-only: imports no jax."""

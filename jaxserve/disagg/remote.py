@@ -30,7 +30,7 @@ from jaxserve.disagg.pages import PageWriter
 from jaxserve.disagg.staged import StagedEngine
 from jaxserve.disagg.wire import CHUNK_BYTES, METHOD, STATS_METHOD, identity, pages_from_bytes, params_to_json
 from jaxserve.engine.request_stream import EngineNotReady
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import RequestOutput, TokenRecord
 from jaxserve.sampling_params import SamplingParams, sequence_seed
 from jaxserve.scheduler.replicas import ReplicatedScheduler
 from jaxserve.scheduler.sequence import Sequence
@@ -327,8 +327,7 @@ class RemotePrefillEngine(StagedEngine):
                 continue
             req = self._requests.get(seq.request_id)
             if h.get("prompt_logprobs") is not None and req is not None:
-                req.prompt_logprobs = [None if e is None else {int(k): v for k, v in e.items()}
-                                       for e in h["prompt_logprobs"]]
+                req.prompt_records = [None if e is None else TokenRecord.from_json(e) for e in h["prompt_logprobs"]]
             seq.append_token(int(h["token"]))
             seq.num_computed_tokens = seq.num_prompt_tokens
             seq.num_cached_tokens = int(h.get("num_cached_tokens") or 0)
@@ -338,7 +337,7 @@ class RemotePrefillEngine(StagedEngine):
                 seq.set_finished(h["finish_reason"], h.get("stop_reason"))
                 finished.append(seq)
             self.structured.accept([seq])
-            lps = {seq.seq_id: {int(k): v for k, v in h["logprobs"].items()}} if h.get("logprobs") else {}
+            lps = {seq.seq_id: TokenRecord.from_json(h["logprobs"])} if h.get("logprobs") else {}
             outputs += self._collect(finished, [seq], lps)
             if not seq.is_finished:
                 self._landed.append(r)

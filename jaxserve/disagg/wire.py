@@ -13,7 +13,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import RequestDelta, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.text.structured_output import StructuredOutputsParams
 
@@ -54,20 +54,19 @@ def kv_layout(staged, full: list[int], local: list[int], nbytes: int, num_cached
             "full": full, "local": local, "nbytes": nbytes, "num_cached_tokens": num_cached_tokens}
 
 
-def output_header(o: RequestOutput, kv: dict | None) -> dict:
+def output_header(o: RequestOutput | RequestDelta, kv: dict | None) -> dict:
     """The response's header for a prefill's output ``o`` (its one sequence), with the pages' ``kv_layout``
     unless the first token finished the request."""
-    c = o.outputs[0]
-    lps = c.logprobs[0] if c.logprobs else None
-    header = {"token": c.token_ids[0] if c.token_ids else None,
+    c = o.outputs[0]  # the request's first output: its first token is this step's
+    record = c.delta_records[0] if c.delta_records else None
+    header = {"token": c.delta_token_ids[0] if c.delta_token_ids else None,
               "finish_reason": c.finish_reason if o.finished else None,
               "stop_reason": c.stop_reason if o.finished else None,
               "error": o.error,
-              "logprobs": {str(k): v for k, v in lps.items()} if lps else None,
+              "logprobs": record.to_json() if record is not None and record.logprob is not None else None,
               "num_cached_tokens": int(o.metrics.num_cached_tokens or 0) if o.metrics else 0}
-    if o.prompt_logprobs is not None:
-        header["prompt_logprobs"] = [None if e is None else {str(k): v for k, v in e.items()}
-                                     for e in o.prompt_logprobs]
+    if o.prompt_records is not None:
+        header["prompt_logprobs"] = [None if r is None else r.to_json() for r in o.prompt_records]
     if kv is not None:
         header["kv"] = kv
         header["num_cached_tokens"] = kv["num_cached_tokens"]

@@ -10,6 +10,7 @@ start-up.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -20,7 +21,7 @@ from jaxserve.engine import async_scheduling
 from jaxserve.engine.generation_config import load_generation_defaults
 from jaxserve.models.checkpoint import resolve_model_path
 from jaxserve.models.config import ModelConfig
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.outputs import CompletionDelta, CompletionOutput, RequestDelta, RequestMetrics, RequestOutput, TokenRecord
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.protocol import RequestScheduler, StepScheduler
 from jaxserve.scheduler.replicas import ReplicatedScheduler
@@ -28,6 +29,7 @@ from jaxserve.scheduler.scheduler import UpdateResult
 from jaxserve.scheduler.sequence import Sequence
 from jaxserve.scheduler.step_result import StepFailed, StepResult
 from jaxserve.text.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
+from jaxserve.text.request_checks import RequestChecks
 from jaxserve.text.structured_output import GrammarCompiler, StructuredOutputs
 from jaxserve.text.tokenizer import chat_template_ids, eos_token_ids, load_tokenizer, resolve_chat_template
 
@@ -43,9 +45,10 @@ class _Request:
     seqs: list[Sequence]
     detoks: list[IncrementalDetokenizer]
     metrics: RequestMetrics
-    logprobs: list[list[dict[int, float]] | None]
+    records: list[list[TokenRecord] | None]  # per output, with SamplingParams.logprobs: every token's record
     error: str | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_records: list[TokenRecord | None] | None = None  # with SamplingParams.prompt_logprobs; None: the first
+    prompt_records_sent: bool = False  # they went with an output already (a running request's: once)
     loud: bool = False  # it has text to detokenize or logprobs to record: every token gets a look in ``_collect``
 
 
@@ -122,24 +125,25 @@ class Engine:
         self.final_outputs_only = False
 
     # Requests -----------------------------------------------------------------------------------------------
+    @functools.cached_property
+    def checks(self) -> RequestChecks:
+        """Every check of a request against this engine (``jaxserve.text.request_checks``)."""
+        return RequestChecks.of(self)
+
     def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    *, arrival_time: float | None = None) -> str:
-        """Queue a request. Raises ValueError (naming the field) for input that could never be served."""
+                    *, arrival_time: float | None = None, checked: bool = False) -> str:
+        """Queue a request. Raises ValueError (naming the field) for input that could never be served.
+
+        ``checked``: the caller ran ``self.checks.request`` on these token ids and params already (the servers
+        do, before the request reaches the engine thread), so it is not run again.
+        """
         params = params if params is not None else SamplingParams()
         request_id = str(next(self._counter)) if request_id is None else request_id
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
-        if params.logit_bias and max(params.logit_bias) >= self.model_config.vocab_size:
-            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary "
-                             f"[0, {self.model_config.vocab_size})")
-        if self.tokenizer is None and params.stop:
-            raise ValueError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init (use "
-                             "stop_token_ids)")
-        if params.structured_outputs is not None:
-            if self.grammars is None:
-                raise ValueError("structured_outputs needs a tokenizer; this engine runs with skip_tokenizer_init")
-            self.grammars.prepare(params.structured_outputs)  # ValueError for an invalid grammar; cached
+        if not checked:
+            self.checks.request(ids, params)
         seq = Sequence(request_id, ids, params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
                        request_index=next(self._counter))
         seqs = self.scheduler.add(seq)
@@ -148,7 +152,7 @@ class Engine:
         self._requests[request_id] = _Request(
             request_id, text, ids, params, seqs, detoks, RequestMetrics(seq.arrival_time),
             [[] if params.logprobs is not None else None for _ in seqs],
-            prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None,
+            prompt_records=[None] * len(ids) if params.prompt_logprobs is not None else None,
             loud=params.logprobs is not None or any(type(d) is not NoTextDetokenizer for d in detoks),
         )
         self._unstamped.add(request_id)
@@ -160,21 +164,13 @@ class Engine:
         return request_id
 
     def tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt given as text or ids; ValueError if empty or outside the vocabulary."""
+        """(text, token ids) of a prompt given as text or ids (``checks.prompt`` checks the ids)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: text needs a tokenizer; this engine runs with skip_tokenizer_init, so "
                                  "prompts must be token ids")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        return text, ids
+            return prompt, self.tokenizer.encode(prompt)
+        return None, [int(t) for t in prompt]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **template_options) -> list[int]:
@@ -209,7 +205,7 @@ class Engine:
         """Run one scheduled batch; returns an output for each request that produced tokens or finished.
 
         With async scheduling (``EngineConfig.async_scheduling``) the batch is launched and the outputs are
-        those of the batch launched by the previous call, read while this one runs (``jaxserve.engine.async_scheduling``).
+        those of the batch launched by the previous call, read while this one runs (``engine/async_scheduling.py``).
 
         A step that fails ends the requests in it (reason "error", ``RequestOutput.error`` saying why) and
         returns their pages; every other request carries on.
@@ -315,13 +311,13 @@ class Engine:
                 if req is not None and req.metrics.first_scheduled_time is None:
                     req.metrics.first_scheduled_time = now
 
-    def _record_prompt_logprobs(self, plan, scored: dict[int, list[tuple[int, dict[int, float]]]]) -> None:
+    def _record_prompt_logprobs(self, plan, scored: dict[int, list[tuple[int, TokenRecord]]]) -> None:
         for e in plan.scheduled:
             items = scored.get(e.seq.seq_id)
             req = self._requests.get(e.seq.request_id)
-            if items and req is not None and req.prompt_logprobs is not None:
+            if items and req is not None and req.prompt_records is not None:
                 for pos, entry in items:  # a recomputed prompt (after preemption) scores its tokens again
-                    req.prompt_logprobs[pos] = entry
+                    req.prompt_records[pos] = entry
 
     def _fail_step(self, plan, error: StepFailed, scheduler: StepScheduler | None = None, executor=None,
                    kind: str | None = None) -> list[RequestOutput]:
@@ -339,12 +335,13 @@ class Engine:
         return outputs
 
     def _collect(self, finished: list[Sequence], updated: list[Sequence], logprobs: dict | None = None, *,
-                 tokens: list[int] | None = None, before: dict[int, int] | None = None) -> list[RequestOutput]:
-        """``logprobs``: seq_id -> the entry of its one new token, or a list of entries (a speculated run);
+                 tokens: list[int] | None = None, before: dict[int, int] | None = None
+                 ) -> list[RequestOutput | RequestDelta]:
+        """``logprobs``: seq_id -> the ``TokenRecord`` of its one new token, or a list of them (a speculated run);
         ``tokens``: each updated sequence's new token, read back by async scheduling (its last token may be the
         next step's placeholder); ``before``: seq_id -> output tokens before the step (a speculated run appends
-        several)."""
-        changed: dict[str, dict[int, tuple[list[int], str]]] = {}
+        several). Returns a ``RequestDelta`` per running request with news, a ``RequestOutput`` per finished one."""
+        changed: dict[str, dict[int, list]] = {}  # request -> output index -> [new ids, text delta, new records]
         now = time.monotonic()
         quiet = self.final_outputs_only  # a request still running gets no output
         rows = range(len(updated))
@@ -373,18 +370,23 @@ class Engine:
                 start = (before or {}).get(seq.seq_id, seq.num_output_tokens - 1)
                 new = seq.output_token_ids[start:]
             detok = req.detoks[seq.index]
-            if quiet and not seq.is_finished and type(detok) is NoTextDetokenizer and req.logprobs[seq.index] is None:
+            records = req.records[seq.index]
+            if quiet and not seq.is_finished and type(detok) is NoTextDetokenizer and records is None:
                 self.stats_counters["generation_tokens"] += len(new)  # no text, no logprobs, no output this step
                 continue
-            entries = (logprobs or {}).get(seq.seq_id, {})
-            entries = entries if isinstance(entries, list) else [entries]
-            delta, kept = "", []
+            delta, kept, new_records = "", [], None
+            if records is not None:
+                new_records = []
+                entries = (logprobs or {}).get(seq.seq_id)
+                entries = [] if entries is None else entries if isinstance(entries, list) else [entries]
             for j, token in enumerate(new):
                 self.stats_counters["generation_tokens"] += 1
                 delta += detok.add([token])
                 kept.append(token)
-                if req.logprobs[seq.index] is not None:
-                    req.logprobs[seq.index].append(entries[j] if j < len(entries) else {})
+                if records is not None:
+                    record = entries[j] if j < len(entries) else TokenRecord(token, None, None, ())
+                    records.append(record)
+                    new_records.append(record)
                 if detok.finished:
                     break
             if detok.finished and len(kept) < len(new):  # tokens a run emitted past a stop string are dropped
@@ -395,9 +397,13 @@ class Engine:
                 self.scheduler.finish(seq, "stop", detok.stop_reason)
                 seq.drop_placeholder()
                 finished.append(seq)
-            ids, text = changed.setdefault(seq.request_id, {}).setdefault(seq.index, ([], ""))
-            changed[seq.request_id][seq.index] = (ids + kept, text + delta)
-        outputs = []
+            news = changed.setdefault(seq.request_id, {})
+            if seq.index in news:  # a second update of the sequence in one call
+                ids, text, recs = news[seq.index]
+                news[seq.index] = [ids + kept, text + delta, None if recs is None else recs + new_records]
+            else:
+                news[seq.index] = [kept, delta, new_records]
+        outputs: list[RequestOutput | RequestDelta] = []
         done = {s.request_id for s in finished}
         for request_id in list(dict.fromkeys([*changed, *done])):
             req = self._requests.get(request_id)
@@ -407,8 +413,19 @@ class Engine:
             if all(s.is_finished for s in req.seqs):
                 outputs.append(self._finish_request(req, req.seqs, deltas))
             elif not self.final_outputs_only:
-                outputs.append(self._output(req, [s for s in req.seqs if s.index in deltas], deltas, False))
+                outputs.append(self._delta(req, deltas))
         return outputs
+
+    def _delta(self, req: _Request, deltas: dict[int, list]) -> RequestDelta:
+        """A running request's news: each changed output's new tokens, records and text, nothing cumulative."""
+        seqs = {s.index: s for s in req.seqs}
+        outputs = [CompletionDelta(index, text, ids, recs, seqs[index].finish_reason, seqs[index].stop_reason)
+                   for index, (ids, text, recs) in sorted(deltas.items())]
+        prompt_records = None
+        if req.prompt_records is not None and not req.prompt_records_sent:
+            req.prompt_records_sent = True
+            prompt_records = list(req.prompt_records)
+        return RequestDelta(req.request_id, req.prompt_ids, outputs, req.metrics, prompt_records)
 
     def _finish_request(self, req: _Request, seqs: list[Sequence], deltas=None) -> RequestOutput:
         deltas = dict(deltas or {})
@@ -418,8 +435,8 @@ class Engine:
             seq.drop_placeholder()
         for seq in seqs:
             tail = req.detoks[seq.index].finish() if not req.detoks[seq.index].finished else ""
-            ids, text = deltas.get(seq.index, ([], ""))
-            deltas[seq.index] = (ids, text + tail)
+            ids, text, recs = deltas.get(seq.index, ([], "", None))
+            deltas[seq.index] = [ids, text + tail, recs]
         self.executor.release(seqs)
         self.structured.release(seqs)
         req.metrics.finished_time = time.monotonic()
@@ -429,24 +446,27 @@ class Engine:
         self._unstamped.discard(req.request_id)
         self._no_first_token.discard(req.request_id)
         self._loud -= req.loud
-        return self._output(req, req.seqs, deltas, True)
+        return self._output(req, req.seqs, deltas)
 
-    def _output(self, req: _Request, seqs: list[Sequence], deltas, finished: bool) -> RequestOutput:
+    def _output(self, req: _Request, seqs: list[Sequence], deltas) -> RequestOutput:
+        """A finished request's whole output, assembled once (its last step's news in the ``delta_*`` fields)."""
         completions = []
         for seq in sorted(seqs, key=lambda s: s.index):
-            ids, text = deltas.get(seq.index, ([], ""))
-            lps = req.logprobs[seq.index]
+            ids, text, recs = deltas.get(seq.index, ([], "", None))
+            records = req.records[seq.index]
+            if records is not None and recs is None:
+                recs = []
             out_ids = seq.output_token_ids
             if out_ids and out_ids[-1] < 0:  # the next step's token, not known yet
                 out_ids = out_ids[:-1]
             completions.append(CompletionOutput(
-                seq.index, req.detoks[seq.index].output_text, list(out_ids), seq.finish_reason,
-                seq.stop_reason, list(lps) if lps is not None else None, text, ids,
-                lps[len(lps) - len(ids):] if lps is not None else None,
+                seq.index, req.detoks[seq.index].output_text, list(out_ids), seq.finish_reason, seq.stop_reason,
+                [r.entry() for r in records] if records is not None else None, text, ids,
+                [r.entry() for r in recs] if recs is not None else None, records, recs,
             ))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, completions, finished, req.metrics,
-                             req.error if finished else None,
-                             list(req.prompt_logprobs) if req.prompt_logprobs is not None else None)
+        prompt = req.prompt_records
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, completions, True, req.metrics, req.error,
+                             None if prompt is None else [r.entry() if r is not None else None for r in prompt], prompt)
 
     # Multi-process ------------------------------------------------------------------------------------------
     def follow(self) -> None:
@@ -485,9 +505,8 @@ class Engine:
         return info
 
 
-def _logprobs(plan, result: StepResult) -> dict[int, dict[int, float]]:
-    """seq_id -> {sampled token: its logprob, then the top-n}, for the sequences of ``plan`` that asked and
-    sampled."""
+def _logprobs(plan, result: StepResult) -> dict[int, TokenRecord]:
+    """seq_id -> the ``TokenRecord`` of its sampled token, for the sequences of ``plan`` that asked and sampled."""
     if result.logprobs is None:
         return {}
     out, lists = {}, None
@@ -498,6 +517,6 @@ def _logprobs(plan, result: StepResult) -> dict[int, dict[int, float]]:
                 lists = [a.tolist() if hasattr(a, "tolist") else list(a)
                          for a in (result.token_ids, result.logprobs, result.top_ids, result.top_logprobs)]
             token_ids, logprobs, top_ids, top_logprobs = lists
-            top = dict(zip(top_ids[slot][:n], top_logprobs[slot][:n]))
-            out[e.seq.seq_id] = {token_ids[slot]: logprobs[slot], **top}
+            out[e.seq.seq_id] = TokenRecord.of(token_ids[slot], logprobs[slot], top_ids[slot][:n],
+                                               top_logprobs[slot][:n])
     return out

@@ -1,1 +1,2 @@
-"""The one device seam: compiled prefill and decode steps over bucketed shapes, batch packing, the KV cache on device, sampling, speculative verification and the draft model, the executable store."""
+"""The one device seam: compiled prefill and decode steps over bucketed shapes, batch packing, the KV cache on device,
+sampling, speculative verification and the draft model, the executable store."""

@@ -35,6 +35,7 @@ from jaxserve.executor.verify import verify
 from jaxserve.models.attention import AttentionBackend
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loader import load_model
+from jaxserve.outputs import TokenRecord
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams, sequence_seed
 from jaxserve.scheduler.sequence import Sequence
 from jaxserve.scheduler.step_result import StepFailed, StepResult
@@ -442,16 +443,15 @@ class Executor:
         lps, top_ids, top_lps = rest if with_logprobs else (None, None, None)
         token_ids = np.array(result.token_ids, copy=True)
         runs: dict[int, list[int]] = {}
-        run_logprobs: dict[int, list[dict[int, float]]] = {}
+        run_logprobs: dict[int, list[TokenRecord]] = {}
         for slot, i in enumerate(drafts.entries):
             a = int(accepted[slot])
             runs[i] = [int(t) for t in tokens[slot, : a + 1]]
             token_ids[i] = runs[i][-1]
             n = want[slot]
             if n is not None:
-                run_logprobs[i] = [{tok: float(lps[slot, j]),
-                                    **{int(x): float(v) for x, v in zip(top_ids[slot, j, :n], top_lps[slot, j, :n])}}
-                                   for j, tok in enumerate(runs[i])]
+                run_logprobs[i] = [TokenRecord.of(tok, float(lps[slot, j]), top_ids[slot, j, :n].tolist(),
+                                                  top_lps[slot, j, :n].tolist()) for j, tok in enumerate(runs[i])]
         if self.drafter is not None:
             self.drafter.commit(entries, {i: len(runs[i]) - 1 for i in runs})
         return dataclasses.replace(result, token_ids=token_ids, spec_tokens=runs, spec_logprobs=run_logprobs)

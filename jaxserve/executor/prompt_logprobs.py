@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.executor.sampler import MAX_TOP_LOGPROBS
+from jaxserve.outputs import TokenRecord
 
 
 def score(
@@ -72,15 +73,13 @@ class ScoreRows:
         return t
 
     def collect(self, chosen: np.ndarray, top_ids: np.ndarray, top_lps: np.ndarray
-                ) -> dict[int, list[tuple[int, dict[int, float]]]]:
-        """seq_id -> [(position of the scored token, {that token: its logprob, then the top-n})]; the top-n is
-        cut to the request's ``prompt_logprobs`` here."""
+                ) -> dict[int, list[tuple[int, TokenRecord]]]:
+        """seq_id -> [(position of the scored token, its ``TokenRecord``)]; the top-n is cut to the request's
+        ``prompt_logprobs`` here."""
         out: dict[int, list] = {}
         for row, seq, pos in zip(self.rows, self.seqs, self.positions):
             n = seq.sampling_params.prompt_logprobs
             token = seq.prompt_token_ids[pos + 1]
-            entry = {token: float(chosen[row])}
-            for t, v in zip(top_ids[row][:n], top_lps[row][:n]):
-                entry.setdefault(int(t), float(v))
-            out.setdefault(seq.seq_id, []).append((pos + 1, entry))
+            record = TokenRecord.of(token, float(chosen[row]), top_ids[row][:n].tolist(), top_lps[row][:n].tolist())
+            out.setdefault(seq.seq_id, []).append((pos + 1, record))
         return out

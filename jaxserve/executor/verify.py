@@ -10,7 +10,7 @@ with probability ``p_j(d)``, else draw from ``p_j`` with ``d`` removed. Greedy s
 the argmax, and the next token is the argmax of the first rejecting (or the bonus) row: token-identical to
 decoding one token at a time.
 
-``p`` is the sampler's processed distribution (temperature, min-p, top-k, top-p: ``jaxserve.executor.sampler``); requests
+``p`` is the sampler's processed distribution (temperature, min-p, top-k, top-p: ``executor/sampler.py``); requests
 with penalties, logit bias, structured output or pending ``min_tokens`` do not speculate (``planner``). Draws are
 keyed by (sequence seed, output position, purpose), so a seeded request repeats itself.
 """

@@ -97,7 +97,7 @@ class ModelConfig:
     @property
     def local_window(self) -> int | None:
         """The widest window when windowed and global layers are interleaved (the windowed layers then get
-        their own page pool, ``jaxserve/scheduler/window_pool.py``); None when all or none of the layers are windowed."""
+        their own page pool, ``scheduler/window_pool.py``); None when all or none of the layers are windowed."""
         windows = [w for w in self.sliding_windows if w is not None]
         if not windows or len(windows) == len(self.sliding_windows):
             return None

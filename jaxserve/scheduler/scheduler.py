@@ -15,6 +15,7 @@ from jaxserve.scheduler.block_manager import BlockManager, PageHolder
 from jaxserve.scheduler.sequence import Sequence, SequenceStatus
 from jaxserve.scheduler.slot_state import DecodeSlots, StopSlots
 from jaxserve.scheduler.window_pool import WindowedBlockManager
+from jaxserve.text.request_checks import check_fits
 
 __all__ = ["DecodeRun", "ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "UpdateResult"]
 
@@ -183,24 +184,19 @@ class Scheduler:
     def add(self, seq: Sequence) -> list[Sequence]:
         """Queue a new request; returns its sequences (``sampling_params.n`` of them, ``seq`` first).
 
+        Requests are checked at intake (``jaxserve.text.request_checks``); what this refuses guards the queue
+        and the pages for callers that skip it: a sequence that is not new, a request id in use, and (with
+        intake's own ``check_fits``, O(1)) a request that could never run within ``max_model_len``.
+
         Raises:
-          ValueError: naming the field, if the request could never run within ``max_model_len``.
+          ValueError: naming the field.
         """
         if seq.status is not SequenceStatus.WAITING or seq.num_output_tokens or seq.page_table:
             raise ValueError(f"{seq} is not a fresh waiting sequence")
         if seq.request_id in self._requests:
             raise ValueError(f"request_id={seq.request_id!r} is already in use")
-        limit, prompt_len = self.config.max_model_len, seq.num_prompt_tokens
-        if prompt_len >= limit:
-            raise ValueError(
-                f"prompt_token_ids has {prompt_len} tokens; max_model_len={limit} leaves no room for output"
-            )
-        max_tokens = seq.sampling_params.max_tokens
-        if max_tokens is not None and prompt_len + max_tokens > limit:
-            raise ValueError(
-                f"SamplingParams.max_tokens={max_tokens} with a {prompt_len}-token prompt exceeds "
-                f"max_model_len={limit}"
-            )
+        check_fits(seq.num_prompt_tokens, seq.sampling_params.max_tokens, self.config.max_model_len,
+                   "prompt_token_ids")
         seqs = [seq] + [seq.make_sibling(i) for i in range(1, seq.sampling_params.n)]
         self._requests[seq.request_id] = seqs
         self.waiting.extend(seqs)

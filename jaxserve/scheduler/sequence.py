@@ -80,7 +80,7 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
         self.page_table: list[int] = []
         self.local_page_table: list[int] = []  # the windowed layers' own pool, for models that interleave them
-        self.table_version = 0  # bumped whenever page_table or local_page_table changes (jaxserve/executor/decode_rows.py)
+        self.table_version = 0  # bumped whenever page_table or local_page_table changes (executor/decode_rows.py)
         self.page_hashes: list[bytes] = []  # chained hash of each full page; depends on tokens and cache_salt only
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix reused at the latest admission

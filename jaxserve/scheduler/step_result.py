@@ -19,12 +19,12 @@ class StepResult:
     logprobs: np.ndarray | None = None  # f32[N]  log-probability of each sampled token
     top_ids: np.ndarray | None = None  # i32[N, K]
     top_logprobs: np.ndarray | None = None  # f32[N, K]
-    # seq_id -> [(prompt position, {token: logprob, then the top-n})] of the prompt tokens scored this step
-    prompt_logprobs: dict[int, list[tuple[int, dict[int, float]]]] | None = None
+    # seq_id -> [(prompt position, its ``jaxserve.outputs.TokenRecord``)] of the prompt tokens scored this step
+    prompt_logprobs: dict[int, list[tuple[int, object]]] | None = None
     # speculation: plan index -> the tokens a verified entry emits (accepted drafts, then ``token_ids[i]``), and
-    # their logprob entries ({token: logprob, then the top-n}) where the request asked
+    # their ``jaxserve.outputs.TokenRecord``s where the request asked for logprobs
     spec_tokens: dict[int, list[int]] | None = None
-    spec_logprobs: dict[int, list[dict[int, float]]] | None = None
+    spec_logprobs: dict[int, list] | None = None
 
 
 class StepFailed(RuntimeError):

@@ -5,10 +5,11 @@ it up, then loops: take commands from a thread-safe intake queue (add already-to
 run one ``step()`` while any request is unfinished, and hand the outputs back to the asyncio loop with one
 ``loop.call_soon_threadsafe`` per iteration. With nothing to do it blocks on the intake queue: no busy-spin.
 
-On the asyncio side each request is a ``RequestStream``: an async iterator of ``RequestOutput`` fed by its own
-``asyncio.Queue``. Every front end (gRPC, HTTP) goes through ``AsyncEngine.add_request``, so all streams share
-one engine and one batch. An exception inside ``step()`` does not end the loop: the requests that were in the
-batch finish with reason ``"error"`` and everything else keeps running.
+On the asyncio side each request is a ``RequestStream``: an async iterator of the engine's outputs (a
+``RequestDelta`` per step with news, then the final ``RequestOutput``) fed by its own ``asyncio.Queue``. Every
+front end (gRPC, HTTP) goes through ``AsyncEngine.add_request``, so all streams share one engine and one batch.
+An exception inside ``step()`` does not end the loop: the requests that were in the batch finish with reason
+``"error"`` and everything else keeps running.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ from jaxserve.engine.request_stream import (
     RequestStream,
     take_all,
 )
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import RequestDelta, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.text.prompt_tokenizer import PromptTokenizer, token_bytes
+from jaxserve.text.request_checks import RequestChecks
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +90,7 @@ class AsyncEngine:
         self._stopped: asyncio.Future | None = None
         self.engine = None  # touched only by the engine thread once it runs
         self.prompts: PromptTokenizer | None = None  # tokenizes in worker threads, once the engine is ready
-        self.grammars = None  # the engine's GrammarCompiler: structured-output grammars compile in worker threads
+        self.checks: RequestChecks | None = None  # the engine's request checks, run here at intake
         self.info: dict[str, Any] = {}
         self.draining = False
         # asyncio-side view, only touched in the event loop thread
@@ -183,6 +185,8 @@ class AsyncEngine:
         engine has accepted it. Text and chat templates are tokenized in ``self.prompts``' worker threads, never
         in the engine thread.
 
+        Every check of the request (``self.checks``) runs here, so the engine thread adds it unchecked.
+
         Raises:
           ValueError: naming the problem (empty prompt, ids outside the vocabulary, too long, bad template...).
           EngineOverloaded, EngineDraining, EngineNotReady: the request was not admitted.
@@ -191,9 +195,11 @@ class AsyncEngine:
         if messages is None and (prompt is None or len(prompt) == 0):
             raise ValueError("prompt is empty")
         ids = await self.prompts.encode(prompt, messages, add_generation_prompt, template_options=template_options,
-                                        add_special_tokens=add_special_tokens)
-        if params.structured_outputs is not None and self.grammars is not None:  # cached for the engine thread
-            await asyncio.get_running_loop().run_in_executor(None, self.grammars.prepare, params.structured_outputs)
+                                        add_special_tokens=add_special_tokens)  # runs checks.prompt
+        if params.structured_outputs is not None:  # the grammar compiles in a worker thread (cached for the engine)
+            await asyncio.get_running_loop().run_in_executor(None, self.checks.params, params, len(ids))
+        else:
+            self.checks.params(params, len(ids))
         self._admission_check(params.n)  # the queue (or the server's state) may have changed meanwhile
         rid = request_id or uuid.uuid4().hex
         stream = RequestStream(self, rid, params)
@@ -260,9 +266,9 @@ class AsyncEngine:
 
                 engine = make_engine(self.config)
             self.engine = engine
+            self.checks = engine.checks
             self.prompts = PromptTokenizer(engine.tokenizer, int(engine.max_model_len),
-                                           int(engine.model_config.vocab_size))
-            self.grammars = engine.grammars
+                                           int(engine.model_config.vocab_size), checks=self.checks)
             self.info = engine.describe()
             self._stats = engine.stats()
             _log_ready(self.info, time.monotonic() - started, engine.warmup_summary)
@@ -303,7 +309,7 @@ class AsyncEngine:
     def _run(self, engine) -> None:
         while True:
             acks: list[tuple[str, list[int] | BaseException]] = []
-            outputs: list[RequestOutput] = []
+            outputs: list[RequestOutput | RequestDelta] = []
             stop = False
             for cmd in self._take(block=not engine.has_unfinished()):
                 if cmd is _STOP:
@@ -319,8 +325,8 @@ class AsyncEngine:
     def _handle(self, engine, cmd, acks: list, outputs: list) -> None:
         if isinstance(cmd, _Add):
             try:
-                ids = list(cmd.prompt_ids)  # tokenized (and templated) once, off this thread
-                engine.add_request(cmd.request_id, ids, cmd.params, arrival_time=cmd.arrival_time)  # checks ids
+                ids = list(cmd.prompt_ids)  # tokenized (and templated) and checked once, off this thread
+                engine.add_request(cmd.request_id, ids, cmd.params, arrival_time=cmd.arrival_time, checked=True)
                 self._engine_live.add(cmd.request_id)
                 acks.append((cmd.request_id, ids))
             except Exception as e:  # noqa: BLE001 - ValueError for bad input; anything else is reported too
@@ -392,15 +398,21 @@ class AsyncEngine:
                 self._prompt_texts_sent.discard(out.request_id)
                 continue
             texts, raw = {}, {}
-            lists = [c.delta_logprobs or () for c in out.outputs]
-            if out.prompt_logprobs is not None and out.request_id not in self._prompt_texts_sent:
+            ids: list[int] = []  # the tokens whose texts this output's logprobs show
+            for c in out.outputs:
+                for r in c.delta_records or ():
+                    ids.append(r.id)
+                    ids.extend(t for t, _ in r.top)
+            if out.prompt_records is not None and out.request_id not in self._prompt_texts_sent:
                 self._prompt_texts_sent.add(out.request_id)  # the prompt tokens (echo) and their top-n
-                lists += [[{t: 0.0 for t in out.prompt_token_ids}], [lp for lp in out.prompt_logprobs if lp]]
-            for entries in lists:
-                for lp in entries:
-                    for t in lp:
-                        texts[t] = self._token_text(engine, t)
-                        raw[t] = self._token_bytes(engine, t, texts[t])
+                ids.extend(out.prompt_token_ids)
+                for r in out.prompt_records:
+                    if r is not None:
+                        ids.extend(t for t, _ in r.top)
+            for t in ids:
+                if t not in texts:
+                    texts[t] = self._token_text(engine, t)
+                    raw[t] = self._token_bytes(engine, t, texts[t])
             if self.metrics is not None:
                 try:
                     self.metrics.observe_tokens(out, now, self._last_token_time.get(out.request_id))

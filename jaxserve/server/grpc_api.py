@@ -13,14 +13,24 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.engine.request_stream import EngineNotReady
+from jaxserve.outputs import TokenRecord
+from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.server.intake import (
+    FILLER_LOGPROB,
+    ChoiceTracker,
+    RequestError,
+    api_key_ok,
+    from_engine_error,
+    invalid,
+    make_sampling_params,
+    unauthenticated,
+    usage_counts,
+)
+from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.protos import jaxserve_pb2 as pb
 from jaxserve.server.protos import jaxserve_pb2_grpc as pb_grpc
-from jaxserve.server.intake import (ChoiceTracker, RequestError, api_key_ok, from_engine_error, invalid,
-                                   make_sampling_params, unauthenticated, usage_counts)
-from jaxserve.server.limits import RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +72,15 @@ def sampling_params_from_proto(p: pb.SamplingParams, cache_salt: str | None = No
                   include_stop_str_in_output=p.include_stop_str_in_output)
     fields.setdefault("max_tokens", None)  # unset: until a stop condition or max_model_len
     return make_sampling_params(defaults, cache_salt=cache_salt, **fields)
+
+
+def _token_logprobs(records: list[TokenRecord], texts: dict[int, str]) -> list[pb.TokenLogprob]:
+    """The response's logprobs of generated tokens, from their records (texts: each token decoded alone)."""
+    return [pb.TokenLogprob(token_id=r.id, logprob=r.logprob if r.logprob is not None else FILLER_LOGPROB,
+                            token=texts.get(r.id, ""),
+                            top_logprobs=[pb.TopLogprob(token_id=t, logprob=v, token=texts.get(t, ""))
+                                          for t, v in r.top])
+            for r in records]
 
 
 class JaxServeServicer(pb_grpc.JaxServeServicer):
@@ -113,12 +132,8 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                         msg.stop_token_id = ev.stop_reason
                     elif isinstance(ev.stop_reason, str):
                         msg.stop_string = ev.stop_reason
-                    for lp in ev.logprobs or ():
-                        texts = stream.token_texts
-                        msg.logprobs.append(pb.TokenLogprob(
-                            token_id=lp.token_id, logprob=lp.logprob, token=texts.get(lp.token_id, ""),
-                            top_logprobs=[pb.TopLogprob(token_id=t, logprob=v, token=texts.get(t, ""))
-                                          for t, v in lp.top]))
+                    if ev.logprobs:
+                        msg.logprobs.extend(_token_logprobs(ev.logprobs, stream.token_texts))
                     if out.finished and i == len(events) - 1:
                         u = usage_counts(out)
                         msg.usage.CopyFrom(pb.Usage(prompt_tokens=u["prompt_tokens"],

@@ -16,11 +16,10 @@ from typing import Any
 
 import grpc
 
-from jaxserve.engine.request_stream import EngineDraining, EngineFailure, EngineNotReady, EngineOverloaded
-from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.generation_config import with_defaults
+from jaxserve.engine.request_stream import EngineDraining, EngineFailure, EngineNotReady, EngineOverloaded
+from jaxserve.outputs import RequestDelta, RequestOutput, TokenRecord
 from jaxserve.sampling_params import SamplingParams
-
 
 logger = logging.getLogger(__name__)
 
@@ -120,23 +119,7 @@ def api_key_ok(authorization: str | None, api_key: str | None) -> bool:
 
 
 # Outputs --------------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # most likely first
-
-
-def split_logprobs(entry: dict[int, float], num_top: int) -> TokenLogprob | None:
-    """One token's engine logprobs (the chosen token first, then the top-n; the chosen one appears once even
-    when it is also among the top-n) as the chosen token plus its top-n alternatives."""
-    if not entry:
-        return None
-    items = list(entry.items())
-    chosen, lp = items[0]
-    top = items if len(items) == num_top else items[1:]
-    top = sorted(top, key=lambda kv: -kv[1])[:num_top]
-    return TokenLogprob(chosen, lp, top)
+FILLER_LOGPROB = -9999.0  # vLLM's logprob of a token the step reported none for
 
 
 @dataclasses.dataclass
@@ -146,20 +129,21 @@ class ChoiceEvent:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[TokenLogprob] | None
+    logprobs: list[TokenRecord] | None  # with logprobs asked: each new token's record
     finish_reason: str | None
     stop_reason: int | str | None
 
 
 class ChoiceTracker:
-    """Turns a request's ``RequestOutput``s into ``ChoiceEvent``s: each finished output is reported once
-    (the engine repeats finished siblings in the request's final output)."""
+    """Turns a request's outputs (``RequestDelta``s, then the final ``RequestOutput``) into ``ChoiceEvent``s:
+    each finished output is reported once (the engine repeats finished siblings in the request's final
+    output)."""
 
     def __init__(self, num_top_logprobs: int | None):
         self.num_top = num_top_logprobs
         self.finished: set[int] = set()
 
-    def events(self, out: RequestOutput) -> list[ChoiceEvent]:
+    def events(self, out: RequestOutput | RequestDelta) -> list[ChoiceEvent]:
         events = []
         for c in out.outputs:
             if c.index in self.finished:
@@ -168,23 +152,10 @@ class ChoiceTracker:
                 self.finished.add(c.index)
             elif not c.delta_token_ids and not c.delta_text:
                 continue
-            events.append(ChoiceEvent(c.index, c.delta_text, list(c.delta_token_ids), self._logprobs(c),
-                                      c.finish_reason, c.stop_reason))
+            records = c.delta_records if self.num_top is not None else None
+            events.append(ChoiceEvent(c.index, c.delta_text, list(c.delta_token_ids), records, c.finish_reason,
+                                      c.stop_reason))
         return events
-
-    def _logprobs(self, c: CompletionOutput) -> list[TokenLogprob] | None:
-        if self.num_top is None or c.delta_logprobs is None:
-            return None
-        return token_logprobs(c.delta_logprobs, c.delta_token_ids, self.num_top)
-
-
-def token_logprobs(entries: list[dict[int, float]], token_ids: list[int], num_top: int) -> list[TokenLogprob]:
-    """``split_logprobs`` of each token (a token without an entry gets logprob -9999, like vLLM's filler)."""
-    out = []
-    for entry, token in zip(entries, token_ids):
-        lp = split_logprobs(entry, num_top)
-        out.append(lp if lp is not None else TokenLogprob(token, -9999.0, []))
-    return out
 
 
 def usage_counts(out: RequestOutput) -> dict[str, int]:

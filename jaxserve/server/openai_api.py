@@ -19,18 +19,33 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.engine.request_stream import RequestStream
-from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import RequestDelta, RequestOutput, TokenRecord
 from jaxserve.server.asgi import wait_disconnect
-from jaxserve.server.intake import (ChoiceTracker, RequestError, TokenLogprob, api_key_ok, check_model,
-                                   from_engine_error, internal_error, invalid, split_logprobs, token_logprobs,
-                                   unauthenticated, usage_counts)
+from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.server.intake import (
+    FILLER_LOGPROB,
+    ChoiceTracker,
+    RequestError,
+    api_key_ok,
+    check_model,
+    from_engine_error,
+    internal_error,
+    invalid,
+    unauthenticated,
+    usage_counts,
+)
 from jaxserve.server.limits import RequestLimits
+from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from jaxserve.server.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    decode_json,
+    parse,
+)
 from jaxserve.server.tool_calls import ToolCallStream, make_parser
-from jaxserve.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                             TokenizeRequest, decode_json, parse)
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +96,7 @@ def _usage(outs: list[RequestOutput]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": sum(c["cached_tokens"] for c in counts)}}
 
 
-async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput | RequestDelta]]:
     """(prompt index, output) from several streams as they arrive."""
     if len(streams) == 1:
         async for out in streams[0]:
@@ -359,18 +374,19 @@ class OpenAIServer:
                 echo = prompt if isinstance(prompt, str) else await self.engine.detokenize(out.prompt_token_ids)
             kept = _best(out.outputs, n) if req.best_of_extra else out.outputs
             for j, c in enumerate(kept):
-                token_ids, entries = ([], []) if req.prompt_only else (c.token_ids, c.logprobs or [])
                 logprobs = None
                 if num_top is not None:
-                    lps = token_logprobs(entries, token_ids, num_top)
-                    logprobs = _completion_logprobs(lps, stream.token_texts, len(echo))[0]
+                    records = [] if req.prompt_only else c.records or []
+                    logprobs = _completion_logprobs(records, stream.token_texts, len(echo))[0]
                     if req.echo:
-                        logprobs = _echo_logprobs(out, num_top, stream.token_texts, logprobs)
+                        logprobs = _echo_logprobs(out.prompt_token_ids, out.prompt_records, num_top,
+                                                  stream.token_texts, logprobs)
                 choice = {"index": k * n + j, "text": echo + ("" if req.prompt_only else c.text),
                           "logprobs": logprobs, "finish_reason": "length" if req.prompt_only else c.finish_reason,
                           "stop_reason": None if req.prompt_only else c.stop_reason}
                 if req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = _vllm_prompt_logprobs(out, stream.token_texts)
+                    choice["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_token_ids, out.prompt_records,
+                                                                      stream.token_texts)
                 choices.append(choice)
         usage = _usage(finals)
         if req.prompt_only:
@@ -388,11 +404,14 @@ class OpenAIServer:
         offsets: dict[int, int] = {}
         started: set[int] = set()
         finals: list[RequestOutput | None] = [None] * len(streams)
+        scored: dict[int, list[TokenRecord | None]] = {}  # each prompt's records (its first output brings them)
         base = {"id": rid, "object": "text_completion", "created": created, "model": model}
         try:
             async for k, out in _merged(streams):
                 if out.finished:
                     finals[k] = out
+                if out.prompt_records is not None:
+                    scored.setdefault(k, out.prompt_records)
                 for ev in trackers[k].events(out):
                     index = k * n + ev.index
                     first, texts = index not in started, streams[k].token_texts
@@ -403,14 +422,14 @@ class OpenAIServer:
                         logprobs, offsets[index] = _completion_logprobs(
                             [] if prompt_only else ev.logprobs, texts, offsets.get(index, 0) + len(prefix))
                         if prefix or (echo is not None and first):
-                            logprobs = _echo_logprobs(out, num_top, texts, logprobs)
+                            logprobs = _echo_logprobs(out.prompt_token_ids, scored.get(k), num_top, texts, logprobs)
                     finish = "length" if prompt_only and ev.finish_reason else ev.finish_reason
                     choice = {"index": index, "text": prefix + ("" if prompt_only else ev.text),
                               "logprobs": logprobs, "finish_reason": finish}
                     if ev.finish_reason is not None:
                         choice["stop_reason"] = None if prompt_only else ev.stop_reason
                     if prompt_logprobs and first:
-                        choice["prompt_logprobs"] = _vllm_prompt_logprobs(out, texts)
+                        choice["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_token_ids, scored.get(k), texts)
                     chunk = {**base, "choices": [choice]}
                     if include_usage:
                         chunk["usage"] = None
@@ -460,8 +479,7 @@ class OpenAIServer:
         for c in out.outputs:
             logprobs = None
             if num_top is not None:
-                lps = token_logprobs(c.logprobs or [], c.token_ids, num_top)
-                logprobs = {"content": _chat_logprobs(lps, stream)}
+                logprobs = {"content": _chat_logprobs(c.records or [], stream)}
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
             finish = c.finish_reason
             if tool_mode is not None:
@@ -477,7 +495,8 @@ class OpenAIServer:
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
                 "usage": _usage([out])}
         if req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = _vllm_prompt_logprobs(out, stream.token_texts)
+            body["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_token_ids, out.prompt_records,
+                                                            stream.token_texts)
         return JSONResponse(body)
 
     async def _chat_events(self, stream, rid, created, model, n, num_top, include_usage, tool_mode=None,
@@ -501,9 +520,9 @@ class OpenAIServer:
             async for out in stream:
                 if out.finished:
                     final = out
-                if not prompt_sent and out.prompt_logprobs is not None:
+                if not prompt_sent and out.prompt_records is not None:
                     prompt_sent = True
-                    plp = _vllm_prompt_logprobs(out, stream.token_texts)
+                    plp = _vllm_prompt_logprobs(out.prompt_token_ids, out.prompt_records, stream.token_texts)
                     yield _sse({**base, "choices": [], "prompt_logprobs": plp})
                 for ev in tracker.events(out):
                     text, finish = ev.text, ev.finish_reason
@@ -533,62 +552,67 @@ class OpenAIServer:
 
 
 def _best(outputs: list, n: int) -> list:
-    """``best_of``: the n outputs of highest cumulative logprob (each entry's first value is its token's)."""
+    """``best_of``: the n outputs of highest cumulative logprob."""
     def score(c) -> float:
-        return sum(next(iter(e.values())) for e in (c.logprobs or ()) if e)
+        return sum(r.logprob for r in (c.records or ()) if r.logprob is not None)
     return sorted(outputs, key=score, reverse=True)[:n]
 
 
-def _echo_logprobs(out: RequestOutput, num_top: int, texts: dict[int, str], generated: dict) -> dict:
-    """Completions' logprobs with ``echo``: the prompt's tokens first (the first with no logprob), then the
-    generated ones (``generated``, their offsets already past the prompt text)."""
+def _echo_logprobs(prompt_ids: list[int], records: list[TokenRecord | None] | None, num_top: int,
+                   texts: dict[int, str], generated: dict) -> dict:
+    """Completions' logprobs with ``echo``: the prompt's tokens first (the first with no logprob), each with the
+    top ``num_top`` of its record, then the generated ones (``generated``, their offsets already past the
+    prompt text)."""
     tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
-    entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-    for token, entry in zip(out.prompt_token_ids, entries):
+    for token, record in zip(prompt_ids, records or [None] * len(prompt_ids)):
         text = texts.get(token, "")
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
-        if not entry:
+        if record is None:
             token_logprobs.append(None)
             top.append(None)
             continue
-        lp = split_logprobs(entry, num_top)
-        token_logprobs.append(lp.logprob)
-        top.append({texts.get(t, ""): v for t, v in lp.top})
+        token_logprobs.append(record.logprob)
+        top.append({texts.get(t, ""): v for t, v in record.top[:num_top]})
     return {"tokens": tokens + generated["tokens"], "token_logprobs": token_logprobs + generated["token_logprobs"],
             "top_logprobs": top + generated["top_logprobs"], "text_offset": offsets + generated["text_offset"]}
 
 
-def _vllm_prompt_logprobs(out: RequestOutput, texts: dict[int, str]) -> list[dict | None] | None:
+def _vllm_prompt_logprobs(prompt_ids: list[int], records: list[TokenRecord | None] | None,
+                          texts: dict[int, str]) -> list[dict | None] | None:
     """vLLM's ``prompt_logprobs``: per prompt token (None for the first) ``{token id: {logprob, rank,
-    decoded_token}}``, the prompt token first, then the top-n (rank: 1 is the most likely; None if unknown)."""
-    if out.prompt_logprobs is None:
+    decoded_token}}``, the prompt token first, then the top-n (rank: 1 is the most likely; the prompt token's
+    is None when it is not among the top-n)."""
+    if records is None:
         return None
     result: list[dict | None] = []
-    for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs):
-        if not entry:
+    for token, record in zip(prompt_ids, records):
+        if record is None:
             result.append(None)
             continue
-        ranked = [t for t, _ in sorted(list(entry.items())[1:], key=lambda kv: -kv[1])]
-        result.append({str(t): {"logprob": v, "rank": ranked.index(t) + 1 if t in ranked else None,
-                                "decoded_token": texts.get(t, "")} for t, v in entry.items()})
+        entry = {str(token): {"logprob": record.logprob, "rank": record.rank, "decoded_token": texts.get(token, "")}}
+        for rank, (t, v) in enumerate(record.top, 1):
+            entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": texts.get(t, "")})
+        result.append(entry)
     return result
 
 
-def _completion_logprobs(lps: list[TokenLogprob], texts: dict[int, str], offset: int) -> tuple[dict, int]:
+def _completion_logprobs(records: list[TokenRecord], texts: dict[int, str], offset: int) -> tuple[dict, int]:
+    """OpenAI's completions ``logprobs`` of generated tokens, from ``text_offset`` ``offset`` on; returns them and
+    the offset past their text."""
     tokens, token_logprobs, top, offsets = [], [], [], []
-    for lp in lps:
-        text = texts.get(lp.token_id, "")
+    for r in records:
+        text = texts.get(r.id, "")
         tokens.append(text)
-        token_logprobs.append(lp.logprob)
-        top.append({texts.get(t, ""): v for t, v in lp.top})
+        token_logprobs.append(r.logprob if r.logprob is not None else FILLER_LOGPROB)
+        top.append({texts.get(t, ""): v for t, v in r.top})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}, offset
 
 
-def _chat_logprobs(lps: list[TokenLogprob], stream: RequestStream) -> list[dict]:
+def _chat_logprobs(records: list[TokenRecord], stream: RequestStream) -> list[dict]:
     """OpenAI's chat logprobs; ``bytes`` are each token's own raw bytes (a token that holds part of a UTF-8
     character shows its bytes, not the replacement character its text decodes to)."""
     texts, raw = stream.token_texts, stream.token_bytes
@@ -597,7 +621,8 @@ def _chat_logprobs(lps: list[TokenLogprob], stream: RequestStream) -> list[dict]
         text = texts.get(token_id, "")
         return {"token": text, "logprob": logprob, "bytes": list(raw.get(token_id, text.encode()))}
 
-    return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
+    return [{**entry(r.id, r.logprob if r.logprob is not None else FILLER_LOGPROB),
+             "top_logprobs": [entry(t, v) for t, v in r.top]} for r in records]
 
 
 def _raise_if_failed(finals: list[RequestOutput]) -> None:

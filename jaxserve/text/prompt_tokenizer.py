@@ -21,6 +21,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from jaxserve.text.request_checks import RequestChecks
 from jaxserve.text.tokenizer import chat_template_ids
 
 logger = logging.getLogger(__name__)
@@ -89,12 +90,16 @@ class PromptTokenizer:
       max_model_len: the longest sequence the engine serves, in tokens.
       vocab_size: token ids must lie in [0, vocab_size).
       num_workers: worker threads.
+      checks: the engine's request checks (by default those of max_model_len and vocab_size alone); ``encode``
+        runs their prompt check.
     """
 
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, *, num_workers: int = 2):
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, *, num_workers: int = 2,
+                 checks: RequestChecks | None = None):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.checks = checks or RequestChecks(max_model_len, vocab_size, tokenizer is not None)
         self.chars_per_token = chars_per_token_bound(tokenizer)
         self.max_prompt_chars = max_model_len * self.chars_per_token
         self._local = threading.local()
@@ -131,20 +136,12 @@ class PromptTokenizer:
                 f"{field} has {len(text)} characters: at most {self.chars_per_token} characters per token, it "
                 f"cannot fit max_model_len={self.max_model_len} tokens (longest accepted: {self.max_prompt_chars})")
 
-    def check_ids(self, ids: Sequence[int], field: str = "prompt") -> None:
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"{field} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
-                             "room for output")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"{field} token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-
     # Tokenization -------------------------------------------------------------------------------------------
     async def encode(self, prompt: str | Sequence[int] | None, messages: list[dict] | None = None,
                      add_generation_prompt: bool = True, *, fit: bool = True, template_options: dict | None = None,
                      add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text or token-id prompt, or of chat ``messages`` in the chat template; with ``fit``,
-        a prompt that leaves no room for output in ``max_model_len`` is refused.
+        the ids pass ``checks.prompt`` (inside the vocabulary, room for output in ``max_model_len``).
 
         Raises:
           ValueError: naming the problem (invalid text, too long to fit, a template that refuses the messages).
@@ -169,10 +166,10 @@ class PromptTokenizer:
             ids = await self._run(self._encode, prompt, add_special_tokens, chars=len(prompt))
         else:
             ids = [int(t) for t in prompt or ()]
-        if not ids:
-            raise ValueError("prompt is empty")
         if fit:
-            self.check_ids(ids)
+            self.checks.prompt(ids)  # not empty, inside the vocabulary, room for output
+        elif not ids:
+            raise ValueError("prompt is empty")
         return ids
 
     def _needs_tokenizer(self, what: str) -> None:
