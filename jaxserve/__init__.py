@@ -8,7 +8,7 @@ import importlib
 _EXPORTS = {
     "LLM": "jaxserve.llm",
     "SamplingParams": "jaxserve.sampling_params",
-    "StructuredOutputsParams": "jaxserve.text.structured_output",
+    "StructuredOutputsParams": "jaxserve.sampling_params",
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",
 }

@@ -1,9 +1,14 @@
-"""Per-request sampling parameters, validated on construction (ValueError names the field)."""
+"""Per-request sampling parameters, validated on construction (ValueError names the field): ``SamplingParams``
+and the ``StructuredOutputsParams`` that may ride on it (as in vLLM; ``jaxserve.text.structured_output`` compiles
+them)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+
+import numpy as np
 
 _INT32_MAX = 2**31 - 1
 MAX_LOGIT_BIAS = 300  # entries per request: the sampler's fixed width
@@ -18,9 +23,56 @@ def _float(value, lo: float = -math.inf, hi: float = math.inf) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             and lo <= value <= hi)
 
-import numpy as np
 
-from jaxserve.text.structured_output import StructuredOutputsParams
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match; exactly one of ``json`` (a JSON schema, dict or text), ``regex``, ``choice``
+    (one of these strings), ``grammar`` (Lark or GBNF), ``json_object`` (any JSON object). Field names follow
+    vLLM's ``StructuredOutputsParams``. ``disable_any_whitespace`` forbids whitespace between JSON tokens;
+    ``whitespace_pattern`` replaces the default ``[\\x20\\x0A\\x0D\\x09]+``."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False  # accepted for vLLM's clients: there is one backend, with nothing to fall back to
+
+    def __post_init__(self):
+        if isinstance(self.json, (dict, bool)):
+            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError(f"structured_outputs.choice={self.choice!r} must be a list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice:
+                raise ValueError("structured_outputs.choice must not be empty")
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: give exactly one of {', '.join(_KINDS)} (got "
+                             f"{', '.join(given) or 'none'})")
+        for name in ("json", "regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"structured_outputs.{name} must be a string, got {type(value).__name__}")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be a bool")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> str:
+        """A canonical text of everything that shapes the grammar (the compile cache's key)."""
+        return json.dumps([self.kind, getattr(self, self.kind), self.disable_any_whitespace,
+                           self.disable_additional_properties, self.whitespace_pattern])
 
 
 @dataclasses.dataclass(frozen=True)

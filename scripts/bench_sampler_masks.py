@@ -47,9 +47,10 @@ def main() -> None:
     import sys
 
     sys.path.insert(0, "tests")
-    from tiny import train_tokenizer  # noqa: E402
+    from jaxserve.sampling_params import StructuredOutputsParams
+    from jaxserve.text.structured_output import GrammarCompiler
 
-    from jaxserve.text.structured_output import GrammarCompiler, StructuredOutputsParams
+    from tiny import train_tokenizer  # noqa: E402
 
     tok = train_tokenizer(4096)
     compiler = GrammarCompiler(tok, len(tok), [1])

@@ -14,8 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.outputs import RequestDelta, RequestOutput
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.text.structured_output import StructuredOutputsParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 SERVICE = "jaxserve.disagg.staged.v1.Prefill"
 METHOD = f"/{SERVICE}/Run"

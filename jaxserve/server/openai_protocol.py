@@ -8,12 +8,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.server.intake import RequestError, invalid, make_sampling_params
 from jaxserve.server.limits import JSON_MAX_DEPTH
 from jaxserve.server.tool_calls import check_tools, forced_schema, template_message
 from jaxserve.text.prompt_tokenizer import first_invalid_char
-from jaxserve.text.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

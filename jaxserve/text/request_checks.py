@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.text.structured_output import GrammarCompiler
 
 
 def check_fits(prompt_len: int, max_tokens: int | None, max_model_len: int, field: str = "prompt") -> None:
@@ -36,14 +36,14 @@ class RequestChecks:
     max_model_len: int
     vocab_size: int
     has_tokenizer: bool = True
-    grammars: Any = None
+    grammars: GrammarCompiler | None = None
 
     @classmethod
     def of(cls, engine) -> "RequestChecks":
         """The checks of an engine (anything with ``max_model_len``, ``model_config.vocab_size``, ``tokenizer``
-        and optionally ``grammars``)."""
+        and ``grammars``)."""
         return cls(int(engine.max_model_len), int(engine.model_config.vocab_size), engine.tokenizer is not None,
-                   getattr(engine, "grammars", None))
+                   engine.grammars)
 
     def prompt(self, ids: Sequence[int], field: str = "prompt") -> None:
         """Token ids of a prompt: not empty, inside the vocabulary, leaving room for output in max_model_len."""

@@ -7,7 +7,8 @@ be precomputed per schema. Host-only: this module imports no jax.
 
 The path of a constrained request:
 
-- ``StructuredOutputsParams`` (vLLM's name and fields) rides on ``SamplingParams.structured_outputs``;
+- ``StructuredOutputsParams`` (vLLM's name and fields, defined beside ``SamplingParams`` as in vLLM) rides on
+  ``SamplingParams.structured_outputs``; ``grammar_spec`` turns it into an llguidance grammar;
 - ``GrammarCompiler.prepare`` compiles it once (cached by its canonical key) and raises ``ValueError`` for an
   invalid schema, regex or grammar; the servers call it in a worker thread before the engine sees the request;
 - ``StructuredOutputs`` keeps one matcher per sequence: after the executor has dispatched a step to the device
@@ -19,7 +20,6 @@ The path of a constrained request:
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import logging
 import threading
@@ -27,91 +27,11 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from jaxserve.sampling_params import StructuredOutputsParams
+
 logger = logging.getLogger(__name__)
 
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _CACHE_SIZE = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class StructuredOutputsParams:
-    """What the output must match; exactly one of ``json`` (a JSON schema, dict or text), ``regex``, ``choice``
-    (one of these strings), ``grammar`` (Lark or GBNF), ``json_object`` (any JSON object). Field names follow
-    vLLM's ``StructuredOutputsParams``. ``disable_any_whitespace`` forbids whitespace between JSON tokens;
-    ``whitespace_pattern`` replaces the default ``[\\x20\\x0A\\x0D\\x09]+``."""
-
-    json: str | dict | None = None
-    regex: str | None = None
-    choice: tuple[str, ...] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
-    whitespace_pattern: str | None = None
-    disable_fallback: bool = False  # accepted for vLLM's clients: there is one backend, with nothing to fall back to
-
-    def __post_init__(self):
-        if isinstance(self.json, (dict, bool)):
-            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
-        if self.choice is not None:
-            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
-                raise ValueError(f"structured_outputs.choice={self.choice!r} must be a list of strings")
-            object.__setattr__(self, "choice", tuple(self.choice))
-            if not self.choice:
-                raise ValueError("structured_outputs.choice must not be empty")
-        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
-        if len(given) != 1:
-            raise ValueError(f"structured_outputs: give exactly one of {', '.join(_KINDS)} (got "
-                             f"{', '.join(given) or 'none'})")
-        for name in ("json", "regex", "grammar", "whitespace_pattern"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise ValueError(f"structured_outputs.{name} must be a string, got {type(value).__name__}")
-        for name in ("disable_any_whitespace", "disable_additional_properties"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"structured_outputs.{name} must be a bool")
-
-    @property
-    def kind(self) -> str:
-        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
-
-    def key(self) -> str:
-        """A canonical text of everything that shapes the grammar (the compile cache's key)."""
-        return json.dumps([self.kind, getattr(self, self.kind), self.disable_any_whitespace,
-                           self.disable_additional_properties, self.whitespace_pattern])
-
-    def grammar_spec(self) -> str:
-        """The llguidance grammar of these parameters; ValueError naming the field if it cannot be built."""
-        from llguidance import LLMatcher, grammar_from
-
-        kind = self.kind
-        if kind in ("json", "json_object"):
-            if kind == "json_object":
-                schema = {"type": "object"}
-            else:
-                try:
-                    schema = json.loads(self.json)
-                except ValueError as e:
-                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
-                if not isinstance(schema, (dict, bool)):
-                    raise ValueError("structured_outputs.json must be a JSON schema (an object)")
-                if self.disable_additional_properties and isinstance(schema, dict):
-                    schema = _close_objects(schema)
-            options: dict = {"whitespace_flexible": not self.disable_any_whitespace}
-            if self.whitespace_pattern is not None:
-                options["whitespace_pattern"] = self.whitespace_pattern
-            try:
-                return LLMatcher.grammar_from_json_schema(schema, defaults=options)
-            except ValueError as e:
-                raise ValueError(f"structured_outputs.{kind}: {e}") from None
-        if kind == "regex":
-            return LLMatcher.grammar_from_regex(self.regex)
-        if kind == "choice":
-            return grammar_from("choice", list(self.choice))
-        try:
-            return grammar_from("grammar", self.grammar)
-        except Exception as e:  # noqa: BLE001 - the GBNF converter raises assorted errors for bad input
-            raise ValueError(f"structured_outputs.grammar could not be read: {e}") from None
 
 
 def _close_objects(schema: dict) -> dict:
@@ -126,6 +46,40 @@ def _close_objects(schema: dict) -> dict:
             return [walk(v) for v in node]
         return node
     return walk(schema)
+
+
+def grammar_spec(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar of ``params``; ValueError naming the field if it cannot be built."""
+    from llguidance import LLMatcher, grammar_from
+
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        if kind == "json_object":
+            schema = {"type": "object"}
+        else:
+            try:
+                schema = json.loads(params.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+            if params.disable_additional_properties and isinstance(schema, dict):
+                schema = _close_objects(schema)
+        options: dict = {"whitespace_flexible": not params.disable_any_whitespace}
+        if params.whitespace_pattern is not None:
+            options["whitespace_pattern"] = params.whitespace_pattern
+        try:
+            return LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.{kind}: {e}") from None
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(params.regex)
+    if kind == "choice":
+        return grammar_from("choice", list(params.choice))
+    try:
+        return grammar_from("grammar", params.grammar)
+    except Exception as e:  # noqa: BLE001 - the GBNF converter raises assorted errors for bad input
+        raise ValueError(f"structured_outputs.grammar could not be read: {e}") from None
 
 
 class GrammarCompiler:
@@ -175,7 +129,7 @@ class GrammarCompiler:
             if template is not None:
                 self._cache.move_to_end(key)
                 return template
-        spec = params.grammar_spec()
+        spec = grammar_spec(params)
         tokenizer = self._tokenizer()
         is_error, messages = LLMatcher.validate_grammar_with_warnings(spec, tokenizer)
         if is_error:
