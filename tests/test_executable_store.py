@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 
@@ -128,7 +129,7 @@ def test_mismatch_or_damaged_file_compiles_instead(model_dir, cache_dir, first, 
     assert _serve(damaged) == (first[2][0], 0)
     del damaged
     # Different code (the source hash is part of every key): nothing loads, every shape compiles.
-    monkeypatch.setattr(executable_store, "_source_digest", "some other source")
+    monkeypatch.setattr(executable_store, "source_digest", lambda: "some other source")
     changed = _engine(model_dir, cache_dir)
     summary = changed.executor.warmup_summary
     assert (summary["executables_loaded"], summary["executables_compiled"]) == (0, shapes)
@@ -151,3 +152,13 @@ def test_a_step_read_from_the_compilation_cache_is_not_stored(model_dir, first, 
     assert (summary["executables_loaded"], summary["executables_compiled"]) == (0, shapes)
     assert not list(Path(tmp_path, "executables").glob("*.exe"))
     assert _serve(engine) == (first[2][0], 0)
+
+
+def test_the_source_digest_covers_every_package_source():
+    """The key's source hash reads the packages' files wherever the store module lives (when it moved into
+    ``jaxserve/executor/``, it looked one folder too low, found no file, and a code change kept old executables)."""
+    root = Path(executable_store.__file__).resolve().parents[2]
+    names = {str(p.relative_to(root)) for p in executable_store.source_files()}
+    assert {"jaxserve/executor/runner.py", "jaxserve/models/decoder.py", "sharding/rules.py",
+            "pallas_kernels/ragged_paged_attention/cpu_native.cc"} <= names
+

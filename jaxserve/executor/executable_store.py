@@ -25,6 +25,7 @@ directory (``<compilation_cache_dir>/executables``) and must not be shared with 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -43,21 +44,23 @@ logger = logging.getLogger(__name__)
 
 SUBDIR = "executables"
 _PACKAGES = ("jaxserve", "pallas_kernels", "sharding")
-_ROOT = Path(__file__).resolve().parents[1]
-_source_digest: str | None = None
+_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the packages
 
 
+def source_files() -> list[Path]:
+    """Every Python and C++ source file of the packages a step is traced from."""
+    return [path for package in _PACKAGES
+            for path in sorted([*(_ROOT / package).rglob("*.py"), *(_ROOT / package).rglob("*.cc")])]
+
+
+@functools.cache
 def source_digest() -> str:
-    """A hash of every Python and C++ source file of the packages a step is traced from (computed once)."""
-    global _source_digest
-    if _source_digest is None:
-        h = hashlib.sha256()
-        for package in _PACKAGES:
-            for path in sorted([*(_ROOT / package).rglob("*.py"), *(_ROOT / package).rglob("*.cc")]):
-                h.update(str(path.relative_to(_ROOT)).encode())
-                h.update(path.read_bytes())
-        _source_digest = h.hexdigest()
-    return _source_digest
+    """A hash of ``source_files()``, their paths and contents (computed once per process)."""
+    h = hashlib.sha256()
+    for path in source_files():
+        h.update(str(path.relative_to(_ROOT)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
 
 
 def _host_cpu() -> str:
