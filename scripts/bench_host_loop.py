@@ -20,10 +20,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxserve import async_scheduling  # noqa: E402
+from jaxserve.config.scheduler import SchedulerConfig  # noqa: E402
+from jaxserve.engine import async_scheduling  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.scheduler.replicas import ReplicatedScheduler  # noqa: E402
-from jaxserve.scheduler.scheduler import SchedulerConfig  # noqa: E402
 from jaxserve.scheduler.sequence import Sequence  # noqa: E402
 
 

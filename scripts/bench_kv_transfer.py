@@ -35,7 +35,7 @@ def serve(port_file: str) -> None:
     import numpy as np
 
     from jaxserve.disagg.kv_transfer import JaxTransfer
-    from jaxserve.disagg.remote import CHUNK_BYTES
+    from jaxserve.disagg.wire import CHUNK_BYTES
 
     transfer = JaxTransfer("127.0.0.1")
     arrays: dict[int, jax.Array] = {}
@@ -82,7 +82,7 @@ def main() -> int:
     import numpy as np
 
     from jaxserve.disagg.kv_transfer import JaxTransfer
-    from jaxserve.disagg.remote import CHUNK_BYTES
+    from jaxserve.disagg.wire import CHUNK_BYTES
 
     port_file = Path("/tmp") / f"bench_kv_transfer.{time.time_ns()}.port"
     proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port_file)], cwd=ROOT)

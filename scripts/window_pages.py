@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 
+from jaxserve.config.scheduler import SchedulerConfig
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from jaxserve.scheduler.scheduler import Scheduler
 from jaxserve.scheduler.sequence import Sequence
 from jaxserve.scheduler.window_pool import window_pages_needed
 

@@ -14,12 +14,23 @@ import httpx
 import openai
 import pytest
 
-from jaxserve.disagg.remote import STATS_METHOD
+from jaxserve.disagg.wire import STATS_METHOD
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.protos import jaxserve_pb2 as pb
 from jaxserve.server.protos import jaxserve_pb2_grpc as pb_grpc
-from jaxserve.sampling_params import SamplingParams
-from server_harness import (MODEL_NAME, REPO, SMALL_ENGINE, compile_cache, free_port, pages_idle, reference_llm,
-                            server_env, start_server, tiny_model)
+
+from server_harness import (
+    MODEL_NAME,
+    REPO,
+    SMALL_ENGINE,
+    compile_cache,
+    free_port,
+    pages_idle,
+    reference_llm,
+    server_env,
+    start_server,
+    tiny_model,
+)
 
 PROMPT_IDS = [0, 17, 23, 99, 41, 5, 77, 120, 8, 64, 33, 2, 19, 250, 7, 3, 91, 14, 66, 200, 45]
 

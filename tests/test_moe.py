@@ -13,15 +13,17 @@ import torch
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
+from test_engine import random_workload, run
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.models.config import ModelConfig, MoeConfig
-from jaxserve.engine.engine import Engine
 from jaxserve.config.engine import EngineConfig
-from jaxserve.models.loader import load_model
+from jaxserve.engine.engine import Engine
 from jaxserve.models import moe
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.loader import load_model
+from jaxserve.models.moe_config import MoeConfig
 from sharding.config import MeshConfig
-from test_engine import random_workload, run
+
 from tiny import FAMILIES, MOE_FAMILIES, build_tiny_model, hf_greedy, hf_model, train_tokenizer
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

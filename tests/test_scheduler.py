@@ -15,8 +15,9 @@ import sys
 import numpy as np
 import pytest
 
+from jaxserve.config.scheduler import SchedulerConfig
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from jaxserve.scheduler.scheduler import Scheduler
 from jaxserve.scheduler.sequence import Sequence, SequenceStatus
 from jaxserve.scheduler.window_pool import window_pages_needed
 

@@ -13,17 +13,17 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxserve import LLM, SamplingParams
-
+from jaxserve.config.engine import EngineConfig
+from jaxserve.config.scheduler import SchedulerConfig
+from jaxserve.executor.batch import StepKind
 from jaxserve.executor.compile_counter import CompileCounter
 from jaxserve.models.attention import AttentionBackend, AttentionMetadata, window_metadata
-from jaxserve.executor.batch import StepKind
-from jaxserve.config.engine import EngineConfig
 from jaxserve.scheduler.replicas import ReplicatedScheduler
-from jaxserve.scheduler.scheduler import SchedulerConfig
 from jaxserve.scheduler.sequence import Sequence
 from sharding import multihost
 from sharding.config import MeshConfig
 from sharding.mesh import make_mesh
+
 from tiny import FAMILIES, MOE_FAMILIES, build_tiny_model, train_tokenizer
 
 # Compilations in this process from here on (the tests read differences).

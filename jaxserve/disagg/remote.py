@@ -28,14 +28,12 @@ from collections import deque
 from jaxserve.config.engine import EngineConfig
 from jaxserve.disagg.pages import PageWriter
 from jaxserve.disagg.staged import StagedEngine
-from jaxserve.disagg.wire import CHUNK_BYTES, METHOD, STATS_METHOD, identity, pages_from_bytes, params_to_json
+from jaxserve.disagg.wire import CHUNK_BYTES, METHOD, identity, pages_from_bytes, params_to_json
 from jaxserve.engine.request_stream import EngineNotReady
 from jaxserve.outputs import RequestOutput, TokenRecord
 from jaxserve.sampling_params import SamplingParams, sequence_seed
 from jaxserve.scheduler.replicas import ReplicatedScheduler
 from jaxserve.scheduler.sequence import Sequence
-
-__all__ = ["CHUNK_BYTES", "STATS_METHOD", "RemotePrefill", "RemotePrefillEngine"]
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from jaxserve.models.registry import SUPPORTED_ARCHITECTURES, family_for
 from jaxserve.models.rope import RopeConfig
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-__all__ = ["ModelConfig", "MoeConfig", "RopeConfig", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["ModelConfig", "SUPPORTED_ARCHITECTURES"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models import layers
-from jaxserve.models.config import ModelConfig, MoeConfig
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.moe_config import MoeConfig
 from sharding.layout import StepLayout
 
 EXPERT_AXES = {  # logical axes of the stacked expert weights dt[E, C, I] (gate, up) and dt[E, I, C] (down)

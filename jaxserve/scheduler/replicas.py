@@ -15,7 +15,8 @@ import dataclasses
 import functools
 from collections.abc import Sequence as Seq
 
-from jaxserve.scheduler.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput, UpdateResult
+from jaxserve.config.scheduler import SchedulerConfig
+from jaxserve.scheduler.scheduler import ScheduledSequence, Scheduler, SchedulerOutput, UpdateResult
 from jaxserve.scheduler.sequence import Sequence
 
 

@@ -17,7 +17,7 @@ from jaxserve.scheduler.slot_state import DecodeSlots, StopSlots
 from jaxserve.scheduler.window_pool import WindowedBlockManager
 from jaxserve.text.request_checks import check_fits
 
-__all__ = ["DecodeRun", "ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "UpdateResult"]
+__all__ = ["DecodeRun", "ScheduledSequence", "Scheduler", "SchedulerOutput", "UpdateResult"]
 
 
 @dataclasses.dataclass(frozen=True)
