@@ -241,6 +241,19 @@ def test_prequantized_checkpoints_load_as_published(models, tmp_path, method, ki
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
 
 
+def test_a_prequantized_checkpoints_config_is_read_once(models, tmp_path):
+    """The loader takes the checkpoint's quantization from the ModelConfig read at start-up: config.json is not
+    opened again (it was, by ``quantization_plan``)."""
+    dst = tmp_path / "q"
+    _prequantize(models["qwen3"], dst, "fp8", kind="fp8", block=32)
+    cfg = ModelConfig.from_pretrained(dst)
+    assert cfg.quantization_config["quant_method"] == "fp8"
+    (dst / "config.json").rename(dst / "config.json.read")
+    model, _, _ = load_model(dst, "float32", cfg=cfg)
+    flat = dict(nnx.to_flat_state(nnx.state(model)))
+    assert flat[("layers", 0, "mlp", "up_proj", "weight")].get_value().dtype == quant.WEIGHT_DTYPES["fp8"]
+
+
 @pytest.mark.parametrize("method,kind,block", [("compressed-tensors", "int8", None), ("fp8", "fp8", 32)])
 def test_prequantized_moe_checkpoints_keep_routers_in_the_model_dtype(models, tmp_path, method, kind, block):
     """Experts, shared expert and routers of a published 8-bit MoE checkpoint: the experts stay 8-bit, the routers

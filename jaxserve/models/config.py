@@ -52,6 +52,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    # The checkpoint's ``quantization_config`` (or ``compression_config``) as published, read with the rest of
+    # config.json so the loader need not read it again (``models.quantization.quantization_of``); not part of
+    # the network's identity (equality, hash).
+    quantization_config: dict | None = dataclasses.field(default=None, compare=False, repr=False)
     moe: MoeConfig | None = None  # Mixture-of-Experts families
 
     def __post_init__(self):
@@ -140,6 +144,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos,
             torch_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+            quantization_config=hf.get("quantization_config") or hf.get("compression_config"),
         )
         return cls(**{**shared, **fields})
 

@@ -67,13 +67,13 @@ def quantization_plan(cfg: ModelConfig, dtype, quantization: str | None = None, 
     """Which weights are 8-bit and how: {our path: QuantizedWeight}, and the checkpoint's own quantization.
 
     ``quantization`` quantizes at load (every linear layer; the head and embeddings with ``quantize_lm_head``);
-    a pre-quantized checkpoint in ``folder`` (its ``config.json``'s ``quantization_config``) quantizes the layers
-    that have a scale tensor, as published.
+    a pre-quantized checkpoint in ``folder`` (``cfg.quantization_config``, from its ``config.json``) quantizes
+    the layers that have a scale tensor, as published.
 
     Raises:
       ValueError: for an unsupported ``quant_method``, or ``quantization`` asked of a pre-quantized checkpoint.
     """
-    ckq = quant.checkpoint_quant(quant.read_hf_config(folder)) if folder is not None else None
+    ckq = quant.quantization_of(cfg.quantization_config) if folder is not None else None
     if ckq is not None and quantization is not None:
         raise ValueError(f"quantization={quantization!r}: the checkpoint is already quantized "
                          f"(quant_method={ckq.method!r}) and loads as published; drop the option")

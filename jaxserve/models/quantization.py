@@ -151,12 +151,18 @@ class CheckpointQuant:
 
 
 def checkpoint_quant(hf: dict) -> CheckpointQuant | None:
-    """The quantization a ``config.json`` declares, or None.
+    """The quantization a ``config.json`` dict declares, or None (``quantization_of`` its
+    ``quantization_config``)."""
+    return quantization_of(hf.get("quantization_config") or hf.get("compression_config"))
+
+
+def quantization_of(qc: dict | None) -> CheckpointQuant | None:
+    """The quantization a checkpoint's ``quantization_config`` (``ModelConfig.quantization_config``) declares, or
+    None.
 
     Raises:
       ValueError: (one line) for a method or scheme jaxserve cannot load, naming it and what is supported.
     """
-    qc = hf.get("quantization_config") or hf.get("compression_config")
     if not qc:
         return None
     method = qc.get("quant_method")
@@ -187,11 +193,6 @@ def checkpoint_quant(hf: dict) -> CheckpointQuant | None:
                              f"not); supported: {SUPPORTED}")
         return CheckpointQuant("compressed-tensors", WEIGHT_DTYPES[kind], None, "weight_scale")
     raise ValueError(f"quant_method={method!r} is not supported; supported: {SUPPORTED}")
-
-
-def read_hf_config(folder: Path) -> dict:
-    with open(Path(folder) / "config.json") as f:
-        return json.load(f)
 
 
 def tensor_names(files: list[Path]) -> list[str]:
