@@ -104,7 +104,7 @@ def probe_decode(engine: Engine, batch: int, context: int, steps: int = 16) -> d
     walls, devices = [], []
     try:
         while len(started) < batch:  # until every sequence has its first token: all decoding from here on
-            started.update(o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids)
+            started.update(o.request_id for o in engine.step() if o.outputs and o.outputs[0].delta_token_ids)
         for _ in range(steps):
             start = time.perf_counter()
             engine.step()

@@ -202,10 +202,10 @@ def random_engine(hf: dict, folder: Path, *, max_num_seqs: int, max_num_batched_
     (folder / "config.json").write_text(json.dumps(hf))
     byte_tokenizer().save_pretrained(folder)
 
-    def load_random(model_path, dtype, mesh, quantization=None, quantize_lm_head=False):
+    def load_random(model_path, dtype, mesh, quantization=None, quantize_lm_head=False, *, cfg=None):
         if quantization is not None:
             raise ValueError("the random bf16 model is not quantized")
-        cfg = ModelConfig.from_pretrained(model_path)
+        cfg = cfg or ModelConfig.from_pretrained(model_path)
         graphdef, abstract = abstract_model(cfg, resolve_dtype(dtype, cfg))
         shardings = param_shardings(abstract, mesh, model_rules(cfg.num_heads, cfg.num_kv_heads, mesh))
         flat = dict(nnx.to_flat_state(abstract))

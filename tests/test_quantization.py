@@ -129,7 +129,10 @@ def test_weights_and_scales_are_sharded_alike_and_the_mesh_matches_one_device(mo
     one = teacher_forced_logits(str(path), tokens, quantization="int8", kv_cache_dtype="int8")
     mesh = teacher_forced_logits(str(path), tokens, quantization="int8", kv_cache_dtype="int8",
                                  mesh="expert=2,tensor=2")
-    np.testing.assert_allclose(mesh, one, atol=2e-4, rtol=1e-4)
+    # int8 weights meet int8 activation rows on CPU (layers.int8_rows_matmul): a last-bit difference in a float sum
+    # (a sharded step's smaller matmuls take other kernels on some CPUs, e.g. AVX2 without AVX-512) can move a row's
+    # rounding by one step, ~1e-4 of its scale, and layers carry that to ~1e-3; a sharding error would be O(1).
+    np.testing.assert_allclose(mesh, one, atol=2e-3, rtol=1e-3)
     sharded, _, _ = load_model(path, "float32", make_mesh_for("expert=2,tensor=2"), quantization="int8")
     sflat = dict(nnx.to_flat_state(nnx.state(sharded)))
     for p in scaled:
