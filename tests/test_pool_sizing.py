@@ -3,13 +3,13 @@
 the tools' ``--help``."""
 
 import json
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
+from test_aot import _needs_libtpu
 
 from jaxserve.config.engine import EngineConfig
 from jaxserve.executor.executor import Executor
@@ -25,15 +25,6 @@ from tiny import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE, MAX_LEN, SEQS, TOKENS = 4, 64, 16, 32  # the engine's options every count below is taken at
-
-
-def _needs_libtpu():
-    try:
-        import libtpu  # noqa: F401
-    except ImportError:
-        if sys.platform == "linux" and platform.machine() == "x86_64":
-            pytest.fail("libtpu is missing: pip install -e '.[test]' installs the one matching jax")
-        pytest.skip("libtpu has no build for this platform")
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma2"])
