@@ -9,7 +9,6 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
-from test_aot import _needs_libtpu
 
 from jaxserve.config.engine import EngineConfig
 from jaxserve.executor.executor import Executor
@@ -21,6 +20,7 @@ from jaxserve.tools.chips import CHIPS, DEVICE_KINDS
 from jaxserve.tools.plan import cli, simulator, step_model
 from sharding.config import MeshConfig
 
+from test_aot import _needs_libtpu
 from tiny import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
