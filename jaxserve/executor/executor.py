@@ -39,7 +39,6 @@ from jaxserve.outputs import TokenRecord
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams, sequence_seed
 from jaxserve.scheduler.sequence import Sequence
 from jaxserve.scheduler.step_result import StepFailed, StepResult
-from jaxserve.scheduler.window_pool import window_pages_needed
 from jaxserve.spec_decode.draft import check_draft
 from jaxserve.spec_decode.rows import SpecRows
 from pallas_kernels.ragged_paged_attention.tpu import check_8_bit_page_size
@@ -158,11 +157,9 @@ class Executor:
         """(pages of the global pool, all replicas; pages of the windowed pool, per replica)."""
         cfg, config = self.model_config, self.config
         num_pages = config.num_pages or self._auto_num_pages()
-        # A model interleaving windowed and global layers: the windowed layers get a pool of their own, as large
-        # as the windows of max_num_seqs sequences need (jaxserve/scheduler/window_pool.py), and never larger than the
-        # global pool (a sequence's windowed table never holds more pages than its global one).
-        local = 0 if cfg.local_window is None else min(num_pages // self.num_replicas, window_pages_needed(
-            cfg.local_window, config.page_size, config.max_num_seqs, config.max_num_batched_tokens))
+        # A model interleaving windowed and global layers: the windowed layers get a pool of their own.
+        local = local_pool_pages(cfg.sliding_windows, config.page_size, config.max_num_seqs,
+                                 config.max_num_batched_tokens, global_pages=num_pages // self.num_replicas)
         return num_pages, local
 
     def _plan_rows(self) -> None:

@@ -78,14 +78,17 @@ def kv_storage_dtype(kv_cache_dtype: str, auto_dtype):
     return jnp.dtype(STORAGE[kv_cache_dtype])
 
 
-def local_pool_pages(windows: Seq[int | None], page_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+def local_pool_pages(windows: Seq[int | None], page_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                     *, global_pages: int | None = None) -> int:
     """Pages (per replica) of the windowed layers' own pool for a model interleaving windowed and global layers
-    (``ModelConfig.local_window``): as many as the windows of ``max_num_seqs`` sequences need; 0 when all or
-    none of the layers are windowed (one pool)."""
+    (``ModelConfig.local_window``): as many as the windows of ``max_num_seqs`` sequences need, and never more
+    than ``global_pages`` (the global pool's, per replica, once known: a sequence's windowed table never holds
+    more pages than its global one); 0 when all or none of the layers are windowed (one pool)."""
     given = [w for w in windows if w is not None]
     if not given or len(given) == len(windows):
         return 0
-    return window_pages_needed(max(given), page_size, max_num_seqs, max_num_batched_tokens)
+    pages = window_pages_needed(max(given), page_size, max_num_seqs, max_num_batched_tokens)
+    return pages if global_pages is None else min(pages, global_pages)
 
 
 def pool_pages(memory: float, bytes_per_token: float, page_size: int, *, utilization: float = 1.0,

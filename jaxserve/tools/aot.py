@@ -398,17 +398,13 @@ def resolve(req: Request) -> Target:
     return Target(cfg, dtype, devices, chip, per_chip, mesh_cfg, mesh, backend, cache_dtype, max_model_len, shapes)
 
 
-def engine_pool_pages(t: Target, req: Request, used: float) -> int:
+def engine_pool_pages(t: Target, req: Request, used: float, *, capped: bool = True) -> int:
     """The pages (per replica) the engine's pool gets on one of ``t``'s devices with ``used`` bytes taken
     (the weights): the engine's own rule, ``kv_cache.pool_pages``, capped at max_num_seqs full-length sequences
-    as the engine caps it; without the cap, what fits."""
+    as the engine caps it; without the cap (``capped=False``), what fits."""
     return pool_pages(t.hbm, bytes_per_token(t.cfg, t.cache_dtype, t.mesh_cfg.tensor), req.page_size,
-                      utilization=req.hbm_utilization, used=used, max_pages=req.max_num_seqs * t.pages_per_seq)
-
-
-def _fit_pages(t: Target, req: Request, used: float) -> int:
-    return pool_pages(t.hbm, bytes_per_token(t.cfg, t.cache_dtype, t.mesh_cfg.tensor), req.page_size,
-                      utilization=req.hbm_utilization, used=used)
+                      utilization=req.hbm_utilization, used=used,
+                      max_pages=req.max_num_seqs * t.pages_per_seq if capped else None)
 
 
 def _probes(t: Target, req: Request) -> tuple[dict, list, int, int, int]:
@@ -473,7 +469,7 @@ def _memory(t: Target, req: Request, full: StepCompiler, figures: dict, sampler:
     outputs = max(f.output - f.alias for f in figures.values())
     reserved = weights + step_temp + outputs + sampler_temp + full.penalty_bytes
     usable = t.hbm * req.hbm_utilization
-    fit_pages = _fit_pages(t, req, reserved)
+    fit_pages = engine_pool_pages(t, req, reserved, capped=False)
     wanted = req.max_num_seqs * t.pages_per_seq
     pool = min(wanted, fit_pages) if not req.num_pages else num_pages
     pool_tokens = max(pool, 0) * req.page_size

@@ -22,7 +22,6 @@ from jaxserve.executor.shapes import StepShapes
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.scheduler import Scheduler
 from jaxserve.scheduler.sequence import Sequence
-from jaxserve.scheduler.window_pool import window_pages_needed
 from jaxserve.tools.plan.step_model import Windows, kv_tokens, step_features
 from jaxserve.tools.plan.workload import PlannedRequest
 
@@ -72,8 +71,8 @@ def window_fields(windows: Seq[int | None], *, page_size: int, max_num_seqs: int
         return {}
     if len(given) == len(windows):
         return {"attention_window": max(given)}
-    local = local_pool_pages(windows, page_size, max_num_seqs, max_num_batched_tokens)
-    return {"local_window": max(given), "local_pages": min(local, num_pages) if num_pages else local,
+    local = local_pool_pages(windows, page_size, max_num_seqs, max_num_batched_tokens, global_pages=num_pages or None)
+    return {"local_window": max(given), "local_pages": local,
             "layer_windows": windows}
 
 
@@ -148,8 +147,8 @@ class _Simulation:
         engine = self.engine
         overrides = {"max_num_batched_tokens": max_num_batched_tokens}
         if engine.local_window is not None:  # the windowed pool as the engine sizes it for this token budget
-            overrides["local_pages"] = min(engine.num_pages, window_pages_needed(
-                engine.local_window, engine.page_size, engine.max_num_seqs, max_num_batched_tokens))
+            overrides["local_pages"] = local_pool_pages(engine.layer_windows, engine.page_size, engine.max_num_seqs,
+                                                        max_num_batched_tokens, global_pages=engine.num_pages)
         out = [_Instance(engine.scheduler(**overrides), engine.shapes(max_num_batched_tokens), self.model)
                for _ in range(n)]
         for inst in out:
