@@ -10,6 +10,7 @@ import asyncio
 import os
 import sys
 
+from jaxserve.config.engine import claim_gpu_memory
 from jaxserve.server import logs
 from jaxserve.server.args import parse_args
 
@@ -17,6 +18,7 @@ from jaxserve.server.args import parse_args
 def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") -> int:
     args = parse_args(argv, prog=prog)
     logs.setup(args.log_level)
+    claim_gpu_memory()  # before anything starts jax's GPU backend
     if args.role == "router":  # no engine, no jax
         from jaxserve.server.router import run_router
 

@@ -3,11 +3,12 @@ a decode mesh (``jaxserve.disagg.staged``). Imports no jax until a disaggregated
 
 from __future__ import annotations
 
-from jaxserve.config.engine import EngineConfig
+from jaxserve.config.engine import EngineConfig, claim_gpu_memory
 from jaxserve.engine.engine import Engine
 
 
 def make_engine(config: EngineConfig, **kwargs) -> Engine:
+    claim_gpu_memory()
     if config.prefill_mesh is not None:
         from jaxserve.disagg.staged import DisaggregatedEngine
 

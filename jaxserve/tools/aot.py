@@ -1,12 +1,13 @@
-"""Compile the serving steps for TPU chips that are not attached, and predict what they will do.
+"""Compile the serving steps for TPU chips or NVIDIA GPUs that are not attached, and predict what they will do.
 
     python -m jaxserve.aot --model llama-3.1-8b --topology v5e:2x4 --mesh tensor=8 --dtype bfloat16 \
         [--page-size 16] [--max-num-seqs 32] [--max-num-batched-tokens 512] [--max-model-len N] \
         [--hbm-utilization 0.9] [--buckets all|probes] [--sample-layers] [--context 2048] [--json]
+    python -m jaxserve.aot --model llama-3.1-8b --topology h100      # or h200, or h100:8 --mesh tensor=8
 
 ``--model`` is a Hugging Face folder (only its config.json is read) or a preset shape (``PRESETS``). libtpu
-describes the topology with no chips attached (``jax.experimental.topologies``); the weights and the KV pool
-are abstract (``jax.ShapeDtypeStruct`` with their engine shardings), so nothing is downloaded or allocated.
+describes a TPU topology, and jax's CUDA plugin an H100 or H200 (``jaxserve.tools.gpu_targets``), with no chips
+attached (``jax.experimental.topologies``); the weights and the KV pool are abstract (``jax.ShapeDtypeStruct`` with their engine shardings), so nothing is downloaded or allocated.
 Every bucket the engine warms up is compiled exactly as the engine would compile it on those chips (the same
 ``jit_step``, mesh, rules, Pallas TPU kernels, donated cache), and the sampler's variants too. From the compiled
 executables it reports, per device: weight bytes, the compiler's argument/output/temporary bytes
@@ -16,7 +17,9 @@ turned into roofline-predicted step times and tokens/s at the chip's published p
 
 The predictions are bounds computed from the compiler's figures, not measurements. The Pallas kernels are
 custom calls that XLA's cost analysis does not see into, so attention's work at the stated context (its
-FLOPs, and the K/V it reads) is added from the kernel's work formula (``jaxserve.tools.roofline``).
+FLOPs, and the K/V it reads) is added from the kernel's work formula (``jaxserve.tools.roofline``). XLA's GPU
+compiler gives no cost analysis at all (``cost_analysis()`` is None): for a GPU the matmul FLOPs come from the
+model's shape (``roofline.matmul_flops_per_token``), XLA's bytes-accessed is absent, and the report says so.
 
 ``--buckets probes`` compiles only the shapes the predictions need (and the sampler) instead of every bucket.
 ``--sample-layers`` compiles each shape with 2 and 3 of the model's layers (real per-layer shapes) and
@@ -30,6 +33,7 @@ bytes-accessed does not extrapolate (4.3 GB compiled, 9.0 GB extrapolated), so s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -45,6 +49,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jaxserve.config.args import add_engine_args
+from jaxserve.config.engine import GPU_MEMORY_FRACTION
 from jaxserve.executor.batch import MeshBatch, StepKind
 from jaxserve.executor.kv_cache import (
     CACHE_AXES,
@@ -62,8 +67,9 @@ from jaxserve.models.attention import AttentionBackend
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loader import abstract_model, param_shardings, quantization_plan, resolve_dtype
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from jaxserve.tools import gpu_targets
 from jaxserve.tools.chips import DEVICE_KINDS, Chip
-from jaxserve.tools.roofline import attention_flops
+from jaxserve.tools.roofline import attention_flops, matmul_flops_per_token
 from pallas_kernels.quantized_pages import QuantizedPages
 from sharding.config import MeshConfig
 from sharding.mesh import make_mesh
@@ -129,7 +135,18 @@ def model_config(model: str) -> ModelConfig:
 
 
 def topology_devices(name: str) -> list:
-    """The devices of a described TPU topology (``v5e:2x2``, ``v5p:2x2x1``, ...); no chips needed."""
+    """The devices of a described TPU topology (``v5e:2x2``, ``v5p:2x2x1``, ...) or of described GPUs on one host
+    (``h100``, ``h200:8``); no chips needed."""
+    try:
+        gpu = gpu_targets.parse(name)
+    except ValueError as e:
+        raise AotError(str(e)) from None
+    if gpu is not None:
+        target, count = gpu
+        try:
+            return list(gpu_targets.devices(target.name, count))
+        except gpu_targets.NoGpuCompiler as e:
+            raise AotError(str(e)) from None
     try:
         import libtpu  # noqa: F401
     except ImportError:
@@ -158,6 +175,31 @@ def _libtpu_version() -> str:
         return "libtpu " + metadata.version("libtpu")
     except metadata.PackageNotFoundError:
         return "libtpu (version unknown)"
+
+
+def _compiler_version(platform: str) -> str:
+    """The compiler that built the executables: libtpu, or jax's CUDA plugin."""
+    if platform == "tpu":
+        return _libtpu_version()
+    from importlib import metadata
+
+    try:
+        return "jax-cuda13-plugin " + metadata.version("jax-cuda13-plugin")
+    except metadata.PackageNotFoundError:
+        return "jax's CUDA plugin (version unknown)"
+
+
+def gpu_memory_fraction() -> float:
+    """The share of a GPU's memory jax's allocator takes at start (``XLA_PYTHON_CLIENT_MEM_FRACTION``, which the
+    engine sets to ``GPU_MEMORY_FRACTION`` unless given): its ``bytes_limit``, which ``hbm_utilization`` applies to."""
+    value = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", str(GPU_MEMORY_FRACTION))
+    try:
+        fraction = float(value)
+    except ValueError:
+        raise AotError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={value!r} is not a number") from None
+    if not 0 < fraction <= 1:
+        raise AotError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={value!r} must be in (0, 1]")
+    return fraction
 
 
 def chip_of(devices: list, topology: str) -> tuple[Chip, int]:
@@ -190,18 +232,20 @@ class Figures:
     collectives: dict[str, int] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     exact: bool = True  # False when extrapolated from fewer layers (temp approximate, bytes_accessed unusable)
+    costed: bool = True  # False when the compiler gave no cost analysis (XLA:GPU): flops and bytes_accessed are 0
 
     @classmethod
     def of(cls, compiled, seconds: float) -> "Figures":
         m = compiled.memory_analysis()
         cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
         text = compiled.as_text()
         ops = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
         counts = {op: text.count(f" {op}(") + text.count(f" {op}-start(") for op in ops}
         return cls(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes,
-                   m.generated_code_size_in_bytes, float(cost.get("flops", 0.0)),
-                   float(cost.get("bytes accessed", 0.0)), {k: v for k, v in counts.items() if v}, seconds)
+                   m.generated_code_size_in_bytes, float((cost or {}).get("flops", 0.0)),
+                   float((cost or {}).get("bytes accessed", 0.0)), {k: v for k, v in counts.items() if v}, seconds,
+                   costed=bool(cost))
 
     @classmethod
     def extrapolate(cls, a: "Figures", b: "Figures", la: int, lb: int, layers: int) -> "Figures":
@@ -213,7 +257,8 @@ class Figures:
                   for k in set(a.collectives) | set(b.collectives)}
         return cls(lin(a.argument, b.argument), lin(a.output, b.output), lin(a.alias, b.alias),
                    max(0.0, lin(a.temp, b.temp)), lin(a.code, b.code), lin(a.flops, b.flops),
-                   lin(a.bytes_accessed, b.bytes_accessed), counts, a.seconds + b.seconds, exact=False)
+                   lin(a.bytes_accessed, b.bytes_accessed), counts, a.seconds + b.seconds, exact=False,
+                   costed=a.costed and b.costed)
 
 
 class StepCompiler:
@@ -221,10 +266,10 @@ class StepCompiler:
 
     def __init__(self, cfg: ModelConfig, dtype, mesh, *, page_size: int, num_pages: int, max_num_seqs: int,
                  backend: AttentionBackend, quantization: str | None = None, quantize_lm_head: bool = False,
-                 cache_dtype=None):
-        self.cfg, self.dtype, self.mesh, self.backend = cfg, dtype, mesh, backend
+                 cache_dtype=None, platform: str = "tpu"):
+        self.cfg, self.dtype, self.mesh, self.backend, self.platform = cfg, dtype, mesh, backend, platform
         self.num_replicas = int(mesh.shape["data"])
-        self.cache_dtype = cache_dtype or backend.cache_dtype(dtype, "tpu")
+        self.cache_dtype = cache_dtype or backend.cache_dtype(dtype, platform)
         self.cache = CacheConfig(page_size, num_pages, self.num_replicas)
         self.rules = model_rules(cfg.num_heads, cfg.num_kv_heads, mesh)
         self.layouts = step_layouts(mesh, self.rules)
@@ -256,9 +301,14 @@ class StepCompiler:
         rows = max(self.num_logit_rows, batch.max_seqs)  # a probe wider than max_num_seqs gets its own rows
         fn = jit_step(self.graphdef, rows, self.outs)
         start = time.perf_counter()
-        traced = fn.trace(self.params, packed, self.kv_cache, *static)
-        compiled = traced.lower().compile()
+        with self._target():
+            traced = fn.trace(self.params, packed, self.kv_cache, *static)
+            compiled = traced.lower().compile()
         return Figures.of(compiled, time.perf_counter() - start)
+
+    def _target(self):
+        """Pallas GPU kernels lower for the device kind of the current mesh (else for the host's CPU)."""
+        return jax.set_mesh(self.mesh) if self.platform == "gpu" else contextlib.nullcontext()
 
     def sampler(self, max_model_len: int) -> list[Figures]:
         """The sampler's four variants and the penalty-row reset, on the sampling device."""
@@ -355,10 +405,12 @@ class Target:
     cache_dtype: object
     max_model_len: int
     shapes: StepShapes
+    platform: str = "tpu"
+    device_memory: float | None = None  # a GPU: what jax's allocator takes of it (the chip table holds the HBM sold)
 
     @property
     def hbm(self) -> float:
-        return self.chip.hbm_bytes / self.per_chip
+        return self.device_memory or self.chip.hbm_bytes / self.per_chip
 
     @property
     def pages_per_seq(self) -> int:
@@ -376,6 +428,8 @@ def resolve(req: Request) -> Target:
     dtype = resolve_dtype(req.dtype, cfg)
     devices = topology_devices(req.topology)
     chip, per_chip = chip_of(devices, req.topology)
+    platform = "gpu" if devices[0].platform in ("gpu", "cuda") else "tpu"
+    gpu = gpu_targets.parse(req.topology) if platform == "gpu" else None
     mesh_cfg = MeshConfig.parse(req.mesh)
     if mesh_cfg.num_devices > len(devices):
         raise AotError(f"mesh {mesh_cfg} needs {mesh_cfg.num_devices} devices; topology {req.topology} has "
@@ -388,14 +442,15 @@ def resolve(req: Request) -> Target:
         raise AotError(str(e)) from None
     if 16 % mesh_cfg.sequence:
         raise AotError(f"mesh sequence={mesh_cfg.sequence} must divide 16 (the smallest token bucket)")
-    backend = AttentionBackend.resolve("auto", "tpu")
+    backend = AttentionBackend.resolve("auto", platform)
     try:
-        cache_dtype = kv_storage_dtype(req.kv_cache_dtype, backend.cache_dtype(dtype, "tpu"))
+        cache_dtype = kv_storage_dtype(req.kv_cache_dtype, backend.cache_dtype(dtype, platform))
     except ValueError as e:
         raise AotError(str(e)) from None
     max_model_len = min(req.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     shapes = StepShapes(req.max_num_seqs, req.max_num_batched_tokens, _ceil(max_model_len, req.page_size))
-    return Target(cfg, dtype, devices, chip, per_chip, mesh_cfg, mesh, backend, cache_dtype, max_model_len, shapes)
+    return Target(cfg, dtype, devices, chip, per_chip, mesh_cfg, mesh, backend, cache_dtype, max_model_len, shapes,
+                  platform, gpu[0].memory_bytes * gpu_memory_fraction() if gpu else None)
 
 
 def engine_pool_pages(t: Target, req: Request, used: float, *, capped: bool = True) -> int:
@@ -427,7 +482,7 @@ def _compiler(t: Target, req: Request, layers: int, num_pages: int) -> StepCompi
         t.cfg, num_layers=layers, sliding_windows=t.cfg.sliding_windows[:layers])
     return StepCompiler(cfg, t.dtype, t.mesh, page_size=req.page_size, num_pages=num_pages,
                         max_num_seqs=req.max_num_seqs, backend=t.backend, quantization=req.quantization,
-                        quantize_lm_head=req.quantize_lm_head, cache_dtype=t.cache_dtype)
+                        quantize_lm_head=req.quantize_lm_head, cache_dtype=t.cache_dtype, platform=t.platform)
 
 
 def _compile_all(t: Target, req: Request, todo: list, compile_pages: int, log) -> tuple[dict, list, tuple]:
@@ -503,6 +558,13 @@ class _Predictor:
         self.peak_bw = t.chip.hbm_bytes_per_s / t.per_chip
         self.kv_token = bytes_per_token(t.cfg, t.cache_dtype, t.mesh_cfg.tensor)
         self.heads = t.cfg.num_heads // t.mesh_cfg.tensor
+        self.tensor = t.mesh_cfg.tensor
+
+    def matmul_flops(self, tokens: int, logits_rows: int) -> float:
+        """Per device, from the model's shape: every token through the layers, the LM head on the logits rows
+        only (for a compiler without cost analysis; dense layers, so MoE models are overstated)."""
+        head = 2 * self.cfg.hidden_size * self.cfg.vocab_size
+        return (tokens * (matmul_flops_per_token(self.cfg) - head) + logits_rows * head) / self.tensor
 
     def attn_flops(self, queries: int, keys_per_query: float) -> float:
         return attention_flops(self.cfg, queries, keys_per_query) / self.cfg.num_heads * self.heads
@@ -517,11 +579,11 @@ class _Predictor:
 
     def predict(self, f: Figures, flops_attn: float, kv_read: float, kv_written: float, logits_rows: int,
                 tokens: int) -> dict:
-        flops = f.flops + flops_attn
+        flops = (f.flops if f.costed else self.matmul_flops(tokens, logits_rows)) + flops_attn
         # Lower bound on HBM traffic: every weight once (of the routed experts, those chosen), the K/V read and
         # written, the logits.
         min_bytes = self.weights_read(tokens) + kv_read + kv_written + logits_rows * self.cfg.vocab_size * 4
-        xla_bytes = f.bytes_accessed + kv_read
+        xla_bytes = f.bytes_accessed + kv_read if f.costed else min_bytes
         t = max(flops / self.peak_flops, min_bytes / self.peak_bw)
         t_xla = max(flops / self.peak_flops, xla_bytes / self.peak_bw)
         return {"flops": flops, "xla_flops": f.flops, "min_bytes": min_bytes, "xla_bytes_accessed": f.bytes_accessed,
@@ -574,13 +636,15 @@ def run(req: Request, log=None) -> dict:
         "active_params_b": cfg.num_active_params / 1e9,
         "num_layers": cfg.num_layers, "topology": req.topology, "device_kind": t.devices[0].device_kind,
         "chip": dataclasses.asdict(t.chip), "devices_per_chip": t.per_chip, "mesh": str(t.mesh_cfg),
+        "gpu_memory_fraction": gpu_memory_fraction() if t.platform == "gpu" else None,
         "dtype": jnp.dtype(t.dtype).name, "kv_dtype": jnp.dtype(t.cache_dtype).name, "quantization": req.quantization,
         "page_size": req.page_size,
         "max_num_seqs": req.max_num_seqs, "max_num_batched_tokens": req.max_num_batched_tokens,
         "max_model_len": t.max_model_len, "hbm_utilization": req.hbm_utilization,
-        "jax": jax.__version__, "libtpu": _libtpu_version(),
+        "jax": jax.__version__, "libtpu": _compiler_version(t.platform), "platform": t.platform,
         "compiled": {"step_shapes": len(todo), "buckets": req.buckets, "layers_compiled": list(layers_compiled),
                      "exact": not req.sample_layers or len(layers_compiled) == 1,
+                     "cost_analysis": all(f.costed for f in figures.values()),
                      "sampler_executables": len(sampler),
                      "compile_seconds": sum(f.seconds for f in figures.values()) + sum(f.seconds for f in sampler)},
         "memory_per_device": memory,
@@ -611,7 +675,9 @@ def format_report(r: dict) -> str:
         "",
         "| per device | |",
         "| --- | --- |",
-        f"| HBM ({chip['name']}) | {gib(m['hbm'])} |",
+        f"| HBM ({chip['name']}) | {gib(m['hbm'])} |" if not r.get("gpu_memory_fraction") else
+        f"| GPU memory ({chip['name']}): jax's allocator's share (XLA_PYTHON_CLIENT_MEM_FRACTION="
+        f"{r['gpu_memory_fraction']}) | {gib(m['hbm'])} |",
         f"| weights | {gib(m['weights'])} |",
         f"| largest step: arguments / outputs (not aliased) / temporaries | {gib(m['argument_max'])} / "
         f"{gib(m['step_outputs_max'])} / {m['step_temp_max'] / 2**20:.1f} MiB |",
@@ -625,10 +691,14 @@ def format_report(r: dict) -> str:
     for n, c in r["capacity_at_max_num_seqs"].items():
         lines.append(f"| at max_num_seqs {n} | {c['pages_per_sequence']:,} pages = "
                      f"{c['context_per_sequence']:,} tokens of context per sequence |")
-    exact = r["compiled"]["exact"]  # XLA's bytes-accessed does not extrapolate over layers: shown when compiled
+    # XLA's bytes-accessed does not extrapolate over layers, and XLA:GPU has none: shown only where compiled and given
+    costed = r["compiled"].get("cost_analysis", True)
+    exact = r["compiled"]["exact"] and costed
     xla = lambda v: f" ({v})" if exact else ""  # noqa: E731
+    flops_from = ("the compiler's FLOPs" if costed else "the model's matmul FLOPs (XLA's GPU compiler gives no cost "
+                  "analysis, so FLOPs come from the model's shape and attention's formula)")
     lines += ["", f"Predicted at {chip['name']} peaks ({chip['peak_flops'] / 1e12:.0f} TFLOP/s bf16, "
-              f"{chip['hbm_bytes_per_s'] / 1e9:.0f} GB/s per chip): roofline from the compiler's FLOPs and the step's "
+              f"{chip['hbm_bytes_per_s'] / 1e9:.0f} GB/s per chip): roofline from {flops_from} and the step's "
               "minimum HBM traffic (weights once, of routed experts those a uniform router would choose, K/V, logits); "
               "collectives not included"
               + ("; in brackets, with XLA's bytes-accessed instead (an upper estimate)." if exact else "."), "",
@@ -656,7 +726,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.aot") ->
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help=f"a Hugging Face folder (config.json) or a preset: "
                                                   f"{', '.join(PRESETS)}")
-    p.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:2x2, v5e:2x4, v6e:2x4, v5p:2x2x1")
+    p.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:2x2, v5e:2x4, v6e:2x4, v5p:2x2x1; or "
+                                                     "NVIDIA GPUs on one host: h100, h200, h100:8")
     keep = ("dtype", "page_size", "num_pages", "hbm_utilization", "max_model_len", "max_num_seqs",
             "max_num_batched_tokens", "mesh", "quantization", "quantize_lm_head", "kv_cache_dtype")
     from jaxserve.config.engine import EngineConfig

@@ -29,10 +29,12 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
     Chip("h200", 141 * 10**9, 989e12, 4800e9),
 )}
 
-# jax's ``device_kind`` of each TPU a described topology (``jax.experimental.topologies``) can hold.
+# jax's ``device_kind`` of each chip a described topology (``jax.experimental.topologies``) can hold.
 DEVICE_KINDS: dict[str, Chip] = {
     "TPU v4": CHIPS["v4"],
     "TPU v5 lite": CHIPS["v5e"],
     "TPU v5": CHIPS["v5p"],
     "TPU v6 lite": CHIPS["v6e"],
+    "NVIDIA H100 80GB HBM3": CHIPS["h100"],
+    "NVIDIA H200": CHIPS["h200"],
 }

@@ -1,0 +1,119 @@
+"""The serving steps compiled for a described H100 / H200 by XLA's GPU compiler (jax's CUDA plugin), no GPU needed.
+
+The plugin comes with the test extra on x86-64 Linux; there a missing plugin fails these tests rather than skipping
+them, so a CI that lost it cannot pass silently.
+"""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxserve.config.engine import GPU_MEMORY_FRACTION, claim_gpu_memory
+from jaxserve.tools import aot, gpu_targets
+
+ROOT = Path(__file__).resolve().parents[1]
+# A config-only folder (no weights, no tokenizer): what aot reads of a checkpoint.
+TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16"}
+
+
+def _needs_cuda_plugin():
+    try:
+        gpu_targets.devices("h100")
+    except gpu_targets.NoGpuCompiler as e:
+        if sys.platform == "linux" and platform.machine() == "x86_64":
+            pytest.fail(f"{e} (pip install -e '.[test]' installs the one matching jax)")
+        pytest.skip("jax's CUDA plugin has no build for this platform")
+
+
+@pytest.fixture(scope="module")
+def config_only_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-gpu")
+    (folder / "config.json").write_text(json.dumps(TINY))
+    return folder
+
+
+def test_every_bucket_and_the_sampler_compile_for_sm90a(config_only_folder, tmp_path):
+    """`python -m jaxserve.aot --topology h100`: every bucket the engine warms up (Pallas GPU kernels inside the
+    steps) and the sampler, compiled by XLA's GPU compiler for Hopper's sm_90a, and the report it gives."""
+    _needs_cuda_plugin()
+    dump = tmp_path / "xla"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_dump_to={dump}", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxserve.aot", "--model", str(config_only_folder), "--topology", "h100",
+         "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--decode-batches", "1,4", "--report-seqs", "2,8",
+         "--json"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    assert r["platform"] == "gpu" and r["device_kind"] == "NVIDIA H100 80GB HBM3"
+    assert r["libtpu"].startswith("jax-cuda13-plugin")  # the compiler that built them
+    warmup = aot.warmup_shapes(aot.resolve(aot.Request(model=str(config_only_folder), topology="h100", mesh=None,
+                                                        max_num_seqs=4, max_num_batched_tokens=32)).shapes)
+    compiled = {(s["kind"], s["tokens"], s["slots"], s["pages"]) for s in r["steps"]}
+    assert set(warmup) <= compiled and r["compiled"]["sampler_executables"] == 5
+    # XLA's GPU compiler gives no cost analysis: the report says so and predicts from the model's shape.
+    assert r["compiled"]["cost_analysis"] is False
+    assert all(d["flops"] > 0 and d["tokens_per_s"] > 0 for d in r["decode"].values())
+    m = r["memory_per_device"]
+    # The engine lets jax's allocator take 95% of the device's memory; the pool is sized within that.
+    assert m["hbm"] == pytest.approx(GPU_MEMORY_FRACTION * gpu_targets.GPU_TARGETS["h100"].memory_bytes)
+    assert m["weights"] > 0 and m["pool_pages"] > 0 and m["fits"]
+    # Hopper's architecture-specific target (wgmma, setmaxnreg), not plain sm_90.
+    assert any("sm_9.0a" in p.name for p in dump.iterdir()), sorted(p.name for p in dump.iterdir())[:20]
+
+
+def test_tensor_parallel_steps_compile_for_two_h200s(config_only_folder):
+    _needs_cuda_plugin()
+    r = aot.run(aot.Request(model=str(config_only_folder), topology="h200:2", mesh="tensor=2", max_num_seqs=4,
+                            max_num_batched_tokens=32, buckets="probes", decode_batches=(1, 4), report_seqs=(2,)))
+    assert r["device_kind"] == "NVIDIA H200" and r["mesh"].endswith("tensor=2")
+    first = next(iter(r["decode"].values()))
+    assert first["collectives"].get("all-reduce", 0) > 0  # the row-parallel projections' sums over the two GPUs
+    text = aot.format_report(r)
+    assert "gives no cost analysis" in text and "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in text
+
+
+@pytest.mark.parametrize("topology,message", [
+    ("h100:x", "the GPU count after ':' must be a positive integer"),
+    ("h100:0", "the GPU count after ':' must be a positive integer"),
+])
+def test_bad_gpu_topologies_are_one_line_errors(config_only_folder, topology, message, capsys):
+    assert aot.main(["--model", str(config_only_folder), "--topology", topology]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_mesh_larger_than_the_described_gpus_is_refused(config_only_folder, capsys):
+    _needs_cuda_plugin()
+    assert aot.main(["--model", str(config_only_folder), "--topology", "h100", "--mesh", "tensor=2"]) == 2
+    assert "needs 2 devices; topology h100 has 1" in capsys.readouterr().err
+
+
+def test_the_engine_claims_the_gpu_unless_told_otherwise(monkeypatch):
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    claim_gpu_memory()
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.95"
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    claim_gpu_memory()
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
+
+
+def test_memory_fraction_must_be_a_share(monkeypatch):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "1.5")
+    with pytest.raises(aot.AotError, match="must be in"):
+        aot.gpu_memory_fraction()
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    assert aot.gpu_memory_fraction() == 0.9
+
+
+def test_gpu_names_parse():
+    assert gpu_targets.parse("v5e:2x2") is None
+    target, count = gpu_targets.parse("H200:8")
+    assert target.name == "h200" and count == 8
+    assert "cuda_compute_capability { major: 9 minor: 0 }" in target.target_config()
