@@ -17,6 +17,9 @@ ATTENTION_BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 LOGPROBS_MODES = ("processed", "raw")
 QUANTIZATIONS = ("int8", "fp8")  # weight-only, quantized at load (jaxserve/models/quantization.py)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names; fp8 is e4m3
+# vLLM's --load-format: "auto" reads the checkpoint; "dummy" reads only config.json and draws random weights on the
+# devices (benchmarks without a download).
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def default_compilation_cache_dir() -> str:
@@ -34,6 +37,7 @@ class EngineConfig:
 
     model: str | None = None
     tokenizer: str | None = None
+    load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random weights drawn on the devices
     dtype: str = "auto"
     page_size: int = 16
     num_pages: int | None = None
@@ -110,7 +114,7 @@ class EngineConfig:
                              "(the decode side would need the prompt's KV in the draft's pool too); use "
                              "method 'ngram'")
         for name, choices in (("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS),
-                              ("logprobs_mode", LOGPROBS_MODES)):
+                              ("logprobs_mode", LOGPROBS_MODES), ("load_format", LOAD_FORMATS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(map(repr, choices))}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
