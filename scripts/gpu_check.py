@@ -176,7 +176,8 @@ def section_environment(rec: Recorder, ctx: Context) -> bool:
             versions[name] = None
     rec.figure("versions", versions)
     rec.figure("python", platform.python_version())
-    rec.line(f"- Python {platform.python_version()}; " + ", ".join(
+    rec.figure("glibc", "".join(platform.libc_ver()[1:]) or None)
+    rec.line(f"- Python {platform.python_version()}, glibc {platform.libc_ver()[1] or 'unknown'}; " + ", ".join(
         f"{k} {v}" for k, v in versions.items() if v is not None))
     absent = [k for k, v in versions.items() if v is None]
     if absent:
