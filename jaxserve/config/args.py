@@ -13,6 +13,7 @@ from jaxserve.config.engine import (
     ATTENTION_BACKENDS,
     DTYPES,
     KV_CACHE_DTYPES,
+    LOAD_FORMATS,
     LOGPROBS_MODES,
     QUANTIZATIONS,
     EngineConfig,
@@ -22,6 +23,9 @@ HELP = {
     "model": "Hugging Face folder, orbax folder from scripts/convert_checkpoint.py, or hub id "
              "(default: the built-in demo model, random weights: its output is meaningless)",
     "tokenizer": "tokenizer folder or hub id, if not the model's",
+    "load_format": "auto: load the checkpoint's weights; dummy: read only config.json and draw random weights on "
+                   "the devices (for benchmarks without a download: the output is meaningless; a folder with no "
+                   "tokenizer gets the demo model's byte tokenizer)",
     "dtype": "weights and KV cache dtype: auto (the checkpoint's), float32, bfloat16 or float16",
     "page_size": "tokens per KV-cache page",
     "num_pages": "KV-cache pages in the pool (default: sized from --hbm-utilization of free accelerator memory, "
@@ -74,7 +78,7 @@ HELP = {
 
 
 CHOICES = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "logprobs_mode": LOGPROBS_MODES,
-           "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES}
+           "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES, "load_format": LOAD_FORMATS}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = (),

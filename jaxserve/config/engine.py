@@ -17,6 +17,9 @@ ATTENTION_BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 LOGPROBS_MODES = ("processed", "raw")
 QUANTIZATIONS = ("int8", "fp8")  # weight-only, quantized at load (jaxserve/models/quantization.py)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names; fp8 is e4m3
+# vLLM's --load-format: "auto" reads the checkpoint; "dummy" reads only config.json and draws random weights on the
+# devices (benchmarks without a download).
+LOAD_FORMATS = ("auto", "dummy")
 # The share of a GPU's memory jax's allocator takes at start (its own default is 0.75); the engine sizes its KV pool
 # as hbm_utilization of what the allocator holds, so 0.95 x 0.9 of the GPU by default, near vLLM's 0.9.
 GPU_MEMORY_FRACTION = 0.95
@@ -43,6 +46,7 @@ class EngineConfig:
 
     model: str | None = None
     tokenizer: str | None = None
+    load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random weights drawn on the devices
     dtype: str = "auto"
     page_size: int = 16
     num_pages: int | None = None
@@ -119,7 +123,7 @@ class EngineConfig:
                              "(the decode side would need the prompt's KV in the draft's pool too); use "
                              "method 'ngram'")
         for name, choices in (("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS),
-                              ("logprobs_mode", LOGPROBS_MODES)):
+                              ("logprobs_mode", LOGPROBS_MODES), ("load_format", LOAD_FORMATS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(map(repr, choices))}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

@@ -31,7 +31,13 @@ from jaxserve.scheduler.step_result import StepFailed, StepResult
 from jaxserve.text.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
 from jaxserve.text.request_checks import RequestChecks
 from jaxserve.text.structured_output import GrammarCompiler, StructuredOutputs
-from jaxserve.text.tokenizer import chat_template_ids, eos_token_ids, load_tokenizer, resolve_chat_template
+from jaxserve.text.tokenizer import (
+    chat_template_ids,
+    eos_token_ids,
+    has_tokenizer,
+    load_tokenizer,
+    resolve_chat_template,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,14 +80,15 @@ class Engine:
         else:
             model_path = config.model
         # The tokenizer first: a checkpoint without a usable one fails before anything is compiled.
-        folder = resolve_model_path(model_path, revision=config.revision, download_dir=config.download_dir)
+        folder = resolve_model_path(model_path, revision=config.revision, download_dir=config.download_dir,
+                                    weights=config.load_format != "dummy")
         cfg = ModelConfig.from_pretrained(folder)
         spec, draft = config.speculative_config, None
         if spec is not None and spec.model:  # refused before anything is loaded or compiled
             from jaxserve.spec_decode.draft import check_draft
 
             draft = check_draft(spec.model, cfg)
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or folder)
+        self.tokenizer = None if config.skip_tokenizer_init else self._load_tokenizer(folder)
         if config.chat_template is not None and self.tokenizer is not None:
             self.tokenizer.chat_template = resolve_chat_template(config.chat_template)
         self.eos_token_ids = eos_token_ids(folder, cfg, self.tokenizer)
@@ -123,6 +130,20 @@ class Engine:
         self._loud = 0  # live requests with ``_Request.loud``
         # True: ``step`` returns outputs of finished requests only (the offline API reads nothing else).
         self.final_outputs_only = False
+
+    def _load_tokenizer(self, folder):
+        """The tokenizer of ``config.tokenizer`` or the model folder. Random weights (``load_format="dummy"``) from
+        a folder with no tokenizer get the demo model's byte tokenizer (ids 0..258: bytes, <s>, </s>, <unk>), so
+        a config.json alone can be served; text then maps to those ids, and generated ids past them decode to
+        no text."""
+        config = self.config
+        if config.tokenizer is None and config.load_format == "dummy" and not has_tokenizer(folder):
+            from jaxserve.models.demo import byte_tokenizer
+
+            logger.warning("load_format='dummy': %s has no tokenizer; using the demo model's byte tokenizer "
+                           "(pass --tokenizer to use another)", folder)
+            return byte_tokenizer()
+        return load_tokenizer(config.tokenizer or folder)
 
     # Requests -----------------------------------------------------------------------------------------------
     @functools.cached_property

@@ -109,7 +109,8 @@ class Executor:
         config = self.config
         model, self.model_config, self.folder = load_model(self.model_path, config.dtype, self.mesh,
                                                            config.quantization, config.quantize_lm_head,
-                                                           cfg=model_config)
+                                                           cfg=model_config, load_format=config.load_format,
+                                                           seed=config.seed)
         cfg = self.model_config
         limit = cfg.max_context  # max_position_embeddings, stretched by rope scaling where the rope says so
         if config.max_model_len is not None and config.max_model_len > limit:

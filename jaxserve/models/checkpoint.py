@@ -15,12 +15,14 @@ _DTYPES = {
     "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
+_WEIGHT_PATTERNS = ("*.safetensors", "params/**", "orbax/**")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "params/**", "orbax/**"]
 
 
-def resolve_model_path(model: str | Path, *, revision: str | None = None, download_dir: str | None = None) -> Path:
+def resolve_model_path(model: str | Path, *, revision: str | None = None, download_dir: str | None = None,
+                       weights: bool = True) -> Path:
     """A local folder as is; anything else is a hub id fetched with ``huggingface_hub.snapshot_download`` (at
-    ``revision``, into ``download_dir``)."""
+    ``revision``, into ``download_dir``); ``weights=False`` fetches its config and tokenizer files only."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
@@ -28,7 +30,8 @@ def resolve_model_path(model: str | Path, *, revision: str | None = None, downlo
         raise ValueError(f"model path {str(model)!r} is not a folder")
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(str(model), allow_patterns=_HUB_PATTERNS, revision=revision,
+    patterns = _HUB_PATTERNS if weights else [p for p in _HUB_PATTERNS if p not in _WEIGHT_PATTERNS]
+    return Path(snapshot_download(str(model), allow_patterns=patterns, revision=revision,
                                   cache_dir=download_dir))
 
 

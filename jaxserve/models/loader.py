@@ -1,7 +1,8 @@
 """Build a model from a checkpoint: map tensor names and layouts, cast, and place each tensor on its sharding.
 
 Two sources: a Hugging Face folder (safetensors) and an orbax checkpoint written by
-``scripts/convert_checkpoint.py`` (restored straight into the target shardings).
+``scripts/convert_checkpoint.py`` (restored straight into the target shardings). With ``load_format="dummy"``
+only ``config.json`` is read: the weights are drawn on the devices, each directly in its sharding.
 
 Shapes are noted ``dtype[dims]``, as in ``pallas_kernels``: ``f32`` is a fixed dtype, ``ck`` a tensor's dtype in
 the checkpoint, ``dt`` the model's, ``w8`` an 8-bit weight's (``jaxserve.models.quantization``). Dims: E experts,
@@ -10,6 +11,7 @@ C hidden size, I an expert's width, ``in`` / ``out`` a weight's input and output
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -122,22 +124,34 @@ def param_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
 
 def load_model(
     model: str | Path, dtype: str = "auto", mesh: Mesh | None = None, quantization: str | None = None,
-    quantize_lm_head: bool = False, *, cfg: ModelConfig | None = None,
+    quantize_lm_head: bool = False, *, cfg: ModelConfig | None = None, load_format: str = "auto", seed: int = 0,
 ) -> tuple[DecoderLM, ModelConfig, Path]:
     """Load a model folder (HF safetensors or our orbax layout) or a hub id onto ``mesh``.
 
     With ``quantization`` ("int8", "fp8") the weights are quantized on the host tensor by tensor as they are
     read, and only the 8-bit values and scales are placed (``jaxserve.models.quantization``); a pre-quantized checkpoint
     loads as published. ``cfg``: the folder's ``ModelConfig`` when the caller has read it already (else read here).
+    ``load_format="dummy"``: no weights are read; random ones are drawn on the devices from ``seed``
+    (``dummy_state``), quantized there when ``quantization`` says so.
 
     Raises:
-      ValueError: for an unsupported architecture, a pickled checkpoint, or missing / unexpected /
-      mis-shaped tensors (the message names the tensor and both shapes).
+      ValueError: for an unsupported architecture or load format, a pickled checkpoint, or missing /
+      unexpected / mis-shaped tensors (the message names the tensor and both shapes).
     """
+    if load_format not in engine_config.LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r} must be one of "
+                         f"{', '.join(map(repr, engine_config.LOAD_FORMATS))}")
     folder = resolve_model_path(model)
     cfg = cfg if cfg is not None else ModelConfig.from_pretrained(folder)
     jdtype = resolve_dtype(dtype, cfg)
     mesh = mesh if mesh is not None else make_mesh()
+    if load_format == "dummy":
+        # A pre-quantized checkpoint's own scheme needs its tensors to say which layers are 8-bit: not read here.
+        plan, _ = quantization_plan(cfg, jdtype, quantization, quantize_lm_head, None)
+        graphdef, abstract = abstract_model(cfg, jdtype, plan)
+        shardings = param_shardings(abstract, mesh, model_rules(cfg.num_heads, cfg.num_kv_heads, mesh))
+        check_expert_parallel(cfg.moe and cfg.moe.num_experts, int(mesh.shape["expert"]))
+        return nnx.merge(graphdef, dummy_state(cfg, abstract, shardings, plan, seed)), cfg, folder
     orbax = (folder / ORBAX_DIR).is_dir()
     if orbax and quantization is not None:
         raise ValueError(f"quantization={quantization!r} applies to Hugging Face safetensors folders; {folder} is an "
@@ -152,6 +166,73 @@ def load_model(
     else:
         state = _load_safetensors(folder, cfg, abstract, shardings, ckq)
     return nnx.merge(graphdef, state), cfg, folder
+
+
+def dummy_state(cfg: ModelConfig, abstract: nnx.State, shardings: dict, plan: dict, seed: int = 0) -> nnx.State:
+    """Random weights for ``abstract``, each drawn on the devices by a jitted initialiser straight into its
+    sharding (nothing is built on the host or copied). Scaled as a trained model's roughly are, so activations
+    keep their size through the layers and the logits are neither flat nor NaN:
+
+    - a matrix ``[..., in, out]`` (the LM head too): normal with std ``1 / sqrt(in)``;
+    - the embedding ``[vocab, embed]``: normal with std ``1 / sqrt(embed)`` (a tied head then gives logits of
+      std ~1, as an untied one does);
+    - norms: the value that scales by 1 (``1 - cfg.norm_offset``: 1, or 0 for Gemma's ``1 + w``); biases: 0.
+
+    A weight the plan quantizes is drawn in float32 and quantized on the devices, per output channel (per
+    vocabulary row for the embedding), as ``quantization.quantize`` does on the host.
+    """
+    flat = dict(nnx.to_flat_state(abstract))
+    scales = {p[:-1] + (p[-1] + quant.SCALE_SUFFIX,) for p in plan}
+    makers: dict = {}  # one compiled initialiser per (kind, shape, dtype, sharding): the key is an argument
+    root = jax.random.key(seed)
+    for index, path in enumerate(sorted(flat, key=str)):
+        if path in scales:
+            continue  # drawn with its weight
+        target = flat[path].get_value()
+        shape, dtype = tuple(target.shape), jnp.dtype(target.dtype)
+        if path in plan:
+            spath = path[:-1] + (path[-1] + quant.SCALE_SUFFIX,)
+            kind = "int8" if dtype == jnp.int8 else "fp8"
+            spec = ("q", kind, path[-1] == "embedding", shape, shardings[path], shardings[spath])
+            if spec not in makers:
+                makers[spec] = jax.jit(
+                    functools.partial(_dummy_quantized, shape=shape, kind=kind, embedding=path[-1] == "embedding"),
+                    out_shardings=(shardings[path], shardings[spath]))
+            q, scale = makers[spec](jax.random.fold_in(root, index))
+            flat[path].set_value(q)
+            flat[spath].set_value(scale)
+            continue
+        if len(shape) == 1:
+            fill = 0.0 if path[-1] == "bias" else 1.0 - cfg.norm_offset
+            spec = ("fill", fill, shape, dtype, shardings[path])
+            if spec not in makers:
+                makers[spec] = jax.jit(lambda key, shape=shape, dtype=dtype, fill=fill: jnp.full(shape, fill, dtype),
+                                       out_shardings=shardings[path])
+        else:
+            std = float(shape[-1] if path[-1] == "embedding" else shape[-2]) ** -0.5
+            spec = ("normal", std, shape, dtype, shardings[path])
+            if spec not in makers:
+                makers[spec] = jax.jit(
+                    lambda key, shape=shape, dtype=dtype, std=std:
+                    (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype),
+                    out_shardings=shardings[path])
+        flat[path].set_value(makers[spec](jax.random.fold_in(root, index)))
+    return nnx.from_flat_state(flat)
+
+
+def _dummy_quantized(key, *, shape: tuple, kind: str, embedding: bool):
+    """A random float32 weight quantized symmetric per output channel (an embedding: per vocabulary row):
+    (w8[*shape], f32[..., out] or f32[vocab])."""
+    reduce = -1 if embedding else -2  # the embedding is [vocab, embed]: reduced over embed
+    w = jax.random.normal(key, shape, jnp.float32) * float(shape[reduce]) ** -0.5  # f32[*shape]
+    amax = jnp.max(jnp.abs(w), axis=reduce, keepdims=True)
+    scale = jnp.where(amax > 0, amax / quant.QMAX[kind], 1.0)  # f32[..., 1, out] or f32[vocab, 1]
+    x = w / scale
+    if kind == "int8":
+        q = jnp.clip(jnp.rint(x), -127, 127).astype(jnp.int8)
+    else:
+        q = jnp.clip(x, -quant.QMAX[kind], quant.QMAX[kind]).astype(quant.WEIGHT_DTYPES[kind])
+    return q, jnp.squeeze(scale, axis=reduce)
 
 
 def _expert_tensors(name: str, array, cfg: ModelConfig) -> list[tuple[str, int | None, np.ndarray]]:

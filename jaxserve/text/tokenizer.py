@@ -16,11 +16,16 @@ _RESERVED_TEMPLATE_KEYS = frozenset({"conversation", "messages", "tools", "docum
                                      "return_tensors", "padding", "truncation", "max_length"})
 
 
+def has_tokenizer(folder: Path) -> bool:
+    """Whether a local folder holds a tokenizer file."""
+    return any((Path(folder) / name).exists() for name in _TOKENIZER_FILES)
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer of a local folder or hub id; a local folder with no tokenizer file is a ValueError that
     names the folder and the ways out (never a loader's traceback)."""
     folder = Path(path)
-    if folder.is_dir() and not any((folder / name).exists() for name in _TOKENIZER_FILES):
+    if folder.is_dir() and not has_tokenizer(folder):
         raise ValueError(f"{folder} has no tokenizer ({', '.join(_TOKENIZER_FILES[:3])}, ...): pass --tokenizer "
                          "PATH, or --skip-tokenizer-init (skip_tokenizer_init=True) to serve token-id prompts only")
     return AutoTokenizer.from_pretrained(str(path))
