@@ -17,6 +17,19 @@ SMALL_BLOCKS = dict(block_q=2, block_kv=16, num_splits=3)
 INTERPRET = jax.default_backend() != "gpu"
 
 
+@pytest.fixture
+def described_h100():
+    """Lower and compile for a described H100 (jax's CUDA plugin, no GPU); skipped without the plugin."""
+    from jaxserve.tools import gpu_targets
+
+    try:
+        gpu_targets.devices("h100")
+    except gpu_targets.NoGpuCompiler as e:
+        pytest.skip(str(e))
+    with gpu_targets.described_mesh("h100") as mesh:
+        yield mesh
+
+
 @pytest.mark.parametrize("lengths,group,head_dim,dtype,window,soft_cap", CONFIGS)
 def test_attention_matches_reference(lengths, group, head_dim, dtype, window, soft_cap):
     rng = np.random.default_rng(group * 1000 + head_dim)
@@ -94,19 +107,21 @@ def test_shape_and_block_checks_at_trace_time():
         ragged_paged_attention_gpu(**args, sm_scale=1.0, block_sizes=dict(block_kv=24))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_lowers_to_triton_at_serving_shapes(dtype):
-    """Pallas Triton lowering (no GPU needed) of head_dim 128, page_size 16 with the table's block sizes."""
-    sds = jax.ShapeDtypeStruct
-    i32 = jnp.int32
+@pytest.mark.parametrize("head_dim", [16, 24, 64, 80, 96, 112, 128, 256])
+def test_lowers_to_triton_at_every_head_size(head_dim, described_h100):
+    """Pallas Triton lowering (for a described H100, no GPU needed) of both kernels at page_size 16 with the
+    table's block sizes: Triton blocks must be powers of two, so a head_dim that is not one is padded."""
+    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    dtype = "bfloat16" if head_dim % 32 else "float32"
     for tokens, slots, window, soft_cap in ((8, 8, None, None), (256, 8, 64, 30.0)):
-        md = AttentionMetadata(sds((slots + 1,), i32), sds((slots,), i32), sds((slots, 64), i32), sds((1,), i32))
-        shapes = (sds((tokens, 32, 128), dtype), sds((8, 512, 16, 128), dtype), sds((8, 512, 16, 128), dtype), md)
+        md = AttentionMetadata(sds((slots + 1,), i32), sds((slots,), i32), sds((slots, 64), i32),
+                               sds((1,), i32))
+        pages = sds((2, 512, 16, head_dim), dtype)
         fn = jax.jit(lambda *a: ragged_paged_attention_gpu(*a, sm_scale=0.088, sliding_window=window,
                                                            soft_cap=soft_cap))
-        assert "triton" in fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-    write_shapes = (shapes[1], shapes[2], sds((256, 8, 128), dtype), sds((256, 8, 128), dtype), shapes[3])
-    assert "triton" in jax.jit(write_kv_gpu).trace(*write_shapes).lower(lowering_platforms=("cuda",)).as_text()
+        assert "triton" in fn.lower(sds((tokens, 8, head_dim), dtype), pages, pages, md).as_text()
+    new = sds((256, 2, head_dim), dtype)
+    assert "triton" in jax.jit(write_kv_gpu).lower(pages, pages, new, new, md).as_text()
 
 
 @pytest.mark.parametrize("lengths,storage,dtype", [(DECODE, "int8", "float32"), (MIXED, "fp8", "bfloat16"),
@@ -128,3 +143,56 @@ def test_attention_reads_8_bit_pages_like_the_reference(lengths, storage, dtype)
 
     ref = ragged_paged_attention(**args, sm_scale=0.125, sliding_window=7)
     assert_matches_reference(out, batch, sm_scale=0.125, sliding_window=7, ref=ref)
+
+
+# Head sizes the engine serves that are not powers of two (80, 96, 112; the tiny families' 24), and the powers
+# of two the tables above do not cover (16, 256). The kernels pad the lane axis to a power of two and mask it.
+HEAD_DIMS = [(16, "float32"), (24, "float32"), (24, "bfloat16"), (80, "bfloat16"), (96, "float32"),
+             (96, "bfloat16"), (112, "float32"), (256, "bfloat16")]
+
+
+@pytest.mark.parametrize("head_dim,dtype", HEAD_DIMS)
+def test_attention_head_sizes(head_dim, dtype):
+    rng = np.random.default_rng(head_dim)
+    batch, _, _ = build_batch(rng, *MIXED, group=2, head_dim=head_dim, dtype=dtype)
+    out = ragged_paged_attention_gpu(**device_args(batch), sm_scale=head_dim**-0.5, sliding_window=7,
+                                     block_sizes=SMALL_BLOCKS, interpret=INTERPRET)
+    assert out.shape == batch["q"].shape
+    assert_matches_reference(out, batch, sm_scale=head_dim**-0.5, sliding_window=7)
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(24, "float32"), (96, "bfloat16"), (112, "bfloat16")])
+def test_write_kv_head_sizes(head_dim, dtype):
+    """Consecutive tokens of a prefill land in neighbouring rows of the flattened pool: a padded lane that
+    aliased the next row would overwrite its new values (or the NaN poison of a row nobody writes)."""
+    rng = np.random.default_rng(head_dim + 1)
+    batch, _, _ = build_batch(rng, [3, 1, 0, 8, 7, 1], [3, 9, 4, 12, 15, 8], head_dim=head_dim, page_size=4,
+                              dtype=dtype)
+    new_k, new_v = new_rows(rng, batch)
+    write = lambda *a: write_kv_gpu(*a, block_tokens=8, interpret=INTERPRET)  # noqa: E731
+    assert len(assert_write_matches(write, batch, new_k, new_v)) >= 7
+
+
+@pytest.mark.parametrize("head_dim,storage,dtype", [(24, "int8", "float32"), (80, "int8", "bfloat16"),
+                                                    (96, "fp8", "bfloat16")])
+def test_8_bit_pages_head_sizes(head_dim, storage, dtype):
+    """Write 8-bit pages with the GPU write kernel (values of head_dim lanes, scales of 1), then attend."""
+    from pallas_kernels.quantized_pages import STORAGE, QuantizedPages, write_quantized
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_kv
+
+    rng = np.random.default_rng(head_dim + 2)
+    batch, _, _ = build_batch(rng, *MIXED, group=4, head_dim=head_dim, dtype=dtype)
+    args = device_args(batch)
+    shape = args["k_pages"].shape
+    pages = [QuantizedPages.zeros(shape, STORAGE[storage], jnp.dtype(dtype)) for _ in range(2)]
+    new_k, new_v = (jnp.asarray(a) for a in new_rows(rng, batch))
+    write = lambda *a: write_kv_gpu(*a, block_tokens=8, interpret=INTERPRET)  # noqa: E731
+    k_pages, v_pages = write_quantized(write, *pages, new_k, new_v, args["md"])
+    want_k, want_v = write_quantized(write_kv, *pages, new_k, new_v, args["md"])
+    for got, want in ((k_pages, want_k), (v_pages, want_v)):
+        np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8), np.asarray(want.values).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want.scales))
+    args.update(k_pages=k_pages, v_pages=v_pages)
+    out = ragged_paged_attention_gpu(**args, sm_scale=head_dim**-0.5, block_sizes=SMALL_BLOCKS, interpret=INTERPRET)
+    ref = ragged_paged_attention(**args, sm_scale=head_dim**-0.5)
+    assert_matches_reference(out, batch, sm_scale=head_dim**-0.5, ref=ref)

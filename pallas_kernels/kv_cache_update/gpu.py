@@ -47,14 +47,17 @@ def _kernel(
     in_range = token < num_tokens
     valid = plgpu.load(valid_ref.at[token], mask=in_range, other=0) != 0
     slot = plgpu.load(slot_ref.at[token], mask=in_range, other=0)
-    lanes = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
+    # Lanes padded to a power of two (Triton's blocks); those past head_dim are masked off. Their column index
+    # is out of range of the 2-D refs, so it never aliases an element of the next row.
+    lanes = lax.broadcasted_iota(jnp.int32, (1, pl.next_power_of_2(head_dim)), 1)
+    mask = valid[:, None] & (lanes < head_dim)
     src = ((token * num_kv_heads + kv_head)[:, None], lanes)
     # Masked-off rows point past the pool (distinct, never dereferenced on the GPU, dropped by the interpreter).
     dst_row = jnp.where(valid, kv_head * pool_rows_per_head + slot, k_out_ref.shape[0] + token)
     dst = (dst_row[:, None], lanes)
     for new_ref, out_ref in ((new_k_ref, k_out_ref), (new_v_ref, v_out_ref)):
-        rows = plgpu.load(new_ref.at[src], mask=valid[:, None], other=0.0)
-        plgpu.store(out_ref.at[dst], rows.astype(out_ref.dtype), mask=valid[:, None])
+        rows = plgpu.load(new_ref.at[src], mask=mask, other=0)
+        plgpu.store(out_ref.at[dst], rows.astype(out_ref.dtype), mask=mask)
 
 
 @functools.partial(jax.jit, static_argnames=("block_tokens", "interpret"))

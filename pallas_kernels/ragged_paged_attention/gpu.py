@@ -68,6 +68,7 @@ def _kernel(
     group: int,
     num_q_heads: int,
     rows: int,
+    lanes_padded: int,
     block_kv: int,
     page_size: int,
     num_pages: int,
@@ -101,10 +102,15 @@ def _kernel(
     b_end = jnp.minimum(first_block + num_blocks, b_begin + per_split)
 
     head_dim = q_ref.shape[1]
-    # Gathers index every dimension with an array (the interpreter does not mix arrays and slices).
-    lanes = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
+    # Gathers index every dimension with an array (the interpreter does not mix arrays and slices). Triton wants
+    # power-of-two blocks: the lane axis is padded to ``lanes_padded`` and the lanes past head_dim are masked
+    # off (loaded as 0, never stored); their column index is out of range of the 2-D ref, so it never aliases
+    # a valid element of the next row.
+    lanes = lax.broadcasted_iota(jnp.int32, (1, lanes_padded), 1)
+    lane_ok = lanes < head_dim
     rows_2d = (flat_row[:, None], lanes)
-    q = plgpu.load(q_ref.at[rows_2d], mask=row_ok[:, None], other=0.0)
+    row_mask = row_ok[:, None] & lane_ok
+    q = plgpu.load(q_ref.at[rows_2d], mask=row_mask, other=0.0)
     kv_base = kv_head * num_pages
 
     def body(b, carry):
@@ -113,8 +119,9 @@ def _kernel(
         key_ok = (key >= lo) & (key <= hi)
         page = plgpu.load(pages_ref.at[seq * pages_per_seq + div_by(key, page_size)], mask=key_ok, other=0)
         slot = (kv_base + page) * page_size + rem_by(key, page_size)
-        k = plgpu.load(k_ref.at[slot[:, None], lanes], mask=key_ok[:, None], other=0.0)
-        v = plgpu.load(v_ref.at[slot[:, None], lanes], mask=key_ok[:, None], other=0.0)
+        key_mask = key_ok[:, None] & lane_ok
+        k = plgpu.load(k_ref.at[slot[:, None], lanes], mask=key_mask, other=0.0)
+        v = plgpu.load(v_ref.at[slot[:, None], lanes], mask=key_mask, other=0.0)
         if quantized:  # dequantized in registers, as loaded: the pool is read in 8 bits
             ks = plgpu.load(ks_ref.at[slot], mask=key_ok, other=0.0)
             vs = plgpu.load(vs_ref.at[slot], mask=key_ok, other=0.0)
@@ -135,19 +142,25 @@ def _kernel(
         pv = matmul(p.astype(v.dtype), v)
         return alpha[:, None] * acc + pv, m_next, alpha * l + jnp.sum(p, axis=1)
 
-    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+    init = (jnp.zeros((rows, lanes_padded), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
     acc, m, l = lax.fori_loop(b_begin, b_end, body, init)
 
     if num_splits == 1:
         (o_ref,) = out_refs
         out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-        plgpu.store(o_ref.at[rows_2d], out.astype(o_ref.dtype), mask=row_ok[:, None])
+        plgpu.store(o_ref.at[rows_2d], out.astype(o_ref.dtype), mask=row_mask)
     else:
         o_ref, m_ref, l_ref = out_refs
-        plgpu.store(o_ref.at[(split, *rows_2d)], acc, mask=row_ok[:, None])
+        plgpu.store(o_ref.at[(split, *rows_2d)], acc, mask=row_mask)
         plgpu.store(m_ref.at[split, flat_row], m, mask=row_ok)
         plgpu.store(l_ref.at[split, flat_row], l, mask=row_ok)
+
+
+def padded_lanes(head_dim: int) -> int:
+    """The lane axis as the kernel tiles it: head_dim rounded up to a power of two, at least 16 (the smallest
+    MMA reduction Triton accepts)."""
+    return max(16, pl.next_power_of_2(head_dim))
 
 
 def _merge_splits(
@@ -210,7 +223,7 @@ def _ragged_paged_attention_gpu(q, k_pages, v_pages, md: AttentionMetadata, *, s
                      jax.ShapeDtypeStruct((splits, flat_rows), jnp.float32)]
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, group=group,
-        num_q_heads=num_q_heads, rows=rows, block_kv=sizes.block_kv, page_size=page_size, num_pages=num_pages,
+        num_q_heads=num_q_heads, rows=rows, lanes_padded=padded_lanes(head_dim), block_kv=sizes.block_kv, page_size=page_size, num_pages=num_pages,
         pages_per_seq=pages_per_seq, num_splits=splits, quantized=quantized)
     outs = pl.pallas_call(
         kernel,
