@@ -196,3 +196,33 @@ def test_8_bit_pages_head_sizes(head_dim, storage, dtype):
     out = ragged_paged_attention_gpu(**args, sm_scale=head_dim**-0.5, block_sizes=SMALL_BLOCKS, interpret=INTERPRET)
     ref = ragged_paged_attention(**args, sm_scale=head_dim**-0.5)
     assert_matches_reference(out, batch, sm_scale=head_dim**-0.5, ref=ref)
+
+
+@pytest.mark.parametrize("storage", [None, "int8"])
+def test_pools_past_32_bit_offsets_are_refused_at_trace_time(storage):
+    """Pools of >= 2**31 elements per layer would be addressed with wrapping 32-bit offsets: both kernels raise
+    a ValueError naming the sizes instead (abstract shapes: nothing is allocated); one page fewer is fine."""
+    from pallas_kernels.gpu_addressing import max_pool_pages
+    from pallas_kernels.quantized_pages import QuantizedPages
+
+    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    heads, page_size, head_dim, slots = 8, 16, 128, 4
+    md = AttentionMetadata(sds((slots + 1,), i32), sds((slots,), i32), sds((slots, 64), i32), sds((1,), i32))
+    q = sds((slots, 4 * heads, head_dim), jnp.bfloat16)
+    new = sds((slots, heads, head_dim), jnp.bfloat16)
+    fits = max_pool_pages(heads, page_size, head_dim)
+    assert heads * fits * page_size * head_dim < 2**31 <= heads * (fits + 1) * page_size * head_dim
+
+    def pool(num_pages):
+        shape = (heads, num_pages, page_size, head_dim)
+        if storage is None:
+            return sds(shape, jnp.bfloat16)
+        return QuantizedPages(sds(shape, jnp.int8), sds(shape[:-1] + (1,), jnp.float32), jnp.bfloat16)
+
+    attend = lambda k, v: ragged_paged_attention_gpu(q, k, v, md, sm_scale=0.1)  # noqa: E731
+    write = lambda k, v: write_kv_gpu(k, v, new, new, md)  # noqa: E731
+    for fn in (attend, write) if storage is None else (attend,):
+        jax.eval_shape(fn, pool(fits), pool(fits))
+        with pytest.raises(ValueError, match=rf"num_pages={fits + 1} x page_size=16 x 8 KV heads x head_dim=128 = "
+                                             rf"{2**31} elements.*limit {2**31 - 1}"):
+            jax.eval_shape(fn, pool(fits + 1), pool(fits + 1))

@@ -21,6 +21,7 @@ try:  # Deprecated from jax 0.11, to be removed later.
 except ImportError:  # pragma: no cover - depends on the jax release
     plgpu = None
 
+from pallas_kernels.gpu_addressing import check_elements
 from pallas_kernels.kv_cache_update.layout import check_write_shapes, token_slots
 from pallas_kernels.metadata import AttentionMetadata
 
@@ -105,6 +106,9 @@ def write_kv_gpu(
     if plgpu is None:  # pragma: no cover
         raise RuntimeError("this jax release has no Pallas Triton backend (jax.experimental.pallas.triton)")
     check_write_shapes(k_pages, v_pages, new_k, new_v)
+    # 32-bit offsets (pallas_kernels.gpu_addressing): a clear error instead of writes to the wrong rows.
+    check_elements("k_pages", k_pages.shape)
+    check_elements("new_k", new_k.shape)
     if block_tokens < 1 or block_tokens & (block_tokens - 1):
         raise ValueError(f"block_tokens must be a power of two, got {block_tokens}")
     return _write_kv_gpu(k_pages, v_pages, new_k, new_v, md, block_tokens=block_tokens, interpret=interpret)

@@ -39,6 +39,7 @@ try:  # Deprecated from jax 0.11, to be removed later.
 except ImportError:  # pragma: no cover - depends on the jax release
     plgpu = None
 
+from pallas_kernels.gpu_addressing import check_elements
 from pallas_kernels.metadata import AttentionMetadata, check_shapes
 from pallas_kernels.quantized_pages import QuantizedPages
 from pallas_kernels.ragged_paged_attention.block_sizes import (
@@ -276,6 +277,11 @@ def ragged_paged_attention_gpu(
     page_dtype = q.dtype if isinstance(k_pages, QuantizedPages) else k_pages.dtype
     sizes = resolve_block_sizes(q.shape, k_pages.shape, page_dtype, md.kv_lens.shape[0],
                                 md.page_indices.shape[1], block_sizes)
+    # 32-bit offsets (pallas_kernels.gpu_addressing): a clear error instead of reads of the wrong rows.
+    check_elements("k_pages", k_pages.shape)
+    check_elements("q", q.shape)
+    if sizes.num_splits > 1:
+        check_elements("the split partial outputs", (sizes.num_splits, *q.shape))
     return _ragged_paged_attention_gpu(
         q, k_pages, v_pages, md, sm_scale=float(sm_scale),
         sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap), sizes=sizes,
