@@ -226,3 +226,29 @@ def test_pools_past_32_bit_offsets_are_refused_at_trace_time(storage):
         with pytest.raises(ValueError, match=rf"num_pages={fits + 1} x page_size=16 x 8 KV heads x head_dim=128 = "
                                              rf"{2**31} elements.*limit {2**31 - 1}"):
             jax.eval_shape(fn, pool(fits + 1), pool(fits + 1))
+
+
+def test_block_sizes_shrink_until_shared_memory_fits():
+    """The table's entry is shrunk (block_kv, then the pipeline's stages, then block_q) until the estimate fits
+    the budget; fields given explicitly are kept."""
+    from pallas_kernels.ragged_paged_attention.block_sizes import GPU_SHARED_MEMORY_BYTES, gpu_shared_memory_estimate
+    from pallas_kernels.ragged_paged_attention.gpu import kernel_rows, padded_lanes
+
+    pages = (8, 4096, 16, 256)
+    prefill = resolve_block_sizes((2048, 32, 256), pages, jnp.float32, num_slots=8, pages_per_seq=256)
+    assert (prefill.block_q, prefill.block_kv, prefill.num_stages) == (32, 32, 1)  # from (32, 64, 2)
+    assert gpu_shared_memory_estimate(kernel_rows(32, 4), 32, 256, 1, jnp.float32) <= GPU_SHARED_MEMORY_BYTES
+    bf16 = resolve_block_sizes((2048, 32, 256), pages, jnp.bfloat16, num_slots=8, pages_per_seq=256)
+    assert (bf16.block_kv, bf16.num_stages) == (64, 2)  # fits as the table has it
+    a100 = resolve_block_sizes((2048, 32, 256), pages, jnp.float32, 8, 256, shared_memory_bytes=166_912)
+    assert (a100.block_q, a100.block_kv, a100.num_stages) == (16, 16, 1)
+    kept = resolve_block_sizes((2048, 32, 256), pages, jnp.float32, 8, 256, {"block_kv": 128})
+    assert kept.block_kv == 128 and kept.num_stages == 1 and kept.block_q < 32
+    for head_dim in (16, 24, 64, 80, 96, 112, 128, 256):
+        for dtype, storage in ((jnp.bfloat16, None), (jnp.float32, None), (jnp.bfloat16, jnp.int8)):
+            for tokens, slots in ((8, 8), (256, 256), (512, 32)):
+                s = resolve_block_sizes((tokens, 32, head_dim), (8, 4096, 16, head_dim), dtype, slots, 64,
+                                        storage_dtype=storage)
+                estimate = gpu_shared_memory_estimate(kernel_rows(s.block_q, 4), s.block_kv, padded_lanes(head_dim),
+                                                      s.num_stages, dtype, storage)
+                assert estimate <= GPU_SHARED_MEMORY_BYTES, (head_dim, dtype, storage, tokens, s)

@@ -57,7 +57,7 @@ def _kernel(
     dst_row = jnp.where(valid, kv_head * pool_rows_per_head + slot, k_out_ref.shape[0] + token)
     dst = (dst_row[:, None], lanes)
     for new_ref, out_ref in ((new_k_ref, k_out_ref), (new_v_ref, v_out_ref)):
-        rows = plgpu.load(new_ref.at[src], mask=mask, other=0)
+        rows = plgpu.load(new_ref.at[src], mask=mask)  # no fill value: masked lanes are not stored either
         plgpu.store(out_ref.at[dst], rows.astype(out_ref.dtype), mask=mask)
 
 
