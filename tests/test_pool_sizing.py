@@ -156,8 +156,9 @@ def test_gpu_pool_limit_caps_an_automatic_pool_and_refuses_an_asked_for_one(capl
     with caplog.at_level("WARNING", logger="jaxserve.executor.kv_cache"):
         assert limit_gpu_pool(10 * cap, 16, pools, automatic=True) == cap
     assert f"at {cap} pages per replica (from {10 * cap})" in caplog.text
-    with pytest.raises(ValueError, match=rf"model: a KV pool of num_pages={cap + 1} x page_size=16 x 8 KV heads x "
-                                         rf"head_dim=128 = {2**31} elements.*limit {2**31 - 1}.*{cap} per data replica"):
+    with pytest.raises(ValueError, match=rf"model: a KV pool of num_pages={cap + 1} x page_size=16 x 8 KV heads "
+                                         rf"x head_dim=128 = {2**31} elements.*limit {2**31 - 1}.*{cap} per data "
+                                         "replica"):
         limit_gpu_pool(cap + 1, 16, pools, automatic=False)
     # The draft's pool is paged in step: its own limit counts too.
     draft_cap = (2**31 - 1) // (2 * 16 * 64)
