@@ -1,121 +1,124 @@
-"""Compile the GPU kernels for an NVIDIA target without a GPU: lower with JAX, compile with Triton.
+"""Compile the Pallas GPU kernels for a described NVIDIA GPU (no GPU needed) and report, per kernel and serving
+shape, whether XLA's GPU compiler (with its Triton) accepts it and how much shared memory it uses.
 
-Two steps, because the Triton compiler need not live in the serving environment:
+  PYTHONPATH=. python scripts/compile_gpu_kernels.py                       # H100, every head size, pool, shape
+  PYTHONPATH=. python scripts/compile_gpu_kernels.py --target h200 --head-dims 96 256 --pools float32 int8
 
-  PYTHONPATH=. python scripts/compile_gpu_kernels.py dump /tmp/ttir      # any jax, CPU is enough
-  /path/to/env-with-triton/bin/python scripts/compile_gpu_kernels.py compile /tmp/ttir [--arch 90]
-
-``dump`` lowers the attention and KV-write kernels at serving shapes (head_dim 128, page_size 16, bf16 and
-fp32, decode / prefill / large-batch decode) for CUDA and writes each Triton IR module as text with its launch
-parameters. ``compile`` runs Triton's pipeline down to a cubin and reports shared memory, registers and spills
-(via the ``ptxas`` that Triton ships). jaxlib compiles with its own Triton build, so this checks the kernels
-against a public Triton release, not the exact one a jax GPU wheel uses.
+The GPU is described to jax's CUDA plugin (``jaxserve.tools.gpu_targets``; install the plugin from the test extra).
+Shared memory is read off a second compile for the same GPU described with 1 byte of shared memory per block,
+which XLA refuses naming what the kernel requested. Each attention line also shows the block sizes chosen for the
+call and the estimate they were chosen by (``block_sizes.gpu_shared_memory_estimate``). Exits 1 if any kernel
+fails to compile.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
-import subprocess
+import re
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+HEAD_DIMS = (16, 24, 64, 80, 96, 112, 128, 256)
+# (tokens, sequence slots, sliding window, soft cap), page_size 16, 64 pages per sequence.
+SHAPES = {"decode": (8, 8, None, None), "large_decode": (256, 256, None, None), "prefill": (512, 32, None, None),
+          "mixed": (256, 32, 64, 30.0)}
+POOLS = {"bfloat16": ("bfloat16", None), "float32": ("float32", None), "int8": ("bfloat16", "int8"),
+         "fp8": ("bfloat16", "fp8")}
 
-def dump(out_dir: str) -> None:
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="h100", help="a described GPU: h100 or h200")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=list(HEAD_DIMS))
+    parser.add_argument("--pools", nargs="+", default=list(POOLS), choices=list(POOLS))
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    args = parser.parse_args()
+
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     import jax.numpy as jnp
-    from jax._src.lib import triton as triton_lib
-    from jax._src.lib.mlir import ir
 
+    from jaxserve.tools import gpu_targets
     from pallas_kernels.kv_cache_update import write_kv_gpu
+    from pallas_kernels.quantized_pages import STORAGE, QuantizedPages
     from pallas_kernels.ragged_paged_attention import AttentionMetadata, ragged_paged_attention_gpu
+    from pallas_kernels.ragged_paged_attention.block_sizes import gpu_shared_memory_estimate
+    from pallas_kernels.ragged_paged_attention.gpu import kernel_rows, padded_lanes, resolve_block_sizes
 
     sds, i32 = jax.ShapeDtypeStruct, jnp.int32
-    os.makedirs(out_dir, exist_ok=True)
-    cases = []
-    for dtype in ("bfloat16", "float32"):
-        for tokens, slots, window, cap in ((8, 8, None, None), (256, 8, 64, 30.0), (64, 64, None, None)):
-            md = AttentionMetadata(sds((slots + 1,), i32), sds((slots,), i32), sds((slots, 64), i32), sds((1,), i32))
-            shapes = (sds((tokens, 32, 128), dtype), sds((8, 512, 16, 128), dtype), sds((8, 512, 16, 128), dtype), md)
-            fn = jax.jit(lambda *a, w=window, c=cap: ragged_paged_attention_gpu(*a, sm_scale=0.088, sliding_window=w,
-                                                                                soft_cap=c))
-            cases.append((f"attention_{dtype}_t{tokens}_s{slots}", fn, shapes))
-        write_shapes = (shapes[1], shapes[2], sds((256, 8, 128), dtype), sds((256, 8, 128), dtype), shapes[3])
-        cases.append((f"write_kv_{dtype}", jax.jit(write_kv_gpu), write_shapes))
+    page_size, pages_per_seq, num_pages = 16, 64, 1024
+    limit = gpu_targets.GPU_TARGETS[args.target].shared_memory_per_block_optin
 
-    def triton_calls(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    attrs = inner.operation.attributes
-                    if inner.operation.name == "stablehlo.custom_call" and "mhlo.backend_config" in attrs:
-                        yield ir.DictAttr(attrs["mhlo.backend_config"])
-                    yield from triton_calls(inner.operation)
+    def metadata(slots):
+        return AttentionMetadata(sds((slots + 1,), i32), sds((slots,), i32), sds((slots, pages_per_seq), i32),
+                                 sds((1,), i32))
 
-    for name, fn, shapes in cases:
-        module = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
-        for n, config in enumerate(triton_calls(module.operation)):
-            launch = {k: ir.IntegerAttr(config[k]).value for k in ("num_warps", "num_stages", "grid_x", "grid_y",
-                                                                   "grid_z") if k in config}
-            context = ir.Context()
-            triton_lib.dialect.register_dialect(context)
-            with context:
-                text = str(ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes))
-            path = os.path.join(out_dir, f"{name}_{n}.ttir")
-            with open(path, "w") as f:
-                f.write(text)
-            with open(path + ".json", "w") as f:
-                json.dump(launch, f)
-            print(path, launch)
+    def pool(head_dim, dtype, storage):
+        shape = (args.kv_heads, num_pages, page_size, head_dim)
+        if storage is None:
+            return sds(shape, dtype)
+        return QuantizedPages(sds(shape, STORAGE[storage]), sds(shape[:-1] + (1,), jnp.float32), jnp.dtype(dtype))
 
-
-def compile_all(in_dir: str, arch: int) -> int:
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    failures = 0
-    for path in sorted(glob.glob(os.path.join(in_dir, "*.ttir"))):
-        with open(path + ".json") as f:
-            launch = json.load(f)
-        name = os.path.basename(path)
+    def compile_case(fn, shapes):
+        """(shared memory in bytes or None, error or None)."""
         try:
-            kernel = triton.compile(path, target=GPUTarget("cuda", arch, 32),
-                                    options=dict(num_warps=launch["num_warps"], num_stages=launch["num_stages"]))
-        except Exception as e:  # report every kernel, then fail
-            failures += 1
-            print(f"{name}: FAILED {type(e).__name__}: {e}")
-            continue
-        ptx = path + ".ptx"
-        with open(ptx, "w") as f:
-            f.write(kernel.asm["ptx"])
-        usage = "ptxas not run"
-        for ptxas in sorted(glob.glob(os.path.join(bin_dir, "ptxas*"))):
-            result = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", ptx, "-o", os.devnull],
-                                    capture_output=True, text=True)
-            if result.returncode == 0:
-                usage = " | ".join(line.split(":", 1)[-1].strip() for line in result.stderr.splitlines()
-                                   if "registers" in line or "spill" in line)
-                break
-        print(f"{name}: ok, shared {kernel.metadata.shared} B, {usage}")
-    return failures
+            with gpu_targets.described_mesh(args.target, shared_memory_limit=1):
+                fn.lower(*shapes).compile()
+            used = 0
+        except Exception as e:  # noqa: BLE001 - reported below
+            found = re.search(r"requested (\d+)", str(e))
+            if not found:
+                return None, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            used = int(found.group(1))
+        try:
+            with gpu_targets.described_mesh(args.target):
+                fn.lower(*shapes).compile()
+        except Exception as e:  # noqa: BLE001
+            return used, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        return used, None
 
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("step", choices=["dump", "compile"])
-    parser.add_argument("dir")
-    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100")
-    args = parser.parse_args()
-    if args.step == "dump":
-        dump(args.dir)
-    else:
-        sys.exit(1 if compile_all(args.dir, args.arch) else 0)
+    failures = 0
+    print(f"target {args.target}: {limit} bytes of shared memory per block; {args.kv_heads} KV heads, group "
+          f"{args.group}, page_size {page_size}")
+    for head_dim in args.head_dims:
+        for pool_name in args.pools:
+            dtype, storage = POOLS[pool_name]
+            pages = pool(head_dim, dtype, storage)
+            for shape_name in args.shapes:
+                tokens, slots, window, cap = SHAPES[shape_name]
+                q = sds((tokens, args.kv_heads * args.group, head_dim), dtype)
+                md = metadata(slots)
+                sizes = resolve_block_sizes(q.shape, pages.shape, dtype, slots, pages_per_seq,
+                                            storage_dtype=None if storage is None else STORAGE[storage])
+                estimate = gpu_shared_memory_estimate(kernel_rows(sizes.block_q, args.group), sizes.block_kv,
+                                                      padded_lanes(head_dim), sizes.num_stages, dtype,
+                                                      None if storage is None else STORAGE[storage])
+                fn = jax.jit(lambda *a, w=window, c=cap: ragged_paged_attention_gpu(*a, sm_scale=0.1,
+                                                                                   sliding_window=w, soft_cap=c))
+                start = time.perf_counter()
+                used, error = compile_case(fn, (q, pages, pages, md))
+                failures += error is not None
+                print(f"attention d={head_dim:<3} {pool_name:<8} {shape_name:<12} block_q={sizes.block_q} "
+                      f"block_kv={sizes.block_kv} stages={sizes.num_stages} splits={sizes.num_splits}: "
+                      f"{'FAILED ' + error if error else 'ok'}, shared {used} B (estimate {estimate}, limit "
+                      f"{limit}) [{time.perf_counter() - start:.1f}s]", flush=True)
+            values = pages.values if storage else pages
+            writes = [("values", values)] + ([("scales", pages.scales)] if storage else [])
+            for what, target in writes:
+                new = sds((512, args.kv_heads, target.shape[-1]), target.dtype)
+                used, error = compile_case(jax.jit(write_kv_gpu, donate_argnums=(0, 1)),
+                                           (target, target, new, new, metadata(32)))
+                failures += error is not None
+                print(f"write_kv  d={target.shape[-1]:<3} {pool_name:<8} {what:<12}: "
+                      f"{'FAILED ' + error if error else 'ok'}, shared {used} B", flush=True)
+    print(f"{failures} failed")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

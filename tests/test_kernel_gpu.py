@@ -17,6 +17,19 @@ SMALL_BLOCKS = dict(block_q=2, block_kv=16, num_splits=3)
 INTERPRET = jax.default_backend() != "gpu"
 
 
+@pytest.fixture
+def described_h100():
+    """Lower and compile for a described H100 (jax's CUDA plugin, no GPU); skipped without the plugin."""
+    from jaxserve.tools import gpu_targets
+
+    try:
+        gpu_targets.devices("h100")
+    except gpu_targets.NoGpuCompiler as e:
+        pytest.skip(str(e))
+    with gpu_targets.described_mesh("h100") as mesh:
+        yield mesh
+
+
 @pytest.mark.parametrize("lengths,group,head_dim,dtype,window,soft_cap", CONFIGS)
 def test_attention_matches_reference(lengths, group, head_dim, dtype, window, soft_cap):
     rng = np.random.default_rng(group * 1000 + head_dim)
@@ -94,19 +107,21 @@ def test_shape_and_block_checks_at_trace_time():
         ragged_paged_attention_gpu(**args, sm_scale=1.0, block_sizes=dict(block_kv=24))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_lowers_to_triton_at_serving_shapes(dtype):
-    """Pallas Triton lowering (no GPU needed) of head_dim 128, page_size 16 with the table's block sizes."""
-    sds = jax.ShapeDtypeStruct
-    i32 = jnp.int32
+@pytest.mark.parametrize("head_dim", [16, 24, 64, 80, 96, 112, 128, 256])
+def test_lowers_to_triton_at_every_head_size(head_dim, described_h100):
+    """Pallas Triton lowering (for a described H100, no GPU needed) of both kernels at page_size 16 with the
+    table's block sizes: Triton blocks must be powers of two, so a head_dim that is not one is padded."""
+    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    dtype = "bfloat16" if head_dim % 32 else "float32"
     for tokens, slots, window, soft_cap in ((8, 8, None, None), (256, 8, 64, 30.0)):
-        md = AttentionMetadata(sds((slots + 1,), i32), sds((slots,), i32), sds((slots, 64), i32), sds((1,), i32))
-        shapes = (sds((tokens, 32, 128), dtype), sds((8, 512, 16, 128), dtype), sds((8, 512, 16, 128), dtype), md)
+        md = AttentionMetadata(sds((slots + 1,), i32), sds((slots,), i32), sds((slots, 64), i32),
+                               sds((1,), i32))
+        pages = sds((2, 512, 16, head_dim), dtype)
         fn = jax.jit(lambda *a: ragged_paged_attention_gpu(*a, sm_scale=0.088, sliding_window=window,
                                                            soft_cap=soft_cap))
-        assert "triton" in fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-    write_shapes = (shapes[1], shapes[2], sds((256, 8, 128), dtype), sds((256, 8, 128), dtype), shapes[3])
-    assert "triton" in jax.jit(write_kv_gpu).trace(*write_shapes).lower(lowering_platforms=("cuda",)).as_text()
+        assert "triton" in fn.lower(sds((tokens, 8, head_dim), dtype), pages, pages, md).as_text()
+    new = sds((256, 2, head_dim), dtype)
+    assert "triton" in jax.jit(write_kv_gpu).lower(pages, pages, new, new, md).as_text()
 
 
 @pytest.mark.parametrize("lengths,storage,dtype", [(DECODE, "int8", "float32"), (MIXED, "fp8", "bfloat16"),
@@ -128,3 +143,112 @@ def test_attention_reads_8_bit_pages_like_the_reference(lengths, storage, dtype)
 
     ref = ragged_paged_attention(**args, sm_scale=0.125, sliding_window=7)
     assert_matches_reference(out, batch, sm_scale=0.125, sliding_window=7, ref=ref)
+
+
+# Head sizes the engine serves that are not powers of two (80, 96, 112; the tiny families' 24), and the powers
+# of two the tables above do not cover (16, 256). The kernels pad the lane axis to a power of two and mask it.
+HEAD_DIMS = [(16, "float32"), (24, "float32"), (24, "bfloat16"), (80, "bfloat16"), (96, "float32"),
+             (96, "bfloat16"), (112, "float32"), (256, "bfloat16")]
+
+
+@pytest.mark.parametrize("head_dim,dtype", HEAD_DIMS)
+def test_attention_head_sizes(head_dim, dtype):
+    rng = np.random.default_rng(head_dim)
+    batch, _, _ = build_batch(rng, *MIXED, group=2, head_dim=head_dim, dtype=dtype)
+    out = ragged_paged_attention_gpu(**device_args(batch), sm_scale=head_dim**-0.5, sliding_window=7,
+                                     block_sizes=SMALL_BLOCKS, interpret=INTERPRET)
+    assert out.shape == batch["q"].shape
+    assert_matches_reference(out, batch, sm_scale=head_dim**-0.5, sliding_window=7)
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(24, "float32"), (96, "bfloat16"), (112, "bfloat16")])
+def test_write_kv_head_sizes(head_dim, dtype):
+    """Consecutive tokens of a prefill land in neighbouring rows of the flattened pool: a padded lane that
+    aliased the next row would overwrite its new values (or the NaN poison of a row nobody writes)."""
+    rng = np.random.default_rng(head_dim + 1)
+    batch, _, _ = build_batch(rng, [3, 1, 0, 8, 7, 1], [3, 9, 4, 12, 15, 8], head_dim=head_dim, page_size=4,
+                              dtype=dtype)
+    new_k, new_v = new_rows(rng, batch)
+    write = lambda *a: write_kv_gpu(*a, block_tokens=8, interpret=INTERPRET)  # noqa: E731
+    assert len(assert_write_matches(write, batch, new_k, new_v)) >= 7
+
+
+@pytest.mark.parametrize("head_dim,storage,dtype", [(24, "int8", "float32"), (80, "int8", "bfloat16"),
+                                                    (96, "fp8", "bfloat16")])
+def test_8_bit_pages_head_sizes(head_dim, storage, dtype):
+    """Write 8-bit pages with the GPU write kernel (values of head_dim lanes, scales of 1), then attend."""
+    from pallas_kernels.quantized_pages import STORAGE, QuantizedPages, write_quantized
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_kv
+
+    rng = np.random.default_rng(head_dim + 2)
+    batch, _, _ = build_batch(rng, *MIXED, group=4, head_dim=head_dim, dtype=dtype)
+    args = device_args(batch)
+    shape = args["k_pages"].shape
+    pages = [QuantizedPages.zeros(shape, STORAGE[storage], jnp.dtype(dtype)) for _ in range(2)]
+    new_k, new_v = (jnp.asarray(a) for a in new_rows(rng, batch))
+    write = lambda *a: write_kv_gpu(*a, block_tokens=8, interpret=INTERPRET)  # noqa: E731
+    k_pages, v_pages = write_quantized(write, *pages, new_k, new_v, args["md"])
+    want_k, want_v = write_quantized(write_kv, *pages, new_k, new_v, args["md"])
+    for got, want in ((k_pages, want_k), (v_pages, want_v)):
+        np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8), np.asarray(want.values).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want.scales))
+    args.update(k_pages=k_pages, v_pages=v_pages)
+    out = ragged_paged_attention_gpu(**args, sm_scale=head_dim**-0.5, block_sizes=SMALL_BLOCKS, interpret=INTERPRET)
+    ref = ragged_paged_attention(**args, sm_scale=head_dim**-0.5)
+    assert_matches_reference(out, batch, sm_scale=head_dim**-0.5, ref=ref)
+
+
+@pytest.mark.parametrize("storage", [None, "int8"])
+def test_pools_past_32_bit_offsets_are_refused_at_trace_time(storage):
+    """Pools of >= 2**31 elements per layer would be addressed with wrapping 32-bit offsets: both kernels raise
+    a ValueError naming the sizes instead (abstract shapes: nothing is allocated); one page fewer is fine."""
+    from pallas_kernels.gpu_addressing import max_pool_pages
+    from pallas_kernels.quantized_pages import QuantizedPages
+
+    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    heads, page_size, head_dim, slots = 8, 16, 128, 4
+    md = AttentionMetadata(sds((slots + 1,), i32), sds((slots,), i32), sds((slots, 64), i32), sds((1,), i32))
+    q = sds((slots, 4 * heads, head_dim), jnp.bfloat16)
+    new = sds((slots, heads, head_dim), jnp.bfloat16)
+    fits = max_pool_pages(heads, page_size, head_dim)
+    assert heads * fits * page_size * head_dim < 2**31 <= heads * (fits + 1) * page_size * head_dim
+
+    def pool(num_pages):
+        shape = (heads, num_pages, page_size, head_dim)
+        if storage is None:
+            return sds(shape, jnp.bfloat16)
+        return QuantizedPages(sds(shape, jnp.int8), sds(shape[:-1] + (1,), jnp.float32), jnp.bfloat16)
+
+    attend = lambda k, v: ragged_paged_attention_gpu(q, k, v, md, sm_scale=0.1)  # noqa: E731
+    write = lambda k, v: write_kv_gpu(k, v, new, new, md)  # noqa: E731
+    for fn in (attend, write) if storage is None else (attend,):
+        jax.eval_shape(fn, pool(fits), pool(fits))
+        with pytest.raises(ValueError, match=rf"num_pages={fits + 1} x page_size=16 x 8 KV heads x head_dim=128 = "
+                                             rf"{2**31} elements.*limit {2**31 - 1}"):
+            jax.eval_shape(fn, pool(fits + 1), pool(fits + 1))
+
+
+def test_block_sizes_shrink_until_shared_memory_fits():
+    """The table's entry is shrunk (block_kv, then the pipeline's stages, then block_q) until the estimate fits
+    the budget; fields given explicitly are kept."""
+    from pallas_kernels.ragged_paged_attention.block_sizes import GPU_SHARED_MEMORY_BYTES, gpu_shared_memory_estimate
+    from pallas_kernels.ragged_paged_attention.gpu import kernel_rows, padded_lanes
+
+    pages = (8, 4096, 16, 256)
+    prefill = resolve_block_sizes((2048, 32, 256), pages, jnp.float32, num_slots=8, pages_per_seq=256)
+    assert (prefill.block_q, prefill.block_kv, prefill.num_stages) == (32, 32, 1)  # from (32, 64, 2)
+    assert gpu_shared_memory_estimate(kernel_rows(32, 4), 32, 256, 1, jnp.float32) <= GPU_SHARED_MEMORY_BYTES
+    bf16 = resolve_block_sizes((2048, 32, 256), pages, jnp.bfloat16, num_slots=8, pages_per_seq=256)
+    assert (bf16.block_kv, bf16.num_stages) == (64, 2)  # fits as the table has it
+    a100 = resolve_block_sizes((2048, 32, 256), pages, jnp.float32, 8, 256, shared_memory_bytes=166_912)
+    assert (a100.block_q, a100.block_kv, a100.num_stages) == (16, 16, 1)
+    kept = resolve_block_sizes((2048, 32, 256), pages, jnp.float32, 8, 256, {"block_kv": 128})
+    assert kept.block_kv == 128 and kept.num_stages == 1 and kept.block_q < 32
+    for head_dim in (16, 24, 64, 80, 96, 112, 128, 256):
+        for dtype, storage in ((jnp.bfloat16, None), (jnp.float32, None), (jnp.bfloat16, jnp.int8)):
+            for tokens, slots in ((8, 8), (256, 256), (512, 32)):
+                s = resolve_block_sizes((tokens, 32, head_dim), (8, 4096, 16, head_dim), dtype, slots, 64,
+                                        storage_dtype=storage)
+                estimate = gpu_shared_memory_estimate(kernel_rows(s.block_q, 4), s.block_kv, padded_lanes(head_dim),
+                                                      s.num_stages, dtype, storage)
+                assert estimate <= GPU_SHARED_MEMORY_BYTES, (head_dim, dtype, storage, tokens, s)

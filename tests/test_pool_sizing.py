@@ -143,3 +143,42 @@ def test_plan_sizes_an_instance_at_the_configured_utilization(tmp_path, capsys):
                             utilization=util or EngineConfig.hbm_utilization, max_model_len=4096, max_num_seqs=256,
                             max_num_batched_tokens=2048)
         assert report["engine"]["num_pages"] == expected["pages_per_replica"] > 0
+
+
+def test_gpu_pool_limit_caps_an_automatic_pool_and_refuses_an_asked_for_one(caplog):
+    """The GPU kernels address a layer's pool on a device with 32-bit offsets: under 2**31 elements."""
+    from jaxserve.executor.kv_cache import limit_gpu_pool
+
+    pools = [("model", 8, 128), ("draft model", 2, 64)]  # 16384 and 2048 elements per page of 16 tokens
+    cap = (2**31 - 1) // (8 * 16 * 128)
+    assert limit_gpu_pool(cap, 16, pools, automatic=False) == cap  # the largest pool that fits, untouched
+    assert limit_gpu_pool(1000, 16, pools, automatic=True) == 1000
+    with caplog.at_level("WARNING", logger="jaxserve.executor.kv_cache"):
+        assert limit_gpu_pool(10 * cap, 16, pools, automatic=True) == cap
+    assert f"at {cap} pages per replica (from {10 * cap})" in caplog.text
+    with pytest.raises(ValueError, match=rf"model: a KV pool of num_pages={cap + 1} x page_size=16 x 8 KV heads "
+                                         rf"x head_dim=128 = {2**31} elements.*limit {2**31 - 1}.*{cap} per data "
+                                         "replica"):
+        limit_gpu_pool(cap + 1, 16, pools, automatic=False)
+    # The draft's pool is paged in step: its own limit counts too.
+    draft_cap = (2**31 - 1) // (2 * 16 * 64)
+    assert limit_gpu_pool(cap, 16, [("draft model", 2, 64)], automatic=False) == cap
+    with pytest.raises(ValueError, match="draft model: .* 2 KV heads"):
+        limit_gpu_pool(draft_cap + 1, 16, [("draft model", 2, 64)], automatic=False)
+
+
+def test_engine_refuses_a_gpu_pool_past_32_bit_offsets(tmp_path, monkeypatch):
+    """At start-up, before anything is allocated, with the GPU kernels selected (interpreted on a CPU)."""
+    import jaxserve.executor.executor as executor_module
+
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("the pool was allocated")
+
+    monkeypatch.setattr(executor_module, "ModelRunner", no_allocation)  # the 32 GiB pool, were it not refused
+    folder = build_tiny_model("llama", tmp_path / "llama")  # 2 KV heads of head_dim 16
+    pages = 2**31 // (2 * 16 * 16)
+    config = EngineConfig(model=str(folder), dtype="float32", page_size=16, num_pages=pages, max_model_len=64,
+                          max_num_seqs=4, max_num_batched_tokens=32, attention_backend="pallas_gpu", warmup=False,
+                          compilation_cache_dir=None)
+    with pytest.raises(ValueError, match=rf"num_pages={pages} x page_size=16 x 2 KV heads x head_dim=16"):
+        Executor(config, model_path=str(folder))

@@ -25,7 +25,8 @@ from jaxserve.executor import compile_progress
 from jaxserve.executor.batch import MeshBatch, StepBatch, StepKind
 from jaxserve.executor.decode_rows import DecodeRows
 from jaxserve.executor.executable_store import ExecutableStore
-from jaxserve.executor.kv_cache import CacheConfig, bytes_per_token, kv_storage_dtype, local_pool_pages, pool_pages
+from jaxserve.executor.kv_cache import (CacheConfig, bytes_per_token, kv_storage_dtype, limit_gpu_pool,
+                                        local_pool_pages, pool_pages)
 from jaxserve.executor.penalty_state import PenaltyState
 from jaxserve.executor.prompt_logprobs import ScoreRows, score
 from jaxserve.executor.runner import ModelRunner, StepOutput
@@ -44,6 +45,7 @@ from jaxserve.spec_decode.rows import SpecRows
 from pallas_kernels.ragged_paged_attention.tpu import check_8_bit_page_size
 from sharding import multihost
 from sharding.mesh import make_mesh
+from sharding.rules import cache_heads
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ class Executor:
         backend = AttentionBackend.resolve(config.attention_backend)
         self.cache_dtype = self._kv_cache_dtype(backend, model.embed_tokens.dtype)
         self.draft_config = self._read_draft_config(draft_config)
-        self._configure_pool(model)
+        self._configure_pool(model, backend)
         self._plan_rows()
         self.runner = ModelRunner(model, self.model_config, self.cache_config, self.mesh, cache_dtype=self.cache_dtype,
                                   num_logit_rows=self._sample_rows + self._spec_rows * self.num_replicas,
@@ -137,11 +139,11 @@ class Executor:
             return None
         return draft_config if draft_config is not None else check_draft(self.spec.model, self.model_config)
 
-    def _configure_pool(self, model) -> None:
+    def _configure_pool(self, model, backend: AttentionBackend) -> None:
         """The KV pool's shape and the scheduler's view of it: ``cache_config``, ``kv_bytes_per_token``,
         ``scheduler_config``."""
         config, cfg = self.config, self.model_config
-        num_pages, local = self._pool_pages()
+        num_pages, local = self._pool_pages(backend)
         self.cache_config = CacheConfig(config.page_size, num_pages, self.num_replicas,
                                         num_local_pages=local * self.num_replicas)
         self.kv_bytes_per_token = bytes_per_token(cfg, self.cache_dtype)
@@ -154,10 +156,16 @@ class Executor:
             config.scheduler_config(num_pages=self.cache_config.pages_per_replica, max_model_len=self.max_model_len),
             attention_window=cfg.attention_window, local_window=cfg.local_window, local_pages=local)
 
-    def _pool_pages(self) -> tuple[int, int]:
+    def _pool_pages(self, backend: AttentionBackend) -> tuple[int, int]:
         """(pages of the global pool, all replicas; pages of the windowed pool, per replica)."""
         cfg, config = self.model_config, self.config
         num_pages = config.num_pages or self._auto_num_pages()
+        if backend.name == "pallas_gpu":  # 32-bit offsets: each device's per-layer pool under 2**31 elements
+            tensor = int(self.mesh.shape["tensor"])
+            pools = [(name, cache_heads(c.num_kv_heads, tensor) // tensor, c.head_dim)
+                     for name, c in (("model", cfg), ("draft model", self.draft_config)) if c is not None]
+            num_pages = self.num_replicas * limit_gpu_pool(num_pages // self.num_replicas, config.page_size, pools,
+                                                           automatic=not config.num_pages)
         # A model interleaving windowed and global layers: the windowed layers get a pool of their own.
         local = local_pool_pages(cfg.sliding_windows, config.page_size, config.max_num_seqs,
                                  config.max_num_batched_tokens, global_pages=num_pages // self.num_replicas)

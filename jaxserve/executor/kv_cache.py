@@ -11,6 +11,7 @@ use local ids ``0 .. P - 1``. The cache is replicated over ``sequence``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence as Seq
 
 import jax
@@ -20,8 +21,11 @@ from jax.sharding import Mesh
 from jaxserve.config.engine import KV_CACHE_DTYPES
 from jaxserve.models.config import ModelConfig
 from jaxserve.scheduler.window_pool import global_pool_budget, window_pages_needed
+from pallas_kernels.gpu_addressing import max_pool_pages, pool_limit_message
 from pallas_kernels.quantized_pages import STORAGE, QuantizedPages, is_quantized_dtype
 from sharding.rules import cache_heads, logical_sharding
+
+logger = logging.getLogger(__name__)
 
 CACHE_AXES = ("cache_kv_heads", "cache_pages", "page_size", "head_dim")
 
@@ -110,6 +114,28 @@ def pool_pages(memory: float, bytes_per_token: float, page_size: int, *, utiliza
         budget, page_bytes = global_pool_budget(budget, page_bytes, windows, local_pages)
     fit = budget // (page_bytes + extra_bytes_per_token * page_size)
     return int(fit if max_pages is None else min(max_pages, fit))
+
+
+def limit_gpu_pool(pages_per_replica: int, page_size: int, pools: Seq[tuple[str, int, int]], *,
+                   automatic: bool) -> int:
+    """Pages per replica of a pool the GPU attention kernels read: those kernels address one layer's pool on one
+    device with 32-bit offsets (``pallas_kernels.gpu_addressing``), so it must hold fewer than 2**31 elements.
+
+    ``pools``: (what, KV heads per device, head_dim) of every model paged in step with this pool (the target's,
+    a draft model's). A pool sized from memory (``automatic``) is capped below the limit, with a log line; a
+    ``num_pages`` asked for is refused with a ValueError naming the sizes."""
+    for what, heads, head_dim in pools:
+        message = pool_limit_message(heads, pages_per_replica, page_size, head_dim)
+        if message is None:
+            continue
+        cap = max_pool_pages(heads, page_size, head_dim)
+        if not automatic:
+            raise ValueError(f"{what}: {message}; lower num_pages to {cap} per data replica or less, or shard the "
+                             "KV heads over more devices (tensor parallelism)")
+        logger.warning("%s: capping the KV pool sized from memory at %d pages per replica (from %d): %s", what, cap,
+                       pages_per_replica, message)
+        pages_per_replica = cap
+    return pages_per_replica
 
 
 def cache_sharding(cfg: ModelConfig, cache: CacheConfig, mesh: Mesh, num_pages: int | None = None):

@@ -82,8 +82,12 @@ def parse(topology: str) -> tuple[GpuTarget, int] | None:
 
 
 @functools.cache
-def devices(name: str, num_devices: int = 1) -> tuple:
-    """Compile-only devices of ``num_devices`` described ``name`` GPUs on one host."""
+def devices(name: str, num_devices: int = 1, shared_memory_limit: int | None = None) -> tuple:
+    """Compile-only devices of ``num_devices`` described ``name`` GPUs on one host.
+
+    ``shared_memory_limit``: describe the GPU with this much shared memory per block instead of its own. XLA
+    refuses a kernel that asks for more, naming what it asked for ("requested N"): with a limit of 1 byte every
+    Triton kernel's shared memory can be read off that error (``scripts/compile_gpu_kernels.py``)."""
     try:
         import jax_plugins.xla_cuda13  # noqa: F401  (the plugin registers itself with jax)
         from jax.experimental import topologies
@@ -91,6 +95,8 @@ def devices(name: str, num_devices: int = 1) -> tuple:
         raise NoGpuCompiler("compiling for a GPU without one needs jax's CUDA plugin: pip install "
                             "'jax-cuda13-plugin==<jax version>' 'jax-cuda13-pjrt==<jax version>'") from e
     target = GPU_TARGETS[name]
+    if shared_memory_limit is not None:
+        target = dataclasses.replace(target, shared_memory_per_block_optin=shared_memory_limit)
     try:
         topo = topologies.get_topology_desc(platform="cuda", target_config=target.target_config(),
                                             topology=f"1x1x{num_devices}")
@@ -100,13 +106,15 @@ def devices(name: str, num_devices: int = 1) -> tuple:
 
 
 @contextlib.contextmanager
-def described_mesh(name: str, shape: dict[str, int] | None = None):
-    """A mesh over described GPUs, set as the current mesh (what Pallas reads its GPU target from)."""
+def described_mesh(name: str, shape: dict[str, int] | None = None, *, shared_memory_limit: int | None = None):
+    """A mesh over described GPUs, set as the current mesh (what Pallas reads its GPU target from);
+    ``shared_memory_limit`` as in ``devices``."""
     import jax
     import numpy as np
 
     shape = shape or {"x": 1}
     n = int(np.prod(list(shape.values())))
-    mesh = jax.sharding.Mesh(np.array(devices(name, n)).reshape(tuple(shape.values())), tuple(shape))
+    described = np.array(devices(name, n, shared_memory_limit))
+    mesh = jax.sharding.Mesh(described.reshape(tuple(shape.values())), tuple(shape))
     with jax.set_mesh(mesh):
         yield mesh

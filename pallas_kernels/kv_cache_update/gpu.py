@@ -21,6 +21,7 @@ try:  # Deprecated from jax 0.11, to be removed later.
 except ImportError:  # pragma: no cover - depends on the jax release
     plgpu = None
 
+from pallas_kernels.gpu_addressing import check_elements
 from pallas_kernels.kv_cache_update.layout import check_write_shapes, token_slots
 from pallas_kernels.metadata import AttentionMetadata
 
@@ -47,14 +48,17 @@ def _kernel(
     in_range = token < num_tokens
     valid = plgpu.load(valid_ref.at[token], mask=in_range, other=0) != 0
     slot = plgpu.load(slot_ref.at[token], mask=in_range, other=0)
-    lanes = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
+    # Lanes padded to a power of two (Triton's blocks); those past head_dim are masked off. Their column index
+    # is out of range of the 2-D refs, so it never aliases an element of the next row.
+    lanes = lax.broadcasted_iota(jnp.int32, (1, pl.next_power_of_2(head_dim)), 1)
+    mask = valid[:, None] & (lanes < head_dim)
     src = ((token * num_kv_heads + kv_head)[:, None], lanes)
     # Masked-off rows point past the pool (distinct, never dereferenced on the GPU, dropped by the interpreter).
     dst_row = jnp.where(valid, kv_head * pool_rows_per_head + slot, k_out_ref.shape[0] + token)
     dst = (dst_row[:, None], lanes)
     for new_ref, out_ref in ((new_k_ref, k_out_ref), (new_v_ref, v_out_ref)):
-        rows = plgpu.load(new_ref.at[src], mask=valid[:, None], other=0.0)
-        plgpu.store(out_ref.at[dst], rows.astype(out_ref.dtype), mask=valid[:, None])
+        rows = plgpu.load(new_ref.at[src], mask=mask)  # no fill value: masked lanes are not stored either
+        plgpu.store(out_ref.at[dst], rows.astype(out_ref.dtype), mask=mask)
 
 
 @functools.partial(jax.jit, static_argnames=("block_tokens", "interpret"))
@@ -102,6 +106,9 @@ def write_kv_gpu(
     if plgpu is None:  # pragma: no cover
         raise RuntimeError("this jax release has no Pallas Triton backend (jax.experimental.pallas.triton)")
     check_write_shapes(k_pages, v_pages, new_k, new_v)
+    # 32-bit offsets (pallas_kernels.gpu_addressing): a clear error instead of writes to the wrong rows.
+    check_elements("k_pages", k_pages.shape)
+    check_elements("new_k", new_k.shape)
     if block_tokens < 1 or block_tokens & (block_tokens - 1):
         raise ValueError(f"block_tokens must be a power of two, got {block_tokens}")
     return _write_kv_gpu(k_pages, v_pages, new_k, new_v, md, block_tokens=block_tokens, interpret=interpret)

@@ -79,6 +79,29 @@ GPU_BLOCK_SIZES: dict[tuple[int, int, str, Mode], BlockSizes] = {
 }
 GPU_DEFAULT = {"decode": BlockSizes(block_q=1, block_kv=64), "prefill": BlockSizes(block_q=32, block_kv=64)}
 
+# Shared memory one GPU program may use: 227 KiB on sm_90 (H100, H200; ``cudaDevAttrMaxSharedMemoryPerBlockOptin``).
+GPU_SHARED_MEMORY_BYTES = 232_448
+
+
+def gpu_shared_memory_estimate(rows: int, block_kv: int, lanes: int, num_stages: int, compute_dtype,
+                               storage_dtype=None) -> int:
+    """An upper bound of the shared memory (bytes) Triton gives one attention program.
+
+    ``rows``: MMA rows (a power of two >= 16); ``lanes``: head_dim padded to a power of two; ``compute_dtype``: the
+    MMA operands' (q's, and the dequantized pages'); ``storage_dtype``: the pages' when they differ (8-bit pages,
+    each key row with an f32 scale). Terms: the q tile, the probabilities tile, the K and V tiles as MMA operands,
+    and ``num_stages - 1`` more copies of the K and V blocks as loaded for the software pipeline. Measured on an
+    H100 target (XLA's Triton, jax 0.11) over bf16 / fp32 / int8 pages, head_dim 64-256, 16 and 128 rows, block_kv
+    32-128 and 1-3 stages, this is 1.07x to 3.9x the shared memory actually allocated, never below it
+    (``scripts/compile_gpu_kernels.py`` measures it).
+    """
+    qb = jnp.dtype(compute_dtype).itemsize
+    sb = qb if storage_dtype is None else jnp.dtype(storage_dtype).itemsize
+    scale = 0 if storage_dtype is None or jnp.dtype(storage_dtype) == jnp.dtype(compute_dtype) else 4
+    operands = rows * lanes * qb + rows * block_kv * qb + 2 * block_kv * lanes * qb
+    pipeline = (max(1, num_stages) - 1) * 2 * block_kv * (lanes * sb + scale)
+    return operands + pipeline + 1024  # barriers and alignment
+
 _TABLES = {"tpu": (TPU_BLOCK_SIZES, TPU_DEFAULT), "gpu": (GPU_BLOCK_SIZES, GPU_DEFAULT)}
 
 

@@ -39,10 +39,11 @@ try:  # Deprecated from jax 0.11, to be removed later.
 except ImportError:  # pragma: no cover - depends on the jax release
     plgpu = None
 
+from pallas_kernels.gpu_addressing import check_elements
 from pallas_kernels.metadata import AttentionMetadata, check_shapes
 from pallas_kernels.quantized_pages import QuantizedPages
 from pallas_kernels.ragged_paged_attention.block_sizes import (
-    GPU_MAX_ROWS, BlockSizes, get_block_sizes, mode_for)
+    GPU_MAX_ROWS, GPU_SHARED_MEMORY_BYTES, BlockSizes, get_block_sizes, gpu_shared_memory_estimate, mode_for)
 from pallas_kernels.ragged_paged_attention.kernel_ops import div_by, matmul, rem_by
 from pallas_kernels.ragged_paged_attention.schedule import q_tiles
 
@@ -68,6 +69,7 @@ def _kernel(
     group: int,
     num_q_heads: int,
     rows: int,
+    lanes_padded: int,
     block_kv: int,
     page_size: int,
     num_pages: int,
@@ -101,10 +103,15 @@ def _kernel(
     b_end = jnp.minimum(first_block + num_blocks, b_begin + per_split)
 
     head_dim = q_ref.shape[1]
-    # Gathers index every dimension with an array (the interpreter does not mix arrays and slices).
-    lanes = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
+    # Gathers index every dimension with an array (the interpreter does not mix arrays and slices). Triton wants
+    # power-of-two blocks: the lane axis is padded to ``lanes_padded`` and the lanes past head_dim are masked
+    # off (loaded as 0, never stored); their column index is out of range of the 2-D ref, so it never aliases
+    # a valid element of the next row.
+    lanes = lax.broadcasted_iota(jnp.int32, (1, lanes_padded), 1)
+    lane_ok = lanes < head_dim
     rows_2d = (flat_row[:, None], lanes)
-    q = plgpu.load(q_ref.at[rows_2d], mask=row_ok[:, None], other=0.0)
+    row_mask = row_ok[:, None] & lane_ok
+    q = plgpu.load(q_ref.at[rows_2d], mask=row_mask, other=0.0)
     kv_base = kv_head * num_pages
 
     def body(b, carry):
@@ -113,8 +120,9 @@ def _kernel(
         key_ok = (key >= lo) & (key <= hi)
         page = plgpu.load(pages_ref.at[seq * pages_per_seq + div_by(key, page_size)], mask=key_ok, other=0)
         slot = (kv_base + page) * page_size + rem_by(key, page_size)
-        k = plgpu.load(k_ref.at[slot[:, None], lanes], mask=key_ok[:, None], other=0.0)
-        v = plgpu.load(v_ref.at[slot[:, None], lanes], mask=key_ok[:, None], other=0.0)
+        key_mask = key_ok[:, None] & lane_ok
+        k = plgpu.load(k_ref.at[slot[:, None], lanes], mask=key_mask, other=0.0)
+        v = plgpu.load(v_ref.at[slot[:, None], lanes], mask=key_mask, other=0.0)
         if quantized:  # dequantized in registers, as loaded: the pool is read in 8 bits
             ks = plgpu.load(ks_ref.at[slot], mask=key_ok, other=0.0)
             vs = plgpu.load(vs_ref.at[slot], mask=key_ok, other=0.0)
@@ -135,19 +143,25 @@ def _kernel(
         pv = matmul(p.astype(v.dtype), v)
         return alpha[:, None] * acc + pv, m_next, alpha * l + jnp.sum(p, axis=1)
 
-    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+    init = (jnp.zeros((rows, lanes_padded), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
     acc, m, l = lax.fori_loop(b_begin, b_end, body, init)
 
     if num_splits == 1:
         (o_ref,) = out_refs
         out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-        plgpu.store(o_ref.at[rows_2d], out.astype(o_ref.dtype), mask=row_ok[:, None])
+        plgpu.store(o_ref.at[rows_2d], out.astype(o_ref.dtype), mask=row_mask)
     else:
         o_ref, m_ref, l_ref = out_refs
-        plgpu.store(o_ref.at[(split, *rows_2d)], acc, mask=row_ok[:, None])
+        plgpu.store(o_ref.at[(split, *rows_2d)], acc, mask=row_mask)
         plgpu.store(m_ref.at[split, flat_row], m, mask=row_ok)
         plgpu.store(l_ref.at[split, flat_row], l, mask=row_ok)
+
+
+def padded_lanes(head_dim: int) -> int:
+    """The lane axis as the kernel tiles it: head_dim rounded up to a power of two, at least 16 (the smallest
+    MMA reduction Triton accepts)."""
+    return max(16, pl.next_power_of_2(head_dim))
 
 
 def _merge_splits(
@@ -162,16 +176,46 @@ def _merge_splits(
     return jnp.where(total[:, None] > 0, out / jnp.where(total > 0, total, 1.0)[:, None], 0.0)
 
 
-def resolve_block_sizes(q_shape, k_pages_shape, dtype, num_slots, pages_per_seq, override=None) -> BlockSizes:
-    """Table entry for this call with (unless overridden) block_q*group capped at GPU_MAX_ROWS and
-    ``num_splits`` fixed: enough splits to fill the GPU when the grid is small (decode), else 1."""
+def kernel_rows(block_q: int, group: int) -> int:
+    """MMA rows of a tile: its tokens' query heads, padded to a power of two >= 16."""
+    return max(16, pl.next_power_of_2(block_q * group))
+
+
+def _fit_shared_memory(sizes: BlockSizes, explicit: set[str], group: int, head_dim: int, dtype, storage_dtype,
+                       budget: int) -> BlockSizes:
+    """Shrink the fields not given explicitly until ``gpu_shared_memory_estimate`` fits ``budget``: block_kv down
+    to 32, then the pipeline to one stage, then block_kv down to 16, then the tile's tokens (block_q)."""
+    lanes = padded_lanes(head_dim)
+
+    def estimate(s: BlockSizes) -> int:
+        return gpu_shared_memory_estimate(kernel_rows(s.block_q, group), s.block_kv, lanes, s.num_stages, dtype,
+                                          storage_dtype)
+
+    steps = [("block_kv", 32), ("num_stages", 1), ("block_kv", 16), ("block_q", 1)]
+    for field, floor in steps:
+        if field in explicit:
+            continue
+        while estimate(sizes) > budget and getattr(sizes, field) > floor:
+            value = getattr(sizes, field)
+            sizes = sizes.replace(**{field: max(floor, value - 1 if field == "num_stages" else value // 2)})
+    return sizes
+
+
+def resolve_block_sizes(q_shape, k_pages_shape, dtype, num_slots, pages_per_seq, override=None, *,
+                        storage_dtype=None, shared_memory_bytes: int = GPU_SHARED_MEMORY_BYTES) -> BlockSizes:
+    """Table entry for this call with (unless overridden) block_q*group capped at GPU_MAX_ROWS, the fields not
+    overridden shrunk until the program's shared memory fits ``shared_memory_bytes`` (estimated, for the padded
+    head_dim, ``dtype`` and the 8-bit ``storage_dtype`` of quantized pages), and ``num_splits`` fixed: enough
+    splits to fill the GPU when the grid is small (decode), else 1."""
     num_tokens, num_q_heads, head_dim = q_shape
     num_kv_heads, _, page_size, _ = k_pages_shape
+    group = num_q_heads // num_kv_heads
     sizes = get_block_sizes("gpu", head_dim, page_size, dtype, mode_for(num_tokens, num_slots), override)
-    explicit = set(override or ()) if not isinstance(override, BlockSizes) else {"block_q"}
+    explicit = set(override or ()) if not isinstance(override, BlockSizes) else {
+        "block_q", "block_kv", "num_stages"}
     if "block_q" not in explicit:
-        group = num_q_heads // num_kv_heads
         sizes = sizes.replace(block_q=min(sizes.block_q, max(1, GPU_MAX_ROWS // group)))
+    sizes = _fit_shared_memory(sizes, explicit, group, head_dim, dtype, storage_dtype, shared_memory_bytes)
     bkv = sizes.block_kv
     if bkv < 16 or bkv & (bkv - 1):
         raise ValueError(f"GPU block_kv must be a power of two >= 16, got {bkv}")
@@ -198,7 +242,7 @@ def _ragged_paged_attention_gpu(q, k_pages, v_pages, md: AttentionMetadata, *, s
     scales = (k_pages.scales.reshape(-1), v_pages.scales.reshape(-1)) if quantized else ()
     if quantized:
         k_pages, v_pages = k_pages.values, v_pages.values
-    rows = max(16, pl.next_power_of_2(sizes.block_q * group))
+    rows = kernel_rows(sizes.block_q, group)
     splits = sizes.num_splits
     tile_seq, tile_row, tile_len = q_tiles(md, num_tokens, sizes.block_q)
     flat_rows = num_tokens * num_q_heads
@@ -210,7 +254,8 @@ def _ragged_paged_attention_gpu(q, k_pages, v_pages, md: AttentionMetadata, *, s
                      jax.ShapeDtypeStruct((splits, flat_rows), jnp.float32)]
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, group=group,
-        num_q_heads=num_q_heads, rows=rows, block_kv=sizes.block_kv, page_size=page_size, num_pages=num_pages,
+        num_q_heads=num_q_heads, rows=rows, lanes_padded=padded_lanes(head_dim), block_kv=sizes.block_kv,
+        page_size=page_size, num_pages=num_pages,
         pages_per_seq=pages_per_seq, num_splits=splits, quantized=quantized)
     outs = pl.pallas_call(
         kernel,
@@ -260,9 +305,16 @@ def ragged_paged_attention_gpu(
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
-    page_dtype = q.dtype if isinstance(k_pages, QuantizedPages) else k_pages.dtype
+    quantized = isinstance(k_pages, QuantizedPages)
+    page_dtype = q.dtype if quantized else k_pages.dtype
     sizes = resolve_block_sizes(q.shape, k_pages.shape, page_dtype, md.kv_lens.shape[0],
-                                md.page_indices.shape[1], block_sizes)
+                                md.page_indices.shape[1], block_sizes,
+                                storage_dtype=k_pages.storage_dtype if quantized else None)
+    # 32-bit offsets (pallas_kernels.gpu_addressing): a clear error instead of reads of the wrong rows.
+    check_elements("k_pages", k_pages.shape)
+    check_elements("q", q.shape)
+    if sizes.num_splits > 1:
+        check_elements("the split partial outputs", (sizes.num_splits, *q.shape))
     return _ragged_paged_attention_gpu(
         q, k_pages, v_pages, md, sm_scale=float(sm_scale),
         sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap), sizes=sizes,
