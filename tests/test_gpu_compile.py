@@ -117,3 +117,25 @@ def test_gpu_names_parse():
     target, count = gpu_targets.parse("H200:8")
     assert target.name == "h200" and count == 8
     assert "cuda_compute_capability { major: 9 minor: 0 }" in target.target_config()
+
+
+def test_odd_head_size_steps_compile_for_h100(tmp_path):
+    """head_dim 96 (Phi-3's): the GPU kernels pad it to 128 lanes inside the compiled steps."""
+    _needs_cuda_plugin()
+    (tmp_path / "config.json").write_text(json.dumps(dict(TINY, hidden_size=384, num_attention_heads=4, head_dim=96)))
+    r = aot.run(aot.Request(model=str(tmp_path), topology="h100", mesh=None, max_num_seqs=4, max_num_batched_tokens=32,
+                            buckets="probes", decode_batches=(4,), report_seqs=(2,)))
+    assert r["memory_per_device"]["pool_pages"] > 0 and len(r["steps"]) == 2
+
+
+def test_the_pool_stays_within_the_gpu_kernels_32_bit_offsets(config_only_folder, capsys):
+    """A small model on an H200 fits more pages than one layer's pool can address in 32 bits: the report caps the
+    pool as the engine does, and refuses a --num-pages past it."""
+    _needs_cuda_plugin()
+    req = aot.Request(model=str(config_only_folder), topology="h200", mesh=None)
+    t = aot.resolve(req)
+    limit = (2**31 - 1) // (TINY["num_key_value_heads"] * req.page_size * TINY["head_dim"])
+    assert aot.gpu_pool_limit(t, req) == limit
+    assert aot.engine_pool_pages(t, req, used=0.0, capped=False) == limit
+    assert aot.main(["--model", str(config_only_folder), "--topology", "h200", "--num-pages", str(limit + 1)]) == 2
+    assert "more than the GPU kernels address" in capsys.readouterr().err

@@ -70,10 +70,11 @@ from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from jaxserve.tools import gpu_targets
 from jaxserve.tools.chips import DEVICE_KINDS, Chip
 from jaxserve.tools.roofline import attention_flops, matmul_flops_per_token
+from pallas_kernels.gpu_addressing import max_pool_pages
 from pallas_kernels.quantized_pages import QuantizedPages
 from sharding.config import MeshConfig
 from sharding.mesh import make_mesh
-from sharding.rules import check_expert_parallel, logical_sharding, model_rules
+from sharding.rules import cache_heads, check_expert_parallel, logical_sharding, model_rules
 
 GiB = 2**30
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -457,9 +458,20 @@ def engine_pool_pages(t: Target, req: Request, used: float, *, capped: bool = Tr
     """The pages (per replica) the engine's pool gets on one of ``t``'s devices with ``used`` bytes taken
     (the weights): the engine's own rule, ``kv_cache.pool_pages``, capped at max_num_seqs full-length sequences
     as the engine caps it; without the cap (``capped=False``), what fits."""
-    return pool_pages(t.hbm, bytes_per_token(t.cfg, t.cache_dtype, t.mesh_cfg.tensor), req.page_size,
-                      utilization=req.hbm_utilization, used=used,
-                      max_pages=req.max_num_seqs * t.pages_per_seq if capped else None)
+    pages = pool_pages(t.hbm, bytes_per_token(t.cfg, t.cache_dtype, t.mesh_cfg.tensor), req.page_size,
+                       utilization=req.hbm_utilization, used=used,
+                       max_pages=req.max_num_seqs * t.pages_per_seq if capped else None)
+    limit = gpu_pool_limit(t, req)
+    return pages if limit is None else min(pages, limit)
+
+
+def gpu_pool_limit(t: Target, req: Request) -> int | None:
+    """The most pages per replica the GPU kernels address (32-bit offsets into one layer's pool on one device; the
+    engine caps a pool sized from memory there, ``kv_cache.limit_gpu_pool``); None on TPU."""
+    if t.platform != "gpu":
+        return None
+    tensor = t.mesh_cfg.tensor
+    return max_pool_pages(cache_heads(t.cfg.num_kv_heads, tensor) // tensor, req.page_size, t.cfg.head_dim)
 
 
 def _probes(t: Target, req: Request) -> tuple[dict, list, int, int, int]:
@@ -625,6 +637,11 @@ def run(req: Request, log=None) -> dict:
     # The engine sizes its pool from free HBM after loading the weights (Executor._auto_num_pages).
     engine_pages = engine_pool_pages(t, req, full.weight_bytes)
     num_pages = req.num_pages // replicas if req.num_pages else engine_pages
+    limit = gpu_pool_limit(t, req)
+    if limit is not None and num_pages > limit:
+        raise AotError(f"--num-pages {req.num_pages}: {num_pages} pages per replica is more than the GPU kernels "
+                       f"address ({limit} at page size {req.page_size}, head_dim {t.cfg.head_dim}: one layer's pool "
+                       "on one device must hold fewer than 2**31 elements)")
     compile_pages = max(num_pages, t.pages_per_seq, 2)  # the shape compiled (temporaries do not depend on it)
     probes, todo, context, prompt_len, prompt_tokens = _probes(t, req)
     figures, sampler, layers_compiled = _compile_all(t, req, todo, compile_pages, log)
