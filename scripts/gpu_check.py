@@ -266,9 +266,10 @@ def section_parity(rec: Recorder, ctx: Context) -> bool:
     import jax
     import numpy as np
     import torch
-    from tiny import build_tiny_model, train_tokenizer
 
     from jaxserve import LLM, SamplingParams
+
+    from tiny import build_tiny_model, train_tokenizer
 
     torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
     families = ("llama",) if ctx.dry_run else ("llama", "qwen3")

@@ -7,10 +7,10 @@ jaxserve's dependencies (pyproject.toml) and the kit's, downloads each one the i
 CPython 3.12 on manylinux x86_64 (``pip download --no-deps --only-binary=:all:``), reads its ``Requires-Dist``
 (markers evaluated for that target, no extras) and goes on with what those need and the image lacks, until the
 closure is complete. protobuf, grpcio and typing-extensions are shipped too (``DEFAULT_INCLUDE``: jaxserve's
-generated code needs versions the image may not have). Requirements the image meets are listed with their version ranges (the image's versions are
-not known here: check them in the kit's environment section). Then it checks that ``--out`` and the tracked
-working tree together fit the 64 MiB that travels to the GPU machine, and prints the line that installs the wheels
-there and runs the kit.
+generated code needs versions the image may not have). Requirements the image meets are listed with their
+version ranges (the image's versions are not known here: check them in the kit's environment section). Then it
+checks that ``--out`` and the tracked working tree together fit the 64 MiB that travels to the GPU machine, and
+prints the line that installs the wheels there and runs the kit.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterable
 from email.parser import Parser
 from pathlib import Path
 
-from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
@@ -139,8 +138,8 @@ def pip_fetch(out: Path, max_glibc_minor: int = MAX_GLIBC_MINOR) -> Callable[[Re
     def fetch(req: Requirement) -> Wheel:
         with tempfile.TemporaryDirectory() as tmp:
             spec = str(Requirement(f"{req.name}{req.specifier}"))  # no marker, no extras
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", *pip_target(max_glibc_minor),
-                   "--dest", tmp, "--quiet", spec]
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                   *pip_target(max_glibc_minor), "--dest", tmp, "--quiet", spec]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise SystemExit(f"pip download {spec} failed:\n{proc.stderr.strip()[-2000:]}")

@@ -6,11 +6,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_cases import (CONFIGS, DECODE, MIXED, PREFILL, assert_matches_reference, assert_write_matches,
-                             build_batch, device_args, new_rows, random_batch)
 from pallas_kernels.kv_cache_update import write_kv_gpu
 from pallas_kernels.ragged_paged_attention import AttentionMetadata, ragged_paged_attention_gpu
 from pallas_kernels.ragged_paged_attention.gpu import resolve_block_sizes
+
+from attention_cases import (
+    CONFIGS,
+    DECODE,
+    MIXED,
+    PREFILL,
+    assert_matches_reference,
+    assert_write_matches,
+    build_batch,
+    device_args,
+    new_rows,
+    random_batch,
+)
 
 # block_q 2 makes multi-token tiles; 3 splits divide the key blocks unevenly and leave some splits empty.
 SMALL_BLOCKS = dict(block_q=2, block_kv=16, num_splits=3)

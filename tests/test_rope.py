@@ -1,6 +1,7 @@
 """Every rope type against transformers' own rotary embedding, at positions far beyond the original context, and
 through the whole engine against transformers' greedy tokens."""
 
+import inspect
 import json
 
 import jax.numpy as jnp
@@ -11,10 +12,11 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.models import layers
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loader import load_model
-from jaxserve.models import layers
 from jaxserve.models.rope import ROPE_TYPES, RopeConfig
+
 from tiny import build_tiny_model, hf_greedy, hf_model, train_tokenizer
 
 HEAD_DIM = 16
@@ -95,10 +97,13 @@ def test_unsupported_rope_type_is_refused_naming_the_supported_ones(tmp_path):
 def hf_cached_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     """Greedy tokens from transformers' own KV-cached generation: each decoded token is rotated with the
     frequencies of the sequence it ends (what dynamic and longrope rope are defined by here)."""
+    # transformers renames past_key_values to cache (5.x, the old name warns until 5.40): pass the one it takes.
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model(torch.tensor([prompt]), use_cache=True)
     ids = [int(torch.argmax(out.logits[0, -1]))]
     for _ in range(max_tokens - 1):
-        out = model(torch.tensor([[ids[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+        cache = out.past_key_values if getattr(out, "cache", None) is None else out.cache
+        out = model(torch.tensor([[ids[-1]]]), use_cache=True, **{name: cache})
         ids.append(int(torch.argmax(out.logits[0, -1])))
     return ids
 

@@ -25,8 +25,14 @@ from jaxserve.executor import compile_progress
 from jaxserve.executor.batch import MeshBatch, StepBatch, StepKind
 from jaxserve.executor.decode_rows import DecodeRows
 from jaxserve.executor.executable_store import ExecutableStore
-from jaxserve.executor.kv_cache import (CacheConfig, bytes_per_token, kv_storage_dtype, limit_gpu_pool,
-                                        local_pool_pages, pool_pages)
+from jaxserve.executor.kv_cache import (
+    CacheConfig,
+    bytes_per_token,
+    kv_storage_dtype,
+    limit_gpu_pool,
+    local_pool_pages,
+    pool_pages,
+)
 from jaxserve.executor.penalty_state import PenaltyState
 from jaxserve.executor.prompt_logprobs import ScoreRows, score
 from jaxserve.executor.runner import ModelRunner, StepOutput

@@ -7,7 +7,8 @@
 
 ``--model`` is a Hugging Face folder (only its config.json is read) or a preset shape (``PRESETS``). libtpu
 describes a TPU topology, and jax's CUDA plugin an H100 or H200 (``jaxserve.tools.gpu_targets``), with no chips
-attached (``jax.experimental.topologies``); the weights and the KV pool are abstract (``jax.ShapeDtypeStruct`` with their engine shardings), so nothing is downloaded or allocated.
+attached (``jax.experimental.topologies``); the weights and the KV pool are abstract (``jax.ShapeDtypeStruct``
+with their engine shardings), so nothing is downloaded or allocated.
 Every bucket the engine warms up is compiled exactly as the engine would compile it on those chips (the same
 ``jit_step``, mesh, rules, Pallas TPU kernels, donated cache), and the sampler's variants too. From the compiled
 executables it reports, per device: weight bytes, the compiler's argument/output/temporary bytes

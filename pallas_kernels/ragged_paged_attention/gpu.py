@@ -43,7 +43,13 @@ from pallas_kernels.gpu_addressing import check_elements
 from pallas_kernels.metadata import AttentionMetadata, check_shapes
 from pallas_kernels.quantized_pages import QuantizedPages
 from pallas_kernels.ragged_paged_attention.block_sizes import (
-    GPU_MAX_ROWS, GPU_SHARED_MEMORY_BYTES, BlockSizes, get_block_sizes, gpu_shared_memory_estimate, mode_for)
+    GPU_MAX_ROWS,
+    GPU_SHARED_MEMORY_BYTES,
+    BlockSizes,
+    get_block_sizes,
+    gpu_shared_memory_estimate,
+    mode_for,
+)
 from pallas_kernels.ragged_paged_attention.kernel_ops import div_by, matmul, rem_by
 from pallas_kernels.ragged_paged_attention.schedule import q_tiles
 
