@@ -14,7 +14,6 @@ from jaxserve.executor import platforms
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
-
 logger = logging.getLogger(__name__)
 
 

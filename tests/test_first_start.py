@@ -10,9 +10,10 @@ import subprocess
 import sys
 
 import pytest
-from xla_flags import xla_flags
 
 from jaxserve.executor import platforms
+
+from xla_flags import xla_flags
 
 pytestmark = pytest.mark.slow
 

@@ -24,6 +24,3 @@ def setup(level: str = "info") -> None:
     for name, quiet in QUIETED.items():
         if numeric > logging.DEBUG:
             logging.getLogger(name).setLevel(max(quiet, numeric))
-    from jaxserve.executor import platforms
-
-    platforms.restrict_to_present()  # no probes for accelerators that are not here (before jax's backends start)

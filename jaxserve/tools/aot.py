@@ -51,6 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jaxserve.config.args import add_engine_args
 from jaxserve.config.engine import GPU_MEMORY_FRACTION
+from jaxserve.executor import platforms
 from jaxserve.executor.batch import MeshBatch, StepKind
 from jaxserve.executor.kv_cache import (
     CACHE_AXES,
@@ -60,7 +61,6 @@ from jaxserve.executor.kv_cache import (
     kv_storage_dtype,
     pool_pages,
 )
-from jaxserve.executor import platforms
 from jaxserve.executor.penalty_state import PenaltyState
 from jaxserve.executor.runner import StepOutput, jit_step, step_layouts, step_static_args
 from jaxserve.executor.sampler import SamplingTensors, sample
