@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.generate
     args = parser.parse_args(argv)
     fill_demo_shapes(args)
     logs.setup(args.log_level)  # before jax and transformers are imported
+    from jaxserve.executor import platforms
+
+    platforms.restrict_to_present()  # no probes for accelerators that are not here (before jax's backends start)
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
 

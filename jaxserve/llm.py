@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import sys
+import time
 from collections.abc import Sequence
 
 from jaxserve.config.engine import EngineConfig
+from jaxserve.config.library_logging import configure_default_logging
 from jaxserve.disagg.factory import make_engine
+from jaxserve.executor import platforms
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -20,13 +26,25 @@ class LLM:
       **engine_options: any ``EngineConfig`` field (``dtype``, ``tokenizer``, ``page_size``, ``num_pages``,
         ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``, ``long_prefill_token_threshold``,
         ``enable_prefix_caching``, ``attention_backend``, ``mesh``, ``seed``, ...), with its defaults.
+
+    It logs what it does while it starts (loading, compiling the step shapes with progress, ready) on the
+    ``jaxserve`` logger, printed on stderr when the application configured no logging: silence it with
+    ``logging.getLogger("jaxserve").setLevel(logging.WARNING)``, ``JAXSERVE_LOGGING_LEVEL=WARNING`` or
+    ``JAXSERVE_CONFIGURE_LOGGING=0`` (see ``jaxserve.config.library_logging``). On a machine without a TPU or GPU,
+    jax starts on the CPU without probing for them (``jaxserve.executor.platforms``; ``JAX_PLATFORMS`` overrides).
     """
 
     def __init__(self, model: str | None = None, **engine_options):
-        self.engine = make_engine(EngineConfig(model=model, **engine_options))
+        configure_default_logging()
+        platforms.restrict_to_present()  # before anything starts jax's backends
+        start = time.perf_counter()
+        config = EngineConfig(model=model, **engine_options)
+        logger.info("loading %s", model if model is not None else "the built-in demo model")
+        self.engine = make_engine(config)
         self.engine.final_outputs_only = True  # generate returns whole completions: no per-step outputs to build
         self.tokenizer = self.engine.tokenizer  # None with skip_tokenizer_init=True
         self.model_config = self.engine.model_config
+        logger.info("ready in %.1fs", time.perf_counter() - start)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` use when given no ``sampling_params``: the checkpoint's

@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") 
         from jaxserve.server.router import run_router
 
         return asyncio.run(run_router(args))
+    from jaxserve.executor import platforms
+
+    platforms.restrict_to_present()  # no probes for accelerators that are not here (before jax's backends start)
     from sharding import multihost  # after logging is set up: importing it loads jax
 
     if multihost.initialize(args.coordinator_address, args.num_processes, args.process_id) \

@@ -1,7 +1,8 @@
 """What the warm-up compile is doing, while it does it: progress over the shapes to compile (a tqdm bar on a
 terminal, else a log line every few seconds with an estimate of the time left), then one summary line with the
-time taken, whether the persistent compilation cache was used (hits and misses) and, when the executor sets
-``stored``, how many step executables the executable store loaded or had to compile.
+time taken, how many programs XLA compiled (none on a warm start), whether the persistent compilation cache was
+used (hits and misses) and, when the executor sets ``stored``, how many step executables the executable store
+loaded or had to compile.
 
 The warm-up loop calls ``start(total)`` once, ``tick()`` on what it returns after each compiled shape and
 ``finish()`` at the end, which returns the summary: whoever ran the warm-up keeps it (``Executor.warmup_summary``).
@@ -23,14 +24,17 @@ LOG_EVERY_S = 5.0  # without a terminal: at most one progress line this often
 class Progress:
     """One warm-up's progress over ``total`` shapes; see the module docstring."""
 
-    def __init__(self, total: int, cache_dir: str | None, what: str):
+    def __init__(self, total: int, cache_dir: str | None, what: str, counter: CompileCounter | None = None,
+                 stored: bool = False):
         self.total = max(total, 1)
         self.cache_dir = cache_dir
         self.what = what
         self.done = 0
         self.start = time.monotonic()
         self._last_log = self.start
-        self._counter = CompileCounter()  # the cache's lookups and hits from now on
+        # compilations and the cache's lookups and hits: from now on, or from when the caller started ``counter``
+        # (the executor's, at its own start: the programs of loading the model count too)
+        self._counter = counter if counter is not None else CompileCounter()
         self.stored: tuple[int, int] | None = None  # (loaded, compiled) step executables of the executable store
         self.summary: dict | None = None  # set by ``finish``
         self._bar = None
@@ -40,7 +44,10 @@ class Progress:
             self._bar = tqdm(total=self.total, desc=f"compiling {what}", unit="shape", leave=False,
                              file=sys.stderr, dynamic_ncols=True)
         where = f"the compilation cache in {cache_dir}" if cache_dir else "no compilation cache"
-        logger.info("compiling %d %s (with %s); the first start takes longest", self.total, what, where)
+        if stored:  # the executable store holds every step: a warm start
+            logger.info("loading %d %s stored by an earlier start (with %s)", self.total, what, where)
+        else:
+            logger.info("compiling %d %s (with %s); the first start takes longest", self.total, what, where)
 
     def tick(self) -> None:
         self.done = min(self.done + 1, self.total)
@@ -55,14 +62,18 @@ class Progress:
             logger.info("compiled %d/%d %s, about %.0fs left", self.done, self.total, self.what, left)
 
     def finish(self) -> dict:
-        """Close the bar, log the summary line and return its figures (seconds, shapes, hits, misses)."""
+        """Close the bar, log the summary line and return its figures (seconds, shapes, compilations, hits,
+        misses)."""
         if self._bar is not None:
             self._bar.close()
         seconds = time.monotonic() - self.start
         counts = self._counter.cache_counts()
         lookups, hits = counts["lookups"], counts["hits"]
-        summary = {"seconds": seconds, "shapes": self.total, "cache_hits": hits, "cache_misses": lookups - hits,
-                   "cache_dir": self.cache_dir}
+        # XLA's compilations: the cache's misses, or (a program the cache does not take, or no cache) jax's compile
+        # events, which count a program read from the cache too
+        compiled = max(lookups - hits, self._counter.count() - hits, 0)
+        summary = {"seconds": seconds, "shapes": self.total, "compilations": compiled, "cache_hits": hits,
+                   "cache_misses": lookups - hits, "cache_dir": self.cache_dir}
         if not self.cache_dir:
             cache = "compilation cache off"
         elif lookups == 0:
@@ -76,11 +87,16 @@ class Progress:
             loaded, compiled = self.stored
             summary.update(executables_loaded=loaded, executables_compiled=compiled)
             cache += f"; executable store: {loaded} loaded, {compiled} compiled and saved"
-        logger.info("warm-up done: %d %s ready in %.1fs; %s", self.total, self.what, seconds, cache)
+        compiled_text = "compiled nothing" if compiled == 0 else f"compiled {compiled} programs"
+        logger.info("warm-up done: %d %s ready in %.1fs, %s; %s", self.total, self.what, seconds, compiled_text,
+                    cache)
         self.summary = summary
         return summary
 
 
-def start(total: int, cache_dir: str | None = None, what: str = "step shapes") -> Progress:
-    """Begin reporting a warm-up of ``total`` shapes; the returned ``Progress``'s ``tick()`` advances it."""
-    return Progress(total, cache_dir, what)
+def start(total: int, cache_dir: str | None = None, what: str = "step shapes", *,
+          counter: CompileCounter | None = None, stored: bool = False) -> Progress:
+    """Begin reporting a warm-up of ``total`` shapes; the returned ``Progress``'s ``tick()`` advances it.
+    ``counter``: count compilations from its start instead of from now; ``stored``: every shape is in the
+    executable store (the first line says it loads them)."""
+    return Progress(total, cache_dir, what, counter, stored)

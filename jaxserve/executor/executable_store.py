@@ -141,6 +141,10 @@ class ExecutableStore:
         digest = hashlib.sha256(f"{self.fingerprint}\n{step_key!r}".encode()).hexdigest()
         return self.directory / f"{digest}.exe"
 
+    def holds(self, step_key: tuple) -> bool:
+        """Whether a file is stored for ``step_key`` (it may still fail to load)."""
+        return self.path(step_key).is_file()
+
     def load(self, step_key: tuple, devices) -> "jax.stages.Compiled | None":
         """The stored executable of ``step_key`` loaded onto ``devices`` (the mesh's, in its order), or None."""
         path = self.path(step_key)

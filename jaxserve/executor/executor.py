@@ -21,8 +21,9 @@ import jax
 import numpy as np
 
 from jaxserve.config.engine import EngineConfig
-from jaxserve.executor import compile_progress
+from jaxserve.executor import compile_progress, platforms
 from jaxserve.executor.batch import MeshBatch, StepBatch, StepKind
+from jaxserve.executor.compile_counter import CompileCounter
 from jaxserve.executor.decode_rows import DecodeRows
 from jaxserve.executor.executable_store import ExecutableStore
 from jaxserve.executor.kv_cache import (
@@ -61,7 +62,9 @@ def _use_compilation_cache(config: EngineConfig) -> None:
     jax.config.update("jax_enable_compilation_cache", bool(config.compilation_cache_dir))
     if config.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        # Every program, however quick to compile: one left out (jax's default skips those under a second) is
+        # compiled again at every start, and a warm start should compile nothing.
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 class Executor:
@@ -82,7 +85,9 @@ class Executor:
         self.model_path = model_path
         self.eos_token_ids = tuple(eos_token_ids)  # banned before a request's min_tokens
         self.spec = config.speculative_config
+        platforms.restrict_to_present()  # before jax starts its backends: no probes for absent accelerators
         _use_compilation_cache(config)
+        self._start_compiles = CompileCounter()  # the start's compilations, loading's included (warmup_summary)
         self.mesh = make_mesh(config.mesh, devices, num_devices=config.num_devices)
         self.num_replicas = int(self.mesh.shape["data"])
         self.is_leader = multihost.is_leader()
@@ -106,7 +111,7 @@ class Executor:
         self._decode_rows = DecodeRows()  # decode steps' page-table rows, kept across steps
         self.host_wait_seconds = 0.0  # time the host spent blocked in ``fetch`` (scripts/bench_host.py)
         self.warmed_up = False
-        self.warmup_summary: dict | None = None  # the warm-up's figures (``compile_progress.Progress.finish``)
+        self.warmup_summary: dict | None = None  # the start's figures (``compile_progress.Progress.finish``)
         self.compilations_after_warmup = 0
         self._last_shape = ""  # the latest launched step's shapes, for the compile guard's warning
         if config.warmup and self.is_leader:
@@ -572,8 +577,12 @@ class Executor:
         else compiled and saved there) and compile the sampler, so serving never compiles."""
         start = time.perf_counter()
         shapes = self.shapes.all_shapes()
-        progress = compile_progress.start(len(shapes) + 4, self.config.compilation_cache_dir)
         store = ExecutableStore.for_runner(self.config.compilation_cache_dir, self.runner)
+        stored = store is not None and all(
+            store.holds(self.runner.step_key(StepKind.DECODE if shape[0] else StepKind.PREFILL,
+                                             self._padding_batch(*shape))) for shape in shapes)
+        progress = compile_progress.start(len(shapes) + 4, self.config.compilation_cache_dir,
+                                          counter=self._start_compiles, stored=stored)
         if jax.process_count() > 1:  # the followers compile each shape as they follow it: run them all
             out = None
             for decode, num_tokens, num_seqs, pages in shapes:

@@ -180,11 +180,16 @@ class ModelRunner:
         fn, args = self._call_args(kind, batch, batch.pack())
         return fn.lower(*args, prev_ids=self._no_prev)
 
+    @staticmethod
+    def step_key(kind: StepKind, batch: MeshBatch) -> tuple:
+        """The key of a batch's step among the prepared executables and in the executable store."""
+        return int(kind), batch.shape_fields()
+
     def prepare(self, kind: StepKind, batch: MeshBatch, store=None) -> bool:
         """Make the step of a batch's shape ready, so ``run`` calls it without tracing: loaded from ``store`` (a
         ``jaxserve.executor.executable_store.ExecutableStore``) when it holds it, else lowered and compiled (through the
         compilation cache) and saved there. Thread-safe for distinct shapes. Returns whether it was loaded."""
-        key = (int(kind), batch.shape_fields())
+        key = self.step_key(kind, batch)
         compiled = store.load(key, list(self.mesh.devices.flat)) if store is not None else None
         loaded = compiled is not None
         if compiled is None:

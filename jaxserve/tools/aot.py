@@ -51,6 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jaxserve.config.args import add_engine_args
 from jaxserve.config.engine import GPU_MEMORY_FRACTION
+from jaxserve.executor import platforms
 from jaxserve.executor.batch import MeshBatch, StepKind
 from jaxserve.executor.kv_cache import (
     CACHE_AXES,
@@ -159,9 +160,7 @@ def topology_devices(name: str) -> list:
     # libtpu takes a machine-wide lock for the chips it drives; a described topology drives none, so several
     # compiling processes (tests, a sweep) may share the machine.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    if not (Path("/dev/accel0").exists() or Path("/dev/vfio").exists()):  # no TPU here: quiet libtpu's probing
-        for var, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0")):
-            os.environ.setdefault(var, value)
+    platforms.quiet_tpu_probe()  # no TPU here: quiet libtpu's probing
     try:
         return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
     except Exception as e:  # libtpu's message is long; its first line says what it did not accept
