@@ -11,6 +11,7 @@ _EXPORTS = {
     "StructuredOutputsParams": "jaxserve.sampling_params",
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",
+    "Logprob": "jaxserve.outputs",
 }
 __all__ = list(_EXPORTS)
 

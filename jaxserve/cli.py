@@ -61,9 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return 0 if argv else 2
     if argv[0] not in COMMANDS:
-        parser = build_parser()
-        parser.print_usage(sys.stderr)
-        print(f"jaxserve: unknown command {argv[0]!r} (choose from {', '.join(COMMANDS)})", file=sys.stderr)
+        print(f"jaxserve: error: unknown command {argv[0]!r} (choose from {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
     return run_command(argv[0], argv[1:])
 

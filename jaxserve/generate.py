@@ -13,14 +13,13 @@ import argparse
 import dataclasses
 import time
 
-from jaxserve.config.args import engine_config_from_args
+from jaxserve.config.args import ArgumentParser, engine_config_from_args, user_error
 from jaxserve.server import logs
 from jaxserve.server.args import add_engine_args_with_demo_shapes, fill_demo_shapes
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.generate") -> None:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.generate") -> int:
+    parser = ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -36,18 +35,25 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.generate
     from jaxserve.executor import platforms
 
     platforms.restrict_to_present()  # no probes for accelerators that are not here (before jax's backends start)
-    from jaxserve.llm import LLM
+    from jaxserve.models.checkpoint import check_model
     from jaxserve.sampling_params import SamplingParams
+
+    try:  # every option and the model, read before anything is loaded or compiled
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+        config = engine_config_from_args(args)
+        check_model(config)
+    except ValueError as e:
+        return user_error(prog, e)
+    from jaxserve.llm import LLM
 
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
 
     start = time.perf_counter()
-    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
+    llm = LLM(**dataclasses.asdict(config))
     if not multihost.is_leader():
         llm.engine.follow()
-        return
+        return 0
     loaded = time.perf_counter()
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     try:
         outputs = llm.generate(args.prompt or ["Hello, my name is"], params)
     finally:
@@ -58,7 +64,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.generate
         print(f"--- prompt: {out.prompt!r}\n{c.text!r}\n(finish: {c.finish_reason}, {len(c.token_ids)} tokens)")
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(f"load and compile {loaded - start:.1f}s, generate {done - loaded:.1f}s ({tokens} tokens)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -3,7 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Logprob:
+    """One entry of a token's logprobs, as vLLM's ``Logprob``: ``logprob`` of the token; ``rank`` its place in
+    the distribution (1 = most likely; the top-n are ranks 1..n; None for a chosen token outside the top-n,
+    whose exact rank the engine does not compute); ``decoded_token`` the token's text decoded on its own (None
+    without a tokenizer, ``skip_tokenizer_init``)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -31,11 +43,17 @@ class TokenRecord:
                 return cls(token, v, i + 1, top)
         return cls(token, logprob, None, top)
 
-    def entry(self) -> dict[int, float]:
-        """vLLM's shape: {chosen token: its logprob, then the top-n}; empty when the logprob is not known."""
+    def entry(self, decode: Callable[[int], str | None] | None = None) -> dict[int, Logprob]:
+        """vLLM's shape: {chosen token: its ``Logprob``, then the top-n's (ranks 1..n)}; empty when the logprob is
+        not known. ``decode`` gives a token id's text (``decoded_token``); without it, None."""
         if self.logprob is None:
             return {}
-        return {self.id: self.logprob, **dict(self.top)}
+        text = decode or (lambda _: None)
+        out = {self.id: Logprob(self.logprob, self.rank, text(self.id))}
+        for rank, (t, v) in enumerate(self.top, 1):
+            if t not in out:
+                out[t] = Logprob(v, rank, text(t))
+        return out
 
     def to_json(self) -> list:
         """A JSON-able form (``from_json`` reads it back), for records that cross processes."""
@@ -56,10 +74,10 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort" or "error"; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
-    logprobs: list[dict[int, float]] | None = None  # per token: chosen token first, then the top-n
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: chosen token first, then the top-n
     delta_text: str = ""
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
-    delta_logprobs: list[dict[int, float]] | None = None
+    delta_logprobs: list[dict[int, Logprob]] | None = None
     # The same logprobs as records (None without SamplingParams.logprobs): every token's, and this step's
     records: list[TokenRecord] | None = None
     delta_records: list[TokenRecord] | None = None
@@ -107,8 +125,8 @@ class RequestOutput:
     finished: bool = True
     metrics: RequestMetrics | None = None
     error: str | None = None  # why a request finished with reason "error" (a failed step), for logs and callers
-    # With SamplingParams.prompt_logprobs: per prompt token {token: logprob, then the top-n}, None for the first
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # With SamplingParams.prompt_logprobs: per prompt token {token: Logprob, then the top-n's}, None for the first
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_records: list[TokenRecord | None] | None = None  # the same as records (the prompt token as ``id``)
 
     @property

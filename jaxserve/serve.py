@@ -10,6 +10,7 @@ import asyncio
 import os
 import sys
 
+from jaxserve.config.args import user_error
 from jaxserve.config.engine import claim_gpu_memory
 from jaxserve.server import logs
 from jaxserve.server.args import parse_args
@@ -17,6 +18,13 @@ from jaxserve.server.args import parse_args
 
 def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") -> int:
     args = parse_args(argv, prog=prog)
+    if args.role != "router":  # the model, read before anything is loaded, compiled or served
+        from jaxserve.models.checkpoint import check_model
+
+        try:
+            check_model(args.engine_config)
+        except ValueError as e:
+            return user_error(prog, e)
     logs.setup(args.log_level)
     claim_gpu_memory()  # before anything starts jax's GPU backend
     if args.role == "router":  # no engine, no jax

@@ -149,7 +149,7 @@ def test_bad_requests_are_one_line_errors(argv, message, capsys):
     _needs_libtpu()
     assert aot.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: ") and message in err[-1]
+    assert err[-1].startswith("python -m jaxserve.aot: error: ") and message in err[-1]
 
 
 def test_presets_are_the_published_shapes():

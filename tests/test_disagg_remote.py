@@ -135,7 +135,8 @@ def test_n_and_prompt_logprobs_across_processes(request, cluster, client):
         assert got[0] is None and len(got) == len(prompt) == len(want.prompt_logprobs)
         for entry, ref in zip(got[1:], want.prompt_logprobs[1:]):
             assert {int(t) for t in entry} == set(ref)
-            assert all(abs(entry[str(t)]["logprob"] - v) < 1e-5 for t, v in ref.items())
+            assert all(abs(entry[str(t)]["logprob"] - v.logprob) < 1e-5 and entry[str(t)]["rank"] == v.rank
+                       for t, v in ref.items())
     # Streamed: the first chunk carries the prompt's logprobs even when another output's prefill lands first.
     with httpx.stream("POST", cluster[1].http + "/v1/completions", timeout=60, json=dict(
             model=MODEL_NAME, prompt=prompt, n=3, max_tokens=3, temperature=0, stream=True,

@@ -153,7 +153,8 @@ def test_n_samples_logprobs_and_metrics(engine):
     for o in out.outputs:
         assert len(o.token_ids) == 6 and len(o.logprobs) == 6
         for token, lp in zip(o.token_ids, o.logprobs):
-            assert token in lp and len(lp) >= 3 and all(v <= 0.0 for v in lp.values())
+            assert token in lp and len(lp) >= 3 and all(v.logprob <= 0.0 for v in lp.values())
+            assert all(v.decoded_token == engine.tokenizer.decode([t]) for t, v in lp.items())
     m = out.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
 
@@ -173,7 +174,8 @@ def test_running_requests_get_deltas_and_the_finished_one_its_whole_output(engin
     assert running and all(type(o) is RequestDelta and not o.finished for o in running)
     assert type(final) is RequestOutput and final.finished
     assert sum(o.prompt_records is not None for o in [*running, final][:-1]) == 1  # once, with the first output
-    assert final.prompt_logprobs == [r.entry() if r else None for r in final.prompt_records]
+    decode = engine.tokenizer.decode
+    assert final.prompt_logprobs == [r.entry(lambda t: decode([t])) if r else None for r in final.prompt_records]
     for c in final.outputs:
         news = [d for o in running for d in o.outputs if d.index == c.index]
         assert all(type(d) is CompletionDelta and len(d.delta_token_ids) == len(d.delta_records) for d in news)
@@ -181,7 +183,7 @@ def test_running_requests_get_deltas_and_the_finished_one_its_whole_output(engin
         records = [r for d in news for r in d.delta_records] + c.delta_records
         assert ids == c.token_ids and records == c.records and len(records) == 5
         assert "".join(d.delta_text for d in news) + c.delta_text == c.text
-        assert c.logprobs == [r.entry() for r in records]
+        assert c.logprobs == [r.entry(lambda t: decode([t])) for r in records]
         for token, r in zip(ids, records):
             assert type(r) is TokenRecord and r.id == token and len(r.top) == 2
             assert r.top[0][1] >= r.top[1][1] and r.logprob <= r.top[0][1]

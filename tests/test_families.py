@@ -19,6 +19,23 @@ def test_every_family_file_is_registered_once():
         ModelConfig.from_hf_dict(dict(SHAPE, architectures=["GPT2LMHeadModel"], num_hidden_layers=2))
 
 
+def test_config_without_architectures_is_read_by_its_model_type():
+    for model_type, arch in registry.BY_MODEL_TYPE.items():
+        hf = dict(SHAPE, model_type=model_type, num_hidden_layers=2)
+        if "moe" in model_type or model_type == "mixtral":
+            hf.update(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        cfg = ModelConfig.from_hf_dict(hf)
+        assert cfg.architecture == arch and cfg.family == registry.BY_ARCHITECTURE[arch].name
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported; supported model types: llama"):
+        ModelConfig.from_hf_dict(dict(SHAPE, model_type="gpt2", num_hidden_layers=2))
+    with pytest.raises(ValueError, match="neither 'architectures' nor 'model_type'"):
+        ModelConfig.from_hf_dict(dict(SHAPE, num_hidden_layers=2))
+    # A listed architecture decides: a head jaxserve does not serve is refused even when model_type is known.
+    with pytest.raises(ValueError, match="unsupported architecture.*LlamaForSequenceClassification"):
+        ModelConfig.from_hf_dict(dict(SHAPE, architectures=["LlamaForSequenceClassification"], model_type="llama",
+                                      num_hidden_layers=2))
+
+
 def test_gemma3_config_without_layer_types_in_the_older_rope_format():
     """Configs on the hub predate layer_types and rope_parameters: sliding_window_pattern (default 6),
     rope_theta with rope_scaling for global layers, rope_local_base_freq for windowed ones."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import typing
 
 from jaxserve.config.engine import (
@@ -75,6 +76,22 @@ HELP = {
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
                           "(default: none)",
 }
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, but a usage error is one line on stderr (``PROG: error: ...``, exit code 2), the form
+    every jaxserve command gives a user error in; ``--help`` shows the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def user_error(prog: str, message: object) -> int:
+    """Reports a user error (a bad model, file or value found after parsing) as one line; returns exit code 2."""
+    text = str(message).strip()
+    print(f"{prog}: error: {text.splitlines()[0] if text else type(message).__name__}", file=sys.stderr)
+    return 2
+
 
 
 CHOICES = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "logprobs_mode": LOGPROBS_MODES,

@@ -89,6 +89,7 @@ class Engine:
 
             draft = check_draft(spec.model, cfg)
         self.tokenizer = None if config.skip_tokenizer_init else self._load_tokenizer(folder)
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone (the logprobs' decoded_token)
         if config.chat_template is not None and self.tokenizer is not None:
             self.tokenizer.chat_template = resolve_chat_template(config.chat_template)
         self.eos_token_ids = eos_token_ids(folder, cfg, self.tokenizer)
@@ -471,7 +472,7 @@ class Engine:
 
     def _output(self, req: _Request, seqs: list[Sequence], deltas) -> RequestOutput:
         """A finished request's whole output, assembled once (its last step's news in the ``delta_*`` fields)."""
-        completions = []
+        completions, decode = [], self._decoded_token
         for seq in sorted(seqs, key=lambda s: s.index):
             ids, text, recs = deltas.get(seq.index, ([], "", None))
             records = req.records[seq.index]
@@ -482,12 +483,23 @@ class Engine:
                 out_ids = out_ids[:-1]
             completions.append(CompletionOutput(
                 seq.index, req.detoks[seq.index].output_text, list(out_ids), seq.finish_reason, seq.stop_reason,
-                [r.entry() for r in records] if records is not None else None, text, ids,
-                [r.entry() for r in recs] if recs is not None else None, records, recs,
+                [r.entry(decode) for r in records] if records is not None else None, text, ids,
+                [r.entry(decode) for r in recs] if recs is not None else None, records, recs,
             ))
         prompt = req.prompt_records
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, completions, True, req.metrics, req.error,
-                             None if prompt is None else [r.entry() if r is not None else None for r in prompt], prompt)
+                             None if prompt is None else [r.entry(decode) if r is not None else None for r in prompt],
+                             prompt)
+
+    def _decoded_token(self, token_id: int) -> str | None:
+        """A token's text decoded on its own (vLLM's ``Logprob.decoded_token``), cached per id; None without a
+        tokenizer."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     # Multi-process ------------------------------------------------------------------------------------------
     def follow(self) -> None:

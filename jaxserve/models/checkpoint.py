@@ -6,9 +6,13 @@ import json
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ml_dtypes
 import numpy as np
+
+if TYPE_CHECKING:
+    from jaxserve.models.config import ModelConfig
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -31,8 +35,47 @@ def resolve_model_path(model: str | Path, *, revision: str | None = None, downlo
     from huggingface_hub import snapshot_download
 
     patterns = _HUB_PATTERNS if weights else [p for p in _HUB_PATTERNS if p not in _WEIGHT_PATTERNS]
-    return Path(snapshot_download(str(model), allow_patterns=patterns, revision=revision,
-                                  cache_dir=download_dir))
+    try:
+        return Path(snapshot_download(str(model), allow_patterns=patterns, revision=revision,
+                                      cache_dir=download_dir))
+    except Exception as e:  # noqa: BLE001 - the hub's errors (offline, unknown or gated repo, bad id) are many
+        raise ValueError(f"model {str(model)!r} is not a local folder and could not be fetched from the hub: "
+                         f"{_first_line(e)}") from e
+
+
+def read_model_config(model: str | Path, *, revision: str | None = None, download_dir: str | None = None,
+                      weights: bool = True) -> tuple[Path, "ModelConfig"]:
+    """The folder ``model`` names (``resolve_model_path``) and its config.json, checked as the engine reads it;
+    every way that fails (no folder, no or unreadable config.json, a missing field, an unsupported architecture)
+    is a ``ValueError`` of one line naming the model."""
+    from jaxserve.models.config import ModelConfig
+
+    folder = resolve_model_path(model, revision=revision, download_dir=download_dir, weights=weights)
+    name = str(model)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"model {name!r}: {folder} has no config.json")
+    try:
+        return folder, ModelConfig.from_pretrained(folder)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"model {name!r}: config.json is not valid JSON ({e})") from e
+    except KeyError as e:
+        raise ValueError(f"model {name!r}: config.json has no {e.args[0]!r}") from e
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"model {name!r}: {_first_line(e)}") from e
+
+
+def check_model(config) -> None:
+    """Reads the model an ``EngineConfig`` names as the engine will (its folder, from the hub if it is an id, and
+    its config.json), so that a command line refuses a bad ``--model`` in one line before anything is loaded or
+    compiled (ValueError). The built-in demo model (``model`` None) needs no check."""
+    if config.model is not None:
+        read_model_config(config.model, revision=config.revision, download_dir=config.download_dir,
+                          weights=config.load_format != "dummy")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0].strip() if text else type(e).__name__
 
 
 def safetensors_files(folder: Path) -> list[Path]:

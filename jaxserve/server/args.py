@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import os
 
-from jaxserve.config.args import add_engine_args, engine_config_from_args
+from jaxserve.config.args import ArgumentParser, add_engine_args, engine_config_from_args
 from jaxserve.config.engine import EngineConfig
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.tool_calls import TOOL_CALL_PARSERS
@@ -55,7 +55,7 @@ def demo_note() -> str:
 
 
 def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=prog,
         description="Serve one model from one engine over gRPC (jaxserve.v1.JaxServe, health, reflection) and an "
                     "OpenAI-compatible HTTP API, with Prometheus metrics at /metrics.",

@@ -5,7 +5,8 @@
         [--hbm-utilization 0.9] [--buckets all|probes] [--sample-layers] [--context 2048] [--json]
     python -m jaxserve.aot --model llama-3.1-8b --topology h100      # or h200, or h100:8 --mesh tensor=8
 
-``--model`` is a Hugging Face folder (only its config.json is read) or a preset shape (``PRESETS``). libtpu
+``--model`` is a Hugging Face folder or hub id (only its config.json is read) or a preset shape
+(``jaxserve.tools.model_specs.PRESETS``, as ``capacity`` and ``plan`` take them). libtpu
 describes a TPU topology, and jax's CUDA plugin an H100 or H200 (``jaxserve.tools.gpu_targets``), with no chips
 attached (``jax.experimental.topologies``); the weights and the KV pool are abstract (``jax.ShapeDtypeStruct``
 with their engine shardings), so nothing is downloaded or allocated.
@@ -49,7 +50,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from jaxserve.config.args import add_engine_args
+from jaxserve.config.args import ArgumentParser, add_engine_args, user_error
 from jaxserve.config.engine import GPU_MEMORY_FRACTION
 from jaxserve.executor import platforms
 from jaxserve.executor.batch import MeshBatch, StepKind
@@ -71,6 +72,7 @@ from jaxserve.models.loader import abstract_model, param_shardings, quantization
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from jaxserve.tools import gpu_targets
 from jaxserve.tools.chips import DEVICE_KINDS, Chip
+from jaxserve.tools.model_specs import PRESETS, model_config
 from jaxserve.tools.roofline import attention_flops, matmul_flops_per_token
 from pallas_kernels.gpu_addressing import max_pool_pages
 from pallas_kernels.quantized_pages import QuantizedPages
@@ -79,44 +81,6 @@ from sharding.mesh import make_mesh
 from sharding.rules import cache_heads, check_expert_parallel, logical_sharding, model_rules
 
 GiB = 2**30
-_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}
-_LLAMA = dict(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, vocab_size=128256,
-              max_position_embeddings=131072, torch_dtype="bfloat16", bos_token_id=128000, eos_token_id=128001)
-_QWEN3 = dict(architectures=["Qwen3ForCausalLM"], rms_norm_eps=1e-6, vocab_size=151936, head_dim=128,
-              max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
-              bos_token_id=151643, eos_token_id=151645)
-# The config.json shapes of the published checkpoints (no weights are needed to compile).
-PRESETS: dict[str, dict] = {
-    "llama-3.2-1b": dict(_LLAMA, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=64, intermediate_size=8192, tie_word_embeddings=True,
-                         rope_parameters=dict(_LLAMA3_ROPE, factor=32.0)),
-    "llama-3.1-8b": dict(_LLAMA, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, intermediate_size=14336, tie_word_embeddings=False,
-                         rope_parameters=dict(_LLAMA3_ROPE, factor=8.0)),
-    "llama-3.1-70b": dict(_LLAMA, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
-                          num_key_value_heads=8, intermediate_size=28672, tie_word_embeddings=False,
-                          rope_parameters=dict(_LLAMA3_ROPE, factor=8.0)),
-    "qwen3-8b": dict(_QWEN3, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                     intermediate_size=12288),
-    "qwen3-32b": dict(_QWEN3, hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
-                      intermediate_size=25600),
-    "mixtral-8x7b": dict(architectures=["MixtralForCausalLM"], hidden_size=4096, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=32000,
-                         num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5, max_position_embeddings=32768,
-                         rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False, torch_dtype="bfloat16",
-                         bos_token_id=1, eos_token_id=2),
-    "qwen3-30b-a3b": dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, num_hidden_layers=48,
-                          num_attention_heads=32, num_key_value_heads=4, intermediate_size=6144,
-                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-                          decoder_sparse_step=1, mlp_only_layers=[]),
-    "mistral-7b": dict(architectures=["MistralForCausalLM"], hidden_size=4096, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=32768,
-                       rms_norm_eps=1e-5, max_position_embeddings=32768, rope_theta=1000000.0, sliding_window=None,
-                       tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2),
-}
-
-
 DECODE_PROBES = (1, 64, 256)
 PROMPT_PROBE = 2048
 
@@ -126,17 +90,6 @@ class AotError(ValueError):
 
 
 # Inputs ---------------------------------------------------------------------------------------------------------
-def model_config(model: str) -> ModelConfig:
-    """A preset name, or a local folder's config.json (no weights are read, nothing is downloaded)."""
-    if model in PRESETS:
-        return ModelConfig.from_hf_dict(PRESETS[model])
-    path = Path(model)
-    if not (path / "config.json").is_file():
-        raise AotError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a folder with a "
-                       "config.json")
-    return ModelConfig.from_pretrained(path)
-
-
 def topology_devices(name: str) -> list:
     """The devices of a described TPU topology (``v5e:2x2``, ``v5p:2x2x1``, ...) or of described GPUs on one host
     (``h100``, ``h200:8``); no chips needed."""
@@ -422,16 +375,25 @@ def resolve(req: Request) -> Target:
     """The model, topology, mesh and pool dtype of a request; AotError for one the tool cannot serve."""
     if req.buckets not in ("all", "probes"):
         raise AotError(f"--buckets {req.buckets!r} must be 'all' or 'probes'")
-    cfg = model_config(req.model)
+    try:
+        cfg = model_config(req.model)
+        dtype = resolve_dtype(req.dtype, cfg)
+        mesh_cfg = MeshConfig.parse(req.mesh)
+    except ValueError as e:
+        raise AotError(str(e)) from None
+    for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_pages", "context"):
+        value = getattr(req, name)
+        if value is not None and value < 1:
+            raise AotError(f"--{name.replace('_', '-')} {value} must be >= 1")
+    if not 0 < req.hbm_utilization <= 1:
+        raise AotError(f"--hbm-utilization {req.hbm_utilization} must be in (0, 1]")
     if cfg.local_window is not None:
         raise AotError("this model interleaves windowed and global layers: the engine gives it two KV pools "
                        "(jaxserve/scheduler/window_pool.py), which aot does not compile")
-    dtype = resolve_dtype(req.dtype, cfg)
     devices = topology_devices(req.topology)
     chip, per_chip = chip_of(devices, req.topology)
     platform = "gpu" if devices[0].platform in ("gpu", "cuda") else "tpu"
     gpu = gpu_targets.parse(req.topology) if platform == "gpu" else None
-    mesh_cfg = MeshConfig.parse(req.mesh)
     if mesh_cfg.num_devices > len(devices):
         raise AotError(f"mesh {mesh_cfg} needs {mesh_cfg.num_devices} devices; topology {req.topology} has "
                        f"{len(devices)}")
@@ -739,9 +701,8 @@ def format_report(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.aot") -> int:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help=f"a Hugging Face folder (config.json) or a preset: "
+    p = ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help=f"a Hugging Face folder (config.json), a hub id or a preset: "
                                                   f"{', '.join(PRESETS)}")
     p.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:2x2, v5e:2x4, v6e:2x4, v5p:2x2x1; or "
                                                      "NVIDIA GPUs on one host: h100, h200, h100:8")
@@ -760,19 +721,26 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.aot") ->
     p.add_argument("--report-seqs", default="64,256", help="max_num_seqs values to report capacity at")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
+    batches = {}
+    for flag in ("decode_batches", "report_seqs"):
+        text = getattr(args, flag)
+        try:
+            batches[flag] = tuple(int(x) for x in text.split(",") if x)
+        except ValueError:
+            p.error(f"--{flag.replace('_', '-')} {text!r} must be comma-separated integers")
+        if any(b < 1 for b in batches[flag]):
+            p.error(f"--{flag.replace('_', '-')} {text!r}: each must be >= 1")
     req = Request(model=args.model, topology=args.topology, mesh=args.mesh, dtype=args.dtype, page_size=args.page_size,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   max_model_len=args.max_model_len, num_pages=args.num_pages, hbm_utilization=args.hbm_utilization,
                   buckets=args.buckets, sample_layers=args.sample_layers, context=args.context,
-                  decode_batches=tuple(int(x) for x in args.decode_batches.split(",") if x),
-                  report_seqs=tuple(int(x) for x in args.report_seqs.split(",") if x),
+                  decode_batches=batches["decode_batches"], report_seqs=batches["report_seqs"],
                   quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
                   kv_cache_dtype=args.kv_cache_dtype)
     try:
         report = run(req, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     except AotError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return user_error(prog, e)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0
 

@@ -102,7 +102,7 @@ def record(request_id, out: RequestOutput) -> dict:
            "token_ids": out.outputs[0].token_ids,
            "usage": {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_completion_tokens}}
     if out.outputs[0].logprobs is not None:
-        rec["logprobs"] = [{str(k): v for k, v in lp.items()} for lp in out.outputs[0].logprobs]
+        rec["logprobs"] = [{str(k): v.logprob for k, v in lp.items()} for lp in out.outputs[0].logprobs]
     if len(out.outputs) > 1:
         rec["outputs"] = [{"index": o.index, "text": o.text, "token_ids": o.token_ids,
                            "finish_reason": o.finish_reason} for o in out.outputs]

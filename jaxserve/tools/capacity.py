@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import argparse
 
+from jaxserve.config.args import ArgumentParser, user_error
 from jaxserve.config.engine import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from jaxserve.executor.kv_cache import bytes_per_token, kv_storage_dtype, local_pool_pages, pool_pages
-from jaxserve.models.checkpoint import resolve_model_path
 from jaxserve.models.config import ModelConfig
+from jaxserve.tools.model_specs import PRESETS, model_config
 from sharding.config import MeshConfig
 from sharding.rules import check_expert_parallel, check_tensor_parallel
 
@@ -84,10 +85,10 @@ def capacity(cfg: ModelConfig, *, hbm_gb: float, dtype: str, page_size: int, mes
     }
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.capacity") -> None:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
+def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.capacity") -> int:
+    p = ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help=f"a Hugging Face folder (config.json), a hub id or a preset: "
+                                                  f"{', '.join(PRESETS)}")
     p.add_argument("--hbm-gb", type=float, required=True, help="accelerator memory per device, GB")
     p.add_argument("--mesh", default=None)
     p.add_argument("--dtype", default="bfloat16", choices=["auto", *_ITEMSIZE])
@@ -102,15 +103,29 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.capacity
                         "windowed and global layers")
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     args = p.parse_args(argv)
-    cfg = ModelConfig.from_pretrained(resolve_model_path(args.model))
-    max_len = args.max_model_len or cfg.max_position_embeddings
-    c = capacity(cfg, hbm_gb=args.hbm_gb, dtype=args.dtype, page_size=args.page_size,
-                 mesh=MeshConfig.parse(args.mesh), utilization=args.hbm_utilization, max_model_len=max_len,
-                 quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
-                 kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
-                 max_num_batched_tokens=args.max_num_batched_tokens)
+    for name in ("page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} {value} must be >= 1")
+    if not args.hbm_gb > 0:
+        p.error(f"--hbm-gb {args.hbm_gb} must be > 0")
+    if not 0 < args.hbm_utilization <= 1:
+        p.error(f"--hbm-utilization {args.hbm_utilization} must be in (0, 1]")
+    try:
+        mesh = MeshConfig.parse(args.mesh)
+    except ValueError as e:
+        p.error(f"--mesh: {e}")
+    try:
+        cfg = model_config(args.model)
+        max_len = args.max_model_len or cfg.max_position_embeddings
+        c = capacity(cfg, hbm_gb=args.hbm_gb, dtype=args.dtype, page_size=args.page_size, mesh=mesh,
+                     utilization=args.hbm_utilization, max_model_len=max_len, quantization=args.quantization,
+                     quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=args.kv_cache_dtype,
+                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    except ValueError as e:  # the model cannot be read, or does not fit the devices described
+        return user_error(prog, e)
     print(f"{cfg.architecture}: {cfg.num_params / 1e9:.2f}B parameters, dtype {args.dtype}, weights "
-          f"{args.quantization or args.dtype}, KV cache {args.kv_cache_dtype}, mesh {MeshConfig.parse(args.mesh)}")
+          f"{args.quantization or args.dtype}, KV cache {args.kv_cache_dtype}, mesh {mesh}")
     if cfg.moe:
         m = cfg.moe
         print(f"  parameters                {c['total_params'] / 1e9:.2f}B total, {c['active_params'] / 1e9:.2f}B "
@@ -125,7 +140,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.capacity
               "above hold only the global layers' KV)")
     print(f"  tokens of context         {c['tokens_of_context']:,} (batch x context, all replicas)")
     print(f"  sequences at {max_len:,} tokens  {c['full_length_sequences']:,}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

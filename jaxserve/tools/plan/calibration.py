@@ -3,7 +3,6 @@ fitted to them (``python -m jaxserve.plan calibrate``)."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -76,19 +75,29 @@ def calibrate(engine, *, contexts: Seq[int] = (), decode_steps: int = 8, seed: i
 
 
 def calibrate_main(argv: list[str], prog: str = "python -m jaxserve.plan calibrate") -> int:
-    from jaxserve.config.args import add_engine_args, engine_config_from_args
+    from jaxserve.config.args import ArgumentParser, add_engine_args, engine_config_from_args, user_error
     from jaxserve.engine.engine import Engine
+    from jaxserve.models.checkpoint import check_model
     from jaxserve.executor.kv_cache import bytes_per_token
 
-    p = argparse.ArgumentParser(prog=prog,
-                                description="Time the engine's steps on this machine and fit a step-time model.")
+    p = ArgumentParser(prog=prog, description="Time the engine's steps on this machine and fit a step-time model.")
     p.add_argument("--out", required=True, help="where to write the step-time model (JSON)")
     p.add_argument("--contexts", default="", help="prompt lengths to calibrate at, e.g. 64,256 (default: two)")
     p.add_argument("--decode-steps", type=int, default=8)
     add_engine_args(p)
     args = p.parse_args(argv)
-    engine = Engine(engine_config_from_args(args))
-    contexts = [int(x) for x in args.contexts.split(",") if x]
+    try:
+        contexts = [int(x) for x in args.contexts.split(",") if x]
+    except ValueError:
+        p.error(f"--contexts {args.contexts!r} must be comma-separated integers")
+    if args.decode_steps < 1 or any(c < 1 for c in contexts):
+        p.error("--decode-steps and --contexts must be >= 1")
+    try:
+        config = engine_config_from_args(args)
+        check_model(config)
+    except ValueError as e:  # a bad engine option or a model that cannot be read: before anything compiles
+        return user_error(prog, e)
+    engine = Engine(config)
     model, samples = calibrate(engine, contexts=contexts, decode_steps=args.decode_steps,
                                log=lambda m: print(m, file=sys.stderr))
     errors = [abs(model.seconds(f) - s) / s for f, s in samples]

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxserve.config.args import ArgumentParser, user_error
 from jaxserve.config.engine import EngineConfig
 from jaxserve.models.config import ModelConfig
 from jaxserve.tools.capacity import capacity
 from jaxserve.tools.chips import CHIPS, GiB
+from jaxserve.tools.model_specs import model_config
 from jaxserve.tools.plan.calibration import calibrate_main
 from jaxserve.tools.plan.report import format_report, write_report
 from jaxserve.tools.plan.simulator import (
@@ -47,10 +49,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.plan") -
     if argv[:1] in (["-h"], ["--help"]):
         parser.print_help()
         return 0
-    parser.print_help(sys.stderr)
-    print(f"\n{parser.prog}: error: " + (f"unknown command {argv[0]!r}" if argv else "a command is required"),
-          file=sys.stderr)
-    return 2
+    problem = f"unknown command {argv[0]!r}" if argv else "a command is required"
+    return user_error(prog, f"{problem} (choose from {', '.join(COMMANDS)}; --help lists them)")
 
 
 def _commands_parser(prog: str) -> argparse.ArgumentParser:
@@ -59,7 +59,7 @@ def _commands_parser(prog: str) -> argparse.ArgumentParser:
 
     width = max(map(len, COMMANDS)) + 2
     listing = "\n".join(f"  {name:<{width}}{text}" for name, text in COMMANDS.items())
-    return argparse.ArgumentParser(
+    return ArgumentParser(
         prog=prog, usage=f"%(prog)s [-h] {{{','.join(COMMANDS)}}} ...",
         description=plan.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"commands:\n{listing}\n\nEach command's flags: {prog} COMMAND --help")
@@ -68,12 +68,11 @@ def _commands_parser(prog: str) -> argparse.ArgumentParser:
 def _simulate_parser(prog: str) -> argparse.ArgumentParser:
     from jaxserve.tools import plan
 
-    p = argparse.ArgumentParser(prog=prog, description=plan.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=prog, description=plan.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("step-time model (one of)")
     src.add_argument("--steps", help="a model from `plan calibrate` (or a saved roofline model)")
     src.add_argument("--aot", help="`python -m jaxserve.aot --json` output")
-    src.add_argument("--model", help="with --chip: a Hugging Face folder or an aot preset name")
+    src.add_argument("--model", help="with --chip: a Hugging Face folder, a hub id or a preset name (as aot's)")
     src.add_argument("--chip", choices=sorted(CHIPS))
     src.add_argument("--tensor", type=int, default=1, help="with --chip: chips per engine instance")
     src.add_argument("--efficiency", type=float, default=0.6, help="roofline models: fraction of peak reached")
@@ -252,6 +251,13 @@ class _Runs:
 def simulate_main(argv: list[str], prog: str = "python -m jaxserve.plan simulate") -> int:
     p = _simulate_parser(prog)
     args = p.parse_args(argv)
+    try:
+        return _simulate(args, p)
+    except (OSError, ValueError) as e:  # a file that cannot be read, a model or a value the planner refuses
+        return user_error(prog, e)
+
+
+def _simulate(args, p: argparse.ArgumentParser) -> int:
     model, calibrated = _step_model(args, p)
     per_instance = args.chips_per_instance or (args.tensor if args.chip else 1)
     chips = args.chips or per_instance
@@ -264,7 +270,10 @@ def simulate_main(argv: list[str], prog: str = "python -m jaxserve.plan simulate
         kv_token = calibrated.get("kv_bytes_per_token") or getattr(model, "kv_bytes_per_token", 0.0)
     deployments = _deployments(args, p, n_inst)
     runs = _Runs(args, model, engine, kv_token, chips)
-    rates = [float(r) for r in args.rates.split(",") if r]
+    try:
+        rates = [float(r) for r in args.rates.split(",") if r]
+    except ValueError:
+        p.error(f"--rates {args.rates!r} must be comma-separated numbers")
     results = [runs.run(d, r) for d in deployments for r in rates]
     best = []
     for d in deployments if args.search else ():
@@ -284,14 +293,8 @@ def simulate_main(argv: list[str], prog: str = "python -m jaxserve.plan simulate
 
 
 def _model_config(name: str) -> ModelConfig:
-    try:
-        from jaxserve.models.checkpoint import resolve_model_path
-
-        return ModelConfig.from_pretrained(resolve_model_path(name))
-    except (OSError, ValueError):
-        from jaxserve.tools.aot import model_config  # the preset shapes
-
-        return model_config(name)
+    """A preset, folder or hub id, as ``aot`` and ``capacity`` read it (``ModelSpecError`` when it cannot be)."""
+    return model_config(name)
 
 
 def _report_windows(report: dict) -> list:
