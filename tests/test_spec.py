@@ -240,7 +240,9 @@ def test_logprobs_are_the_targets_and_speculative_false_turns_it_off(spec, plain
     assert spec.spec.counters.accepted > accepted
     assert got.token_ids == want.token_ids
     for a, b in zip(want.logprobs, got.logprobs):
-        assert a.keys() == b.keys() and np.allclose(list(a.values()), list(b.values()), atol=1e-4)
+        assert a.keys() == b.keys()
+        assert np.allclose([v.logprob for v in a.values()], [v.logprob for v in b.values()], atol=1e-4)
+        assert [v.rank for v in a.values()] == [v.rank for v in b.values()]
     proposed = spec.spec.counters.proposed
     off = run(spec, [("loop", prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
                                                        speculative=False))])["loop"].outputs[0]
