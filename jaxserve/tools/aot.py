@@ -42,7 +42,6 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
