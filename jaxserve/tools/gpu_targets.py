@@ -76,7 +76,7 @@ def parse(topology: str) -> tuple[GpuTarget, int] | None:
     target = GPU_TARGETS.get(name.lower())
     if target is None:
         return None
-    if count and not count.isdigit() or count and int(count) < 1:
+    if count and (not count.isdigit() or int(count) < 1):
         raise ValueError(f"topology {topology!r}: the GPU count after ':' must be a positive integer")
     return target, int(count or 1)
 
