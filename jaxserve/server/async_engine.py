@@ -102,6 +102,7 @@ class AsyncEngine:
         self._idle: asyncio.Event | None = None
         # engine-thread state
         self._stats: dict | None = None
+        self._kv_events: Callable[[], None] | None = None  # the engine's publish_kv_events
         self._last_token_time: dict[str, float] = {}
         self._engine_live: set[str] = set()  # request ids the engine holds
         self._token_text_cache: dict[int, str] = {}
@@ -271,6 +272,9 @@ class AsyncEngine:
                                            int(engine.model_config.vocab_size), checks=self.checks)
             self.info = engine.describe()
             self._stats = engine.stats()
+            self._kv_events = getattr(engine, "publish_kv_events", None)
+            if self._kv_events is not None:
+                self._kv_events()  # from now on the prefix cache's pages are announced
             _log_ready(self.info, time.monotonic() - started, engine.warmup_summary)
             self._to_loop(self._deliver, [], [], self._sched_of(self._stats))  # before the first admission check
         except BaseException as e:  # noqa: BLE001 - reported to the event loop, which exits
@@ -389,6 +393,11 @@ class AsyncEngine:
 
     def _publish(self, engine, acks: list, outputs: list) -> None:
         now = time.monotonic()
+        if self._kv_events is not None:
+            try:
+                self._kv_events()
+            except Exception:  # noqa: BLE001 - events must never break serving
+                logger.exception("publishing KV-cache events failed")
         items = []
         for out in outputs:
             if isinstance(out, _Failed):
