@@ -103,6 +103,7 @@ class AsyncEngine:
         # engine-thread state
         self._stats: dict | None = None
         self._kv_events: Callable[[], None] | None = None  # the engine's publish_kv_events
+        self._unready: Callable[[], str | None] | None = None  # the engine's unready_reason (thread-safe)
         self._last_token_time: dict[str, float] = {}
         self._engine_live: set[str] = set()  # request ids the engine holds
         self._token_text_cache: dict[int, str] = {}
@@ -127,6 +128,10 @@ class AsyncEngine:
     @property
     def ready(self) -> bool:
         return self._ready is not None and self._ready.done() and self._ready.exception() is None
+
+    def unready_reason(self) -> str | None:
+        """Why a warm engine cannot serve now (e.g. a decode process with no prefill server reachable), or None."""
+        return self._unready() if self._unready is not None and self.ready else None
 
     @property
     def num_live_requests(self) -> int:
@@ -272,6 +277,7 @@ class AsyncEngine:
                                            int(engine.model_config.vocab_size), checks=self.checks)
             self.info = engine.describe()
             self._stats = engine.stats()
+            self._unready = getattr(engine, "unready_reason", None)
             self._kv_events = getattr(engine, "publish_kv_events", None)
             if self._kv_events is not None:
                 self._kv_events()  # from now on the prefix cache's pages are announced

@@ -247,6 +247,9 @@ class OpenAIServer:
             return JSONResponse({"status": "draining"}, status_code=503)
         if not self.engine.ready:
             return JSONResponse({"status": "starting"}, status_code=503)
+        reason = self.engine.unready_reason()
+        if reason is not None:
+            return JSONResponse({"status": reason}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def metrics_endpoint(self) -> Response:

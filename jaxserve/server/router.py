@@ -8,8 +8,16 @@ A client that goes away closes the forwarded call, and the decode process aborts
 
 Liveness: every decode process's ``/health`` is probed (every ``PROBE_S`` seconds while it is live); one that
 cannot be reached, answers anything but 200, or fails a forwarded call is out of rotation until a probe finds it
-healthy again, probes backing off from ``BACKOFF_MIN_S`` to ``BACKOFF_MAX_S``. A request that could not even
-connect moves to another process. A process that dies with requests in flight turns them into errors naming it:
+healthy again, probes backing off from ``BACKOFF_MIN_S`` to ``BACKOFF_MAX_S`` (one that answers "not ready",
+e.g. starting, draining, or without a reachable prefill server, is probed every ``UNREADY_PROBE_S``).
+
+A request refused before its first byte moves to another live process: one that could not connect (refused,
+or a kept-alive connection the server closed before answering), and one the process answered 503 (shutting
+down, starting, no prefill server: it was never admitted, and the process leaves the rotation until a probe
+finds it ready) or 429 (overloaded); gRPC likewise for UNAVAILABLE and RESOURCE_EXHAUSTED before the first
+message. So a rolling restart of the decode processes loses no request while one of them is live.
+
+A process that dies with requests in flight turns them into errors naming it:
 HTTP 500 (or, once a stream has started, an ``error`` event and ``[DONE]``), gRPC UNAVAILABLE. With no live
 process the router answers 503 / UNAVAILABLE ``no decode server is reachable (...)`` with each one's reason.
 """
@@ -41,6 +49,7 @@ SERVICE = "jaxserve.v1.JaxServe"
 PROBE_S = 1.0
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 8.0
+UNREADY_PROBE_S = 0.2
 CONNECT_TIMEOUT_S = 5.0
 _FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 _METADATA = ("authorization",)
@@ -99,6 +108,9 @@ class Pool:
                                 "server failed or died in flight).", ["server", "api", "outcome"], registry=registry)
         self.failovers = Counter("jaxserve_router_failovers", "Requests moved to another decode server because "
                                  "this one could not be reached.", ["server"], registry=registry)
+        self.retries = Counter("jaxserve_router_retries", "Requests moved to another decode server because this "
+                               "one refused them before admitting them (shutting down, starting, no prefill "
+                               "server, overloaded).", ["server"], registry=registry)
         self.rejected = Counter("jaxserve_router_rejected", "Requests answered 503 / UNAVAILABLE: no decode server "
                                 "was live.", ["api"], registry=registry)
         self.in_flight = Gauge("jaxserve_router_in_flight", "Requests in flight at each decode server.", ["server"],
@@ -149,7 +161,7 @@ class Pool:
         if b.live:
             logger.warning("decode server %s is out of rotation: %s", b.name, reason)
         b.live, b.reason = False, reason
-        b.next_probe = time.monotonic() + (PROBE_S if reachable else b.backoff)
+        b.next_probe = time.monotonic() + (UNREADY_PROBE_S if reachable else b.backoff)
         if not reachable:
             b.backoff = min(2 * b.backoff, BACKOFF_MAX_S)
         self._publish()
@@ -275,10 +287,13 @@ class Router:
             return body
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
         tried: set[str] = set()
+        overloaded = None  # the last 429 answer: passed on if no process admits the request
         while True:
             try:
                 b = self.pool.pick("http", tried)
             except NoBackend as e:
+                if overloaded is not None:
+                    return overloaded
                 return JSONResponse(_error_body(str(e), 503), status_code=503)
             use = self.pool.use(b)
             use.__enter__()
@@ -296,10 +311,25 @@ class Router:
                 if content is None:
                     return Response(status_code=499)
                 self.pool.requests.labels(b.name, "http", "ok" if upstream.status_code < 400 else "refused").inc()
-                return Response(content, status_code=upstream.status_code,
-                                media_type=upstream.headers.get("content-type"))
+                answer = Response(content, status_code=upstream.status_code,
+                                  media_type=upstream.headers.get("content-type"))
+                if upstream.status_code in (429, 503):  # not admitted there: another one takes it
+                    if upstream.status_code == 503:
+                        self.pool.set_dead(b, f"503: {_message(content)}", reachable=True)
+                    else:
+                        overloaded = answer
+                    self.pool.retries.labels(b.name).inc()
+                    tried.add(b.name)
+                    continue
+                return answer
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # never reached it: another one takes it
                 self.pool.set_dead(b, _reason(e))
+                self.pool.failovers.labels(b.name).inc()
+                tried.add(b.name)
+            except httpx.RemoteProtocolError as e:
+                if upstream is not None:
+                    return JSONResponse(_error_body(self.failed(b, _reason(e), "http"), 500), status_code=500)
+                # A kept-alive connection the server closed (it is stopping) before it read the request.
                 self.pool.failovers.labels(b.name).inc()
                 tried.add(b.name)
             except httpx.TransportError as e:
@@ -359,10 +389,13 @@ class Router:
     async def _call(self, name: str, stream: bool, request: bytes, context):
         """Yields the decode server's responses to the call (one for a unary method)."""
         tried: set[str] = set()
+        overloaded = None  # the last RESOURCE_EXHAUSTED details: passed on if no process admits the request
         while True:
             try:
                 b = self.pool.pick("grpc", tried)
             except NoBackend as e:
+                if overloaded is not None:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, overloaded)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             received = False
             with self.pool.use(b):
@@ -381,6 +414,15 @@ class Router:
                     if code == grpc.StatusCode.UNAVAILABLE and not received and _never_connected(details):
                         self.pool.set_dead(b, f"UNAVAILABLE: {details}")
                         self.pool.failovers.labels(b.name).inc()
+                        tried.add(b.name)
+                        continue
+                    if not received and (code == grpc.StatusCode.RESOURCE_EXHAUSTED or (
+                            code == grpc.StatusCode.UNAVAILABLE and _not_admitted(details))):
+                        if code == grpc.StatusCode.UNAVAILABLE:  # not ready there: another one takes it
+                            self.pool.set_dead(b, f"UNAVAILABLE: {details}", reachable=True)
+                        else:
+                            overloaded = details
+                        self.pool.retries.labels(b.name).inc()
                         tried.add(b.name)
                         continue
                     if code == grpc.StatusCode.UNAVAILABLE and "shutting down" not in details \
@@ -409,6 +451,20 @@ class Router:
 
 def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _not_admitted(details: str) -> bool:
+    """A decode server's UNAVAILABLE refusal of a request it never admitted."""
+    d = details.lower()
+    return "shutting down" in d or "starting up" in d or "failed to start" in d or "no prefill server" in d
+
+
+def _message(content: bytes) -> str:
+    """The error message of a JSON error body (the body itself, cut short, if it is not one)."""
+    try:
+        return str(json.loads(content)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return content[:200].decode("utf-8", "replace")
 
 
 def _never_connected(details: str) -> bool:
