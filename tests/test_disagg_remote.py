@@ -36,8 +36,8 @@ PROMPT_IDS = [0, 17, 23, 99, 41, 5, 77, 120, 8, 64, 33, 2, 19, 250, 7, 3, 91, 14
 
 
 class PrefillProcess:
-    def __init__(self, request, name: str):
-        self.port = free_port()
+    def __init__(self, request, name: str, port: int | None = None):
+        self.port = port or free_port()
         log = request.getfixturevalue("tmp_path_factory").mktemp("prefill-logs") / f"{name}.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jaxserve.serve", "--model", str(tiny_model(request)), "--role", "prefill",
