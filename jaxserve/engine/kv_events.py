@@ -50,15 +50,17 @@ class ZmqEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
+        self._replay = None
         try:
             (self._pub.bind if _binds(config.endpoint) else self._pub.connect)(config.endpoint)
-            self._replay = None
             if config.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
                 self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError as e:
             self._pub.close(0)
+            if self._replay is not None:
+                self._replay.close(0)
             raise ValueError(f"kv_events_config: cannot open {config.endpoint} / {config.replay_endpoint}: {e}") \
                 from None
         self.endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()

@@ -17,6 +17,12 @@ down, starting, no prefill server: it was never admitted, and the process leaves
 finds it ready) or 429 (overloaded); gRPC likewise for UNAVAILABLE and RESOURCE_EXHAUSTED before the first
 message. So a rolling restart of the decode processes loses no request while one of them is live.
 
+Routing (``--routing``): ``least-loaded`` (the default) as above; ``prefix``: the router follows each decode
+process's KV-cache events (``--kv-events-url``, ``jaxserve/server/prefix_index.py``), computes the page hashes
+of a request's prompt (token ids as given, or text and chat messages through ``--tokenizer``), and sends it to
+the live process holding the longest cached prefix, unless that one has more than ``PREFIX_LOAD_SLACK`` requests
+in flight beyond the least loaded (then, and with no page cached anywhere, least loaded).
+
 A process that dies with requests in flight turns them into errors naming it:
 HTTP 500 (or, once a stream has started, an ``error`` event and ``[DONE]``), gRPC UNAVAILABLE. With no live
 process the router answers 503 / UNAVAILABLE ``no decode server is reachable (...)`` with each one's reason.
@@ -40,6 +46,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from jaxserve.server import prefix_index
 from jaxserve.server.asgi import wait_disconnect
 from jaxserve.server.metrics import CONTENT_TYPE
 
@@ -50,6 +57,7 @@ PROBE_S = 1.0
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 8.0
 UNREADY_PROBE_S = 0.2
+PREFIX_LOAD_SLACK = 2  # --routing prefix: requests in flight a cache holder may carry beyond the least loaded
 CONNECT_TIMEOUT_S = 5.0
 _FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 _METADATA = ("authorization",)
@@ -113,6 +121,9 @@ class Pool:
                                "server, overloaded).", ["server"], registry=registry)
         self.rejected = Counter("jaxserve_router_rejected", "Requests answered 503 / UNAVAILABLE: no decode server "
                                 "was live.", ["api"], registry=registry)
+        self.prefix_routed = Counter("jaxserve_router_prefix_routed", "Requests sent to a decode server for the "
+                                     "prompt pages it holds cached (--routing prefix).", ["server"],
+                                     registry=registry)
         self.in_flight = Gauge("jaxserve_router_in_flight", "Requests in flight at each decode server.", ["server"],
                                registry=registry)
         self.up = Gauge("jaxserve_router_server_up", "1 while a decode server is in rotation.", ["server"],
@@ -129,14 +140,23 @@ class Pool:
     def reasons(self) -> str:
         return "; ".join(f"{b.name}: {b.reason}" for b in self.backends)
 
-    def pick(self, api: str, exclude: set[str] = frozenset()) -> Backend:
+    def pick(self, api: str, exclude: set[str] = frozenset(), cached=None) -> Backend:
+        """The live process with the fewest requests in flight; with ``cached`` (name -> leading pages of the
+        request's prompt it holds), the one holding the most, within ``PREFIX_LOAD_SLACK`` of the least loaded."""
         live = [b for b in self.live() if b.name not in exclude]
         if not live:
             self.rejected.labels(api).inc()
             raise NoBackend(f"no decode server is reachable ({self.reasons()})")
         start = next(self._rr)
         order = [live[(start + i) % len(live)] for i in range(len(live))]
-        return min(order, key=lambda b: b.in_flight)  # min keeps the first of equals: round robin among them
+        least = min(order, key=lambda b: b.in_flight)  # min keeps the first of equals: round robin among them
+        if cached:
+            near = [b for b in order if b.in_flight <= least.in_flight + PREFIX_LOAD_SLACK]
+            best = max(near, key=lambda b: (cached(b.name), -b.in_flight))
+            if cached(best.name) > 0:
+                self.prefix_routed.labels(best.name).inc()
+                return best
+        return least
 
     @contextlib.contextmanager
     def use(self, b: Backend):
@@ -240,10 +260,13 @@ class _Relay(Response):
 class Router:
     """The HTTP app and the gRPC server over a ``Pool``."""
 
-    def __init__(self, urls: list[tuple[str, str]], *, max_body_bytes: int = 4 * 2**20):
+    def __init__(self, urls: list[tuple[str, str]], *, max_body_bytes: int = 4 * 2**20,
+                 prefix_index=None, tokenizer=None):
         self.registry = CollectorRegistry()
         self.pool = Pool(urls, self.registry)
         self.max_body_bytes = max_body_bytes
+        self.index = prefix_index  # a PrefixIndex: --routing prefix
+        self.tokenizer = tokenizer  # tokenizes text prompts for it (token-id prompts need none)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
@@ -288,9 +311,10 @@ class Router:
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
         tried: set[str] = set()
         overloaded = None  # the last 429 answer: passed on if no process admits the request
+        cached = await self._cached_pages(request.url.path, body) if self.index is not None else None
         while True:
             try:
-                b = self.pool.pick("http", tried)
+                b = self.pool.pick("http", tried, cached)
             except NoBackend as e:
                 if overloaded is not None:
                     return overloaded
@@ -339,6 +363,40 @@ class Router:
                     if upstream is not None:
                         await upstream.aclose()
                     use.__exit__(None, None, None)
+
+    async def _cached_pages(self, path: str, body: bytes):
+        """``name -> leading pages of this request's prompt that process holds``, or None (not a generation
+        request, no page size known yet, or a text prompt without a tokenizer)."""
+        page_size = self.index.page_size
+        if page_size is None or path not in ("/v1/completions", "/v1/chat/completions"):
+            return None
+        try:
+            req = json.loads(body)
+            ids = await self._prompt_ids(req)
+        except Exception:  # noqa: BLE001 - the decode server answers a bad request; routing just falls back
+            return None
+        if not ids:
+            return None
+        hashes = prefix_index.prompt_hashes(ids, page_size, req.get("cache_salt"))
+        return lambda name: self.index.longest_prefix(name, hashes)
+
+    async def _prompt_ids(self, req: dict) -> list[int] | None:
+        prompt = req.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return prompt
+        if self.tokenizer is None:
+            return None
+        if isinstance(prompt, str):
+            return await asyncio.to_thread(self.tokenizer.encode, prompt)
+        messages = req.get("messages")
+        if isinstance(messages, list) and messages:
+            from jaxserve.text.tokenizer import chat_template_ids
+
+            return await asyncio.to_thread(
+                chat_template_ids, self.tokenizer, messages, req.get("add_generation_prompt", True),
+                continue_final_message=bool(req.get("continue_final_message")), tools=req.get("tools"),
+                chat_template_kwargs=req.get("chat_template_kwargs"))
+        return None
 
     @staticmethod
     async def _until_disconnect(request: Request, work):
@@ -487,7 +545,18 @@ async def run_router(args) -> int:
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request and probe
-    router = Router(parse_decode_urls(args.decode_url), max_body_bytes=args.max_request_bytes)
+    urls = parse_decode_urls(args.decode_url)
+    index, tokenizer = None, None
+    if getattr(args, "routing", "least-loaded") == "prefix":
+        names = [h.removeprefix("http://") for h, _ in urls]
+        pubs = args.kv_events_url.split(",")
+        replays = args.kv_events_replay_url.split(",") if args.kv_events_replay_url else [None] * len(names)
+        index = prefix_index.PrefixIndex(dict(zip(names, pubs)), dict(zip(names, replays)))
+        if args.tokenizer:
+            from jaxserve.text.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(args.tokenizer)
+    router = Router(urls, max_body_bytes=args.max_request_bytes, prefix_index=index, tokenizer=tokenizer)
     grpc_server = router.grpc_server(args.max_request_bytes)
     try:
         grpc_port = grpc_server.add_insecure_port(_url(args.host, args.grpc_port))
@@ -511,6 +580,7 @@ async def run_router(args) -> int:
     await router.set_health()
     http_task = asyncio.create_task(http_server.serve(sockets=[http_sock]))
     probe_task = asyncio.create_task(router.pool.probe_forever(router.client))
+    index_task = asyncio.create_task(index.run()) if index is not None else None
 
     async def health_forever():
         while True:
@@ -529,8 +599,9 @@ async def run_router(args) -> int:
     http_server.should_exit = True
     with contextlib.suppress(Exception):
         await http_task
-    for task in (probe_task, health_task):
+    tasks = [t for t in (probe_task, health_task, index_task) if t is not None]
+    for task in tasks:
         task.cancel()
-    await asyncio.gather(probe_task, health_task, return_exceptions=True)
+    await asyncio.gather(*tasks, return_exceptions=True)
     await router.aclose()
     return 0
