@@ -84,6 +84,8 @@ def test_rolling_restart_of_every_decode_process_under_load_loses_no_request(tmp
                 time.sleep(0.02)
 
         wait_up(2)
+        for base in [http] + [f"http://127.0.0.1:{h}" for h, _ in ports]:  # liveness, whatever the readiness
+            assert httpx.get(base + "/live", timeout=10).json() == {"status": "live"}
 
         def http_client():
             with httpx.Client(timeout=30) as c:

@@ -280,6 +280,7 @@ class Router:
     def app(self) -> Starlette:
         return Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
+            Route("/live", lambda request: JSONResponse({"status": "live"}), methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/{path:path}", self.forward, methods=["GET", "POST"]),
         ])
