@@ -5,6 +5,7 @@ prefix of a prompt within the load bound (jaxserve/server/prefix_index.py, jaxse
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 from prometheus_client import CollectorRegistry
@@ -71,6 +72,20 @@ def test_index_follows_events_and_the_pool_prefers_the_holder_within_the_bound()
             assert pool.pick("http", cached=cached) is b  # too far beyond the least loaded
             a.in_flight = 0
             assert {pool.pick("http").name for _ in range(4)} == {"a:1", "b:1"}  # least-loaded: in turn
+
+            # The router reads the prompt of an HTTP completion (token ids) and of a gRPC Generate request.
+            from jaxserve.server.protos import jaxserve_pb2 as pb
+
+            router = rt.Router([("http://a:1", "a:2"), ("http://b:1", "b:2")], prefix_index=index)
+            ids = SYSTEM + [9, 9, 9, 9, 9]
+            body = {"model": "m", "prompt": ids, "max_tokens": 1}
+            http_cached = await router._cached_pages("/v1/completions", json.dumps(body).encode())
+            grpc_cached = await router._grpc_cached_pages(pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=ids)).SerializeToString())
+            salted = await router._cached_pages("/v1/completions", json.dumps(dict(body, cache_salt="t")).encode())
+            assert [f(n) for f in (http_cached, grpc_cached, salted) for n in ("a:1", "b:1")] == [3, 0, 3, 0, 0, 0]
+            assert await router._cached_pages("/v1/models", b"") is None
+            await router.aclose()
 
             # An eviction on a: its match shrinks to the pages before the removed one.
             pubs["a:1"].publish([BlockRemoved([prompt[1]])])

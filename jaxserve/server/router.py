@@ -445,13 +445,13 @@ class Router:
     def _metadata(context) -> tuple:
         return tuple((k, v) for k, v in (context.invocation_metadata() or ()) if k in _METADATA)
 
-    async def _call(self, name: str, stream: bool, request: bytes, context):
+    async def _call(self, name: str, stream: bool, request: bytes, context, cached=None):
         """Yields the decode server's responses to the call (one for a unary method)."""
         tried: set[str] = set()
         overloaded = None  # the last RESOURCE_EXHAUSTED details: passed on if no process admits the request
         while True:
             try:
-                b = self.pool.pick("grpc", tried)
+                b = self.pool.pick("grpc", tried, cached)
             except NoBackend as e:
                 if overloaded is not None:
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, overloaded)
@@ -493,8 +493,29 @@ class Router:
                     call.cancel()  # no-op once done; on the client's cancellation it aborts the request there
 
     async def _generate(self, request: bytes, context):
-        async for msg in self._call("Generate", True, request, context):
+        async for msg in self._call("Generate", True, request, context, await self._grpc_cached_pages(request)):
             yield msg
+
+    async def _grpc_cached_pages(self, request: bytes):
+        """As ``_cached_pages``, for a ``GenerateRequest`` (decoded here only to read its prompt)."""
+        if self.index is None or self.index.page_size is None:
+            return None
+        from jaxserve.server.protos import jaxserve_pb2 as pb
+
+        try:
+            req = pb.GenerateRequest.FromString(request)
+        except Exception:  # noqa: BLE001 - the decode server answers a malformed request
+            return None
+        which = req.WhichOneof("prompt")
+        if which == "token_ids":
+            ids = list(req.token_ids.ids)
+        elif which == "text" and self.tokenizer is not None:
+            ids = await asyncio.to_thread(self.tokenizer.encode, req.text)
+        else:
+            return None
+        hashes = prefix_index.prompt_hashes(ids, self.index.page_size,
+                                            req.cache_salt if req.HasField("cache_salt") else None)
+        return lambda name: self.index.longest_prefix(name, hashes)
 
     async def _tokenize(self, request: bytes, context):
         return [m async for m in self._call("Tokenize", False, request, context)][0]
