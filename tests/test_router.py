@@ -191,7 +191,9 @@ def test_prefill_outage_is_reported_and_service_resumes_within_a_second(request,
             break
         assert r.status_code == 503 and time.monotonic() - ready < 5, r.text
         time.sleep(0.02)
-    assert time.monotonic() - ready < 1.0
+    resumed = time.monotonic() - ready
+    print(f"served again {resumed:.2f} s after the new prefill process was ready")
+    assert resumed < 1.0
     router.wait_metrics(lambda m: m.get("jaxserve_router_servers_live") == 2, timeout=10)
     assert all(d.metrics()["jaxserve_ready"] == 1 for d in decodes)
 
