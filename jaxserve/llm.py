@@ -114,6 +114,7 @@ class LLM:
 
             bar = tqdm(total=len(request_ids), desc="requests", unit="req")
         try:
+            self.engine.publish_kv_events()
             while pending:
                 for out in self.engine.step():
                     if out.finished and out.request_id in pending:
@@ -121,6 +122,7 @@ class LLM:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+                self.engine.publish_kv_events()
         except BaseException:
             for rid in pending:
                 self.engine.abort_request(rid)

@@ -63,12 +63,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") 
 def follow(args) -> int:
     """A process other than 0 of a multi-host server: build the same engine, run the steps process 0 sends until
     it stops (its shutdown), then exit."""
+    import dataclasses
     import logging
 
     from jaxserve.engine.engine import Engine
 
     log = logging.getLogger("jaxserve.serve")
-    engine = Engine(args.engine_config)
+    # Process 0 plans every step and owns the prefix cache: only it publishes KV-cache events.
+    engine = Engine(dataclasses.replace(args.engine_config, kv_events_config=None))
     log.info("following process 0's steps")
     engine.follow()
     log.info("process 0 stopped; this follower exits")

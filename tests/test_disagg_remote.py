@@ -36,8 +36,8 @@ PROMPT_IDS = [0, 17, 23, 99, 41, 5, 77, 120, 8, 64, 33, 2, 19, 250, 7, 3, 91, 14
 
 
 class PrefillProcess:
-    def __init__(self, request, name: str):
-        self.port = free_port()
+    def __init__(self, request, name: str, port: int | None = None):
+        self.port = port or free_port()
         log = request.getfixturevalue("tmp_path_factory").mktemp("prefill-logs") / f"{name}.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jaxserve.serve", "--model", str(tiny_model(request)), "--role", "prefill",
@@ -175,9 +175,10 @@ def test_dead_prefill_process_keeps_serving_then_503(cluster, client):
             client.completions.create(model=MODEL_NAME, prompt=PROMPT_IDS, max_tokens=4, temperature=0)
     # In flight to the process just killed: an error (500, the log says why); after that: 503 with the reason.
     assert e.value.status_code == 500 or (e.value.status_code == 503 and "prefill server" in str(e.value))
-    # The front door itself keeps answering, and says why it cannot serve.
+    # The front door itself keeps answering, says why it cannot serve, and reports itself not ready.
     time.sleep(0.5)
     r = httpx.post(decode.http + "/v1/completions", timeout=30,
                    json=dict(model=MODEL_NAME, prompt=PROMPT_IDS, max_tokens=4))
     assert r.status_code == 503 and "no prefill server is reachable" in r.text
-    assert httpx.get(decode.http + "/health", timeout=10).status_code == 200
+    health = httpx.get(decode.http + "/health", timeout=10)
+    assert health.status_code == 503 and "no prefill server is reachable" in health.json()["status"]

@@ -33,12 +33,14 @@ def cluster(request):
             d.wait_ready()
         router.wait_ready()
         router.wait_metrics(lambda m: m.get("jaxserve_router_servers_live") == 2, timeout=30)
-        yield prefill, decodes, router
+        prefills = [prefill]  # a test that restarts the prefill process appends the new one
+        yield prefills, decodes, router
     finally:
         router.terminate()
         for d in decodes:
             d.terminate(timeout=10)
-        prefill.kill()
+        for p in prefills if "prefills" in locals() else [prefill]:
+            p.kill()
 
 
 def _name(server) -> str:
@@ -155,6 +157,45 @@ def test_forwarding_matches_colocated_and_cancels(request, cluster):
     assert aborted() == before + 2
     for d in decodes:
         assert pages_idle(d.wait_metrics(pages_idle, timeout=30))
+
+
+def test_prefill_outage_is_reported_and_service_resumes_within_a_second(request, cluster):
+    """With the only prefill process down, both decode processes say they are not ready, the router routes around
+    them and says why; once a new prefill process is ready, requests are served again within a second."""
+    prefills, decodes, router = cluster
+    prefill = prefills[0]
+    prefill.kill()
+    deadline = time.monotonic() + 10
+    while True:
+        health = [httpx.get(d.http + "/health", timeout=10) for d in decodes + [router]]
+        if all(h.status_code == 503 and "no prefill server is reachable" in h.text for h in health):
+            break
+        assert time.monotonic() < deadline, [h.text for h in health]
+        time.sleep(0.05)
+    assert all(d.metrics()["jaxserve_ready"] == 0 for d in decodes)
+    with grpc.insecure_channel(decodes[0].grpc) as ch:
+        assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+    r = httpx.post(router.http + "/v1/completions", timeout=30, json=dict(model=MODEL_NAME, prompt=PROMPT_IDS,
+                                                                          max_tokens=2))
+    assert r.status_code == 503 and "no prefill server is reachable" in r.text
+
+    revived = PrefillProcess(request, "router-prefill-again", port=prefill.port)
+    prefills.append(revived)
+    revived.wait_ready()
+    ready = time.monotonic()
+    while True:
+        r = httpx.post(router.http + "/v1/completions", timeout=30, json=dict(
+            model=MODEL_NAME, prompt=PROMPT_IDS, max_tokens=2))
+        if r.status_code == 200:
+            break
+        assert r.status_code == 503 and time.monotonic() - ready < 5, r.text
+        time.sleep(0.02)
+    resumed = time.monotonic() - ready
+    print(f"served again {resumed:.2f} s after the new prefill process was ready")
+    assert resumed < 1.0
+    router.wait_metrics(lambda m: m.get("jaxserve_router_servers_live") == 2, timeout=10)
+    assert all(d.metrics()["jaxserve_ready"] == 1 for d in decodes)
 
 
 def test_dead_decode_process_fails_its_stream_then_others_serve_then_503(request, cluster):

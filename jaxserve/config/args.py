@@ -75,6 +75,10 @@ HELP = {
     "speculative_config": "speculative decoding, as a JSON object with vLLM's keys, e.g. '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
                           "(default: none)",
+    "kv_events_config": "publish the prefix cache's pages as vLLM's KV-cache events, as a JSON object with vLLM's "
+                        "keys, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
+                        "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv\"}' "
+                        "(default: none)",
 }
 
 

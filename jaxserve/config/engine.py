@@ -6,6 +6,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+from jaxserve.config.kv_events import KVEventsConfig
 from jaxserve.config.scheduler import SchedulerConfig, pages_per_seq
 from jaxserve.config.speculative import SpeculativeConfig
 from sharding.config import MeshConfig
@@ -85,6 +86,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8", "fp8" (= "fp8_e4m3"), "fp8_e5m2"
     # vLLM's speculative_config: a JSON object (the flag) or a dict, kept as a SpeculativeConfig
     speculative_config: "str | dict | SpeculativeConfig | None" = None
+    # vLLM's kv_events_config: a JSON object (the flag) or a dict, kept as a KVEventsConfig
+    kv_events_config: "str | dict | KVEventsConfig | None" = None
 
     def __post_init__(self):
         positive = ("page_size", "max_num_seqs", "max_num_batched_tokens")
@@ -118,6 +121,7 @@ class EngineConfig:
         if not isinstance(self.max_pending_transfers, int) or self.max_pending_transfers < 1:
             raise ValueError(f"max_pending_transfers={self.max_pending_transfers!r} must be a positive integer")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         if self.speculative_config is not None and self.speculative_config.model and self.prefill_mesh is not None:
             raise ValueError("speculative_config: a draft model cannot be combined with prefill_mesh/decode_mesh "
                              "(the decode side would need the prompt's KV in the draft's pool too); use "

@@ -158,6 +158,7 @@ class PrefillServer:
 
     def _loop(self) -> None:
         engine = self.engine
+        engine.publish_kv_events()  # --kv-events-config: the prefix cache (this side's) is announced from now on
         while not self._stop.is_set():
             if not self._take(take_all(self._intake, not engine.has_unfinished())):
                 return
@@ -173,6 +174,7 @@ class PrefillServer:
                     self._streams.pop(rid).put(RuntimeError(f"the prefill step failed: {e}"))
                 continue
             self._send(outputs, handoffs)
+            engine.publish_kv_events()
             self.stats = engine.stats()
 
     def _take(self, items: list) -> bool:

@@ -7,9 +7,14 @@ writes the received pages into its own pool (``PageWriter``: ``jax.device_put`` 
 it has room, and decodes with continuous batching. Pulled pages are fetched by the call's receiving thread, before
 the engine sees them. What travels is ``jaxserve.disagg.wire``'s.
 
-Failure and load: a prefill call that fails ends its request with an error naming the prefill server; a
-server that cannot be reached is skipped for ``RETRY_DEAD_S`` seconds, and with none left new requests are
-refused with 503 ("no prefill server is reachable"). A cancelled request cancels its call, and the prefill
+Failure and load: a prefill call that fails ends its request with an error naming the prefill server. Every
+prefill server is probed (its ``Stats`` call) every ``PROBE_S`` seconds, on channels that reconnect within
+``RECONNECT_MAX_MS``: one that cannot be reached (or failed a call) is skipped until a probe answers, and with
+none left new requests are refused with 503 ("no prefill server is reachable") and the process reports itself
+not ready (``unready_reason``: /health 503, gRPC health NOT_SERVING), so a router sends its requests elsewhere.
+A prefill server that comes back is in use again within ``PROBE_S`` plus one reconnect.
+
+A cancelled request cancels its call, and the prefill
 process aborts it and frees its pages. At most ``max_pending_transfers`` prefills are in flight or waiting for
 room on the decode side; further requests wait in the decode process's queue (never dropped).
 """
@@ -28,7 +33,7 @@ from collections import deque
 from jaxserve.config.engine import EngineConfig
 from jaxserve.disagg.pages import PageWriter
 from jaxserve.disagg.staged import StagedEngine
-from jaxserve.disagg.wire import CHUNK_BYTES, METHOD, identity, pages_from_bytes, params_to_json
+from jaxserve.disagg.wire import CHUNK_BYTES, METHOD, STATS_METHOD, identity, pages_from_bytes, params_to_json
 from jaxserve.engine.request_stream import EngineNotReady
 from jaxserve.outputs import RequestOutput, TokenRecord
 from jaxserve.sampling_params import SamplingParams, sequence_seed
@@ -37,7 +42,12 @@ from jaxserve.scheduler.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
-RETRY_DEAD_S = 5.0
+PROBE_S = 0.1
+PROBE_TIMEOUT_S = 1.0
+# gRPC's reconnect back-off grows to 120 s by default; a prefill server that restarts must be found at once.
+RECONNECT_MAX_MS = 300
+_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS)]
 _RETRY = object()
 
 
@@ -59,10 +69,27 @@ class _Endpoint:
         import grpc
 
         self.url = url
-        self.channel = grpc.insecure_channel(url, options=[("grpc.max_receive_message_length", 4 * CHUNK_BYTES)])
+        self.channel = grpc.insecure_channel(url, options=[("grpc.max_receive_message_length", 4 * CHUNK_BYTES),
+                                                           *_CHANNEL_OPTIONS])
         self.run = self.channel.unary_stream(METHOD, request_serializer=identity, response_deserializer=identity)
-        self.dead_until = 0.0
-        self.last_error = ""
+        self.stats = self.channel.unary_unary(STATS_METHOD, request_serializer=identity,
+                                              response_deserializer=identity)
+        self.up = False  # the last probe answered (and no call failed since)
+        self.last_error = "not probed yet"
+
+    def probe(self) -> None:
+        import grpc
+
+        try:
+            self.stats(b"", timeout=PROBE_TIMEOUT_S)
+        except grpc.RpcError as e:
+            if self.up:
+                logger.warning("prefill server %s is unreachable: %s", self.url, e.code().name)
+            self.up, self.last_error = False, f"{e.code().name}: {e.details()}"
+            return
+        if not self.up:
+            logger.info("prefill server %s is reachable", self.url)
+        self.up, self.last_error = True, "ok"
 
 
 class RemotePrefill:
@@ -79,11 +106,30 @@ class RemotePrefill:
         self.results: queue.Queue = queue.Queue()
         self._rr = itertools.count()
         self._pinned: dict[str, _Endpoint] = {}  # request id -> where its first output went: its siblings follow
+        for e in self.endpoints:  # the first answers before the engine serves
+            e.probe()
+        self._closed = threading.Event()
+        self._prober = threading.Thread(target=self._probe_forever, name="prefill-probes", daemon=True)
+        self._prober.start()
+
+    def _probe_forever(self) -> None:
+        while not self._closed.wait(PROBE_S):
+            for e in self.endpoints:
+                e.probe()
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def unready_reason(self) -> str | None:
+        """None while a prefill server is reachable, else why this process cannot serve."""
+        if self.live():
+            return None
+        return "no prefill server is reachable (" + "; ".join(f"{e.url}: {e.last_error}" for e in self.endpoints) \
+            + ")"
 
     # the Scheduler-like interface of a stage
     def live(self) -> list[_Endpoint]:
-        now = time.monotonic()
-        return [e for e in self.endpoints if e.dead_until <= now]
+        return [e for e in self.endpoints if e.up]
 
     def add(self, seq: Sequence) -> list[Sequence]:
         p = seq.sampling_params
@@ -198,7 +244,7 @@ class RemotePrefill:
             if e.code() == grpc.StatusCode.CANCELLED:
                 return
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-                ep.dead_until = time.monotonic() + RETRY_DEAD_S
+                ep.up = False  # skipped until a probe answers again
             ep.last_error = f"{e.code().name}: {e.details()}"
             if e.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (e.details() or ""):
                 self.results.put((r, _RETRY))  # never reached it: another prefill server takes the request
@@ -367,6 +413,14 @@ class RemotePrefillEngine(StagedEngine):
         s = super().stats()
         s["kv_transfers_pending"] = len(self.remote.calls)
         return s
+
+    def unready_reason(self) -> str | None:
+        """None while this process can serve; else why not (no prefill server is reachable). Thread-safe."""
+        return self.remote.unready_reason()
+
+    def close(self) -> None:
+        self.remote.close()
+        super().close()
 
     def describe(self) -> dict:
         info = super().describe()

@@ -19,6 +19,7 @@ from collections.abc import Sequence as Seq
 from jaxserve.config.engine import EngineConfig
 from jaxserve.engine import async_scheduling
 from jaxserve.engine.generation_config import load_generation_defaults
+from jaxserve.engine.kv_events import make_publisher
 from jaxserve.models.checkpoint import resolve_model_path
 from jaxserve.models.config import ModelConfig
 from jaxserve.outputs import CompletionDelta, CompletionOutput, RequestDelta, RequestMetrics, RequestOutput, TokenRecord
@@ -131,6 +132,10 @@ class Engine:
         self._loud = 0  # live requests with ``_Request.loud``
         # True: ``step`` returns outputs of finished requests only (the offline API reads nothing else).
         self.final_outputs_only = False
+        # KV-cache events (--kv-events-config): the publisher, and the page pools it announces (set on the first
+        # ``publish_kv_events``, once a subclass has built its stages)
+        self.kv_events = make_publisher(config.kv_events_config)
+        self._kv_event_pools: list | None = None
 
     def _load_tokenizer(self, folder):
         """The tokenizer of ``config.tokenizer`` or the model folder. Random weights (``load_format="dummy"``) from
@@ -507,8 +512,32 @@ class Engine:
         self.executor.follow()
 
     def close(self) -> None:
-        """Release the follower processes of a multi-process run (no-op otherwise)."""
+        """Release the follower processes of a multi-process run (no-op otherwise), and close the KV-event
+        publisher."""
         self.executor.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
+
+    # KV-cache events ----------------------------------------------------------------------------------------
+    def kv_event_pools(self) -> list:
+        """The page pools whose prefix caches are announced, one per data replica (its ``data_parallel_rank``):
+        the prefill stage's where prompts run on a stage of their own, else the engine's."""
+        sched = getattr(self, "prefill_scheduler", None) or getattr(self, "decode_scheduler", None) or self.scheduler
+        return [getattr(r.block_manager, "full", r.block_manager) for r in sched.replicas]
+
+    def publish_kv_events(self) -> None:
+        """Hand the events of the prefix caches since the last call to the publisher (a queue put: never waits).
+        The host loop calls it once after the engine is built and then after each step."""
+        if self.kv_events is None:
+            return
+        if self._kv_event_pools is None:
+            self._kv_event_pools = self.kv_event_pools()
+            for pool in self._kv_event_pools:
+                pool.events = []
+        for rank, pool in enumerate(self._kv_event_pools):
+            if pool.events:
+                events, pool.events = pool.events, []
+                self.kv_events.publish(events, rank)
 
     # Introspection ------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

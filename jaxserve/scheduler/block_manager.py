@@ -9,6 +9,7 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
+from jaxserve.scheduler.kv_events import BlockRemoved, BlockStored, KVCacheEvent, external_hash
 from jaxserve.scheduler.page_pool import OutOfPages, PagePool
 from jaxserve.scheduler.sequence import Sequence, SequenceStatus
 
@@ -93,6 +94,9 @@ class BlockManager:
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found cached
         self.num_evictions = 0
+        # When a list: every page entering or leaving the cache is announced here, in order
+        # (jaxserve/scheduler/kv_events.py); the engine takes them after each step.
+        self.events: list[KVCacheEvent] | None = None
 
     def _t(self, seq: Sequence) -> list[int]:
         return getattr(seq, self.table)
@@ -218,10 +222,21 @@ class BlockManager:
             return self.pool.allocate(1)[0]
         # Reuse the least recently released cached page; its content is forgotten.
         page, _ = self._evictable.popitem(last=False)
-        del self._page_of[self._hash_of[page]]
-        self._hash_of[page] = None
+        self._forget(page)
         self.num_evictions += 1
         return page
+
+    def _forget(self, page: int) -> None:
+        """Drop a cached page's registration (it holds nothing worth keeping from now on)."""
+        key = self._hash_of[page]
+        del self._page_of[key]
+        self._hash_of[page] = None
+        if self.events is not None:
+            last = self.events[-1] if self.events else None
+            if isinstance(last, BlockRemoved):
+                last.block_hashes.append(external_hash(key))
+            else:
+                self.events.append(BlockRemoved([external_hash(key)]))
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; its registered pages stay cached until evicted, the rest return to the pool."""
@@ -297,23 +312,36 @@ class BlockManager:
         if end <= start:
             return
         hashes = self._hashes(seq, end)
+        run: BlockStored | None = None  # the event of the pages stored just before this one
         for i in range(start, end):
             page, h = self._t(seq)[i], hashes[i]
             if page == RELEASED:  # already behind the window (async scheduling registers a step later): not kept
+                run = None
                 continue
             # Another sequence may have computed the same content into its own page first; keep that one
             # and let this copy return to the pool when released.
             if h not in self._page_of:
                 self._page_of[h] = page
                 self._hash_of[page] = h
+                if self.events is not None:
+                    ps = self.page_size
+                    tokens = seq.token_ids(i * ps, (i + 1) * ps)
+                    if run is not None:
+                        run.block_hashes.append(external_hash(h))
+                        run.token_ids.extend(tokens)
+                    else:
+                        run = BlockStored([external_hash(h)], external_hash(hashes[i - 1]) if i else None,
+                                          list(tokens), ps)
+                        self.events.append(run)
+            else:
+                run = None
         self._num_registered[seq.seq_id] = end
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached page nobody references (e.g. after new weights are loaded)."""
         while self._evictable:
             page, _ = self._evictable.popitem(last=False)
-            del self._page_of[self._hash_of[page]]
-            self._hash_of[page] = None
+            self._forget(page)
             self.pool.free([page])
 
     def stats(self) -> dict[str, int]:

@@ -135,11 +135,15 @@ async def _serve_until_stopped(args: argparse.Namespace, engine: AsyncEngine, me
     await asyncio.wait({ready, stopping, http_task}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
     if ready.done() and ready.exception() is None and not http_task.done():
-        await fronts.grpc.set_serving(True)
-        metrics.ready.set(1)
+        serving = engine.unready_reason() is None
+        await fronts.grpc.set_serving(serving)
+        metrics.ready.set(1 if serving else 0)
         print(f"jaxserve ready: model={names[0]} http=http://{_url(host, fronts.http_port)} "
               f"grpc={_url(host, fronts.grpc_port)} path={engine.info.get('model_path', '')}", flush=True)
+        readiness = asyncio.ensure_future(_follow_readiness(engine, metrics, fronts, serving))
         await asyncio.wait({stopping, http_task}, return_when=asyncio.FIRST_COMPLETED)
+        readiness.cancel()
+        await asyncio.gather(readiness, return_exceptions=True)
     elif ready.done():
         logger.error("the engine failed to start: %s", ready.exception())
         code = 1
@@ -148,6 +152,20 @@ async def _serve_until_stopped(args: argparse.Namespace, engine: AsyncEngine, me
                      http_task.cancelled() else "cancelled")
         code = 1
     return code
+
+
+async def _follow_readiness(engine: AsyncEngine, metrics: ServerMetrics, fronts: _FrontEnds, serving: bool,
+                            every: float = 0.1) -> None:
+    """While serving: gRPC health and ``jaxserve_ready`` follow ``engine.unready_reason()`` (a decode process whose
+    prefill servers are all unreachable is not ready), as /health does."""
+    while True:
+        now = engine.unready_reason() is None
+        if now != serving:
+            logger.warning("%s", "ready again" if now else f"not ready: {engine.unready_reason()}")
+            serving = now
+            await fronts.grpc.set_serving(now)
+            metrics.ready.set(1 if now else 0)
+        await asyncio.sleep(every)
 
 
 async def _shut_down(engine: AsyncEngine, metrics: ServerMetrics, fronts: _FrontEnds, http_task: asyncio.Task,

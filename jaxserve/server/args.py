@@ -102,6 +102,15 @@ def _add_disagg_args(d: argparse._ArgumentGroup) -> None:
                         "to use jax)")
     d.add_argument("--decode-url", default=None,
                    help="--role router: the decode servers, HOST:HTTP_PORT:GRPC_PORT[,...]")
+    d.add_argument("--routing", choices=("least-loaded", "prefix"), default="least-loaded",
+                   help="--role router: least-loaded (fewest requests in flight), or prefix (the server holding "
+                        "the longest cached prefix of the prompt, from --kv-events-url, within a load bound)")
+    d.add_argument("--kv-events-url", default=None,
+                   help="--role router --routing prefix: each --decode-url server's KV-event PUB endpoint, in the "
+                        "same order, e.g. tcp://10.0.0.4:5557,tcp://10.0.0.5:5557 (--tokenizer: to hash text "
+                        "prompts)")
+    d.add_argument("--kv-events-replay-url", default=None,
+                   help="--role router --routing prefix: their replay endpoints, same order (optional)")
 
 
 def _add_server_args(s: argparse._ArgumentGroup) -> None:
@@ -194,9 +203,18 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.se
         from jaxserve.server.router import parse_decode_urls
 
         try:
-            parse_decode_urls(args.decode_url)
+            n = len(parse_decode_urls(args.decode_url))
         except ValueError as e:
             parser.error(str(e))
+        if args.routing == "prefix":
+            for name in ("kv_events_url", "kv_events_replay_url"):
+                value = getattr(args, name)
+                if (value is None and name == "kv_events_url") or (value is not None and (
+                        len(value.split(",")) != n or not all("://" in u for u in value.split(",")))):
+                    parser.error(f"--routing prefix needs --{name.replace('_', '-')} with one ZMQ endpoint "
+                                 f"(tcp://HOST:PORT) per --decode-url server ({n})")
+    if args.routing != "least-loaded" and args.role != "router":
+        parser.error("--routing is for --role router")
     if args.role != "colocated" and args.prefill_mesh is not None:
         parser.error("--prefill-mesh/--decode-mesh split one process; not with --role")
     if not 0 <= args.kv_port <= 65535:

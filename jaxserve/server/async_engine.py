@@ -102,6 +102,8 @@ class AsyncEngine:
         self._idle: asyncio.Event | None = None
         # engine-thread state
         self._stats: dict | None = None
+        self._kv_events: Callable[[], None] | None = None  # the engine's publish_kv_events
+        self._unready: Callable[[], str | None] | None = None  # the engine's unready_reason (thread-safe)
         self._last_token_time: dict[str, float] = {}
         self._engine_live: set[str] = set()  # request ids the engine holds
         self._token_text_cache: dict[int, str] = {}
@@ -126,6 +128,10 @@ class AsyncEngine:
     @property
     def ready(self) -> bool:
         return self._ready is not None and self._ready.done() and self._ready.exception() is None
+
+    def unready_reason(self) -> str | None:
+        """Why a warm engine cannot serve now (e.g. a decode process with no prefill server reachable), or None."""
+        return self._unready() if self._unready is not None and self.ready else None
 
     @property
     def num_live_requests(self) -> int:
@@ -271,6 +277,10 @@ class AsyncEngine:
                                            int(engine.model_config.vocab_size), checks=self.checks)
             self.info = engine.describe()
             self._stats = engine.stats()
+            self._unready = getattr(engine, "unready_reason", None)
+            self._kv_events = getattr(engine, "publish_kv_events", None)
+            if self._kv_events is not None:
+                self._kv_events()  # from now on the prefix cache's pages are announced
             _log_ready(self.info, time.monotonic() - started, engine.warmup_summary)
             self._to_loop(self._deliver, [], [], self._sched_of(self._stats))  # before the first admission check
         except BaseException as e:  # noqa: BLE001 - reported to the event loop, which exits
@@ -389,6 +399,11 @@ class AsyncEngine:
 
     def _publish(self, engine, acks: list, outputs: list) -> None:
         now = time.monotonic()
+        if self._kv_events is not None:
+            try:
+                self._kv_events()
+            except Exception:  # noqa: BLE001 - events must never break serving
+                logger.exception("publishing KV-cache events failed")
         items = []
         for out in outputs:
             if isinstance(out, _Failed):

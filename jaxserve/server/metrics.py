@@ -3,6 +3,10 @@
 Latency histograms are observed by the engine thread as outputs leave the engine; engine-wide numbers (pages,
 queue lengths, token counters) are read from the engine's latest ``stats()`` snapshot at scrape time, so a
 scrape never waits for the engine. Every name starts with ``jaxserve_``.
+
+The load signals routers and autoscalers scrape from vLLM (llm-d's inference scheduler, Dynamo, KEDA / HPA
+rules written for vLLM) are exposed a second time under vLLM's names and labels (``model_name``, ``engine``):
+``VLLM_GAUGES``, ``VLLM_COUNTERS`` and the ``vllm:`` histograms, fed by the same observations.
 """
 
 from __future__ import annotations
@@ -68,12 +72,30 @@ _ENGINE_STATS = (
 )
 
 
+# vLLM's name, stats key, help: the same numbers as above under vLLM's names
+VLLM_GAUGES = (
+    ("vllm:num_requests_running", "num_running", "Number of requests in model execution batches."),
+    ("vllm:num_requests_waiting", "num_waiting", "Number of requests waiting to be processed."),
+)
+VLLM_COUNTERS = (
+    ("vllm:prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
+     "tokens."),
+    ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+    ("vllm:prompt_tokens", "prompt_tokens", "Number of prefill tokens processed."),
+    ("vllm:generation_tokens", "generation_tokens", "Number of generation tokens processed."),
+    ("vllm:num_preemptions", "num_preemptions", "Cumulative number of preemptions from the engine."),
+)
+VLLM_LABELS = ("model_name", "engine")
+
+
 class _EngineStatsCollector:
     """Turns the engine's latest ``stats()`` snapshot into metric families at scrape time."""
 
-    def __init__(self, snapshot: Callable[[], dict | None], intake_length: Callable[[], int]):
+    def __init__(self, snapshot: Callable[[], dict | None], intake_length: Callable[[], int],
+                 model_name: str = ""):
         self._snapshot = snapshot
         self._intake_length = intake_length
+        self._labels = [model_name, "0"]
 
     def describe(self):
         return []
@@ -97,6 +119,22 @@ class _EngineStatsCollector:
         yield GaugeMetricFamily("jaxserve_prefix_cache_hit_rate",
                                 "Prompt tokens found in the prefix cache over prompt tokens looked up, since start.",
                                 value=stats.get("prefix_cache_hits", 0) / queries if queries else 0.0)
+        yield from self._vllm(stats, total)
+
+    def _vllm(self, stats: dict, total: int):
+        usage = stats.get("pages_used", 0) / total if total else 0.0
+        gauges = [(name, doc, stats.get(key, 0)) for name, key, doc in VLLM_GAUGES]
+        gauges += [("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
+                   ("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage (vLLM's older name).",
+                    usage)]
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(name, doc, labels=VLLM_LABELS)
+            g.add_metric(self._labels, float(value))
+            yield g
+        for name, key, doc in VLLM_COUNTERS:
+            c = CounterMetricFamily(name, doc, labels=VLLM_LABELS)
+            c.add_metric(self._labels, float(stats.get(key, 0)))
+            yield c
 
 
 class ServerMetrics:
@@ -133,9 +171,26 @@ class ServerMetrics:
                            registry=r)
         info = Gauge("jaxserve_model_info", "The served model (value is always 1).", ["model"], registry=r)
         info.labels(model_name).set(1)
+        self.model_name = model_name
+        # vLLM's names for the same observations (module doc)
+        labels = (model_name, "0")
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in "
+                                   "seconds.", VLLM_LABELS, buckets=_TTFT_BUCKETS, registry=r).labels(*labels)
+        self.vllm_itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                                  VLLM_LABELS, buckets=_TOKEN_BUCKETS, registry=r).labels(*labels)
+        self.vllm_tpot = Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in "
+                                   "seconds.", VLLM_LABELS, buckets=_TOKEN_BUCKETS, registry=r).labels(*labels)
+        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                                  VLLM_LABELS, buckets=_REQUEST_BUCKETS, registry=r).labels(*labels)
+        self.vllm_queue = Histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase "
+                                    "for request.", VLLM_LABELS, buckets=_TTFT_BUCKETS, registry=r).labels(*labels)
+        self.vllm_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                    [*VLLM_LABELS, "finished_reason"], registry=r)
+        for reason in ("stop", "length", "abort"):
+            self.vllm_success.labels(*labels, reason)
 
     def attach_engine(self, snapshot: Callable[[], dict | None], intake_length: Callable[[], int]) -> None:
-        self.registry.register(_EngineStatsCollector(snapshot, intake_length))
+        self.registry.register(_EngineStatsCollector(snapshot, intake_length, self.model_name))
 
     def observe_tokens(self, out: RequestOutput, now: float, last_time: float | None) -> None:
         """An output with new tokens left the engine at ``now``; ``last_time`` is the request's previous one."""
@@ -145,27 +200,38 @@ class ServerMetrics:
         m = out.metrics
         if last_time is None:
             if m is not None and m.first_token_time is not None:
-                self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+                ttft = max(0.0, m.first_token_time - m.arrival_time)
+                self.ttft.observe(ttft)
+                self.vllm_ttft.observe(ttft)
         else:
             gap = max(0.0, now - last_time) / new
             for _ in range(new):
                 self.itl.observe(gap)
+                self.vllm_itl.observe(gap)
 
     def observe_finished(self, out: RequestOutput) -> None:
         reasons = [c.finish_reason for c in out.outputs]
         reason = ("error" if "error" in reasons else "abort" if "abort" in reasons
                   else (reasons[0] if reasons and reasons[0] else "stop"))
         self.finished.labels(reason).inc()
+        if reason != "error":  # vLLM counts the requests that finished, by how (an error is not a success)
+            self.vllm_success.labels(self.model_name, "0", reason).inc()
         self.prompt_len.observe(len(out.prompt_token_ids))
         m = out.metrics
         if m is None or m.finished_time is None:
             return
-        self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+        e2e = max(0.0, m.finished_time - m.arrival_time)
+        self.e2e.observe(e2e)
+        self.vllm_e2e.observe(e2e)
         if m.first_scheduled_time is not None:
-            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            queued = max(0.0, m.first_scheduled_time - m.arrival_time)
+            self.queue_time.observe(queued)
+            self.vllm_queue.observe(queued)
         tokens = len(out.outputs[0].token_ids) if out.outputs else 0
         if m.first_token_time is not None and tokens > 1:
-            self.tpot.observe(max(0.0, m.finished_time - m.first_token_time) / (tokens - 1))
+            tpot = max(0.0, m.finished_time - m.first_token_time) / (tokens - 1)
+            self.tpot.observe(tpot)
+            self.vllm_tpot.observe(tpot)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -184,6 +184,7 @@ class OpenAIServer:
         app.add_exception_handler(StarletteHTTPException, self._http_error)
         app.add_middleware(_InternalErrors, metrics=self.metrics)
         app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/live", self.live, methods=["GET"])
         app.add_api_route("/metrics", self.metrics_endpoint, methods=["GET"])
         auth = [Depends(self._authorize)]
         v1 = APIRouter(prefix="/v1", dependencies=auth)
@@ -247,7 +248,14 @@ class OpenAIServer:
             return JSONResponse({"status": "draining"}, status_code=503)
         if not self.engine.ready:
             return JSONResponse({"status": "starting"}, status_code=503)
+        reason = self.engine.unready_reason()
+        if reason is not None:
+            return JSONResponse({"status": reason}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    async def live(self) -> Response:
+        """Liveness (a Kubernetes liveness probe): 200 while the process answers, whether or not it is ready."""
+        return JSONResponse({"status": "live"})
 
     async def metrics_endpoint(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)

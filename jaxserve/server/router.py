@@ -8,8 +8,22 @@ A client that goes away closes the forwarded call, and the decode process aborts
 
 Liveness: every decode process's ``/health`` is probed (every ``PROBE_S`` seconds while it is live); one that
 cannot be reached, answers anything but 200, or fails a forwarded call is out of rotation until a probe finds it
-healthy again, probes backing off from ``BACKOFF_MIN_S`` to ``BACKOFF_MAX_S``. A request that could not even
-connect moves to another process. A process that dies with requests in flight turns them into errors naming it:
+healthy again, probes backing off from ``BACKOFF_MIN_S`` to ``BACKOFF_MAX_S`` (one that answers "not ready",
+e.g. starting, draining, or without a reachable prefill server, is probed every ``UNREADY_PROBE_S``).
+
+A request refused before its first byte moves to another live process: one that could not connect (refused,
+or a kept-alive connection the server closed before answering), and one the process answered 503 (shutting
+down, starting, no prefill server: it was never admitted, and the process leaves the rotation until a probe
+finds it ready) or 429 (overloaded); gRPC likewise for UNAVAILABLE and RESOURCE_EXHAUSTED before the first
+message. So a rolling restart of the decode processes loses no request while one of them is live.
+
+Routing (``--routing``): ``least-loaded`` (the default) as above; ``prefix``: the router follows each decode
+process's KV-cache events (``--kv-events-url``, ``jaxserve/server/prefix_index.py``), computes the page hashes
+of a request's prompt (token ids as given, or text and chat messages through ``--tokenizer``), and sends it to
+the live process holding the longest cached prefix, unless that one has more than ``PREFIX_LOAD_SLACK`` requests
+in flight beyond the least loaded (then, and with no page cached anywhere, least loaded).
+
+A process that dies with requests in flight turns them into errors naming it:
 HTTP 500 (or, once a stream has started, an ``error`` event and ``[DONE]``), gRPC UNAVAILABLE. With no live
 process the router answers 503 / UNAVAILABLE ``no decode server is reachable (...)`` with each one's reason.
 """
@@ -32,6 +46,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from jaxserve.server import prefix_index
 from jaxserve.server.asgi import wait_disconnect
 from jaxserve.server.metrics import CONTENT_TYPE
 
@@ -41,6 +56,8 @@ SERVICE = "jaxserve.v1.JaxServe"
 PROBE_S = 1.0
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 8.0
+UNREADY_PROBE_S = 0.2
+PREFIX_LOAD_SLACK = 2  # --routing prefix: requests in flight a cache holder may carry beyond the least loaded
 CONNECT_TIMEOUT_S = 5.0
 _FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 _METADATA = ("authorization",)
@@ -99,8 +116,14 @@ class Pool:
                                 "server failed or died in flight).", ["server", "api", "outcome"], registry=registry)
         self.failovers = Counter("jaxserve_router_failovers", "Requests moved to another decode server because "
                                  "this one could not be reached.", ["server"], registry=registry)
+        self.retries = Counter("jaxserve_router_retries", "Requests moved to another decode server because this "
+                               "one refused them before admitting them (shutting down, starting, no prefill "
+                               "server, overloaded).", ["server"], registry=registry)
         self.rejected = Counter("jaxserve_router_rejected", "Requests answered 503 / UNAVAILABLE: no decode server "
                                 "was live.", ["api"], registry=registry)
+        self.prefix_routed = Counter("jaxserve_router_prefix_routed", "Requests sent to a decode server for the "
+                                     "prompt pages it holds cached (--routing prefix).", ["server"],
+                                     registry=registry)
         self.in_flight = Gauge("jaxserve_router_in_flight", "Requests in flight at each decode server.", ["server"],
                                registry=registry)
         self.up = Gauge("jaxserve_router_server_up", "1 while a decode server is in rotation.", ["server"],
@@ -117,14 +140,23 @@ class Pool:
     def reasons(self) -> str:
         return "; ".join(f"{b.name}: {b.reason}" for b in self.backends)
 
-    def pick(self, api: str, exclude: set[str] = frozenset()) -> Backend:
+    def pick(self, api: str, exclude: set[str] = frozenset(), cached=None) -> Backend:
+        """The live process with the fewest requests in flight; with ``cached`` (name -> leading pages of the
+        request's prompt it holds), the one holding the most, within ``PREFIX_LOAD_SLACK`` of the least loaded."""
         live = [b for b in self.live() if b.name not in exclude]
         if not live:
             self.rejected.labels(api).inc()
             raise NoBackend(f"no decode server is reachable ({self.reasons()})")
         start = next(self._rr)
         order = [live[(start + i) % len(live)] for i in range(len(live))]
-        return min(order, key=lambda b: b.in_flight)  # min keeps the first of equals: round robin among them
+        least = min(order, key=lambda b: b.in_flight)  # min keeps the first of equals: round robin among them
+        if cached:
+            near = [b for b in order if b.in_flight <= least.in_flight + PREFIX_LOAD_SLACK]
+            best = max(near, key=lambda b: (cached(b.name), -b.in_flight))
+            if cached(best.name) > 0:
+                self.prefix_routed.labels(best.name).inc()
+                return best
+        return least
 
     @contextlib.contextmanager
     def use(self, b: Backend):
@@ -149,7 +181,7 @@ class Pool:
         if b.live:
             logger.warning("decode server %s is out of rotation: %s", b.name, reason)
         b.live, b.reason = False, reason
-        b.next_probe = time.monotonic() + (PROBE_S if reachable else b.backoff)
+        b.next_probe = time.monotonic() + (UNREADY_PROBE_S if reachable else b.backoff)
         if not reachable:
             b.backoff = min(2 * b.backoff, BACKOFF_MAX_S)
         self._publish()
@@ -228,10 +260,13 @@ class _Relay(Response):
 class Router:
     """The HTTP app and the gRPC server over a ``Pool``."""
 
-    def __init__(self, urls: list[tuple[str, str]], *, max_body_bytes: int = 4 * 2**20):
+    def __init__(self, urls: list[tuple[str, str]], *, max_body_bytes: int = 4 * 2**20,
+                 prefix_index=None, tokenizer=None):
         self.registry = CollectorRegistry()
         self.pool = Pool(urls, self.registry)
         self.max_body_bytes = max_body_bytes
+        self.index = prefix_index  # a PrefixIndex: --routing prefix
+        self.tokenizer = tokenizer  # tokenizes text prompts for it (token-id prompts need none)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
@@ -245,6 +280,7 @@ class Router:
     def app(self) -> Starlette:
         return Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
+            Route("/live", lambda request: JSONResponse({"status": "live"}), methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/{path:path}", self.forward, methods=["GET", "POST"]),
         ])
@@ -275,10 +311,14 @@ class Router:
             return body
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
         tried: set[str] = set()
+        overloaded = None  # the last 429 answer: passed on if no process admits the request
+        cached = await self._cached_pages(request.url.path, body) if self.index is not None else None
         while True:
             try:
-                b = self.pool.pick("http", tried)
+                b = self.pool.pick("http", tried, cached)
             except NoBackend as e:
+                if overloaded is not None:
+                    return overloaded
                 return JSONResponse(_error_body(str(e), 503), status_code=503)
             use = self.pool.use(b)
             use.__enter__()
@@ -296,10 +336,25 @@ class Router:
                 if content is None:
                     return Response(status_code=499)
                 self.pool.requests.labels(b.name, "http", "ok" if upstream.status_code < 400 else "refused").inc()
-                return Response(content, status_code=upstream.status_code,
-                                media_type=upstream.headers.get("content-type"))
+                answer = Response(content, status_code=upstream.status_code,
+                                  media_type=upstream.headers.get("content-type"))
+                if upstream.status_code in (429, 503):  # not admitted there: another one takes it
+                    if upstream.status_code == 503:
+                        self.pool.set_dead(b, f"503: {_message(content)}", reachable=True)
+                    else:
+                        overloaded = answer
+                    self.pool.retries.labels(b.name).inc()
+                    tried.add(b.name)
+                    continue
+                return answer
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # never reached it: another one takes it
                 self.pool.set_dead(b, _reason(e))
+                self.pool.failovers.labels(b.name).inc()
+                tried.add(b.name)
+            except httpx.RemoteProtocolError as e:
+                if upstream is not None:
+                    return JSONResponse(_error_body(self.failed(b, _reason(e), "http"), 500), status_code=500)
+                # A kept-alive connection the server closed (it is stopping) before it read the request.
                 self.pool.failovers.labels(b.name).inc()
                 tried.add(b.name)
             except httpx.TransportError as e:
@@ -309,6 +364,40 @@ class Router:
                     if upstream is not None:
                         await upstream.aclose()
                     use.__exit__(None, None, None)
+
+    async def _cached_pages(self, path: str, body: bytes):
+        """``name -> leading pages of this request's prompt that process holds``, or None (not a generation
+        request, no page size known yet, or a text prompt without a tokenizer)."""
+        page_size = self.index.page_size
+        if page_size is None or path not in ("/v1/completions", "/v1/chat/completions"):
+            return None
+        try:
+            req = json.loads(body)
+            ids = await self._prompt_ids(req)
+        except Exception:  # noqa: BLE001 - the decode server answers a bad request; routing just falls back
+            return None
+        if not ids:
+            return None
+        hashes = prefix_index.prompt_hashes(ids, page_size, req.get("cache_salt"))
+        return lambda name: self.index.longest_prefix(name, hashes)
+
+    async def _prompt_ids(self, req: dict) -> list[int] | None:
+        prompt = req.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return prompt
+        if self.tokenizer is None:
+            return None
+        if isinstance(prompt, str):
+            return await asyncio.to_thread(self.tokenizer.encode, prompt)
+        messages = req.get("messages")
+        if isinstance(messages, list) and messages:
+            from jaxserve.text.tokenizer import chat_template_ids
+
+            return await asyncio.to_thread(
+                chat_template_ids, self.tokenizer, messages, req.get("add_generation_prompt", True),
+                continue_final_message=bool(req.get("continue_final_message")), tools=req.get("tools"),
+                chat_template_kwargs=req.get("chat_template_kwargs"))
+        return None
 
     @staticmethod
     async def _until_disconnect(request: Request, work):
@@ -356,13 +445,16 @@ class Router:
     def _metadata(context) -> tuple:
         return tuple((k, v) for k, v in (context.invocation_metadata() or ()) if k in _METADATA)
 
-    async def _call(self, name: str, stream: bool, request: bytes, context):
+    async def _call(self, name: str, stream: bool, request: bytes, context, cached=None):
         """Yields the decode server's responses to the call (one for a unary method)."""
         tried: set[str] = set()
+        overloaded = None  # the last RESOURCE_EXHAUSTED details: passed on if no process admits the request
         while True:
             try:
-                b = self.pool.pick("grpc", tried)
+                b = self.pool.pick("grpc", tried, cached)
             except NoBackend as e:
+                if overloaded is not None:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, overloaded)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             received = False
             with self.pool.use(b):
@@ -383,6 +475,15 @@ class Router:
                         self.pool.failovers.labels(b.name).inc()
                         tried.add(b.name)
                         continue
+                    if not received and (code == grpc.StatusCode.RESOURCE_EXHAUSTED or (
+                            code == grpc.StatusCode.UNAVAILABLE and _not_admitted(details))):
+                        if code == grpc.StatusCode.UNAVAILABLE:  # not ready there: another one takes it
+                            self.pool.set_dead(b, f"UNAVAILABLE: {details}", reachable=True)
+                        else:
+                            overloaded = details
+                        self.pool.retries.labels(b.name).inc()
+                        tried.add(b.name)
+                        continue
                     if code == grpc.StatusCode.UNAVAILABLE and "shutting down" not in details \
                             and "no prefill server" not in details:
                         await context.abort(code, self.failed(b, f"UNAVAILABLE: {details}", "grpc"))
@@ -392,8 +493,29 @@ class Router:
                     call.cancel()  # no-op once done; on the client's cancellation it aborts the request there
 
     async def _generate(self, request: bytes, context):
-        async for msg in self._call("Generate", True, request, context):
+        async for msg in self._call("Generate", True, request, context, await self._grpc_cached_pages(request)):
             yield msg
+
+    async def _grpc_cached_pages(self, request: bytes):
+        """As ``_cached_pages``, for a ``GenerateRequest`` (decoded here only to read its prompt)."""
+        if self.index is None or self.index.page_size is None:
+            return None
+        from jaxserve.server.protos import jaxserve_pb2 as pb
+
+        try:
+            req = pb.GenerateRequest.FromString(request)
+        except Exception:  # noqa: BLE001 - the decode server answers a malformed request
+            return None
+        which = req.WhichOneof("prompt")
+        if which == "token_ids":
+            ids = list(req.token_ids.ids)
+        elif which == "text" and self.tokenizer is not None:
+            ids = await asyncio.to_thread(self.tokenizer.encode, req.text)
+        else:
+            return None
+        hashes = prefix_index.prompt_hashes(ids, self.index.page_size,
+                                            req.cache_salt if req.HasField("cache_salt") else None)
+        return lambda name: self.index.longest_prefix(name, hashes)
 
     async def _tokenize(self, request: bytes, context):
         return [m async for m in self._call("Tokenize", False, request, context)][0]
@@ -409,6 +531,20 @@ class Router:
 
 def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _not_admitted(details: str) -> bool:
+    """A decode server's UNAVAILABLE refusal of a request it never admitted."""
+    d = details.lower()
+    return "shutting down" in d or "starting up" in d or "failed to start" in d or "no prefill server" in d
+
+
+def _message(content: bytes) -> str:
+    """The error message of a JSON error body (the body itself, cut short, if it is not one)."""
+    try:
+        return str(json.loads(content)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return content[:200].decode("utf-8", "replace")
 
 
 def _never_connected(details: str) -> bool:
@@ -431,7 +567,18 @@ async def run_router(args) -> int:
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request and probe
-    router = Router(parse_decode_urls(args.decode_url), max_body_bytes=args.max_request_bytes)
+    urls = parse_decode_urls(args.decode_url)
+    index, tokenizer = None, None
+    if getattr(args, "routing", "least-loaded") == "prefix":
+        names = [h.removeprefix("http://") for h, _ in urls]
+        pubs = args.kv_events_url.split(",")
+        replays = args.kv_events_replay_url.split(",") if args.kv_events_replay_url else [None] * len(names)
+        index = prefix_index.PrefixIndex(dict(zip(names, pubs)), dict(zip(names, replays)))
+        if args.tokenizer:
+            from jaxserve.text.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(args.tokenizer)
+    router = Router(urls, max_body_bytes=args.max_request_bytes, prefix_index=index, tokenizer=tokenizer)
     grpc_server = router.grpc_server(args.max_request_bytes)
     try:
         grpc_port = grpc_server.add_insecure_port(_url(args.host, args.grpc_port))
@@ -455,6 +602,7 @@ async def run_router(args) -> int:
     await router.set_health()
     http_task = asyncio.create_task(http_server.serve(sockets=[http_sock]))
     probe_task = asyncio.create_task(router.pool.probe_forever(router.client))
+    index_task = asyncio.create_task(index.run()) if index is not None else None
 
     async def health_forever():
         while True:
@@ -473,8 +621,9 @@ async def run_router(args) -> int:
     http_server.should_exit = True
     with contextlib.suppress(Exception):
         await http_task
-    for task in (probe_task, health_task):
+    tasks = [t for t in (probe_task, health_task, index_task) if t is not None]
+    for task in tasks:
         task.cancel()
-    await asyncio.gather(probe_task, health_task, return_exceptions=True)
+    await asyncio.gather(*tasks, return_exceptions=True)
     await router.aclose()
     return 0

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from jaxserve.models.config import ModelConfig
+
+if TYPE_CHECKING:  # transformers (and the torch it imports) loads with the first tokenizer, not with the server
+    from transformers import PreTrainedTokenizerBase
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "tiktoken.model")
 # Keys of apply_chat_template that a request's chat_template_kwargs may not replace.
@@ -28,6 +30,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     if folder.is_dir() and not has_tokenizer(folder):
         raise ValueError(f"{folder} has no tokenizer ({', '.join(_TOKENIZER_FILES[:3])}, ...): pass --tokenizer "
                          "PATH, or --skip-tokenizer-init (skip_tokenizer_init=True) to serve token-id prompts only")
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path))
 
 

@@ -1,0 +1,164 @@
+"""What each replica has cached, from its KV-cache events (``--kv-events-config``), for the router's
+``--routing prefix``: a subscriber per replica keeps the set of page hashes it announced, and ``longest_prefix``
+says how many leading pages of a prompt a replica holds.
+
+A prompt's page hashes are computed here as the engine computes its page keys (``hash_page`` chained over
+``page_size`` tokens, seeded by the request's ``cache_salt``), then taken in the events' integer form
+(``external_hash``). The page size is the one the replicas announce (``block_size`` of their events).
+
+Each subscriber follows the sequence numbers: on the first batch it sees and on any gap it asks the replica's
+replay socket for what it missed (from 0 the first time, so a router that starts after a replica still learns
+its whole cache, as far as the replica's replay buffer reaches).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgpack
+
+from jaxserve.scheduler.block_manager import hash_page, salt_key
+from jaxserve.scheduler.kv_events import external_hash
+
+logger = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class ReplicaCache:
+    """The page hashes one replica announced, applied in order."""
+
+    def __init__(self):
+        self.hashes: set[int] = set()
+        self.page_size: int | None = None
+        self.next_seq = 0  # the sequence number expected next
+        self.synced = False  # caught up through replay (or nothing to catch up on)
+
+    def apply(self, payload: bytes) -> None:
+        _ts, events, _rank = msgpack.unpackb(payload, raw=False)
+        for e in events:
+            if e[0] == "BlockStored":
+                self.hashes.update(e[1])
+                self.page_size = e[4]
+            elif e[0] == "BlockRemoved":
+                self.hashes.difference_update(e[1])
+            elif e[0] == "AllBlocksCleared":
+                self.hashes.clear()
+
+    def take(self, seq: int, payload: bytes) -> None:
+        """Apply batch ``seq`` if it is the next one; an older one is a duplicate (a replay overlapping the live
+        stream), except 0: the replica restarted (its first batch clears everything)."""
+        if seq == 0 and self.next_seq:
+            self.next_seq = 0
+        if seq == self.next_seq:
+            self.apply(payload)
+            self.next_seq = seq + 1
+
+
+def prompt_hashes(token_ids: list[int], page_size: int, cache_salt: str | None = None) -> list[int]:
+    """The event-form hashes of a prompt's full pages (only pages another request could have cached)."""
+    out, parent = [], salt_key(cache_salt)
+    for i in range(len(token_ids) // page_size):
+        parent = hash_page(parent, token_ids[i * page_size:(i + 1) * page_size])
+        out.append(external_hash(parent))
+    return out
+
+
+class PrefixIndex:
+    """One ``ReplicaCache`` per replica, fed by a subscriber task per replica (``run``)."""
+
+    def __init__(self, endpoints: dict[str, str], replay: dict[str, str | None], topic: str = ""):
+        self.endpoints, self.replay, self.topic = endpoints, replay, topic.encode()
+        self.caches = {name: ReplicaCache() for name in endpoints}
+
+    @property
+    def page_size(self) -> int | None:
+        return next((c.page_size for c in self.caches.values() if c.page_size), None)
+
+    def longest_prefix(self, name: str, hashes: list[int]) -> int:
+        """Leading pages of ``hashes`` the replica ``name`` holds."""
+        cache = self.caches.get(name)
+        n = 0
+        if cache is not None:
+            for h in hashes:
+                if h not in cache.hashes:
+                    break
+                n += 1
+        return n
+
+    async def run(self) -> None:
+        await asyncio.gather(*(self._follow(name) for name in self.endpoints))
+
+    async def _follow(self, name: str) -> None:
+        import zmq
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context.instance()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(self.endpoints[name])
+        cache = self.caches[name]
+        watcher = asyncio.ensure_future(self._watch_connections(sub, cache))
+        try:
+            while True:
+                _topic, seq, payload = await sub.recv_multipart()
+                seq = int.from_bytes(seq, "big")
+                if not cache.synced or seq > cache.next_seq:  # joined late, or missed some: catch up first
+                    if self.replay.get(name) is None:
+                        if not cache.synced:  # (re)connected: what it held before is unknown
+                            cache.hashes.clear()
+                        cache.next_seq = seq
+                    else:
+                        await self._replay(name, cache, cache.next_seq if cache.synced else 0)
+                    cache.synced = True
+                    if seq < cache.next_seq:
+                        continue  # the replay brought it
+                cache.take(seq, payload)
+        finally:
+            watcher.cancel()
+            sub.close(0)
+
+    @staticmethod
+    async def _watch_connections(sub, cache: ReplicaCache) -> None:
+        """A new connection (the replica restarted, or the network broke) may have missed batches, the
+        restarted replica's first one included: catch up from 0 with the next batch."""
+        import zmq
+        from zmq.utils.monitor import parse_monitor_message
+
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+        try:
+            while True:
+                parse_monitor_message(await monitor.recv_multipart())
+                cache.synced = False
+        finally:
+            sub.disable_monitor()
+            monitor.close(0)
+
+    async def _replay(self, name: str, cache: ReplicaCache, start: int) -> None:
+        """Catch up from ``start`` through the replica's replay socket (if it has one)."""
+        import zmq
+        import zmq.asyncio
+
+        endpoint = self.replay.get(name)
+        if endpoint is None:
+            logger.warning("KV events of %s: batches from %d were missed and it has no replay endpoint", name, start)
+            return
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        try:
+            if start == 0:
+                cache.next_seq = 0
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            while True:
+                if not await sock.poll(2000):
+                    logger.warning("KV events of %s: no replay answer from %s", name, endpoint)
+                    return
+                _, seq, payload = await sock.recv_multipart()
+                if seq == END_SEQ:
+                    return
+                cache.take(int.from_bytes(seq, "big"), payload)
+        finally:
+            sock.close(0)
