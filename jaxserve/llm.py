@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -45,6 +46,34 @@ class LLM:
         self.tokenizer = self.engine.tokenizer  # None with skip_tokenizer_init=True
         self.model_config = self.engine.model_config
         logger.info("ready in %.1fs", time.perf_counter() - start)
+
+    # Live weights -------------------------------------------------------------------------------------------
+    @property
+    def graphdef(self):
+        """The model's structure (flax ``nnx.GraphDef``): with ``get_weights``' arrays, ``nnx.merge(graphdef,
+        weights)`` is the model; ``jaxserve.models.full_sequence`` runs it over whole sequences for training."""
+        return self.engine.executor.runner.graphdef
+
+    def get_weights(self) -> dict:
+        """The weights being served: a nested dict of arrays in the engine's own layout, on its mesh (linear
+        weights ``[in, out]``). Train on it and hand the result to ``update_weights``."""
+        return self.engine.executor.get_weights()
+
+    def update_weights(self, params) -> None:
+        """Serve new weights from the next step on, without a restart or a compile, and drop the prefix cache.
+
+        Args:
+          params: a pytree in the engine's own layout (``get_weights``' dict, or an ``nnx.State``), ideally
+            already on the mesh (arrays placed elsewhere are copied there, other float dtypes cast); a state dict
+            by Hugging Face names (``model.state_dict()`` of a transformers model, torch or NumPy arrays); or a
+            checkpoint folder (a path), read onto the mesh.
+
+        Raises:
+          ValueError: naming the tensor that does not fit; the old weights stay.
+        """
+        if isinstance(params, (str, os.PathLike)):
+            params = self.engine.executor.read_weights(os.fspath(params))
+        self.engine.update_weights(params)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` use when given no ``sampling_params``: the checkpoint's

@@ -224,6 +224,13 @@ class DisaggregatedEngine(StagedEngine):
         self.prefill_executor.release(seqs)
         return super()._finish_request(req, seqs, deltas)
 
+    def update_weights(self, params) -> None:
+        """Both stages take the new weights (each placed on its own mesh); both prefix caches forget."""
+        self.prefill_executor.update_weights(params)
+        self.executor.update_weights(params)
+        self.prefill_scheduler.forget_prefixes()
+        self.decode_scheduler.forget_prefixes()
+
     def stats(self) -> dict[str, float]:
         s = super().stats()
         s["num_pages"] = self.executor.cache_config.num_pages

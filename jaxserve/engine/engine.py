@@ -501,6 +501,20 @@ class Engine:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
 
+    # Live weights -------------------------------------------------------------------------------------------
+    def update_weights(self, params) -> None:
+        """Serve new weights from the next step on, with no compile (``Executor.update_weights``: a pytree in the
+        engine's layout or a state dict by Hugging Face names, or ``Executor.read_weights``' state), and forget
+        the prefix cache: no later request reuses KV computed with the old weights. Requests running now go on
+        with the KV they have.
+
+        Raises:
+          ValueError: the weights do not fit the model (the old ones stay).
+        """
+        self.executor.update_weights(params)
+        self.scheduler.forget_prefixes()
+        self.stats_counters["weight_updates"] = self.stats_counters.get("weight_updates", 0) + 1
+
     # Multi-process ------------------------------------------------------------------------------------------
     def follow(self) -> None:
         """On a process other than 0: run the steps process 0 plans until it calls ``close``."""

@@ -41,6 +41,7 @@ from jaxserve.executor.sampler import SamplingTensors, sample
 from jaxserve.executor.shapes import StepShapes, bucket
 from jaxserve.executor.verify import verify
 from jaxserve.models.attention import AttentionBackend
+from jaxserve.models.checkpoint import resolve_model_path
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loader import load_model
 from jaxserve.outputs import TokenRecord
@@ -561,6 +562,40 @@ class Executor:
                 self._seeds.pop(seq.seq_id, None)
             if self.drafter is not None:
                 self.drafter.release(seq.seq_id)
+
+    # Live weights -------------------------------------------------------------------------------------------
+    def get_weights(self) -> dict:
+        """The parameters as the steps use them, a nested dict of arrays on the mesh (``weights.pure_weights``)."""
+        from jaxserve.executor.weights import pure_weights
+
+        return pure_weights(self.runner.params)
+
+    def update_weights(self, params) -> None:
+        """Serve ``params`` from the next step on (``weights.replacement_state`` checks and places them): the same
+        structure, shapes, dtypes and shardings as before, so nothing compiles. The steps already launched keep
+        the weights they were launched with.
+
+        Raises:
+          ValueError: naming the tensor that does not fit; the old weights stay.
+        """
+        from jaxserve.executor.weights import replacement_state
+
+        if jax.process_count() > 1:
+            raise ValueError("update_weights is not supported on a multi-process run")
+        self.runner.params = replacement_state(self.runner.params, params, self.model_config)
+
+    def read_weights(self, path: str):
+        """A checkpoint folder's weights (same architecture and shapes), loaded onto this executor's mesh in its
+        dtype and quantization, as ``update_weights`` takes them."""
+        from flax import nnx
+
+        cfg = ModelConfig.from_pretrained(resolve_model_path(path))
+        if cfg.architecture != self.model_config.architecture:
+            raise ValueError(f"path: {path} holds a {cfg.architecture}, the engine serves a "
+                             f"{self.model_config.architecture}")
+        model, _, _ = load_model(path, self.config.dtype, self.mesh, self.config.quantization,
+                                 self.config.quantize_lm_head, cfg=cfg)
+        return nnx.state(model)
 
     # Multi-process ------------------------------------------------------------------------------------------
     def follow(self) -> None:

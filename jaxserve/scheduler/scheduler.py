@@ -269,6 +269,13 @@ class Scheduler:
         self.block_manager.reset_prefix_cache()
         return victims
 
+    def forget_prefixes(self) -> None:
+        """New weights: no KV computed before now is reused by a later admission (``BlockManager.forget_prefixes``;
+        waiting sequences key their pages afresh). Running sequences keep the KV they have."""
+        self.block_manager.forget_prefixes()
+        for seq in self.waiting:
+            seq.page_hashes.clear()
+
     # ---- one step -----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Plan the next step (see ``SchedulerOutput``); running sequences first, then admissions."""
