@@ -75,6 +75,19 @@ class LLM:
             params = self.engine.executor.read_weights(os.fspath(params))
         self.engine.update_weights(params)
 
+    # Sleep --------------------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory between uses: level 1 the KV cache, level 2 the weights too (kept on the host
+        until ``wake_up``). ``generate`` raises ``EngineSleeping`` until then. The prefix cache is dropped."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """The KV cache (and after level 2 the weights) back on the device, as before ``sleep``."""
+        self.engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` use when given no ``sampling_params``: the checkpoint's
         ``generation_config.json`` sampling fields (``generation_config="auto"``), else ``SamplingParams()``."""

@@ -114,3 +114,29 @@ def test_weights_that_do_not_fit_are_refused_naming_the_tensor(llm):
     with pytest.raises(ValueError, match="unexpected tensors.*model.extra"):
         llm.update_weights({"model.extra.weight": np.zeros(2)})
     assert answers(llm)  # still serving
+
+
+def live_bytes() -> int:
+    return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted())
+
+
+def test_sleep_frees_the_cache_then_the_weights_and_wake_up_restores_them(llm, original):
+    llm.update_weights(llm.get_weights())  # whatever an earlier test left: the answers below are its own
+    expected = answers(llm)
+    kv = sum(a.nbytes for a in jax.tree.leaves(llm.engine.executor.runner.kv_cache))
+    weights = sum(a.nbytes for a in jax.tree.leaves(llm.engine.executor.runner.params))
+    awake = live_bytes()
+    llm.sleep(level=1)
+    assert llm.is_sleeping()
+    assert awake - live_bytes() >= kv
+    with pytest.raises(RuntimeError, match="asleep"):
+        llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+    llm.wake_up()
+    assert live_bytes() >= awake - 1024 and not llm.is_sleeping()
+    assert answers(llm) == expected
+    llm.sleep(level=2)
+    assert awake - live_bytes() >= kv + weights
+    with pytest.raises(ValueError, match="asleep at level 2"):
+        llm.update_weights(llm.engine.executor._host_weights[0][0])
+    llm.wake_up()
+    assert answers(llm) == expected

@@ -224,10 +224,10 @@ class DisaggregatedEngine(StagedEngine):
         self.prefill_executor.release(seqs)
         return super()._finish_request(req, seqs, deltas)
 
-    def update_weights(self, params) -> None:
-        """Both stages take the new weights (each placed on its own mesh); both prefix caches forget."""
-        self.prefill_executor.update_weights(params)
-        self.executor.update_weights(params)
+    def executors(self) -> list:
+        return [self.prefill_executor, self.executor]
+
+    def _forget_prefixes(self) -> None:
         self.prefill_scheduler.forget_prefixes()
         self.decode_scheduler.forget_prefixes()
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence as Seq
 from jaxserve.config.engine import EngineConfig
 from jaxserve.engine import async_scheduling
 from jaxserve.engine.generation_config import load_generation_defaults
+from jaxserve.engine.request_stream import EngineSleeping
 from jaxserve.models.checkpoint import resolve_model_path
 from jaxserve.models.config import ModelConfig
 from jaxserve.outputs import CompletionDelta, CompletionOutput, RequestDelta, RequestMetrics, RequestOutput, TokenRecord
@@ -159,6 +160,9 @@ class Engine:
         ``checked``: the caller ran ``self.checks.request`` on these token ids and params already (the servers
         do, before the request reaches the engine thread), so it is not run again.
         """
+        if self.executor.asleep:
+            raise EngineSleeping("the engine is asleep (sleep was called); wake it up first (wake_up, or "
+                                 "POST /wake_up)")
         params = params if params is not None else SamplingParams()
         request_id = str(next(self._counter)) if request_id is None else request_id
         if request_id in self._requests:
@@ -511,9 +515,43 @@ class Engine:
         Raises:
           ValueError: the weights do not fit the model (the old ones stay).
         """
-        self.executor.update_weights(params)
-        self.scheduler.forget_prefixes()
+        for executor in self.executors():
+            executor.update_weights(params)
+        self._forget_prefixes()
         self.stats_counters["weight_updates"] = self.stats_counters.get("weight_updates", 0) + 1
+
+    # Sleep --------------------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache's device memory (level 1), the weights' too (level 2), until ``wake_up``; requests
+        are refused meanwhile (``EngineSleeping``). Refused while requests are live: nothing in flight is lost
+        (the server waits for them first). The prefix cache is forgotten (its pages are gone).
+
+        Raises:
+          ValueError: requests are live, or ``level`` is not 1 or 2.
+        """
+        if self.has_unfinished():
+            raise ValueError(f"sleep: {self.num_requests} request(s) are running; sleep when they have finished")
+        if self._pending is not None:  # a launched step of requests that were aborted since: read it back
+            self._resolve()
+        for executor in self.executors():
+            executor.sleep(level)
+        self._forget_prefixes()
+
+    def wake_up(self) -> None:
+        """The KV cache (and after level 2 the weights) back on the device; requests are served again."""
+        for executor in self.executors():
+            executor.wake_up()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.executor.asleep)
+
+    def executors(self) -> list:
+        """The executors whose devices this engine uses."""
+        return [self.executor]
+
+    def _forget_prefixes(self) -> None:
+        self.scheduler.forget_prefixes()
 
     # Multi-process ------------------------------------------------------------------------------------------
     def follow(self) -> None:

@@ -114,6 +114,8 @@ class Executor:
         self.warmed_up = False
         self.warmup_summary: dict | None = None  # the start's figures (``compile_progress.Progress.finish``)
         self.compilations_after_warmup = 0
+        self.asleep = 0  # the level of ``sleep`` while asleep
+        self._host_weights = None  # level 2: [(weights on the host, their shardings)] per runner
         self._last_shape = ""  # the latest launched step's shapes, for the compile guard's warning
         if config.warmup and self.is_leader:
             self.warmup()  # on a multi-process run the followers compile the same shapes as they follow
@@ -580,9 +582,44 @@ class Executor:
         """
         from jaxserve.executor.weights import replacement_state
 
+        if self.asleep == 2:
+            raise ValueError("the engine is asleep at level 2 (its weights are off the device); call wake_up first")
         if jax.process_count() > 1:
             raise ValueError("update_weights is not supported on a multi-process run")
         self.runner.params = replacement_state(self.runner.params, params, self.model_config)
+
+    # Sleep --------------------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory of the KV cache (level 1) and of the weights too (level 2: they are copied to
+        the host first and placed back by ``wake_up``). The draft model of speculation sleeps alike. The caller
+        makes sure no sequence holds pages (``Engine.sleep``)."""
+        if level not in (1, 2):
+            raise ValueError(f"level={level} must be 1 (free the KV cache) or 2 (the weights too)")
+        if self.asleep:
+            raise ValueError(f"the engine is already asleep (level {self.asleep}); call wake_up first")
+        runners = [self.runner] + ([self.drafter.runner] if self.drafter is not None else [])
+        self._host_weights = None
+        if level == 2:  # shardings kept with the host copy: wake_up places each leaf as it was
+            self._host_weights = [(jax.device_get(r.params), jax.tree.map(lambda a: a.sharding, r.params))
+                                  for r in runners]
+        for r in runners:
+            for a in jax.tree.leaves((r.kv_cache, r.params) if level == 2 else r.kv_cache):
+                a.delete()
+            r.kv_cache = None
+        self.asleep = level
+
+    def wake_up(self) -> None:
+        """Undo ``sleep``: a zeroed KV cache (and the weights back from the host, after level 2)."""
+        if not self.asleep:
+            return
+        runners = [self.runner] + ([self.drafter.runner] if self.drafter is not None else [])
+        for i, r in enumerate(runners):
+            if self._host_weights is not None:
+                host, shardings = self._host_weights[i]
+                r.params = jax.device_put(host, shardings)
+            r.reset_cache(self.cache_dtype if r is self.runner else self.drafter.cache_dtype)
+        self._host_weights = None
+        self.asleep = 0
 
     def read_weights(self, path: str):
         """A checkpoint folder's weights (same architecture and shapes), loaded onto this executor's mesh in its

@@ -30,6 +30,7 @@ from jaxserve.engine.request_stream import (
     EngineFailure,
     EngineNotReady,
     EngineOverloaded,
+    EngineSleeping,
     RequestStream,
     take_all,
 )
@@ -93,6 +94,7 @@ class AsyncEngine:
         self.checks: RequestChecks | None = None  # the engine's request checks, run here at intake
         self.info: dict[str, Any] = {}
         self.draining = False
+        self.sleeping = False  # between ``sleep`` and ``wake_up``: requests are refused
         # asyncio-side view, only touched in the event loop thread
         self._live: dict[str, RequestStream] = {}
         self._pending_seqs = 0  # sequences sent to the engine thread and not yet acknowledged
@@ -138,6 +140,38 @@ class AsyncEngine:
     def intake_length(self) -> int:
         return self._intake.qsize()
 
+    # Sleep and live weights ---------------------------------------------------------------------------------
+    async def sleep(self, level: int = 1) -> None:
+        """Refuse new requests (``EngineSleeping``), wait for the live ones to finish, then free the KV cache
+        (level 1) or the weights too (level 2) until ``wake_up``."""
+        if level not in (1, 2):
+            raise ValueError(f"level={level} must be 1 (free the KV cache) or 2 (the weights too)")
+        if not self.ready:
+            raise EngineNotReady("the engine is still starting up (loading and compiling the model)")
+        if self.sleeping:
+            return
+        self.sleeping = True
+        try:
+            await self._idle.wait()
+            await self.call(lambda engine: engine.sleep(level))
+        except BaseException:
+            self.sleeping = False
+            raise
+
+    async def wake_up(self) -> None:
+        """The engine's memory back; requests are admitted again."""
+        await self.call(lambda engine: engine.wake_up())
+        self.sleeping = False
+
+    async def update_weights(self, path: str) -> None:
+        """Load a checkpoint folder's weights onto the mesh (in a worker thread, while the engine serves on),
+        then swap them in between two steps (``Engine.update_weights``)."""
+        if not self.ready:
+            raise EngineNotReady("the engine is still starting up (loading and compiling the model)")
+        executor = self.engine.executor
+        state = await asyncio.to_thread(executor.read_weights, path)
+        await self.call(lambda engine: engine.update_weights(state))
+
     def begin_drain(self) -> None:
         """Refuse new requests from now on (``EngineDraining``); live ones continue."""
         self.draining = True
@@ -164,6 +198,8 @@ class AsyncEngine:
     def _admission_check(self, num_seqs: int) -> None:
         if self.draining:
             raise EngineDraining("the server is shutting down and accepts no new requests")
+        if self.sleeping:
+            raise EngineSleeping("the engine is asleep (POST /sleep); POST /wake_up to serve requests again")
         if not self.ready:
             if self._ready is not None and self._ready.done():
                 raise EngineNotReady("the engine failed to start")
@@ -237,14 +273,20 @@ class AsyncEngine:
         return await self.prompts.tokens(text)
 
     async def tokenize_prompt(self, prompt: str | Sequence[int] | None, messages: list[dict] | None = None,
-                              add_generation_prompt: bool = True) -> list[int]:
+                              add_generation_prompt: bool = True, *, template_options: dict | None = None,
+                              add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt or conversation as ``add_request`` would see them (in a worker thread)."""
         if not self.ready:
             raise EngineNotReady("the engine is still starting up (loading and compiling the model)")
-        return await self.prompts.encode(prompt, messages, add_generation_prompt, fit=False)
+        return await self.prompts.encode(prompt, messages, add_generation_prompt, fit=False,
+                                         template_options=template_options, add_special_tokens=add_special_tokens)
 
     async def token_strings(self, ids: Sequence[int]) -> list[str]:
         return await self.prompts.token_strings(ids)
+
+    async def token_pieces(self, ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary entry (``convert_ids_to_tokens``: vLLM's ``token_strs``)."""
+        return await self.prompts.token_pieces(ids)
 
     async def detokenize(self, ids: Sequence[int]) -> str:
         """The text of token ids (in a worker thread); ValueError for ids outside the vocabulary."""
@@ -330,7 +372,8 @@ class AsyncEngine:
                 self._engine_live.add(cmd.request_id)
                 acks.append((cmd.request_id, ids))
             except Exception as e:  # noqa: BLE001 - ValueError for bad input; anything else is reported too
-                if not isinstance(e, (ValueError, EngineNotReady)):  # EngineNotReady: e.g. no prefill server
+                # EngineNotReady: e.g. no prefill server
+                if not isinstance(e, (ValueError, EngineNotReady, EngineSleeping)):
                     logger.exception("adding request %s failed", cmd.request_id)
                     e = EngineFailure(f"internal error: the engine could not add request {cmd.request_id}; the "
                                       "server log has the details")

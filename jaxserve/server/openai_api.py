@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -188,6 +189,7 @@ class OpenAIServer:
         auth = [Depends(self._authorize)]
         v1 = APIRouter(prefix="/v1", dependencies=auth)
         v1.add_api_route("/models", self.models, methods=["GET"])
+        v1.add_api_route("/update_weights", self.update_weights, methods=["POST"])
         v1.add_api_route("/completions", self.completions, methods=["POST"], openapi_extra=_body(CompletionRequest))
         v1.add_api_route("/chat/completions", self.chat_completions, methods=["POST"],
                          openapi_extra=_body(ChatCompletionRequest))
@@ -195,6 +197,10 @@ class OpenAIServer:
         tokens = APIRouter(dependencies=auth)
         tokens.add_api_route("/tokenize", self.tokenize, methods=["POST"], openapi_extra=_body(TokenizeRequest))
         tokens.add_api_route("/detokenize", self.detokenize, methods=["POST"], openapi_extra=_body(DetokenizeRequest))
+        # vLLM's sleep endpoints
+        tokens.add_api_route("/sleep", self.sleep, methods=["POST"])
+        tokens.add_api_route("/wake_up", self.wake_up, methods=["POST"])
+        tokens.add_api_route("/is_sleeping", self.is_sleeping, methods=["GET"])
         app.include_router(tokens)
         app.openapi = lambda: self._openapi(app)
         return app
@@ -267,13 +273,14 @@ class OpenAIServer:
         check_model(req.model, self.names)
         messages = req.template_messages()
         try:
-            ids = await self.engine.tokenize_prompt(req.prompt, messages, req.add_generation_prompt)
+            ids = await self.engine.tokenize_prompt(req.prompt, messages, req.add_generation_prompt,
+                                                    template_options=req.template_options(),
+                                                    add_special_tokens=req.special_tokens())
+            strs = await self.engine.token_pieces(ids) if req.return_token_strs else None
         except Exception as e:  # noqa: BLE001 - mapped to the error response
             raise from_engine_error(e) from None
-        body = {"count": len(ids), "max_model_len": self.engine.info.get("max_model_len"), "tokens": ids}
-        if req.return_token_strs:
-            body["token_strs"] = await self.engine.token_strings(ids)
-        return JSONResponse(body)
+        return JSONResponse({"count": len(ids), "max_model_len": self.engine.info.get("max_model_len"),
+                             "tokens": ids, "token_strs": strs})
 
     async def detokenize(self, request: Request) -> JSONResponse:
         """vLLM's ``/detokenize``: the text of token ids."""
@@ -284,6 +291,50 @@ class OpenAIServer:
         except Exception as e:  # noqa: BLE001
             raise from_engine_error(e) from None
         return JSONResponse({"prompt": text})
+
+    # Sleep and live weights ---------------------------------------------------------------------------------
+    async def sleep(self, request: Request) -> JSONResponse:
+        """vLLM's ``POST /sleep?level=1``: refuse new requests (503), wait for the running ones, then free the KV
+        cache (level 1) or the weights too (level 2) until ``POST /wake_up``."""
+        level = request.query_params.get("level", "1")
+        if level not in ("1", "2"):
+            raise invalid(f"level={level!r} must be 1 (free the KV cache) or 2 (the weights too)", "level")
+        try:
+            await self.engine.sleep(int(level))
+        except Exception as e:  # noqa: BLE001 - mapped to the error response
+            raise from_engine_error(e) from None
+        return JSONResponse({"is_sleeping": True, "level": int(level)})
+
+    async def wake_up(self) -> JSONResponse:
+        """vLLM's ``POST /wake_up``: the memory back, requests served again."""
+        try:
+            await self.engine.wake_up()
+        except Exception as e:  # noqa: BLE001
+            raise from_engine_error(e) from None
+        return JSONResponse({"is_sleeping": False})
+
+    async def is_sleeping(self) -> JSONResponse:
+        return JSONResponse({"is_sleeping": self.engine.sleeping})
+
+    async def update_weights(self, request: Request) -> JSONResponse:
+        """``POST /v1/update_weights`` with ``{"path": folder}``: the checkpoint folder's weights (the served
+        architecture and shapes) are read onto the mesh while serving goes on, then swapped in between two steps
+        with no compile; the prefix cache is dropped. Requests running meanwhile finish with the KV they have."""
+        body = await self._read_json(request)
+        path = body.get("path") if isinstance(body, dict) else None
+        if not isinstance(path, str) or not path:
+            raise invalid("path must be a checkpoint folder on the server (a string)", "path")
+        if not Path(path).is_dir():
+            raise invalid(f"path: {path} is not a folder on the server", "path")
+        start = time.perf_counter()
+        try:
+            await self.engine.update_weights(path)
+        except Exception as e:  # noqa: BLE001 - mapped to the error response
+            err = from_engine_error(e)
+            if err.status == 400 and not err.param:
+                err.param = "path"
+            raise err from None
+        return JSONResponse({"status": "ok", "path": path, "seconds": round(time.perf_counter() - start, 3)})
 
     # Generation ---------------------------------------------------------------------------------------------
     async def _start(self, prompts: list, params, messages=None, add_generation_prompt=True,
@@ -361,7 +412,8 @@ class OpenAIServer:
             if req.echo:
                 echo = [p if isinstance(p, str) else await self.engine.detokenize(p) for p in prompts]
             events = self._completion_events(streams, rid, created, model, n, num_top, req.include_usage, echo,
-                                             req.prompt_only, req.prompt_logprobs is not None)
+                                             req.prompt_only, req.prompt_logprobs is not None,
+                                             bool(req.return_token_ids))
             return EventStreamResponse(events, lambda: [s.abort() for s in streams])
         finals = await self._until_disconnect(request, self._final_outputs(streams), streams)
         if finals is None:
@@ -384,6 +436,9 @@ class OpenAIServer:
                 choice = {"index": k * n + j, "text": echo + ("" if req.prompt_only else c.text),
                           "logprobs": logprobs, "finish_reason": "length" if req.prompt_only else c.finish_reason,
                           "stop_reason": None if req.prompt_only else c.stop_reason}
+                if req.return_token_ids:
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                    choice["token_ids"] = [] if req.prompt_only else list(c.token_ids)
                 if req.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_token_ids, out.prompt_records,
                                                                       stream.token_texts)
@@ -396,10 +451,11 @@ class OpenAIServer:
                              "choices": choices, "usage": usage})
 
     async def _completion_events(self, streams, rid, created, model, n, num_top, include_usage, echo=None,
-                                 prompt_only=False, prompt_logprobs=False):
+                                 prompt_only=False, prompt_logprobs=False, token_ids=False):
         """Streamed completions; with ``echo`` (each prompt's text) a choice's first chunk starts with its prompt
         (and the prompt's logprobs); ``prompt_only`` (max_tokens 0) drops the one generated token; vLLM's
-        ``prompt_logprobs`` ride in each choice's first chunk."""
+        ``prompt_logprobs`` ride in each choice's first chunk; with ``token_ids`` (vLLM's ``return_token_ids``)
+        every chunk carries its new ``token_ids`` and a choice's first chunk the ``prompt_token_ids``."""
         trackers = [ChoiceTracker(num_top) for _ in streams]
         offsets: dict[int, int] = {}
         started: set[int] = set()
@@ -430,6 +486,9 @@ class OpenAIServer:
                         choice["stop_reason"] = None if prompt_only else ev.stop_reason
                     if prompt_logprobs and first:
                         choice["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_token_ids, scored.get(k), texts)
+                    if token_ids:
+                        choice["prompt_token_ids"] = list(out.prompt_token_ids) if first else None
+                        choice["token_ids"] = [] if prompt_only else list(ev.token_ids)
                     chunk = {**base, "choices": [choice]}
                     if include_usage:
                         chunk["usage"] = None
@@ -468,7 +527,7 @@ class OpenAIServer:
         tool_mode = (self.tool_parser if not forced else None, forced, forced_name) if parse_calls else None
         if req.stream:
             events = self._chat_events(stream, rid, created, model, params.n, num_top, req.include_usage, tool_mode,
-                                       req.prompt_logprobs is not None)
+                                       req.prompt_logprobs is not None, bool(req.return_token_ids))
             return EventStreamResponse(events, stream.abort)
         finals = await self._until_disconnect(request, self._final_outputs(streams), streams)
         if finals is None:
@@ -490,17 +549,24 @@ class OpenAIServer:
                     message = {"role": "assistant", "content": (sent + rest).strip() or None,
                                "tool_calls": [call.to_openai() for call in calls]}
                     finish = "tool_calls" if finish == "stop" else finish
-            choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish,
-                            "stop_reason": c.stop_reason})
+            choice = {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish,
+                      "stop_reason": c.stop_reason}
+            if req.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
+            choices.append(choice)
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
                 "usage": _usage([out])}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = list(out.prompt_token_ids)
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_token_ids, out.prompt_records,
                                                             stream.token_texts)
         return JSONResponse(body)
 
     async def _chat_events(self, stream, rid, created, model, n, num_top, include_usage, tool_mode=None,
-                           prompt_logprobs=False):
+                           prompt_logprobs=False, token_ids=False):
+        """Streamed chat; with ``token_ids`` (vLLM's ``return_token_ids``) the first chunk carries the
+        ``prompt_token_ids`` and every choice chunk its new ``token_ids``."""
         tracker = ChoiceTracker(num_top)
         prompt_sent = not prompt_logprobs  # vLLM's prompt_logprobs go in the first chunk after the prompt ran
         tool_streams = {i: ToolCallStream(*tool_mode) for i in range(n)} if tool_mode is not None else {}
@@ -515,8 +581,15 @@ class OpenAIServer:
 
         try:
             for i in range(n):
-                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})
+                first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}
+                if token_ids and i == 0:  # vLLM's: the prompt's ids with the first chunk ever
+                    c = {**base, "choices": [first], "prompt_token_ids": list(stream.prompt_token_ids)}
+                    if include_usage:
+                        c["usage"] = None
+                    yield _sse(c)
+                else:
+                    yield chunk(first)
             async for out in stream:
                 if out.finished:
                     final = out
@@ -543,6 +616,8 @@ class OpenAIServer:
                     choice = {"index": ev.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                     if ev.finish_reason is not None:
                         choice["stop_reason"] = ev.stop_reason
+                    if token_ids:
+                        choice["token_ids"] = list(ev.token_ids)
                     yield chunk(choice)
             if include_usage and final is not None:
                 yield _sse({**base, "choices": [], "usage": _usage([final])})
