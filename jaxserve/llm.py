@@ -12,6 +12,7 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.config.library_logging import configure_default_logging
 from jaxserve.disagg.factory import make_engine
 from jaxserve.executor import platforms
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -99,8 +100,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """A completion for each prompt (text or token ids), in prompt order.
+        """A completion for each prompt (text or token ids), in prompt order; ``lora_request``: the LoRA adapter
+        of every prompt, or one per prompt (None: the base model), with ``enable_lora=True``.
 
         Raises:
           ValueError: naming the field, before anything runs, if any prompt or parameter is invalid.
@@ -112,10 +115,13 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts")
         ids = []
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        for i, (prompt, sp, lora) in enumerate(zip(prompts, params, loras)):
             try:
-                ids.append(self.engine.add_request(None, prompt, sp))
+                ids.append(self.engine.add_request(None, prompt, sp, lora_request=lora))
             except ValueError as e:  # a bad prompt leaves nothing queued
                 for rid in ids:
                     self.engine.abort_request(rid)
@@ -133,6 +139,7 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
         use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations, formatted with the chat template (vLLM's options:
         ``continue_final_message`` continues the last assistant message, ``chat_template`` replaces the
@@ -142,7 +149,7 @@ class LLM:
         options = dict(continue_final_message=continue_final_message, chat_template=chat_template,
                        chat_template_kwargs=chat_template_kwargs, tools=tools)
         prompts = [self.apply_chat_template(c, add_generation_prompt, **options) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **template_options) -> list[int]:

@@ -75,6 +75,10 @@ HELP = {
     "speculative_config": "speculative decoding, as a JSON object with vLLM's keys, e.g. '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
                           "(default: none)",
+    "enable_lora": "serve LoRA adapters (PEFT folders) next to the base model, batched together",
+    "max_loras": "LoRA adapters on the device at once and in one step; requests for others wait, and the least "
+                 "recently used adapter no running request needs is evicted",
+    "max_lora_rank": "the largest LoRA rank served (smaller ranks are zero-padded to it)",
 }
 
 

@@ -20,6 +20,7 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.engine import async_scheduling
 from jaxserve.engine.generation_config import load_generation_defaults
 from jaxserve.engine.request_stream import EngineSleeping
+from jaxserve.lora_request import LoRARequest
 from jaxserve.models.checkpoint import resolve_model_path
 from jaxserve.models.config import ModelConfig
 from jaxserve.outputs import CompletionDelta, CompletionOutput, RequestDelta, RequestMetrics, RequestOutput, TokenRecord
@@ -154,11 +155,13 @@ class Engine:
         return RequestChecks.of(self)
 
     def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    *, arrival_time: float | None = None, checked: bool = False) -> str:
+                    *, arrival_time: float | None = None, checked: bool = False,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue a request. Raises ValueError (naming the field) for input that could never be served.
 
         ``checked``: the caller ran ``self.checks.request`` on these token ids and params already (the servers
-        do, before the request reaches the engine thread), so it is not run again.
+        do, before the request reaches the engine thread), so it is not run again. ``lora_request``: the LoRA
+        adapter it runs with (registered on first use: ``add_lora``).
         """
         if self.executor.asleep:
             raise EngineSleeping("the engine is asleep (sleep was called); wake it up first (wake_up, or "
@@ -170,8 +173,9 @@ class Engine:
         text, ids = self.tokenize(prompt)
         if not checked:
             self.checks.request(ids, params)
+        adapter = None if lora_request is None else self.add_lora(lora_request)
         seq = Sequence(request_id, ids, params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
-                       request_index=next(self._counter))
+                       request_index=next(self._counter), adapter=adapter)
         seqs = self.scheduler.add(seq)
         self.structured.add(seqs)
         detoks = [IncrementalDetokenizer.for_request(self.tokenizer, ids, params) for _ in seqs]
@@ -519,6 +523,41 @@ class Engine:
             executor.update_weights(params)
         self._forget_prefixes()
         self.stats_counters["weight_updates"] = self.stats_counters.get("weight_updates", 0) + 1
+
+    # LoRA adapters ------------------------------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> str:
+        """Register an adapter (read and checked now; on the device when a step first needs it); returns its
+        name. An adapter registered under the name already needs no path.
+
+        Raises:
+          ValueError: LoRA is not enabled, or the adapter does not fit (naming what).
+        """
+        slots = self.executor.adapters
+        if slots is None:
+            raise ValueError("lora_request: this engine was started without enable_lora (--enable-lora)")
+        if not lora_request.lora_path:
+            if lora_request.lora_name not in slots.registered:
+                raise ValueError(f"lora_request: no adapter named {lora_request.lora_name!r} is loaded and no "
+                                 "lora_path was given")
+            return lora_request.lora_name
+        return slots.register(lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path).name
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter. Raises ValueError if it is not loaded or a live request runs it."""
+        slots = self.executor.adapters
+        if slots is None:
+            raise ValueError("lora_name: this engine was started without enable_lora (--enable-lora)")
+        busy = [r.request_id for r in self._requests.values() if r.seqs and r.seqs[0].adapter == name]
+        if busy:
+            raise ValueError(f"lora_name: adapter {name!r} is in use by {len(busy)} running request(s)")
+        slots.unregister(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The registered adapters."""
+        slots = self.executor.adapters
+        if slots is None:
+            return []
+        return [LoRARequest(a.name, a.id, a.path) for a in slots.registered.values()]
 
     # Sleep --------------------------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:

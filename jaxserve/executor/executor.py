@@ -101,6 +101,7 @@ class Executor:
         self.runner = ModelRunner(model, self.model_config, self.cache_config, self.mesh, cache_dtype=self.cache_dtype,
                                   num_logit_rows=self._sample_rows + self._spec_rows * self.num_replicas,
                                   backend=backend, debug_checks=config.debug_checks)
+        self.adapters = self._make_adapter_slots()
         self._jit_device_functions()
         self.drafter = self._make_drafter(backend)
         self._init_sequence_state()
@@ -205,6 +206,26 @@ class Executor:
         self._verify = jax.jit(verify, static_argnames=("with_logprobs",))
         self._score = jax.jit(score)
         self._reset_rows = jax.jit(PenaltyState.reset_rows)
+
+    def _make_adapter_slots(self):
+        """LoRA's device slots (``enable_lora``), else None."""
+        config = self.config
+        if not config.enable_lora:
+            return None
+        if jax.process_count() > 1 or self.num_replicas > 1:
+            raise ValueError("enable_lora: adapters are served on one process with mesh data=1 (tensor "
+                             "parallelism is supported)")
+        from jaxserve.executor.adapter_slots import AdapterSlots
+        from sharding.rules import model_rules
+
+        cfg = self.model_config
+        rules = model_rules(cfg.num_heads, cfg.num_kv_heads, self.mesh)
+        slots = AdapterSlots(cfg, self.runner.params, self.mesh, rules, max_loras=config.max_loras,
+                             max_rank=config.max_lora_rank)
+        self.runner.adapters = slots.arrays
+        logger.info("LoRA: %d adapter slots of rank %d over %d projections (%.1f MiB)", config.max_loras,
+                    config.max_lora_rank, len(slots.targets), slots.nbytes() / 2**20)
+        return slots
 
     def _make_drafter(self, backend: AttentionBackend):
         """The draft model's proposer (speculation with a ``model``), else None."""
@@ -368,8 +389,15 @@ class Executor:
         prev_ids = None
         if prev is not None:
             prev_ids = self.runner.place_ids(prev.next_ids) if prev.on_sample_device else prev.next_ids
+        if self.adapters is not None:  # each sequence's adapter in a device slot, in the batch's slot order
+            seq_slots = self.adapters.slots_for([s.adapter for s in seqs])
+            self.runner.adapters = self.adapters.arrays
+            replicated = self.runner.run(kind, batch, prev_ids, seq_slots)
         # (two arguments when there is no previous step: what a wrapper of ``run`` written for it expects)
-        replicated = self.runner.run(kind, batch, prev_ids) if prev_ids is not None else self.runner.run(kind, batch)
+        elif prev_ids is not None:
+            replicated = self.runner.run(kind, batch, prev_ids)
+        else:
+            replicated = self.runner.run(kind, batch)
         out = self.runner.local(replicated)
         pending = self._sample_step(plan, entries, seqs, needs_sample, out, replicated, distinct)
         if drafts is not None:
@@ -649,7 +677,8 @@ class Executor:
         else compiled and saved there) and compile the sampler, so serving never compiles."""
         start = time.perf_counter()
         shapes = self.shapes.all_shapes()
-        store = ExecutableStore.for_runner(self.config.compilation_cache_dir, self.runner)
+        store = (ExecutableStore.for_runner(self.config.compilation_cache_dir, self.runner)
+                 if self.adapters is None else None)  # (the store's programs take no adapters)
         stored = store is not None and all(
             store.holds(self.runner.step_key(StepKind.DECODE if shape[0] else StepKind.PREFILL,
                                              self._padding_batch(*shape))) for shape in shapes)
