@@ -2,8 +2,10 @@
 tokens equal to PEFT's merged model in one batch mixing three adapters and the base model, no compile when an
 adapter is loaded or swapped, the least recently used one evicted, and prefix caching kept per adapter."""
 
+import asyncio
 import json
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,12 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.numpy import save_file
 
 from jaxserve import LLM, LoRARequest, SamplingParams
+from jaxserve.config.engine import EngineConfig
 from jaxserve.executor.compile_counter import CompileCounter
+from jaxserve.server.args import parse_args
+from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.openai_api import OpenAIServer
 from tests.tiny import build_tiny_model, hf_greedy, hf_model
 
 OPTIONS = dict(page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=48, warmup=False,
@@ -50,7 +57,8 @@ def setup(tmp_path_factory):
     for name, path in paths.items():
         merged = PeftModel.from_pretrained(hf_model(base), path).merge_and_unload().eval()
         expected[name] = [hf_greedy(merged, p, GREEDY.max_tokens) for p in PROMPTS]
-    llm = LLM(str(base), enable_lora=True, max_loras=3, max_lora_rank=8, **OPTIONS)
+    # on a tensor mesh: the adapter slots are sharded as their projections' weights
+    llm = LLM(str(base), enable_lora=True, max_loras=3, max_lora_rank=8, mesh="tensor=2", num_devices=2, **OPTIONS)
     requests = {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(paths.items())}
     return llm, requests, expected, base
 
@@ -65,6 +73,11 @@ def test_a_batch_mixing_three_adapters_and_the_base_model_matches_peft(setup):
     got = tokens(llm.generate(PROMPTS, GREEDY, lora_request=[requests.get(n) for n in names], use_tqdm=False))
     assert got == [expected[n][i] for i, n in enumerate(names)]
     assert len({tuple(expected[n][0]) for n in expected}) == len(expected)  # every adapter changes the tokens
+    layer = llm.engine.executor.adapters.arrays[0]
+    a, b = layer["self_attn"]["q_proj"]  # b's out axis split over tensor, as q_proj's weight's
+    assert tuple(b.sharding.spec) == (None, None, "tensor") and a.sharding.is_fully_replicated
+    a, b = layer["mlp"]["down_proj"]  # a's in axis split, as down_proj's weight's
+    assert tuple(a.sharding.spec) == (None, "tensor", None) and b.sharding.is_fully_replicated
     # each adapter on every prompt, base model included, in one call: the same tokens
     for name in (None, "all", "attn", "mlp"):
         assert tokens(llm.generate(PROMPTS, GREEDY, lora_request=requests.get(name), use_tqdm=False)) == \
@@ -116,3 +129,51 @@ def test_bad_adapters_are_refused_naming_the_problem(setup, tmp_path):
     with pytest.raises(ValueError, match="no adapter named 'nope' is loaded"):
         llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("nope", 11), use_tqdm=False)
     assert tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False))  # still serving
+    for argv, message in ((["--lora-modules", "a=/x"], "needs --enable-lora"),
+                          (["--enable-lora", "--lora-modules", "a"], "must be NAME=PATH")):
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--model", str(base), *argv])
+        assert e.value.code == 2
+
+
+def test_the_openai_model_field_selects_an_adapter_and_adapters_load_at_run_time(setup):
+    llm, requests, expected, _ = setup
+
+    async def main():
+        engine = AsyncEngine(EngineConfig(model="unused", max_num_seqs=4), metrics=ServerMetrics("tiny"),
+                             engine_factory=lambda config: llm.engine, lora_modules=[requests["attn"]])
+        engine.start()
+        await engine.wait_ready()
+        app = OpenAIServer(engine, engine.metrics, ["tiny"]).app()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                         timeout=120) as http:
+                def complete(model, i=1):
+                    return http.post("/v1/completions", json={"model": model, "prompt": PROMPTS[i], "max_tokens": 6,
+                                                              "temperature": 0, "return_token_ids": True})
+                out = {"models": (await http.get("/v1/models")).json()["data"]}
+                out["attn"] = (await complete("attn")).json()["choices"][0]["token_ids"]
+                out["base"] = (await complete("tiny")).json()["choices"][0]["token_ids"]
+                out["unknown"] = await complete("mlp")
+                load = {"lora_name": "mlp", "lora_path": requests["mlp"].lora_path}
+                out["load"] = await http.post("/v1/load_lora_adapter", json=load)
+                out["mlp"] = (await complete("mlp", 2)).json()["choices"][0]["token_ids"]
+                out["again"] = await http.post("/v1/load_lora_adapter", json=load)
+                out["bad_path"] = await http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/no"})
+                out["unload"] = await http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"})
+                out["unload_again"] = await http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"})
+                out["gone"] = await complete("mlp")
+        finally:
+            await engine.stop()
+        return out
+
+    out = asyncio.run(main())
+    assert [(m["id"], m["parent"]) for m in out["models"]] == [("tiny", None), ("attn", "tiny")]
+    assert out["attn"] == expected["attn"][1] and out["base"] == expected[None][1]
+    assert out["unknown"].status_code == 400 and out["unknown"].json()["error"]["param"] == "model"
+    assert out["load"].status_code == 200 and out["load"].text == "Success: LoRA adapter 'mlp' added successfully."
+    assert out["mlp"] == expected["mlp"][2]
+    assert out["again"].status_code == 400 and "already been loaded" in out["again"].json()["error"]["message"]
+    assert out["bad_path"].status_code == 400 and out["bad_path"].json()["error"]["param"] == "lora_path"
+    assert out["unload"].status_code == 200 and out["unload_again"].status_code == 404
+    assert out["gone"].status_code == 400

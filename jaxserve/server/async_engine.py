@@ -34,6 +34,7 @@ from jaxserve.engine.request_stream import (
     RequestStream,
     take_all,
 )
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestDelta, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.metrics import ServerMetrics
@@ -49,6 +50,7 @@ class _Add:
     prompt_ids: list[int]  # already tokenized, off the engine thread
     params: SamplingParams
     arrival_time: float
+    lora_request: LoRARequest | None = None
 
 
 @dataclasses.dataclass
@@ -80,8 +82,11 @@ class AsyncEngine:
     """
 
     def __init__(self, config: EngineConfig, *, metrics: ServerMetrics | None = None,
-                 engine_factory: Callable[[EngineConfig], Any] | None = None):
+                 engine_factory: Callable[[EngineConfig], Any] | None = None,
+                 lora_modules: Sequence[LoRARequest] = ()):
         self.config = config
+        self._initial_loras = list(lora_modules)  # registered as the engine starts (--lora-modules)
+        self.loras: dict[str, LoRARequest] = {}  # the adapters clients may name in ``model``
         self.metrics = metrics
         self._factory = engine_factory
         self._intake: queue.SimpleQueue = queue.SimpleQueue()
@@ -139,6 +144,19 @@ class AsyncEngine:
 
     def intake_length(self) -> int:
         return self._intake.qsize()
+
+    # LoRA adapters ------------------------------------------------------------------------------------------
+    async def load_lora(self, lora_request: LoRARequest) -> None:
+        """Register an adapter (read and checked in the engine thread); ValueError if it does not fit."""
+        if lora_request.lora_name in self.loras:
+            raise ValueError(f"lora_name: the adapter {lora_request.lora_name!r} has already been loaded")
+        await self.call(lambda engine: engine.add_lora(lora_request))
+        self.loras[lora_request.lora_name] = lora_request
+
+    async def unload_lora(self, name: str) -> None:
+        """Unload an adapter; ValueError if a live request runs it."""
+        await self.call(lambda engine: engine.remove_lora(name))
+        self.loras.pop(name, None)
 
     # Sleep and live weights ---------------------------------------------------------------------------------
     async def sleep(self, level: int = 1) -> None:
@@ -216,7 +234,7 @@ class AsyncEngine:
     async def add_request(self, prompt: str | Sequence[int] | None, params: SamplingParams, *,
                           messages: list[dict] | None = None, add_generation_prompt: bool = True,
                           request_id: str | None = None, template_options: dict | None = None,
-                          add_special_tokens: bool = True) -> RequestStream:
+                          add_special_tokens: bool = True, lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request (a text or token-id prompt, or chat ``messages``) and return its stream once the
         engine has accepted it. Text and chat templates are tokenized in ``self.prompts``' worker threads, never
         in the engine thread.
@@ -242,7 +260,7 @@ class AsyncEngine:
         self._live[rid] = stream
         self._idle.clear()
         self._pending_seqs += params.n
-        self._put(_Add(rid, ids, params, time.monotonic()))
+        self._put(_Add(rid, ids, params, time.monotonic(), lora_request))
         try:
             await asyncio.shield(stream._accepted)
         except asyncio.CancelledError:
@@ -308,6 +326,9 @@ class AsyncEngine:
 
                 engine = make_engine(self.config)
             self.engine = engine
+            for lora in self._initial_loras:
+                engine.add_lora(lora)
+                self.loras[lora.lora_name] = lora
             self.checks = engine.checks
             self.prompts = PromptTokenizer(engine.tokenizer, int(engine.max_model_len),
                                            int(engine.model_config.vocab_size), checks=self.checks)
@@ -368,7 +389,8 @@ class AsyncEngine:
         if isinstance(cmd, _Add):
             try:
                 ids = list(cmd.prompt_ids)  # tokenized (and templated) and checked once, off this thread
-                engine.add_request(cmd.request_id, ids, cmd.params, arrival_time=cmd.arrival_time, checked=True)
+                engine.add_request(cmd.request_id, ids, cmd.params, arrival_time=cmd.arrival_time, checked=True,
+                                   lora_request=cmd.lora_request)
                 self._engine_live.add(cmd.request_id)
                 acks.append((cmd.request_id, ids))
             except Exception as e:  # noqa: BLE001 - ValueError for bad input; anything else is reported too

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.engine.request_stream import RequestStream
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestDelta, RequestOutput, TokenRecord
 from jaxserve.server.asgi import wait_disconnect
 from jaxserve.server.async_engine import AsyncEngine
@@ -190,6 +191,8 @@ class OpenAIServer:
         v1 = APIRouter(prefix="/v1", dependencies=auth)
         v1.add_api_route("/models", self.models, methods=["GET"])
         v1.add_api_route("/update_weights", self.update_weights, methods=["POST"])
+        v1.add_api_route("/load_lora_adapter", self.load_lora_adapter, methods=["POST"])
+        v1.add_api_route("/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"])
         v1.add_api_route("/completions", self.completions, methods=["POST"], openapi_extra=_body(CompletionRequest))
         v1.add_api_route("/chat/completions", self.chat_completions, methods=["POST"],
                          openapi_extra=_body(ChatCompletionRequest))
@@ -259,18 +262,63 @@ class OpenAIServer:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     async def models(self) -> JSONResponse:
+        """The served names, then the loaded LoRA adapters (vLLM's entries: ``root`` the adapter's folder,
+        ``parent`` the base model's name)."""
         info = self.engine.info
         return JSONResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": self.created, "owned_by": "jaxserve",
-             "root": info.get("model_path"), "max_model_len": info.get("max_model_len")}
-            for name in self.names]})
+             "root": info.get("model_path"), "parent": None, "max_model_len": info.get("max_model_len")}
+            for name in self.names] + [
+            {"id": lora.lora_name, "object": "model", "created": self.created, "owned_by": "jaxserve",
+             "root": lora.lora_path, "parent": self.names[0], "max_model_len": info.get("max_model_len")}
+            for lora in self.engine.loras.values()]})
+
+    # LoRA adapters ------------------------------------------------------------------------------------------
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's ``POST /v1/load_lora_adapter`` with ``{"lora_name", "lora_path"}``: the adapter is read and
+        checked now, then selectable by its name in ``model``."""
+        body = await self._read_json(request)
+        body = body if isinstance(body, dict) else {}
+        name, path = body.get("lora_name"), body.get("lora_path")
+        for field, value in (("lora_name", name), ("lora_path", path)):
+            if not isinstance(value, str) or not value:
+                raise invalid(f"{field} must be a non-empty string", field)
+        if name in self.names:
+            raise invalid(f"lora_name: {name!r} is the base model's name", "lora_name")
+        try:
+            await self.engine.load_lora(LoRARequest(name, self._next_lora_id(), path))
+        except Exception as e:  # noqa: BLE001 - mapped to the error response
+            err = from_engine_error(e)
+            if err.status == 400 and not err.param:
+                err.param = "lora_path"
+            raise err from None
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's ``POST /v1/unload_lora_adapter`` with ``{"lora_name"}``; 404 if no such adapter is loaded."""
+        body = await self._read_json(request)
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not name:
+            raise invalid("lora_name must be a non-empty string", "lora_name")
+        if name not in self.engine.loras:
+            return JSONResponse({"error": {"message": f"The lora adapter '{name}' cannot be found.",
+                                           "type": "NotFoundError", "param": "lora_name", "code": 404}},
+                                status_code=404)
+        try:
+            await self.engine.unload_lora(name)
+        except Exception as e:  # noqa: BLE001
+            raise from_engine_error(e) from None
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+
+    def _next_lora_id(self) -> int:
+        return max((lora.lora_int_id for lora in self.engine.loras.values()), default=0) + 1
 
     # Tokens -------------------------------------------------------------------------------------------------
     async def tokenize(self, request: Request) -> JSONResponse:
         """vLLM's ``/tokenize``: the token ids of a prompt (``prompt``) or of a conversation in the chat
         template (``messages``), as generation would see them."""
         req: TokenizeRequest = parse(TokenizeRequest, await self._read_json(request))
-        check_model(req.model, self.names)
+        self._lora_for(req.model)
         messages = req.template_messages()
         try:
             ids = await self.engine.tokenize_prompt(req.prompt, messages, req.add_generation_prompt,
@@ -285,7 +333,7 @@ class OpenAIServer:
     async def detokenize(self, request: Request) -> JSONResponse:
         """vLLM's ``/detokenize``: the text of token ids."""
         req: DetokenizeRequest = parse(DetokenizeRequest, await self._read_json(request))
-        check_model(req.model, self.names)
+        self._lora_for(req.model)
         try:
             text = await self.engine.detokenize(req.tokens)
         except Exception as e:  # noqa: BLE001
@@ -340,7 +388,8 @@ class OpenAIServer:
     async def _start(self, prompts: list, params, messages=None, add_generation_prompt=True,
                      **prompt_options) -> list[RequestStream]:
         """Admit every prompt of the request, or none (the admitted ones are aborted if one fails).
-        ``prompt_options``: ``template_options`` of a chat, ``add_special_tokens`` of a text prompt."""
+        ``prompt_options``: ``template_options`` of a chat, ``add_special_tokens`` of a text prompt, the
+        ``lora_request`` of an adapter the ``model`` field named."""
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
@@ -393,9 +442,19 @@ class OpenAIServer:
     def _model_name(self, requested: str | None) -> str:
         return requested or self.names[0]
 
+    def _lora_for(self, model: str | None) -> LoRARequest | None:
+        """The adapter the ``model`` field names (None: the base model); 400 naming ``model`` if it is neither a
+        served name nor a loaded adapter."""
+        if model is None or model in self.names:
+            return None
+        lora = self.engine.loras.get(model)
+        if lora is None:
+            check_model(model, self.names + list(self.engine.loras))
+        return lora
+
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await self._read_json(request))
-        check_model(req.model, self.names)
+        lora = self._lora_for(req.model)
         num_prompts = len(req.prompt) if isinstance(req.prompt, list) and req.prompt and not isinstance(
             req.prompt[0], int) else 1
         self.limits.check(n=req.n, best_of=req.best_of, logprobs=req.logprobs, stop=req.stop,
@@ -404,7 +463,7 @@ class OpenAIServer:
             self.limits.check(logprobs=req.prompt_logprobs, logprobs_field="prompt_logprobs")
         params = req.sampling_params(self._generation_defaults)
         prompts = req.prompts()
-        streams = await self._start(prompts, params, add_special_tokens=req.add_special_tokens)
+        streams = await self._start(prompts, params, add_special_tokens=req.add_special_tokens, lora_request=lora)
         rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self._model_name(req.model)
         n, num_top = req.n, req.logprobs
         if req.stream:
@@ -506,7 +565,7 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request) -> Response:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await self._read_json(request))
-        check_model(req.model, self.names)
+        lora = self._lora_for(req.model)
         self.limits.check(n=req.n, logprobs=req.top_logprobs, stop=req.stop, stop_token_ids=req.stop_token_ids,
                           logprobs_field="top_logprobs")
         if req.prompt_logprobs is not None:
@@ -520,7 +579,8 @@ class OpenAIServer:
                           "--enable-auto-tool-choice and --tool-call-parser", "tool_choice")
         messages = req.template_messages()
         options = {**req.template_options(), "add_special_tokens": req.add_special_tokens}
-        streams = await self._start([None], params, messages, req.add_generation_prompt, template_options=options)
+        streams = await self._start([None], params, messages, req.add_generation_prompt, template_options=options,
+                                    lora_request=lora)
         stream = streams[0]
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self._model_name(req.model)
         num_top = params.logprobs
