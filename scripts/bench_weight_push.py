@@ -14,12 +14,15 @@ step (a short greedy generate follows each push, untimed, so the engine really s
   steps that request runs: what serving new weights costs without ``update_weights``); ``restart, load only``
   the same until the weights are loaded.
 
-Each push is followed by a check that it compiled nothing (``CompileCounter``).
+Each push is followed by a check that it compiled nothing (``CompileCounter``). Then ``llm.sleep(level)`` and
+``wake_up()``: the bytes of live device arrays (``jax.live_arrays``, what the CPU backend can count; on an
+accelerator ``memory_stats`` says the same) before, while asleep at each level, and after, with the time of each.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import tempfile
@@ -103,6 +106,24 @@ def main() -> None:
     for name, what in (("pytree", scaled), ("state dict", state_dict), ("folder", str(folder))):
         results[name] = [push(what) for _ in range(args.repeats)]
     pushed_compiles = compiles.count()
+
+    def live() -> float:
+        return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted()) / 2**20
+
+    del params, scaled, state_dict  # the benchmark's own copies, not the engine's
+    gc.collect()
+    print(f"device memory (live arrays): awake {live():.0f} MiB")
+    for level in (1, 2):
+        start = time.perf_counter()
+        llm.sleep(level=level)
+        slept = time.perf_counter() - start
+        asleep = live()
+        start = time.perf_counter()
+        llm.wake_up()
+        woke = time.perf_counter() - start
+        answer(llm)
+        print(f"  sleep(level={level}) {slept * 1000:.0f}ms: {asleep:.0f} MiB; wake_up {woke * 1000:.0f}ms: "
+              f"{live():.0f} MiB")
 
     def restart(first_answer: bool):
         start = time.perf_counter()
