@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import torch
 from flax import nnx
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.executor.compile_counter import CompileCounter
-from jaxserve.models.full_sequence import token_logprobs
+from jaxserve.models.full_sequence import sequence_logits, token_logprobs
 from jaxserve.models.loader import save_orbax
 from tests.tiny import build_tiny_model, hf_model
 
@@ -140,3 +141,12 @@ def test_sleep_frees_the_cache_then_the_weights_and_wake_up_restores_them(llm, o
         llm.update_weights(llm.engine.executor._host_weights[0][0])
     llm.wake_up()
     assert answers(llm) == expected
+
+
+def test_full_sequence_logits_equal_transformers(llm, model_dir):
+    llm.update_weights(str(model_dir))
+    ids = np.asarray([PROMPTS[0], PROMPTS[0][::-1]], np.int32)
+    mine = np.asarray(jax.jit(lambda p, t: sequence_logits(llm.graphdef, p, t))(llm.get_weights(), ids))
+    with torch.no_grad():
+        theirs = hf_model(model_dir)(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-4)

@@ -105,6 +105,6 @@ def test_update_weights_from_a_folder(request, http, tmp_path):
     assert http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] != before
     assert http.post("/v1/update_weights", json={"path": str(tiny_model(request))}).status_code == 200
     assert http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == before
-    for bad in ({}, {"path": 3}, {"path": "/no/such/folder"}):
+    for bad in ({}, {"path": 3}, {"path": "/no/such/folder"}, {"path": str(tmp_path)}):
         r = http.post("/v1/update_weights", json=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == "path", r.text

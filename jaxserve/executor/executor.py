@@ -654,7 +654,10 @@ class Executor:
         dtype and quantization, as ``update_weights`` takes them."""
         from flax import nnx
 
-        cfg = ModelConfig.from_pretrained(resolve_model_path(path))
+        try:
+            cfg = ModelConfig.from_pretrained(resolve_model_path(path))
+        except OSError as e:
+            raise ValueError(f"path: {path} is not a checkpoint folder ({e})") from None
         if cfg.architecture != self.model_config.architecture:
             raise ValueError(f"path: {path} holds a {cfg.architecture}, the engine serves a "
                              f"{self.model_config.architecture}")

@@ -190,9 +190,12 @@ class OpenAIServer:
         auth = [Depends(self._authorize)]
         v1 = APIRouter(prefix="/v1", dependencies=auth)
         v1.add_api_route("/models", self.models, methods=["GET"])
-        v1.add_api_route("/update_weights", self.update_weights, methods=["POST"])
-        v1.add_api_route("/load_lora_adapter", self.load_lora_adapter, methods=["POST"])
-        v1.add_api_route("/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"])
+        # Control endpoints (weights, adapters, sleep) are left out of the published OpenAPI schema, as vLLM's
+        # are: they change what the server serves, which is no part of the OpenAI API.
+        control = dict(methods=["POST"], include_in_schema=False)
+        v1.add_api_route("/update_weights", self.update_weights, **control)
+        v1.add_api_route("/load_lora_adapter", self.load_lora_adapter, **control)
+        v1.add_api_route("/unload_lora_adapter", self.unload_lora_adapter, **control)
         v1.add_api_route("/completions", self.completions, methods=["POST"], openapi_extra=_body(CompletionRequest))
         v1.add_api_route("/chat/completions", self.chat_completions, methods=["POST"],
                          openapi_extra=_body(ChatCompletionRequest))
@@ -201,9 +204,9 @@ class OpenAIServer:
         tokens.add_api_route("/tokenize", self.tokenize, methods=["POST"], openapi_extra=_body(TokenizeRequest))
         tokens.add_api_route("/detokenize", self.detokenize, methods=["POST"], openapi_extra=_body(DetokenizeRequest))
         # vLLM's sleep endpoints
-        tokens.add_api_route("/sleep", self.sleep, methods=["POST"])
-        tokens.add_api_route("/wake_up", self.wake_up, methods=["POST"])
-        tokens.add_api_route("/is_sleeping", self.is_sleeping, methods=["GET"])
+        tokens.add_api_route("/sleep", self.sleep, **control)
+        tokens.add_api_route("/wake_up", self.wake_up, **control)
+        tokens.add_api_route("/is_sleeping", self.is_sleeping, methods=["GET"], include_in_schema=False)
         app.include_router(tokens)
         app.openapi = lambda: self._openapi(app)
         return app
