@@ -90,7 +90,7 @@ def same(a, b):
 
 
 def test_prefix_cache_is_dropped_and_state_dict_by_hf_names_is_taken(llm, original, model_dir):
-    prompt = list(range(3, 3 + 21))
+    prompt = PROMPTS[0]  # two full pages to reuse, in a step shape already compiled
     llm.generate([prompt], GREEDY, use_tqdm=False)
     assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].metrics.num_cached_tokens > 0
     # the original checkpoint back, as transformers holds it (torch tensors, [out, in] linear weights)
@@ -132,7 +132,9 @@ def test_sleep_frees_the_cache_then_the_weights_and_wake_up_restores_them(llm, o
     assert awake - live_bytes() >= kv
     with pytest.raises(RuntimeError, match="asleep"):
         llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+    compiles = CompileCounter()
     llm.wake_up()
+    assert compiles.count() == 0  # the pool's zero-fill programs are kept from the start
     assert live_bytes() >= awake - 1024 and not llm.is_sleeping()
     assert answers(llm) == expected
     llm.sleep(level=2)
