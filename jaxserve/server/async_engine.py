@@ -389,8 +389,9 @@ class AsyncEngine:
         if isinstance(cmd, _Add):
             try:
                 ids = list(cmd.prompt_ids)  # tokenized (and templated) and checked once, off this thread
+                lora = {} if cmd.lora_request is None else {"lora_request": cmd.lora_request}
                 engine.add_request(cmd.request_id, ids, cmd.params, arrival_time=cmd.arrival_time, checked=True,
-                                   lora_request=cmd.lora_request)
+                                   **lora)
                 self._engine_live.add(cmd.request_id)
                 acks.append((cmd.request_id, ids))
             except Exception as e:  # noqa: BLE001 - ValueError for bad input; anything else is reported too
