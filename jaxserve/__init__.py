@@ -12,6 +12,7 @@ _EXPORTS = {
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",
     "Logprob": "jaxserve.outputs",
+    "LoRARequest": "jaxserve.lora_request",
 }
 __all__ = list(_EXPORTS)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.config.library_logging import configure_default_logging
 from jaxserve.disagg.factory import make_engine
 from jaxserve.executor import platforms
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -46,6 +48,47 @@ class LLM:
         self.model_config = self.engine.model_config
         logger.info("ready in %.1fs", time.perf_counter() - start)
 
+    # Live weights -------------------------------------------------------------------------------------------
+    @property
+    def graphdef(self):
+        """The model's structure (flax ``nnx.GraphDef``): with ``get_weights``' arrays, ``nnx.merge(graphdef,
+        weights)`` is the model; ``jaxserve.models.full_sequence`` runs it over whole sequences for training."""
+        return self.engine.executor.runner.graphdef
+
+    def get_weights(self) -> dict:
+        """The weights being served: a nested dict of arrays in the engine's own layout, on its mesh (linear
+        weights ``[in, out]``). Train on it and hand the result to ``update_weights``."""
+        return self.engine.executor.get_weights()
+
+    def update_weights(self, params) -> None:
+        """Serve new weights from the next step on, without a restart or a compile, and drop the prefix cache.
+
+        Args:
+          params: a pytree in the engine's own layout (``get_weights``' dict, or an ``nnx.State``), ideally
+            already on the mesh (arrays placed elsewhere are copied there, other float dtypes cast); a state dict
+            by Hugging Face names (``model.state_dict()`` of a transformers model, torch or NumPy arrays); or a
+            checkpoint folder (a path), read onto the mesh.
+
+        Raises:
+          ValueError: naming the tensor that does not fit; the old weights stay.
+        """
+        if isinstance(params, (str, os.PathLike)):
+            params = self.engine.executor.read_weights(os.fspath(params))
+        self.engine.update_weights(params)
+
+    # Sleep --------------------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory between uses: level 1 the KV cache, level 2 the weights too (kept on the host
+        until ``wake_up``). ``generate`` raises ``EngineSleeping`` until then. The prefix cache is dropped."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """The KV cache (and after level 2 the weights) back on the device, as before ``sleep``."""
+        self.engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` use when given no ``sampling_params``: the checkpoint's
         ``generation_config.json`` sampling fields (``generation_config="auto"``), else ``SamplingParams()``."""
@@ -57,8 +100,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """A completion for each prompt (text or token ids), in prompt order.
+        """A completion for each prompt (text or token ids), in prompt order; ``lora_request``: the LoRA adapter
+        of every prompt, or one per prompt (None: the base model), with ``enable_lora=True``.
 
         Raises:
           ValueError: naming the field, before anything runs, if any prompt or parameter is invalid.
@@ -70,10 +115,13 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts")
         ids = []
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        for i, (prompt, sp, lora) in enumerate(zip(prompts, params, loras)):
             try:
-                ids.append(self.engine.add_request(None, prompt, sp))
+                ids.append(self.engine.add_request(None, prompt, sp, lora_request=lora))
             except ValueError as e:  # a bad prompt leaves nothing queued
                 for rid in ids:
                     self.engine.abort_request(rid)
@@ -91,6 +139,7 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
         use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations, formatted with the chat template (vLLM's options:
         ``continue_final_message`` continues the last assistant message, ``chat_template`` replaces the
@@ -100,7 +149,7 @@ class LLM:
         options = dict(continue_final_message=continue_final_message, chat_template=chat_template,
                        chat_template_kwargs=chat_template_kwargs, tools=tools)
         prompts = [self.apply_chat_template(c, add_generation_prompt, **options) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **template_options) -> list[int]:

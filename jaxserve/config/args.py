@@ -79,6 +79,10 @@ HELP = {
                         "keys, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
                         "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv\"}' "
                         "(default: none)",
+    "enable_lora": "serve LoRA adapters (PEFT folders) next to the base model, batched together",
+    "max_loras": "LoRA adapters on the device at once and in one step; requests for others wait, and the least "
+                 "recently used adapter no running request needs is evicted",
+    "max_lora_rank": "the largest LoRA rank served (smaller ranks are zero-padded to it)",
 }
 
 

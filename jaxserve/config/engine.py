@@ -88,6 +88,9 @@ class EngineConfig:
     speculative_config: "str | dict | SpeculativeConfig | None" = None
     # vLLM's kv_events_config: a JSON object (the flag) or a dict, kept as a KVEventsConfig
     kv_events_config: "str | dict | KVEventsConfig | None" = None
+    enable_lora: bool = False  # serve LoRA adapters (jaxserve/executor/adapter_slots.py)
+    max_loras: int = 1  # adapters on the device at once (and in one step); others wait or are evicted
+    max_lora_rank: int = 16  # the largest adapter rank served
 
     def __post_init__(self):
         positive = ("page_size", "max_num_seqs", "max_num_batched_tokens")
@@ -143,6 +146,14 @@ class EngineConfig:
                              "dequantized into bfloat16 or float32 activations; use dtype='bfloat16' or 'float32'")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config={self.generation_config!r} must be 'auto', 'vllm' or a folder")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.enable_lora and self.speculative_config is not None:
+            raise ValueError("enable_lora cannot be combined with speculative_config yet")
+        if self.enable_lora and self.prefill_mesh is not None:
+            raise ValueError("enable_lora cannot be combined with prefill_mesh/decode_mesh yet")
         # The scheduler's own checks, on what is known before the model is: a bad combination fails here.
         t = self.long_prefill_token_threshold
         if not isinstance(t, int) or isinstance(t, bool) or t < 0:
@@ -163,4 +174,5 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_caching=self.enable_prefix_caching, enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_loras=self.max_loras if self.enable_lora else 0,
         )

@@ -34,6 +34,9 @@ class SchedulerConfig:
     # recycled behind `local_window` (jaxserve/scheduler/window_pool.py). 0 pages: one pool for every layer.
     local_window: int | None = None
     local_pages: int = 0
+    # LoRA: the most distinct adapters running at once (0: no adapters); a sequence whose adapter would exceed it
+    # waits
+    max_loras: int = 0
 
     def __post_init__(self):
         positive = ("num_pages", "page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")

@@ -224,6 +224,13 @@ class DisaggregatedEngine(StagedEngine):
         self.prefill_executor.release(seqs)
         return super()._finish_request(req, seqs, deltas)
 
+    def executors(self) -> list:
+        return [self.prefill_executor, self.executor]
+
+    def _forget_prefixes(self) -> None:
+        self.prefill_scheduler.forget_prefixes()
+        self.decode_scheduler.forget_prefixes()
+
     def stats(self) -> dict[str, float]:
         s = super().stats()
         s["num_pages"] = self.executor.cache_config.num_pages

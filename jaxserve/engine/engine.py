@@ -20,6 +20,8 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.engine import async_scheduling
 from jaxserve.engine.generation_config import load_generation_defaults
 from jaxserve.engine.kv_events import make_publisher
+from jaxserve.engine.request_stream import EngineSleeping
+from jaxserve.lora_request import LoRARequest
 from jaxserve.models.checkpoint import resolve_model_path
 from jaxserve.models.config import ModelConfig
 from jaxserve.outputs import CompletionDelta, CompletionOutput, RequestDelta, RequestMetrics, RequestOutput, TokenRecord
@@ -158,12 +160,17 @@ class Engine:
         return RequestChecks.of(self)
 
     def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    *, arrival_time: float | None = None, checked: bool = False) -> str:
+                    *, arrival_time: float | None = None, checked: bool = False,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue a request. Raises ValueError (naming the field) for input that could never be served.
 
         ``checked``: the caller ran ``self.checks.request`` on these token ids and params already (the servers
-        do, before the request reaches the engine thread), so it is not run again.
+        do, before the request reaches the engine thread), so it is not run again. ``lora_request``: the LoRA
+        adapter it runs with (registered on first use: ``add_lora``).
         """
+        if self.executor.asleep:
+            raise EngineSleeping("the engine is asleep (sleep was called); wake it up first (wake_up, or "
+                                 "POST /wake_up)")
         params = params if params is not None else SamplingParams()
         request_id = str(next(self._counter)) if request_id is None else request_id
         if request_id in self._requests:
@@ -171,8 +178,9 @@ class Engine:
         text, ids = self.tokenize(prompt)
         if not checked:
             self.checks.request(ids, params)
+        adapter = None if lora_request is None else self.add_lora(lora_request)
         seq = Sequence(request_id, ids, params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
-                       request_index=next(self._counter))
+                       request_index=next(self._counter), adapter=adapter)
         seqs = self.scheduler.add(seq)
         self.structured.add(seqs)
         detoks = [IncrementalDetokenizer.for_request(self.tokenizer, ids, params) for _ in seqs]
@@ -505,6 +513,89 @@ class Engine:
         if text is None:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
+
+    # Live weights -------------------------------------------------------------------------------------------
+    def update_weights(self, params) -> None:
+        """Serve new weights from the next step on, with no compile (``Executor.update_weights``: a pytree in the
+        engine's layout or a state dict by Hugging Face names, or ``Executor.read_weights``' state), and forget
+        the prefix cache: no later request reuses KV computed with the old weights. Requests running now go on
+        with the KV they have.
+
+        Raises:
+          ValueError: the weights do not fit the model (the old ones stay).
+        """
+        for executor in self.executors():
+            executor.update_weights(params)
+        self._forget_prefixes()
+        self.stats_counters["weight_updates"] = self.stats_counters.get("weight_updates", 0) + 1
+
+    # LoRA adapters ------------------------------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> str:
+        """Register an adapter (read and checked now; on the device when a step first needs it); returns its
+        name. An adapter registered under the name already needs no path.
+
+        Raises:
+          ValueError: LoRA is not enabled, or the adapter does not fit (naming what).
+        """
+        slots = self.executor.adapters
+        if slots is None:
+            raise ValueError("lora_request: this engine was started without enable_lora (--enable-lora)")
+        if not lora_request.lora_path:
+            if lora_request.lora_name not in slots.registered:
+                raise ValueError(f"lora_request: no adapter named {lora_request.lora_name!r} is loaded and no "
+                                 "lora_path was given")
+            return lora_request.lora_name
+        return slots.register(lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path).name
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter. Raises ValueError if it is not loaded or a live request runs it."""
+        slots = self.executor.adapters
+        if slots is None:
+            raise ValueError("lora_name: this engine was started without enable_lora (--enable-lora)")
+        busy = [r.request_id for r in self._requests.values() if r.seqs and r.seqs[0].adapter == name]
+        if busy:
+            raise ValueError(f"lora_name: adapter {name!r} is in use by {len(busy)} running request(s)")
+        slots.unregister(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The registered adapters."""
+        slots = self.executor.adapters
+        if slots is None:
+            return []
+        return [LoRARequest(a.name, a.id, a.path) for a in slots.registered.values()]
+
+    # Sleep --------------------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache's device memory (level 1), the weights' too (level 2), until ``wake_up``; requests
+        are refused meanwhile (``EngineSleeping``). Refused while requests are live: nothing in flight is lost
+        (the server waits for them first). The prefix cache is forgotten (its pages are gone).
+
+        Raises:
+          ValueError: requests are live, or ``level`` is not 1 or 2.
+        """
+        if self.has_unfinished():
+            raise ValueError(f"sleep: {self.num_requests} request(s) are running; sleep when they have finished")
+        if self._pending is not None:  # a launched step of requests that were aborted since: read it back
+            self._resolve()
+        for executor in self.executors():
+            executor.sleep(level)
+        self._forget_prefixes()
+
+    def wake_up(self) -> None:
+        """The KV cache (and after level 2 the weights) back on the device; requests are served again."""
+        for executor in self.executors():
+            executor.wake_up()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.executor.asleep)
+
+    def executors(self) -> list:
+        """The executors whose devices this engine uses."""
+        return [self.executor]
+
+    def _forget_prefixes(self) -> None:
+        self.scheduler.forget_prefixes()
 
     # Multi-process ------------------------------------------------------------------------------------------
     def follow(self) -> None:

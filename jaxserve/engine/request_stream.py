@@ -26,6 +26,11 @@ class EngineOverloaded(RuntimeError):
     """Admitting the request would queue more than ``max_waiting_requests`` sequences."""
 
 
+class EngineSleeping(RuntimeError):
+    """The engine sleeps (``Engine.sleep``): its KV cache (and maybe its weights) are off the device until
+    ``wake_up``."""
+
+
 class EngineFailure(RuntimeError):
     """The engine could not finish a request cleanly (reported to that request only)."""
 

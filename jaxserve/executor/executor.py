@@ -41,6 +41,7 @@ from jaxserve.executor.sampler import SamplingTensors, sample
 from jaxserve.executor.shapes import StepShapes, bucket
 from jaxserve.executor.verify import verify
 from jaxserve.models.attention import AttentionBackend
+from jaxserve.models.checkpoint import resolve_model_path
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loader import load_model
 from jaxserve.outputs import TokenRecord
@@ -100,6 +101,7 @@ class Executor:
         self.runner = ModelRunner(model, self.model_config, self.cache_config, self.mesh, cache_dtype=self.cache_dtype,
                                   num_logit_rows=self._sample_rows + self._spec_rows * self.num_replicas,
                                   backend=backend, debug_checks=config.debug_checks)
+        self.adapters = self._make_adapter_slots()
         self._jit_device_functions()
         self.drafter = self._make_drafter(backend)
         self._init_sequence_state()
@@ -113,6 +115,8 @@ class Executor:
         self.warmed_up = False
         self.warmup_summary: dict | None = None  # the start's figures (``compile_progress.Progress.finish``)
         self.compilations_after_warmup = 0
+        self.asleep = 0  # the level of ``sleep`` while asleep
+        self._host_weights = None  # level 2: [(weights on the host, their shardings)] per runner
         self._last_shape = ""  # the latest launched step's shapes, for the compile guard's warning
         if config.warmup and self.is_leader:
             self.warmup()  # on a multi-process run the followers compile the same shapes as they follow
@@ -202,6 +206,26 @@ class Executor:
         self._verify = jax.jit(verify, static_argnames=("with_logprobs",))
         self._score = jax.jit(score)
         self._reset_rows = jax.jit(PenaltyState.reset_rows)
+
+    def _make_adapter_slots(self):
+        """LoRA's device slots (``enable_lora``), else None."""
+        config = self.config
+        if not config.enable_lora:
+            return None
+        if jax.process_count() > 1 or self.num_replicas > 1:
+            raise ValueError("enable_lora: adapters are served on one process with mesh data=1 (tensor "
+                             "parallelism is supported)")
+        from jaxserve.executor.adapter_slots import AdapterSlots
+        from sharding.rules import model_rules
+
+        cfg = self.model_config
+        rules = model_rules(cfg.num_heads, cfg.num_kv_heads, self.mesh)
+        slots = AdapterSlots(cfg, self.runner.params, self.mesh, rules, max_loras=config.max_loras,
+                             max_rank=config.max_lora_rank)
+        self.runner.adapters = slots.arrays
+        logger.info("LoRA: %d adapter slots of rank %d over %d projections (%.1f MiB)", config.max_loras,
+                    config.max_lora_rank, len(slots.targets), slots.nbytes() / 2**20)
+        return slots
 
     def _make_drafter(self, backend: AttentionBackend):
         """The draft model's proposer (speculation with a ``model``), else None."""
@@ -365,8 +389,15 @@ class Executor:
         prev_ids = None
         if prev is not None:
             prev_ids = self.runner.place_ids(prev.next_ids) if prev.on_sample_device else prev.next_ids
+        if self.adapters is not None:  # each sequence's adapter in a device slot, in the batch's slot order
+            seq_slots = self.adapters.slots_for([s.adapter for s in seqs])
+            self.runner.adapters = self.adapters.arrays
+            replicated = self.runner.run(kind, batch, prev_ids, seq_slots)
         # (two arguments when there is no previous step: what a wrapper of ``run`` written for it expects)
-        replicated = self.runner.run(kind, batch, prev_ids) if prev_ids is not None else self.runner.run(kind, batch)
+        elif prev_ids is not None:
+            replicated = self.runner.run(kind, batch, prev_ids)
+        else:
+            replicated = self.runner.run(kind, batch)
         out = self.runner.local(replicated)
         pending = self._sample_step(plan, entries, seqs, needs_sample, out, replicated, distinct)
         if drafts is not None:
@@ -562,6 +593,78 @@ class Executor:
             if self.drafter is not None:
                 self.drafter.release(seq.seq_id)
 
+    # Live weights -------------------------------------------------------------------------------------------
+    def get_weights(self) -> dict:
+        """The parameters as the steps use them, a nested dict of arrays on the mesh (``weights.pure_weights``)."""
+        from jaxserve.executor.weights import pure_weights
+
+        return pure_weights(self.runner.params)
+
+    def update_weights(self, params) -> None:
+        """Serve ``params`` from the next step on (``weights.replacement_state`` checks and places them): the same
+        structure, shapes, dtypes and shardings as before, so nothing compiles. The steps already launched keep
+        the weights they were launched with.
+
+        Raises:
+          ValueError: naming the tensor that does not fit; the old weights stay.
+        """
+        from jaxserve.executor.weights import replacement_state
+
+        if self.asleep == 2:
+            raise ValueError("the engine is asleep at level 2 (its weights are off the device); call wake_up first")
+        if jax.process_count() > 1:
+            raise ValueError("update_weights is not supported on a multi-process run")
+        self.runner.params = replacement_state(self.runner.params, params, self.model_config)
+
+    # Sleep --------------------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory of the KV cache (level 1) and of the weights too (level 2: they are copied to
+        the host first and placed back by ``wake_up``). The draft model of speculation sleeps alike. The caller
+        makes sure no sequence holds pages (``Engine.sleep``)."""
+        if level not in (1, 2):
+            raise ValueError(f"level={level} must be 1 (free the KV cache) or 2 (the weights too)")
+        if self.asleep:
+            raise ValueError(f"the engine is already asleep (level {self.asleep}); call wake_up first")
+        runners = [self.runner] + ([self.drafter.runner] if self.drafter is not None else [])
+        self._host_weights = None
+        if level == 2:  # shardings kept with the host copy: wake_up places each leaf as it was
+            self._host_weights = [(jax.device_get(r.params), jax.tree.map(lambda a: a.sharding, r.params))
+                                  for r in runners]
+        for r in runners:
+            for a in jax.tree.leaves((r.kv_cache, r.params) if level == 2 else r.kv_cache):
+                a.delete()
+            r.kv_cache = None
+        self.asleep = level
+
+    def wake_up(self) -> None:
+        """Undo ``sleep``: a zeroed KV cache (and the weights back from the host, after level 2)."""
+        if not self.asleep:
+            return
+        runners = [self.runner] + ([self.drafter.runner] if self.drafter is not None else [])
+        for i, r in enumerate(runners):
+            if self._host_weights is not None:
+                host, shardings = self._host_weights[i]
+                r.params = jax.device_put(host, shardings)
+            r.reset_cache(self.cache_dtype if r is self.runner else self.drafter.cache_dtype)
+        self._host_weights = None
+        self.asleep = 0
+
+    def read_weights(self, path: str):
+        """A checkpoint folder's weights (same architecture and shapes), loaded onto this executor's mesh in its
+        dtype and quantization, as ``update_weights`` takes them."""
+        from flax import nnx
+
+        try:
+            cfg = ModelConfig.from_pretrained(resolve_model_path(path))
+        except OSError as e:
+            raise ValueError(f"path: {path} is not a checkpoint folder ({e})") from None
+        if cfg.architecture != self.model_config.architecture:
+            raise ValueError(f"path: {path} holds a {cfg.architecture}, the engine serves a "
+                             f"{self.model_config.architecture}")
+        model, _, _ = load_model(path, self.config.dtype, self.mesh, self.config.quantization,
+                                 self.config.quantize_lm_head, cfg=cfg)
+        return nnx.state(model)
+
     # Multi-process ------------------------------------------------------------------------------------------
     def follow(self) -> None:
         """On a process other than 0: run the steps process 0 plans until it calls ``close``."""
@@ -577,7 +680,8 @@ class Executor:
         else compiled and saved there) and compile the sampler, so serving never compiles."""
         start = time.perf_counter()
         shapes = self.shapes.all_shapes()
-        store = ExecutableStore.for_runner(self.config.compilation_cache_dir, self.runner)
+        store = (ExecutableStore.for_runner(self.config.compilation_cache_dir, self.runner)
+                 if self.adapters is None else None)  # (the store's programs take no adapters)
         stored = store is not None and all(
             store.holds(self.runner.step_key(StepKind.DECODE if shape[0] else StepKind.PREFILL,
                                              self._padding_batch(*shape))) for shape in shapes)

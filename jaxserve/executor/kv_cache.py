@@ -11,6 +11,7 @@ use local ids ``0 .. P - 1``. The cache is replicated over ``sequence``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence as Seq
 
@@ -156,11 +157,18 @@ def init_kv_cache(cfg: ModelConfig, cache: CacheConfig, dtype, mesh: Mesh) -> li
     for layer in range(cfg.num_layers):
         local = uses_local_pool(cfg, cache, layer)
         shape, sharding = cache_sharding(cfg, cache, mesh, cache.num_local_pages if local else None)
-        if is_quantized_dtype(dtype):  # 8-bit values and their scales, each sharded the same way
-            scale_sharding = logical_sharding(CACHE_AXES, shape[:-1] + (1,), mesh)
-            zeros = jax.jit(lambda shape=shape: QuantizedPages.zeros(shape, dtype),
-                            out_shardings=QuantizedPages(sharding, scale_sharding))
-        else:
-            zeros = jax.jit(lambda shape=shape: jnp.zeros(shape, dtype), out_shardings=sharding)
+        scale_sharding = (logical_sharding(CACHE_AXES, shape[:-1] + (1,), mesh) if is_quantized_dtype(dtype)
+                          else None)
+        zeros = _zeros(tuple(shape), dtype, sharding, scale_sharding)
         out.append((zeros(), zeros()))
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros(shape: tuple, dtype, sharding, scale_sharding):
+    """The jitted zero-fill of one pool shape, kept: a pool made again (``wake_up``, a lost cache) compiles
+    nothing. 8-bit pools: values and their scales, each sharded the same way."""
+    if scale_sharding is not None:
+        return jax.jit(lambda: QuantizedPages.zeros(shape, dtype),
+                       out_shardings=QuantizedPages(sharding, scale_sharding))
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)

@@ -23,6 +23,7 @@ from jaxserve.executor.sampler import argmax
 from jaxserve.models.attention import AttentionBackend, ShardedAttention
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.decoder import DecoderLM, forward
+from jaxserve.models.lora import group_rows, token_slots
 from pallas_kernels.ragged_paged_attention import check_values, token_layout
 from sharding import multihost
 from sharding.layout import StepLayout
@@ -44,19 +45,30 @@ def jit_step(graphdef: nnx.GraphDef, num_rows: int, out_shardings=None, local_po
     cache donated, ``fields`` (the batch's shape, ``MeshBatch.shape_fields``), ``attention`` and ``layout`` static.
 
     ``packed`` is the whole batch as one int32 array (``MeshBatch.pack``), placed replicated: one host-to-device
-    copy per step. The step unpacks it and gives each field its sharding. Logits are padded to ``num_rows`` so
+    copy per step; with ``adapters`` (LoRA slots, ``jaxserve.executor.adapter_slots``) it ends with each sequence
+    slot's adapter slot. The step unpacks it and gives each field its sharding. Logits are padded to ``num_rows`` so
     the sampler has one shape whatever the step's bucket. ``out_shardings`` (output, cache) pins the outputs: the
     cache must come back with exactly the sharding it went in with, or the next call would compile again.
     """
 
-    def step(params, packed, kv_cache, fields, attention, layout, prev_ids=None):
+    def step(params, packed, kv_cache, fields, attention, layout, prev_ids=None, adapters=None):
+        seq_slots = None
+        if adapters is not None:  # LoRA: the payload ends with each sequence slot's adapter slot, i32[R * S]
+            n = fields[0] * fields[2]
+            packed, seq_slots = packed[:-n], packed[-n:].reshape(fields[0], fields[2])
         batch = MeshBatch.unpack(fields, packed)
         if prev_ids is not None:  # async scheduling: token -1 - i is row i of the previous step's sampled ids
             ids = batch.token_ids
             batch = dataclasses.replace(batch, token_ids=jnp.where(ids < 0, prev_ids[jnp.maximum(-1 - ids, 0)], ids))
         token_ids, positions, md, logits_indices = device_inputs(batch, layout)
+        lora = None
+        if adapters is not None:
+            t = batch.tokens_per_replica
+            slots = jax.vmap(lambda cu, n, ss: token_slots(cu, n, ss, t))(batch.md.cu_q_lens, batch.md.num_seqs,
+                                                                           seq_slots).reshape(-1)  # i32[R * T]
+            lora = (adapters, group_rows(slots, jax.tree.leaves(adapters)[0].shape[0]))
         logits, kv_cache = forward(nnx.merge(graphdef, params), token_ids, positions, md, kv_cache, logits_indices,
-                                   attention, layout, local_pool=local_pool)
+                                   attention, layout, local_pool=local_pool, lora=lora)
         pad = num_rows - logits.shape[0]
         return StepOutput(jnp.pad(logits, ((0, pad), (0, 0))), jnp.pad(argmax(logits), (0, pad))), kv_cache
 
@@ -119,6 +131,8 @@ class ModelRunner:
         self._no_prev = jax.device_put(np.zeros(num_logit_rows, np.int32), replicated)
         outs = (StepOutput(replicated, replicated), jax.tree.map(lambda a: a.sharding, self.kv_cache))
         self.num_logit_rows = num_logit_rows
+        # LoRA: the adapter slots' arrays (jaxserve.executor.adapter_slots sets them), an argument of every step
+        self.adapters = None
         # One jit object per kind, so prefill and decode shapes are compiled and cached separately.
         self.local_pool = bool(cache.num_local_pages)  # page tables carry the windowed pool's table after the global
         self._steps = {kind: jit_step(self.graphdef, num_logit_rows, outs, self.local_pool) for kind in StepKind}
@@ -126,15 +140,23 @@ class ModelRunner:
         # (kind, shape fields) -> the compiled step, called directly (no tracing): filled by ``prepare``.
         self.executables: dict[tuple, jax.stages.Compiled] = {}
 
-    def run(self, kind: StepKind, batch: MeshBatch, prev_ids: jax.Array | None = None) -> StepOutput:
+    def run(self, kind: StepKind, batch: MeshBatch, prev_ids: jax.Array | None = None,
+            seq_slots: np.ndarray | None = None) -> StepOutput:
         """Run one step (on process 0 of a multi-process run, the followers run it too). ``prev_ids``: the
-        previous step's sampled ids (see ``jit_step``), placed with ``place_ids``; zeros by default."""
+        previous step's sampled ids (see ``jit_step``), placed with ``place_ids``; zeros by default.
+        ``seq_slots``: with adapters, each sequence's adapter slot in the batch's slot order (i32[<= R * S];
+        0 or absent: the base model)."""
         if batch.num_replicas != self.num_replicas:
             raise ValueError(f"batch has {batch.num_replicas} replicas, the mesh has data={self.num_replicas}")
         if kind == StepKind.DECODE and batch.tokens_per_replica != batch.md.kv_lens.shape[1]:
             raise ValueError(f"decode batch must have one row per slot, got {batch.tokens_per_replica} rows / "
                              f"{batch.md.kv_lens.shape[1]} slots")
         payload = batch.pack()
+        if self.adapters is not None:
+            slots = np.zeros(batch.num_replicas * int(batch.md.kv_lens.shape[1]), np.int32)
+            if seq_slots is not None:
+                slots[: len(seq_slots)] = seq_slots
+            payload = np.concatenate([payload, slots])
         if self.channel is not None:
             if prev_ids is not None:
                 raise ValueError("a multi-process run sends followers whole batches: no previous-step ids")
@@ -177,8 +199,12 @@ class ModelRunner:
 
     def lower(self, kind: StepKind, batch: MeshBatch):
         """The step a batch would run, lowered (for inspecting the compiled program)."""
-        fn, args = self._call_args(kind, batch, batch.pack())
-        return fn.lower(*args, prev_ids=self._no_prev)
+        payload = batch.pack()
+        if self.adapters is not None:
+            payload = np.concatenate([payload, np.zeros(batch.num_replicas * int(batch.md.kv_lens.shape[1]),
+                                                        np.int32)])
+        fn, args = self._call_args(kind, batch, payload)
+        return fn.lower(*args, **self._step_kwargs(self._no_prev))
 
     @staticmethod
     def step_key(kind: StepKind, batch: MeshBatch) -> tuple:
@@ -218,13 +244,16 @@ class ModelRunner:
                     check_values(pool_md, num_tokens=batch.tokens_per_replica, num_pages=pages,
                                  page_size=self.cache_cfg.page_size)
         fn, args = self._call_args(kind, batch, payload)
-        prev_ids = self._no_prev if prev_ids is None else prev_ids
+        kwargs = self._step_kwargs(self._no_prev if prev_ids is None else prev_ids)
         compiled = self.executables.get((int(kind), args[3]))
         if compiled is not None:  # prepared at warm-up: its static arguments are part of the key
-            out, self.kv_cache = compiled(*args[:3], prev_ids=prev_ids)
+            out, self.kv_cache = compiled(*args[:3], **kwargs)
         else:
-            out, self.kv_cache = fn(*args, prev_ids=prev_ids)
+            out, self.kv_cache = fn(*args, **kwargs)
         return out
+
+    def _step_kwargs(self, prev_ids) -> dict:
+        return {"prev_ids": prev_ids} if self.adapters is None else {"prev_ids": prev_ids, "adapters": self.adapters}
 
     def cache_lost(self) -> bool:
         """Whether the cache's buffers are gone (a step that failed after the cache was donated to it)."""

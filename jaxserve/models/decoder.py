@@ -24,6 +24,7 @@ from flax import nnx
 from jaxserve.models import layers, moe
 from jaxserve.models.attention import AttentionBackend, AttentionMetadata
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.lora import lora_delta
 from sharding.layout import StepLayout
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages), kv[K, num_pages, page_size, D] each
@@ -71,9 +72,24 @@ class Linear(nnx.Module):
         # Set when the weight is quantized (jaxserve.models.quantization): f32[out], or f32[in / B, out / B]
         self.weight_scale = nnx.data(None)
 
-    def __call__(self, x):  # dt[..., in] -> dt[..., out]
-        return layers.linear(x, self.weight[...], None if self.bias is None else self.bias[...],
-                             None if self.weight_scale is None else self.weight_scale[...])
+    def __call__(self, x, lora=None):  # dt[..., in] -> dt[..., out]
+        """``lora``: (a dt[G, in, R], b dt[G, R, out], ``LoraRows``), each row's adapter added (models/lora.py)."""
+        y = layers.linear(x, self.weight[...], None if self.bias is None else self.bias[...],
+                          None if self.weight_scale is None else self.weight_scale[...])
+        if lora is None:
+            return y
+        delta = lora_delta(x.reshape(-1, x.shape[-1]), *lora).reshape(y.shape)  # f32[..., out]
+        return (y.astype(jnp.float32) + delta).astype(x.dtype)
+
+
+def _pick(lora, group: str, name: str):
+    """(a, b, rows) of one projection from a layer's ``lora`` (its slots by group and name, and the step's rows),
+    or None."""
+    if lora is None:
+        return None
+    weights, rows = lora
+    ab = weights.get(group, {}).get(name)
+    return None if ab is None else (*ab, rows)
 
 
 class Attention(nnx.Module):
@@ -91,15 +107,17 @@ class Attention(nnx.Module):
         self.cfg, self.sliding_window = cfg, cfg.sliding_windows[layer]
 
     def __call__(self, x, rope_table, k_pages, v_pages, md: AttentionMetadata, backend: AttentionBackend,
-                 layout: StepLayout | None = None):
+                 layout: StepLayout | None = None, lora=None):
         """x: dt[R * T, C]; rope_table: (cos, sin) f32[R * T, D] each; k_pages, v_pages: kv[K, num_pages,
-        page_size, D]. Returns (dt[R * T, C], k_pages, v_pages) with this step's K/V written."""
+        page_size, D]; ``lora``: the layer's adapter slots and the step's rows (``DecoderLayer``). Returns
+        (dt[R * T, C], k_pages, v_pages) with this step's K/V written."""
         cfg, t = self.cfg, x.shape[0]
-        q = _constrain(self.q_proj(x).reshape(t, cfg.num_heads, cfg.head_dim), layout, "tokens", "act_heads",
+        proj = lambda name: getattr(self, name)(x, _pick(lora, "self_attn", name))  # noqa: E731
+        q = _constrain(proj("q_proj").reshape(t, cfg.num_heads, cfg.head_dim), layout, "tokens", "act_heads",
                        None)  # dt[R * T, H, D]
-        k = _constrain(self.k_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim), layout, "tokens", "act_kv_heads",
+        k = _constrain(proj("k_proj").reshape(t, cfg.num_kv_heads, cfg.head_dim), layout, "tokens", "act_kv_heads",
                        None)  # dt[R * T, K, D]
-        v = _constrain(self.v_proj(x).reshape(t, cfg.num_kv_heads, cfg.head_dim), layout, "tokens", "act_kv_heads",
+        v = _constrain(proj("v_proj").reshape(t, cfg.num_kv_heads, cfg.head_dim), layout, "tokens", "act_kv_heads",
                        None)  # dt[R * T, K, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # dt[R * T, H, D], dt[R * T, K, D]
@@ -108,7 +126,8 @@ class Attention(nnx.Module):
             q, k, v, k_pages, v_pages, md, sm_scale=cfg.sm_scale, sliding_window=self.sliding_window,
             soft_cap=cfg.attn_soft_cap,
         )
-        return self.o_proj(out.reshape(t, cfg.num_heads * cfg.head_dim)), k_pages, v_pages  # dt[R * T, C], ...
+        out = self.o_proj(out.reshape(t, cfg.num_heads * cfg.head_dim), _pick(lora, "self_attn", "o_proj"))
+        return out, k_pages, v_pages  # dt[R * T, C], ...
 
 
 class MLP(nnx.Module):
@@ -119,9 +138,10 @@ class MLP(nnx.Module):
         self.down_proj = Linear(m, h, bias=b, dtype=dtype, axes=("mlp", "embed"))  # weight dt[I, C]
         self.act = cfg.hidden_act
 
-    def __call__(self, x, layout: StepLayout | None = None):  # dt[R * T, C] -> dt[R * T, C]
-        hidden = layers.ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x)  # dt[R * T, I]
-        return self.down_proj(_constrain(hidden, layout, "tokens", "act_mlp"))  # dt[R * T, C]
+    def __call__(self, x, layout: StepLayout | None = None, lora=None):  # dt[R * T, C] -> dt[R * T, C]
+        gate, up = self.gate_proj(x, _pick(lora, "mlp", "gate_proj")), self.up_proj(x, _pick(lora, "mlp", "up_proj"))
+        hidden = layers.ACTIVATIONS[self.act](gate) * up  # dt[R * T, I]
+        return self.down_proj(_constrain(hidden, layout, "tokens", "act_mlp"), _pick(lora, "mlp", "down_proj"))
 
 
 def make_mlp(cfg: ModelConfig, layer: int, dtype) -> nnx.Module:
@@ -146,17 +166,20 @@ class DecoderLayer(nnx.Module):
         self.post_feedforward_layernorm = RMSNorm(h, cfg, dtype) if cfg.sandwich_norms else None
         self.mlp = make_mlp(cfg, layer, dtype)
 
-    def __call__(self, x, rope_table, k_pages, v_pages, md, backend, layout: StepLayout | None = None):
-        """x: dt[R * T, C] -> (dt[R * T, C], k_pages, v_pages) (as ``Attention``)."""
+    def __call__(self, x, rope_table, k_pages, v_pages, md, backend, layout: StepLayout | None = None, lora=None):
+        """x: dt[R * T, C] -> (dt[R * T, C], k_pages, v_pages) (as ``Attention``). ``lora``: (this layer's adapter
+        slots {group: {name: (a, b)}}, the step's ``LoraRows``), or None."""
         attn, k_pages, v_pages = self.self_attn(  # attn: dt[R * T, C]
-            self.input_layernorm(x), rope_table, k_pages, v_pages, md, backend, layout
+            self.input_layernorm(x), rope_table, k_pages, v_pages, md, backend, layout, lora
         )
+        mlp = (lambda h: self.mlp(h, layout, lora)) if isinstance(self.mlp, MLP) else (  # noqa: E731
+            lambda h: self.mlp(h, layout))  # a Mixture-of-Experts block takes no adapter
         if self.pre_feedforward_layernorm is None:
             x = _constrain(x + attn, layout, "tokens", "act_embed")  # dt[R * T, C]
-            x = x + self.mlp(self.post_attention_layernorm(x), layout)  # dt[R * T, C]
+            x = x + mlp(self.post_attention_layernorm(x))  # dt[R * T, C]
         else:
             x = _constrain(x + self.post_attention_layernorm(attn), layout, "tokens", "act_embed")  # dt[R * T, C]
-            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), layout))  # dt[R * T, C]
+            x = x + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(x)))  # dt[R * T, C]
         return _constrain(x, layout, "tokens", "act_embed"), k_pages, v_pages  # dt[R * T, C], ...
 
 
@@ -184,6 +207,7 @@ def forward(
     attention,
     layout: StepLayout | None = None,
     local_pool: bool = False,
+    lora=None,
 ) -> tuple[jax.Array, KVCache]:
     """Run the decoder over ``R`` data replicas' ragged batches side by side, writing their K/V into the cache.
 
@@ -191,7 +215,8 @@ def forward(
     ``ShardedAttention`` (it takes the stacked metadata and hands each shard its replica's block).
     ``logits_indices`` are rows of the whole array. ``layout`` (the mesh and rules of the step) pins activation
     shardings; None runs unconstrained. With ``local_pool`` the windowed layers keep their pages in a pool of
-    their own: each page-table row is the global table followed by the windowed one, of equal widths.
+    their own: each page-table row is the global table followed by the windowed one, of equal widths. ``lora``:
+    (per layer, its adapter slots {group: {name: (a, b)}}; the step's ``LoraRows``), or None (no adapters).
 
     Returns:
       (logits f32[N, V] at the ``logits_indices`` rows, gathered over the mesh; the updated cache).
@@ -214,7 +239,8 @@ def forward(
     for i, (layer, (k_pages, v_pages)) in enumerate(zip(model.layers, kv_cache, strict=True)):
         layer_md = md_local if cfg.sliding_windows[i] is not None else md_global
         # x: dt[R * T, C]; the pages: kv[K, num_pages, page_size, D]
-        x, k_pages, v_pages = layer(x, tables[cfg.layer_rope(i)], k_pages, v_pages, layer_md, attention, layout)
+        x, k_pages, v_pages = layer(x, tables[cfg.layer_rope(i)], k_pages, v_pages, layer_md, attention, layout,
+                                    None if lora is None else (lora[0][i], lora[1]))
         new_cache.append((k_pages, v_pages))
     x = model.norm(x[logits_indices])  # dt[N, C]
     head_module = model.embed_tokens if model.lm_head is None else model.lm_head

@@ -25,13 +25,20 @@ def hash_page(parent: bytes | None, token_ids: Seq[int]) -> bytes:
     return h.digest()
 
 
-def salt_key(cache_salt: str | None) -> bytes | None:
-    """The parent key of a sequence's first page: None without a salt, else one derived from the salt, so the
-    chain of every page (and so every cache hit) is private to the requests that share the salt."""
-    if cache_salt is None:
-        return None
-    return hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=16,
-                           person=b"jaxserve-salt").digest()
+def salt_key(cache_salt: str | None, *, adapter: str | None = None, epoch: int = 0) -> bytes | None:
+    """The parent key of a sequence's first page: None without a salt, adapter or weights epoch, else one derived
+    from them, so the chain of every page (and so every cache hit) is private to the requests that share the
+    salt, run the same LoRA ``adapter`` and ran after the same weight update (``epoch``)."""
+    if adapter is None and not epoch:
+        if cache_salt is None:
+            return None
+        return hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=16,
+                               person=b"jaxserve-salt").digest()
+    h = hashlib.blake2b(digest_size=16, person=b"jaxserve-key")
+    for part in (cache_salt, adapter):
+        h.update(b"\0" if part is None else b"\1" + part.encode("utf-8", "surrogatepass") + b"\0")
+    h.update(int(epoch).to_bytes(8, "little"))
+    return h.digest()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -88,6 +95,7 @@ class BlockManager:
         self._page_of: dict[bytes, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest release first
         self._holders: dict[int, Sequence] = {}  # seq_id -> sequence holding a page table
+        self.epoch = 0  # weight updates so far (``forget_prefixes``): part of every page's key
         self._num_registered: dict[int, int] = {}  # seq_id -> leading pages already offered to the cache
         self._num_released: dict[int, int] = {}  # seq_id -> leading pages released behind the window
         self.num_released_pages = 0  # pages released behind the window, over the manager's life
@@ -136,7 +144,8 @@ class BlockManager:
         hashes, ps = seq.page_hashes, self.page_size
         while len(hashes) < num_pages:
             i = len(hashes)
-            parent = hashes[-1] if hashes else salt_key(seq.sampling_params.cache_salt)
+            parent = hashes[-1] if hashes else salt_key(seq.sampling_params.cache_salt, adapter=seq.adapter,
+                                                        epoch=self.epoch)
             hashes.append(hash_page(parent, seq.token_ids(i * ps, (i + 1) * ps)))
         return hashes
 
@@ -336,6 +345,13 @@ class BlockManager:
             else:
                 run = None
         self._num_registered[seq.seq_id] = end
+
+    def forget_prefixes(self) -> None:
+        """New weights: no page computed before now is ever matched again (the key chain of every later sequence
+        starts from a new ``epoch``); the cached pages nobody references go back to the pool now, the others as
+        their sequences finish."""
+        self.epoch += 1
+        self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached page nobody references (e.g. after new weights are loaded)."""

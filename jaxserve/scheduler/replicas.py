@@ -162,6 +162,11 @@ class ReplicatedScheduler:
         """Every replica's ``Scheduler.drop_cache``; returns the sequences sent back to recompute."""
         return [seq for r in self.replicas for seq in r.drop_cache()]
 
+    def forget_prefixes(self) -> None:
+        """Every replica's ``Scheduler.forget_prefixes``."""
+        for r in self.replicas:
+            r.forget_prefixes()
+
     # ---- one step -----------------------------------------------------------------------------------------
     def schedule(self) -> ReplicatedPlan:
         return ReplicatedPlan(tuple(r.schedule() for r in self.replicas))

@@ -269,6 +269,13 @@ class Scheduler:
         self.block_manager.reset_prefix_cache()
         return victims
 
+    def forget_prefixes(self) -> None:
+        """New weights: no KV computed before now is reused by a later admission (``BlockManager.forget_prefixes``;
+        waiting sequences key their pages afresh). Running sequences keep the KV they have."""
+        self.block_manager.forget_prefixes()
+        for seq in self.waiting:
+            seq.page_hashes.clear()
+
     # ---- one step -----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Plan the next step (see ``SchedulerOutput``); running sequences first, then admissions."""
@@ -411,6 +418,8 @@ class Scheduler:
             leader = self._running_leader(seq)
             if leader is not None and self._waits_for_leader(seq, leader):
                 break  # keeps FIFO order; the leader is running its prefill, so this resolves
+            if seq.adapter is not None and not self._adapter_fits(seq.adapter):
+                break  # its adapter would exceed max_loras: it waits (in order) for one of them to finish
             scoring = scores_prompt(seq)
             prefix = [] if scoring else bm.match_prefix(seq, share_with=leader)  # every prompt row is needed
             computed = len(prefix) * cfg.page_size
@@ -430,6 +439,11 @@ class Scheduler:
             if scoring:
                 extra_rows += n - 1
         return budget
+
+    def _adapter_fits(self, adapter: str) -> bool:
+        """Whether a sequence of ``adapter`` may run with the running ones within ``max_loras`` adapters."""
+        running = {s.adapter for s in self.running if s.adapter is not None}
+        return adapter in running or len(running) < self.config.max_loras
 
     def update(self, output: SchedulerOutput, sampled_token_ids: Seq[int]) -> UpdateResult:
         """Record a finished step: one sampled token per entry of ``output.scheduled`` (ignored where

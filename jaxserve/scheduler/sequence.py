@@ -59,6 +59,7 @@ class Sequence:
         arrival_time: float | None = None,
         index: int = 0,
         request_index: int = 0,
+        adapter: str | None = None,
     ):
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
@@ -81,7 +82,9 @@ class Sequence:
         self.page_table: list[int] = []
         self.local_page_table: list[int] = []  # the windowed layers' own pool, for models that interleave them
         self.table_version = 0  # bumped whenever page_table or local_page_table changes (executor/decode_rows.py)
-        self.page_hashes: list[bytes] = []  # chained hash of each full page; depends on tokens and cache_salt only
+        # chained hash of each full page; depends on tokens, cache_salt, adapter and the weights' epoch only
+        self.page_hashes: list[bytes] = []
+        self.adapter = adapter  # the LoRA adapter it runs with (None: the base model); part of its pages' keys
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix reused at the latest admission
         self.num_preemptions = 0
@@ -173,6 +176,7 @@ class Sequence:
             arrival_time=self.arrival_time,
             index=index,
             request_index=self.request_index,
+            adapter=self.adapter,
         )
         sib.leader = self
         return sib

@@ -104,6 +104,10 @@ class WindowedBlockManager:
         self.full.register(seq)
         self.windowed.register(seq)
 
+    def forget_prefixes(self) -> None:
+        self.full.forget_prefixes()
+        self.windowed.forget_prefixes()
+
     def reset_prefix_cache(self) -> None:
         self.full.reset_prefix_cache()
         self.windowed.reset_prefix_cache()

@@ -191,7 +191,8 @@ async def serve(args: argparse.Namespace) -> int:
     """Run the server until a signal; returns the process exit code."""
     _make_cache_dir(args.engine_config.compilation_cache_dir)
     metrics = ServerMetrics(args.served_model_name[0])
-    engine = AsyncEngine(args.engine_config, metrics=metrics, engine_factory=getattr(args, "engine_factory", None))
+    engine = AsyncEngine(args.engine_config, metrics=metrics, engine_factory=getattr(args, "engine_factory", None),
+                         lora_modules=getattr(args, "lora_requests", ()))
     metrics.attach_engine(engine.stats, engine.intake_length)
     fronts = _open_front_ends(args, engine, metrics)
     if fronts is None:

@@ -82,6 +82,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in the 'model' field; the first is reported in responses. Default: "
                         f"--model as given ({DEMO_MODEL_NAME!r} for the demo model)")
+    m.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served from the start, each selected by its NAME in the "
+                        "'model' field (needs --enable-lora; more can be loaded with POST /v1/load_lora_adapter)")
     notes = {"max_waiting_requests": f"default: {WAITING_PER_SEQ} x --max-num-seqs per data replica; 0: no limit"}
     add_engine_args_with_demo_shapes(p, skip=("warmup",), notes=notes)
 
@@ -187,6 +190,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.se
     if args.served_model_name is None:
         args.served_model_name = [args.model if args.model is not None else DEMO_MODEL_NAME]
     fill_demo_shapes(args)
+    args.lora_requests = _lora_modules(parser, args)
     for name in ("http_port", "grpc_port"):
         if not 0 <= getattr(args, name) <= 65535:
             parser.error(f"--{name.replace('_', '-')} must be in [0, 65535]")
@@ -242,6 +246,26 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.se
         name, _, rest = str(e).partition("=")
         parser.error(f"--{name.replace('_', '-')}={rest}")
     return args
+
+
+def _lora_modules(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list:
+    """``--lora-modules NAME=PATH ...`` as ``LoRARequest`` s (ids 1, 2, ...)."""
+    from jaxserve.lora_request import LoRARequest
+
+    if not args.lora_modules:
+        return []
+    if not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
+    out, seen = [], set(args.served_model_name)
+    for i, item in enumerate(args.lora_modules, 1):
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            parser.error(f"--lora-modules: {item!r} must be NAME=PATH")
+        if name in seen:
+            parser.error(f"--lora-modules: the name {name!r} is used twice (or is a served model name)")
+        seen.add(name)
+        out.append(LoRARequest(name, i, path))
+    return out
 
 
 def _data_replicas(mesh: str | None) -> int:

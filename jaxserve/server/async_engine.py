@@ -30,9 +30,11 @@ from jaxserve.engine.request_stream import (
     EngineFailure,
     EngineNotReady,
     EngineOverloaded,
+    EngineSleeping,
     RequestStream,
     take_all,
 )
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestDelta, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.metrics import ServerMetrics
@@ -48,6 +50,7 @@ class _Add:
     prompt_ids: list[int]  # already tokenized, off the engine thread
     params: SamplingParams
     arrival_time: float
+    lora_request: LoRARequest | None = None
 
 
 @dataclasses.dataclass
@@ -79,8 +82,11 @@ class AsyncEngine:
     """
 
     def __init__(self, config: EngineConfig, *, metrics: ServerMetrics | None = None,
-                 engine_factory: Callable[[EngineConfig], Any] | None = None):
+                 engine_factory: Callable[[EngineConfig], Any] | None = None,
+                 lora_modules: Sequence[LoRARequest] = ()):
         self.config = config
+        self._initial_loras = list(lora_modules)  # registered as the engine starts (--lora-modules)
+        self.loras: dict[str, LoRARequest] = {}  # the adapters clients may name in ``model``
         self.metrics = metrics
         self._factory = engine_factory
         self._intake: queue.SimpleQueue = queue.SimpleQueue()
@@ -93,6 +99,7 @@ class AsyncEngine:
         self.checks: RequestChecks | None = None  # the engine's request checks, run here at intake
         self.info: dict[str, Any] = {}
         self.draining = False
+        self.sleeping = False  # between ``sleep`` and ``wake_up``: requests are refused
         # asyncio-side view, only touched in the event loop thread
         self._live: dict[str, RequestStream] = {}
         self._pending_seqs = 0  # sequences sent to the engine thread and not yet acknowledged
@@ -144,6 +151,51 @@ class AsyncEngine:
     def intake_length(self) -> int:
         return self._intake.qsize()
 
+    # LoRA adapters ------------------------------------------------------------------------------------------
+    async def load_lora(self, lora_request: LoRARequest) -> None:
+        """Register an adapter (read and checked in the engine thread); ValueError if it does not fit."""
+        if lora_request.lora_name in self.loras:
+            raise ValueError(f"lora_name: the adapter {lora_request.lora_name!r} has already been loaded")
+        await self.call(lambda engine: engine.add_lora(lora_request))
+        self.loras[lora_request.lora_name] = lora_request
+
+    async def unload_lora(self, name: str) -> None:
+        """Unload an adapter; ValueError if a live request runs it."""
+        await self.call(lambda engine: engine.remove_lora(name))
+        self.loras.pop(name, None)
+
+    # Sleep and live weights ---------------------------------------------------------------------------------
+    async def sleep(self, level: int = 1) -> None:
+        """Refuse new requests (``EngineSleeping``), wait for the live ones to finish, then free the KV cache
+        (level 1) or the weights too (level 2) until ``wake_up``."""
+        if level not in (1, 2):
+            raise ValueError(f"level={level} must be 1 (free the KV cache) or 2 (the weights too)")
+        if not self.ready:
+            raise EngineNotReady("the engine is still starting up (loading and compiling the model)")
+        if self.sleeping:
+            return
+        self.sleeping = True
+        try:
+            await self._idle.wait()
+            await self.call(lambda engine: engine.sleep(level))
+        except BaseException:
+            self.sleeping = False
+            raise
+
+    async def wake_up(self) -> None:
+        """The engine's memory back; requests are admitted again."""
+        await self.call(lambda engine: engine.wake_up())
+        self.sleeping = False
+
+    async def update_weights(self, path: str) -> None:
+        """Load a checkpoint folder's weights onto the mesh (in a worker thread, while the engine serves on),
+        then swap them in between two steps (``Engine.update_weights``)."""
+        if not self.ready:
+            raise EngineNotReady("the engine is still starting up (loading and compiling the model)")
+        executor = self.engine.executor
+        state = await asyncio.to_thread(executor.read_weights, path)
+        await self.call(lambda engine: engine.update_weights(state))
+
     def begin_drain(self) -> None:
         """Refuse new requests from now on (``EngineDraining``); live ones continue."""
         self.draining = True
@@ -170,6 +222,8 @@ class AsyncEngine:
     def _admission_check(self, num_seqs: int) -> None:
         if self.draining:
             raise EngineDraining("the server is shutting down and accepts no new requests")
+        if self.sleeping:
+            raise EngineSleeping("the engine is asleep (POST /sleep); POST /wake_up to serve requests again")
         if not self.ready:
             if self._ready is not None and self._ready.done():
                 raise EngineNotReady("the engine failed to start")
@@ -186,7 +240,7 @@ class AsyncEngine:
     async def add_request(self, prompt: str | Sequence[int] | None, params: SamplingParams, *,
                           messages: list[dict] | None = None, add_generation_prompt: bool = True,
                           request_id: str | None = None, template_options: dict | None = None,
-                          add_special_tokens: bool = True) -> RequestStream:
+                          add_special_tokens: bool = True, lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request (a text or token-id prompt, or chat ``messages``) and return its stream once the
         engine has accepted it. Text and chat templates are tokenized in ``self.prompts``' worker threads, never
         in the engine thread.
@@ -212,7 +266,7 @@ class AsyncEngine:
         self._live[rid] = stream
         self._idle.clear()
         self._pending_seqs += params.n
-        self._put(_Add(rid, ids, params, time.monotonic()))
+        self._put(_Add(rid, ids, params, time.monotonic(), lora_request))
         try:
             await asyncio.shield(stream._accepted)
         except asyncio.CancelledError:
@@ -243,14 +297,20 @@ class AsyncEngine:
         return await self.prompts.tokens(text)
 
     async def tokenize_prompt(self, prompt: str | Sequence[int] | None, messages: list[dict] | None = None,
-                              add_generation_prompt: bool = True) -> list[int]:
+                              add_generation_prompt: bool = True, *, template_options: dict | None = None,
+                              add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt or conversation as ``add_request`` would see them (in a worker thread)."""
         if not self.ready:
             raise EngineNotReady("the engine is still starting up (loading and compiling the model)")
-        return await self.prompts.encode(prompt, messages, add_generation_prompt, fit=False)
+        return await self.prompts.encode(prompt, messages, add_generation_prompt, fit=False,
+                                         template_options=template_options, add_special_tokens=add_special_tokens)
 
     async def token_strings(self, ids: Sequence[int]) -> list[str]:
         return await self.prompts.token_strings(ids)
+
+    async def token_pieces(self, ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary entry (``convert_ids_to_tokens``: vLLM's ``token_strs``)."""
+        return await self.prompts.token_pieces(ids)
 
     async def detokenize(self, ids: Sequence[int]) -> str:
         """The text of token ids (in a worker thread); ValueError for ids outside the vocabulary."""
@@ -272,6 +332,9 @@ class AsyncEngine:
 
                 engine = make_engine(self.config)
             self.engine = engine
+            for lora in self._initial_loras:
+                engine.add_lora(lora)
+                self.loras[lora.lora_name] = lora
             self.checks = engine.checks
             self.prompts = PromptTokenizer(engine.tokenizer, int(engine.max_model_len),
                                            int(engine.model_config.vocab_size), checks=self.checks)
@@ -336,11 +399,14 @@ class AsyncEngine:
         if isinstance(cmd, _Add):
             try:
                 ids = list(cmd.prompt_ids)  # tokenized (and templated) and checked once, off this thread
-                engine.add_request(cmd.request_id, ids, cmd.params, arrival_time=cmd.arrival_time, checked=True)
+                lora = {} if cmd.lora_request is None else {"lora_request": cmd.lora_request}
+                engine.add_request(cmd.request_id, ids, cmd.params, arrival_time=cmd.arrival_time, checked=True,
+                                   **lora)
                 self._engine_live.add(cmd.request_id)
                 acks.append((cmd.request_id, ids))
             except Exception as e:  # noqa: BLE001 - ValueError for bad input; anything else is reported too
-                if not isinstance(e, (ValueError, EngineNotReady)):  # EngineNotReady: e.g. no prefill server
+                # EngineNotReady: e.g. no prefill server
+                if not isinstance(e, (ValueError, EngineNotReady, EngineSleeping)):
                     logger.exception("adding request %s failed", cmd.request_id)
                     e = EngineFailure(f"internal error: the engine could not add request {cmd.request_id}; the "
                                       "server log has the details")

@@ -17,7 +17,13 @@ from typing import Any
 import grpc
 
 from jaxserve.engine.generation_config import with_defaults
-from jaxserve.engine.request_stream import EngineDraining, EngineFailure, EngineNotReady, EngineOverloaded
+from jaxserve.engine.request_stream import (
+    EngineDraining,
+    EngineFailure,
+    EngineNotReady,
+    EngineOverloaded,
+    EngineSleeping,
+)
 from jaxserve.outputs import RequestDelta, RequestOutput, TokenRecord
 from jaxserve.sampling_params import SamplingParams
 
@@ -76,6 +82,9 @@ def from_engine_error(e: BaseException) -> RequestError:
                             reason="overloaded")
     if isinstance(e, EngineDraining):
         return draining()
+    if isinstance(e, EngineSleeping):
+        return RequestError(str(e), status=503, code=grpc.StatusCode.UNAVAILABLE, type="service_unavailable",
+                            reason="sleeping")
     if isinstance(e, EngineNotReady):
         return RequestError(str(e), status=503, code=grpc.StatusCode.UNAVAILABLE, type="service_unavailable",
                             reason="not_ready")

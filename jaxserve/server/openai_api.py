@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.engine.request_stream import RequestStream
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestDelta, RequestOutput, TokenRecord
 from jaxserve.server.asgi import wait_disconnect
 from jaxserve.server.async_engine import AsyncEngine
@@ -189,6 +191,12 @@ class OpenAIServer:
         auth = [Depends(self._authorize)]
         v1 = APIRouter(prefix="/v1", dependencies=auth)
         v1.add_api_route("/models", self.models, methods=["GET"])
+        # Control endpoints (weights, adapters, sleep) are left out of the published OpenAPI schema, as vLLM's
+        # are: they change what the server serves, which is no part of the OpenAI API.
+        control = dict(methods=["POST"], include_in_schema=False)
+        v1.add_api_route("/update_weights", self.update_weights, **control)
+        v1.add_api_route("/load_lora_adapter", self.load_lora_adapter, **control)
+        v1.add_api_route("/unload_lora_adapter", self.unload_lora_adapter, **control)
         v1.add_api_route("/completions", self.completions, methods=["POST"], openapi_extra=_body(CompletionRequest))
         v1.add_api_route("/chat/completions", self.chat_completions, methods=["POST"],
                          openapi_extra=_body(ChatCompletionRequest))
@@ -196,6 +204,10 @@ class OpenAIServer:
         tokens = APIRouter(dependencies=auth)
         tokens.add_api_route("/tokenize", self.tokenize, methods=["POST"], openapi_extra=_body(TokenizeRequest))
         tokens.add_api_route("/detokenize", self.detokenize, methods=["POST"], openapi_extra=_body(DetokenizeRequest))
+        # vLLM's sleep endpoints
+        tokens.add_api_route("/sleep", self.sleep, **control)
+        tokens.add_api_route("/wake_up", self.wake_up, **control)
+        tokens.add_api_route("/is_sleeping", self.is_sleeping, methods=["GET"], include_in_schema=False)
         app.include_router(tokens)
         app.openapi = lambda: self._openapi(app)
         return app
@@ -261,43 +273,134 @@ class OpenAIServer:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     async def models(self) -> JSONResponse:
+        """The served names, then the loaded LoRA adapters (vLLM's entries: ``root`` the adapter's folder,
+        ``parent`` the base model's name)."""
         info = self.engine.info
         return JSONResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": self.created, "owned_by": "jaxserve",
-             "root": info.get("model_path"), "max_model_len": info.get("max_model_len")}
-            for name in self.names]})
+             "root": info.get("model_path"), "parent": None, "max_model_len": info.get("max_model_len")}
+            for name in self.names] + [
+            {"id": lora.lora_name, "object": "model", "created": self.created, "owned_by": "jaxserve",
+             "root": lora.lora_path, "parent": self.names[0], "max_model_len": info.get("max_model_len")}
+            for lora in self.engine.loras.values()]})
+
+    # LoRA adapters ------------------------------------------------------------------------------------------
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's ``POST /v1/load_lora_adapter`` with ``{"lora_name", "lora_path"}``: the adapter is read and
+        checked now, then selectable by its name in ``model``."""
+        body = await self._read_json(request)
+        body = body if isinstance(body, dict) else {}
+        name, path = body.get("lora_name"), body.get("lora_path")
+        for field, value in (("lora_name", name), ("lora_path", path)):
+            if not isinstance(value, str) or not value:
+                raise invalid(f"{field} must be a non-empty string", field)
+        if name in self.names:
+            raise invalid(f"lora_name: {name!r} is the base model's name", "lora_name")
+        try:
+            await self.engine.load_lora(LoRARequest(name, self._next_lora_id(), path))
+        except Exception as e:  # noqa: BLE001 - mapped to the error response
+            err = from_engine_error(e)
+            if err.status == 400 and not err.param:
+                err.param = "lora_path"
+            raise err from None
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's ``POST /v1/unload_lora_adapter`` with ``{"lora_name"}``; 404 if no such adapter is loaded."""
+        body = await self._read_json(request)
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not name:
+            raise invalid("lora_name must be a non-empty string", "lora_name")
+        if name not in self.engine.loras:
+            return JSONResponse({"error": {"message": f"The lora adapter '{name}' cannot be found.",
+                                           "type": "NotFoundError", "param": "lora_name", "code": 404}},
+                                status_code=404)
+        try:
+            await self.engine.unload_lora(name)
+        except Exception as e:  # noqa: BLE001
+            raise from_engine_error(e) from None
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+
+    def _next_lora_id(self) -> int:
+        return max((lora.lora_int_id for lora in self.engine.loras.values()), default=0) + 1
 
     # Tokens -------------------------------------------------------------------------------------------------
     async def tokenize(self, request: Request) -> JSONResponse:
         """vLLM's ``/tokenize``: the token ids of a prompt (``prompt``) or of a conversation in the chat
         template (``messages``), as generation would see them."""
         req: TokenizeRequest = parse(TokenizeRequest, await self._read_json(request))
-        check_model(req.model, self.names)
+        self._lora_for(req.model)
         messages = req.template_messages()
         try:
-            ids = await self.engine.tokenize_prompt(req.prompt, messages, req.add_generation_prompt)
+            ids = await self.engine.tokenize_prompt(req.prompt, messages, req.add_generation_prompt,
+                                                    template_options=req.template_options(),
+                                                    add_special_tokens=req.special_tokens())
+            strs = await self.engine.token_pieces(ids) if req.return_token_strs else None
         except Exception as e:  # noqa: BLE001 - mapped to the error response
             raise from_engine_error(e) from None
-        body = {"count": len(ids), "max_model_len": self.engine.info.get("max_model_len"), "tokens": ids}
-        if req.return_token_strs:
-            body["token_strs"] = await self.engine.token_strings(ids)
-        return JSONResponse(body)
+        return JSONResponse({"count": len(ids), "max_model_len": self.engine.info.get("max_model_len"),
+                             "tokens": ids, "token_strs": strs})
 
     async def detokenize(self, request: Request) -> JSONResponse:
         """vLLM's ``/detokenize``: the text of token ids."""
         req: DetokenizeRequest = parse(DetokenizeRequest, await self._read_json(request))
-        check_model(req.model, self.names)
+        self._lora_for(req.model)
         try:
             text = await self.engine.detokenize(req.tokens)
         except Exception as e:  # noqa: BLE001
             raise from_engine_error(e) from None
         return JSONResponse({"prompt": text})
 
+    # Sleep and live weights ---------------------------------------------------------------------------------
+    async def sleep(self, request: Request) -> JSONResponse:
+        """vLLM's ``POST /sleep?level=1``: refuse new requests (503), wait for the running ones, then free the KV
+        cache (level 1) or the weights too (level 2) until ``POST /wake_up``."""
+        level = request.query_params.get("level", "1")
+        if level not in ("1", "2"):
+            raise invalid(f"level={level!r} must be 1 (free the KV cache) or 2 (the weights too)", "level")
+        try:
+            await self.engine.sleep(int(level))
+        except Exception as e:  # noqa: BLE001 - mapped to the error response
+            raise from_engine_error(e) from None
+        return JSONResponse({"is_sleeping": True, "level": int(level)})
+
+    async def wake_up(self) -> JSONResponse:
+        """vLLM's ``POST /wake_up``: the memory back, requests served again."""
+        try:
+            await self.engine.wake_up()
+        except Exception as e:  # noqa: BLE001
+            raise from_engine_error(e) from None
+        return JSONResponse({"is_sleeping": False})
+
+    async def is_sleeping(self) -> JSONResponse:
+        return JSONResponse({"is_sleeping": self.engine.sleeping})
+
+    async def update_weights(self, request: Request) -> JSONResponse:
+        """``POST /v1/update_weights`` with ``{"path": folder}``: the checkpoint folder's weights (the served
+        architecture and shapes) are read onto the mesh while serving goes on, then swapped in between two steps
+        with no compile; the prefix cache is dropped. Requests running meanwhile finish with the KV they have."""
+        body = await self._read_json(request)
+        path = body.get("path") if isinstance(body, dict) else None
+        if not isinstance(path, str) or not path:
+            raise invalid("path must be a checkpoint folder on the server (a string)", "path")
+        if not Path(path).is_dir():
+            raise invalid(f"path: {path} is not a folder on the server", "path")
+        start = time.perf_counter()
+        try:
+            await self.engine.update_weights(path)
+        except Exception as e:  # noqa: BLE001 - mapped to the error response
+            err = from_engine_error(e)
+            if err.status == 400 and not err.param:
+                err.param = "path"
+            raise err from None
+        return JSONResponse({"status": "ok", "path": path, "seconds": round(time.perf_counter() - start, 3)})
+
     # Generation ---------------------------------------------------------------------------------------------
     async def _start(self, prompts: list, params, messages=None, add_generation_prompt=True,
                      **prompt_options) -> list[RequestStream]:
         """Admit every prompt of the request, or none (the admitted ones are aborted if one fails).
-        ``prompt_options``: ``template_options`` of a chat, ``add_special_tokens`` of a text prompt."""
+        ``prompt_options``: ``template_options`` of a chat, ``add_special_tokens`` of a text prompt, the
+        ``lora_request`` of an adapter the ``model`` field named."""
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
@@ -350,9 +453,19 @@ class OpenAIServer:
     def _model_name(self, requested: str | None) -> str:
         return requested or self.names[0]
 
+    def _lora_for(self, model: str | None) -> LoRARequest | None:
+        """The adapter the ``model`` field names (None: the base model); 400 naming ``model`` if it is neither a
+        served name nor a loaded adapter."""
+        if model is None or model in self.names:
+            return None
+        lora = self.engine.loras.get(model)
+        if lora is None:
+            check_model(model, self.names + list(self.engine.loras))
+        return lora
+
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await self._read_json(request))
-        check_model(req.model, self.names)
+        lora = self._lora_for(req.model)
         num_prompts = len(req.prompt) if isinstance(req.prompt, list) and req.prompt and not isinstance(
             req.prompt[0], int) else 1
         self.limits.check(n=req.n, best_of=req.best_of, logprobs=req.logprobs, stop=req.stop,
@@ -361,7 +474,7 @@ class OpenAIServer:
             self.limits.check(logprobs=req.prompt_logprobs, logprobs_field="prompt_logprobs")
         params = req.sampling_params(self._generation_defaults)
         prompts = req.prompts()
-        streams = await self._start(prompts, params, add_special_tokens=req.add_special_tokens)
+        streams = await self._start(prompts, params, add_special_tokens=req.add_special_tokens, lora_request=lora)
         rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self._model_name(req.model)
         n, num_top = req.n, req.logprobs
         if req.stream:
@@ -369,7 +482,8 @@ class OpenAIServer:
             if req.echo:
                 echo = [p if isinstance(p, str) else await self.engine.detokenize(p) for p in prompts]
             events = self._completion_events(streams, rid, created, model, n, num_top, req.include_usage, echo,
-                                             req.prompt_only, req.prompt_logprobs is not None)
+                                             req.prompt_only, req.prompt_logprobs is not None,
+                                             bool(req.return_token_ids))
             return EventStreamResponse(events, lambda: [s.abort() for s in streams])
         finals = await self._until_disconnect(request, self._final_outputs(streams), streams)
         if finals is None:
@@ -392,6 +506,9 @@ class OpenAIServer:
                 choice = {"index": k * n + j, "text": echo + ("" if req.prompt_only else c.text),
                           "logprobs": logprobs, "finish_reason": "length" if req.prompt_only else c.finish_reason,
                           "stop_reason": None if req.prompt_only else c.stop_reason}
+                if req.return_token_ids:
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                    choice["token_ids"] = [] if req.prompt_only else list(c.token_ids)
                 if req.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_token_ids, out.prompt_records,
                                                                       stream.token_texts)
@@ -404,10 +521,11 @@ class OpenAIServer:
                              "choices": choices, "usage": usage})
 
     async def _completion_events(self, streams, rid, created, model, n, num_top, include_usage, echo=None,
-                                 prompt_only=False, prompt_logprobs=False):
+                                 prompt_only=False, prompt_logprobs=False, token_ids=False):
         """Streamed completions; with ``echo`` (each prompt's text) a choice's first chunk starts with its prompt
         (and the prompt's logprobs); ``prompt_only`` (max_tokens 0) drops the one generated token; vLLM's
-        ``prompt_logprobs`` ride in each choice's first chunk."""
+        ``prompt_logprobs`` ride in each choice's first chunk; with ``token_ids`` (vLLM's ``return_token_ids``)
+        every chunk carries its new ``token_ids`` and a choice's first chunk the ``prompt_token_ids``."""
         trackers = [ChoiceTracker(num_top) for _ in streams]
         offsets: dict[int, int] = {}
         started: set[int] = set()
@@ -438,6 +556,9 @@ class OpenAIServer:
                         choice["stop_reason"] = None if prompt_only else ev.stop_reason
                     if prompt_logprobs and first:
                         choice["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_token_ids, scored.get(k), texts)
+                    if token_ids:
+                        choice["prompt_token_ids"] = list(out.prompt_token_ids) if first else None
+                        choice["token_ids"] = [] if prompt_only else list(ev.token_ids)
                     chunk = {**base, "choices": [choice]}
                     if include_usage:
                         chunk["usage"] = None
@@ -455,7 +576,7 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request) -> Response:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await self._read_json(request))
-        check_model(req.model, self.names)
+        lora = self._lora_for(req.model)
         self.limits.check(n=req.n, logprobs=req.top_logprobs, stop=req.stop, stop_token_ids=req.stop_token_ids,
                           logprobs_field="top_logprobs")
         if req.prompt_logprobs is not None:
@@ -469,14 +590,15 @@ class OpenAIServer:
                           "--enable-auto-tool-choice and --tool-call-parser", "tool_choice")
         messages = req.template_messages()
         options = {**req.template_options(), "add_special_tokens": req.add_special_tokens}
-        streams = await self._start([None], params, messages, req.add_generation_prompt, template_options=options)
+        streams = await self._start([None], params, messages, req.add_generation_prompt, template_options=options,
+                                    lora_request=lora)
         stream = streams[0]
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self._model_name(req.model)
         num_top = params.logprobs
         tool_mode = (self.tool_parser if not forced else None, forced, forced_name) if parse_calls else None
         if req.stream:
             events = self._chat_events(stream, rid, created, model, params.n, num_top, req.include_usage, tool_mode,
-                                       req.prompt_logprobs is not None)
+                                       req.prompt_logprobs is not None, bool(req.return_token_ids))
             return EventStreamResponse(events, stream.abort)
         finals = await self._until_disconnect(request, self._final_outputs(streams), streams)
         if finals is None:
@@ -498,17 +620,24 @@ class OpenAIServer:
                     message = {"role": "assistant", "content": (sent + rest).strip() or None,
                                "tool_calls": [call.to_openai() for call in calls]}
                     finish = "tool_calls" if finish == "stop" else finish
-            choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish,
-                            "stop_reason": c.stop_reason})
+            choice = {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish,
+                      "stop_reason": c.stop_reason}
+            if req.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
+            choices.append(choice)
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
                 "usage": _usage([out])}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = list(out.prompt_token_ids)
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_token_ids, out.prompt_records,
                                                             stream.token_texts)
         return JSONResponse(body)
 
     async def _chat_events(self, stream, rid, created, model, n, num_top, include_usage, tool_mode=None,
-                           prompt_logprobs=False):
+                           prompt_logprobs=False, token_ids=False):
+        """Streamed chat; with ``token_ids`` (vLLM's ``return_token_ids``) the first chunk carries the
+        ``prompt_token_ids`` and every choice chunk its new ``token_ids``."""
         tracker = ChoiceTracker(num_top)
         prompt_sent = not prompt_logprobs  # vLLM's prompt_logprobs go in the first chunk after the prompt ran
         tool_streams = {i: ToolCallStream(*tool_mode) for i in range(n)} if tool_mode is not None else {}
@@ -523,8 +652,15 @@ class OpenAIServer:
 
         try:
             for i in range(n):
-                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})
+                first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}
+                if token_ids and i == 0:  # vLLM's: the prompt's ids with the first chunk ever
+                    c = {**base, "choices": [first], "prompt_token_ids": list(stream.prompt_token_ids)}
+                    if include_usage:
+                        c["usage"] = None
+                    yield _sse(c)
+                else:
+                    yield chunk(first)
             async for out in stream:
                 if out.finished:
                     final = out
@@ -551,6 +687,8 @@ class OpenAIServer:
                     choice = {"index": ev.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                     if ev.finish_reason is not None:
                         choice["stop_reason"] = ev.stop_reason
+                    if token_ids:
+                        choice["token_ids"] = list(ev.token_ids)
                     yield chunk(choice)
             if include_usage and final is not None:
                 yield _sse({**base, "choices": [], "usage": _usage([final])})

@@ -92,6 +92,9 @@ class _SamplingFields(_Body):
     skip_special_tokens: StrictBool | None = None
     cache_salt: str | None = None  # vLLM's: prefix-cache pages are shared only between requests with this salt
     speculative: StrictBool | None = None  # false: no speculative decoding for this request
+    # vLLM's: prompt_token_ids and each choice's token_ids in the response (in streaming: each chunk's new ids, the
+    # prompt's with a choice's first chunk; a chat's on its first chunk)
+    return_token_ids: StrictBool | None = None
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -316,12 +319,18 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(_Body):
-    """vLLM's ``/tokenize`` body: a ``prompt`` (text or token ids), or chat ``messages``."""
+    """vLLM's ``/tokenize`` body: a ``prompt`` (text or token ids), or chat ``messages`` with vLLM's template
+    options."""
 
     model: str | None = None
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    # vLLM's defaults: the tokenizer's BOS etc. around a prompt, none around a chat (its template has them)
+    add_special_tokens: StrictBool | None = None
     return_token_strs: StrictBool = False
 
     def template_messages(self) -> list[dict[str, str]] | None:
@@ -331,7 +340,18 @@ class TokenizeRequest(_Body):
             return None
         if not self.messages:
             raise invalid("messages is empty", "messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise invalid("continue_final_message and add_generation_prompt cannot both be true (set "
+                          "add_generation_prompt to false)", "continue_final_message")
         return [m.as_template_input(i) for i, m in enumerate(self.messages)]
+
+    def special_tokens(self) -> bool:
+        return self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
+
+    def template_options(self) -> dict[str, Any]:
+        return {"continue_final_message": self.continue_final_message,
+                "chat_template_kwargs": self.chat_template_kwargs, "tools": check_tools(self.tools) or None,
+                "add_special_tokens": self.special_tokens()}
 
 
 class DetokenizeRequest(_Body):

@@ -187,6 +187,11 @@ class PromptTokenizer:
         self._needs_tokenizer("token texts")
         return await self._run(lambda: [self._own().decode([t]) for t in ids])
 
+    async def token_pieces(self, ids: Sequence[int]) -> list[str]:
+        """Each token id's entry in the vocabulary (``convert_ids_to_tokens``), as vLLM's ``token_strs``."""
+        self._needs_tokenizer("token strings")
+        return await self._run(lambda: [str(t) for t in self._own().convert_ids_to_tokens([int(i) for i in ids])])
+
     async def decode(self, ids: Sequence[int]) -> str:
         """The text of token ids; ValueError for an id outside the vocabulary."""
         ids = [int(t) for t in ids]
