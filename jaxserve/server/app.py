@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -135,6 +136,10 @@ async def _serve_until_stopped(args: argparse.Namespace, engine: AsyncEngine, me
     await asyncio.wait({ready, stopping, http_task}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
     if ready.done() and ready.exception() is None and not http_task.done():
+        # What start-up made (imports, the model's Python side, the steps' executables) lives as long as the
+        # process: out of the cyclic collector's reach, its full passes stay short while serving (vLLM does so).
+        gc.collect()
+        gc.freeze()
         serving = engine.unready_reason() is None
         await fronts.grpc.set_serving(serving)
         metrics.ready.set(1 if serving else 0)
