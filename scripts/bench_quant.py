@@ -33,6 +33,8 @@ CONFIGS = {
     "kv_int8": dict(dtype="bfloat16", kv_cache_dtype="int8"),
     "w_fp8": dict(dtype="bfloat16", quantization="fp8"),
     "w_int8_kv_int8": dict(dtype="bfloat16", quantization="int8", kv_cache_dtype="int8"),
+    "kv_fp8": dict(dtype="bfloat16", kv_cache_dtype="fp8"),
+    "kv_fp8_e5m2": dict(dtype="bfloat16", kv_cache_dtype="fp8_e5m2"),
 }
 
 
@@ -54,7 +56,7 @@ def show_hlo(hidden: int = 768, out: int = 2048) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
-    p.add_argument("--configs", default="fp32,bf16,w_int8,kv_int8")
+    p.add_argument("--configs", default="fp32,bf16,w_int8,kv_int8", help=f"any of {','.join(CONFIGS)}")
     p.add_argument("--rounds", type=int, default=3, help="counted rounds (one more compiles first)")
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--steps", type=int, default=16)

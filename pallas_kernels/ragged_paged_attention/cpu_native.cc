@@ -5,6 +5,9 @@
 // row reads them in place instead of through a gathered copy, which is what bounds the pure-JAX walk on CPU.
 // Online softmax in fp32, one page of keys at a time; every key is loaded once for the whole group of query
 // heads that shares its KV head (GQA). Keys outside [first, last] are never read (unused pages may hold NaN).
+// 8-bit pages (int8, float8_e4m3fn, float8_e5m2) carry one f32 scale per token and KV head in pages of their
+// own ([num_kv_heads, num_pages, page_size, 1]); they are widened to f32 here, key by key, and the scale applied
+// to the key's score and to its value weight, so nothing is dequantized outside the keys a row reads.
 //
 // Contract and Python side: native.py. Built there with the system compiler for the machine it runs on.
 
@@ -34,6 +37,46 @@ inline float to_float(uint16_t bf16) {
   std::memcpy(&x, &bits, sizeof x);
   return x;
 }
+
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+
+// The two fp8 formats, as their bit patterns.
+struct E4M3 {  // float8_e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits, no infinities, NaN at S.1111.111
+  uint8_t bits;
+};
+struct E5M2 {  // float8_e5m2: 5 exponent bits (bias 15), 2 mantissa bits, IEEE infinities and NaNs
+  uint8_t bits;
+};
+
+// Every value of an fp8 format as f32 (256 entries, 1 KiB: it stays in L1 while a page is read). Built with
+// ldexp, so subnormals are exact whatever the denormal mode of the thread that runs the kernel.
+template <int kExponentBits>
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    constexpr int mantissa_bits = 7 - kExponentBits, bias = (1 << (kExponentBits - 1)) - 1;
+    constexpr int max_exponent = (1 << kExponentBits) - 1, mantissa_mask = (1 << mantissa_bits) - 1;
+    for (int b = 0; b < 256; ++b) {
+      const int exponent = (b >> mantissa_bits) & max_exponent, mantissa = b & mantissa_mask;
+      float x;
+      if (kExponentBits == 4 && exponent == max_exponent && mantissa == mantissa_mask) {
+        x = std::numeric_limits<float>::quiet_NaN();
+      } else if (kExponentBits == 5 && exponent == max_exponent) {
+        x = mantissa ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+      } else if (exponent == 0) {
+        x = std::ldexp(static_cast<float>(mantissa), 1 - bias - mantissa_bits);
+      } else {
+        x = std::ldexp(static_cast<float>(mantissa + (1 << mantissa_bits)), exponent - bias - mantissa_bits);
+      }
+      value[b] = (b & 0x80) ? -x : x;
+    }
+  }
+};
+const Fp8Table<4> kE4M3;
+const Fp8Table<5> kE5M2;
+
+inline float to_float(E4M3 x) { return kE4M3.value[x.bits]; }
+inline float to_float(E5M2 x) { return kE5M2.value[x.bits]; }
 
 // Per-call working memory of one row's group of query heads.
 struct Scratch {
@@ -91,10 +134,11 @@ inline void prefetch_page(const Shape& s, const T* k_pages, const T* v_pages, co
 // One row's group of query heads over one KV head's keys [first, last]; writes the normalised output and the
 // log-sum-exp of the scores (-inf, with a zero output, when nothing is visible).
 // kHeadDim: head_dim as a constant (the loops over it unroll), or 0 for any head_dim.
+// k_scales/v_scales: the pages' per-token scales ([kv_heads, num_pages, page_size]), or null for unscaled pages.
 template <typename T, int kHeadDim>
-ffi::Error attend_group(const Shape& s, const float* q, const T* k_pages, const T* v_pages, const int32_t* table,
-                        int64_t head, int64_t first, int64_t last, float sm_scale, float soft_cap, Scratch& scratch,
-                        float* out, float* lse) {
+ffi::Error attend_group(const Shape& s, const float* q, const T* k_pages, const T* v_pages, const float* k_scales,
+                        const float* v_scales, const int32_t* table, int64_t head, int64_t first, int64_t last,
+                        float sm_scale, float soft_cap, Scratch& scratch, float* out, float* lse) {
   const int64_t g_count = s.group(), d_count = kHeadDim ? kHeadDim : s.head_dim, page_size = s.page_size;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   float *scores = scratch.scores.data(), *acc = scratch.acc.data();
@@ -110,6 +154,8 @@ ffi::Error attend_group(const Shape& s, const float* q, const T* k_pages, const 
     const int64_t base = (head * s.num_pages + page) * page_size * d_count;
     const T* k = k_pages + base;
     const T* v = v_pages + base;
+    const float* ks = k_scales ? k_scales + base / d_count : nullptr;  // the page's scales, one per key
+    const float* vs = v_scales ? v_scales + base / d_count : nullptr;
     prefetch_page(s, k_pages, v_pages, table, head, start + page_size, last);  // loads while this one computes
     for (int64_t g = 0; g < g_count; ++g) {
       const float* qg = q + g * d_count;
@@ -120,7 +166,7 @@ ffi::Error attend_group(const Shape& s, const float* q, const T* k_pages, const 
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < d_count; ++d) dot += qg[d] * to_float(kj[d]);
-        dot *= sm_scale;
+        dot *= ks ? sm_scale * ks[j] : sm_scale;
         if (soft_cap > 0.0f) dot = soft_cap * std::tanh(dot / soft_cap);
         sg[j] = dot;
         block_peak = std::max(block_peak, dot);
@@ -138,7 +184,7 @@ ffi::Error attend_group(const Shape& s, const float* q, const T* k_pages, const 
       for (int64_t d = 0; d < d_count; ++d) ag[d] *= rescale;
       for (int64_t j = lo; j < hi; ++j) {
         const T* vj = v + j * d_count;
-        const float w = sg[j];
+        const float w = vs ? sg[j] * vs[j] : sg[j];
 #pragma omp simd
         for (int64_t d = 0; d < d_count; ++d) ag[d] += w * to_float(vj[d]);
       }
@@ -165,11 +211,13 @@ inline RowKeys row_keys(const Shape& s, const int32_t* row_seq, const int32_t* f
   return {row_seq[r], std::max<int64_t>(first[r], 0), std::min<int64_t>(last[r], s.table_width * s.page_size - 1)};
 }
 
-// One call's operands (pages untyped: their element type picks the instantiation that reads them).
+// One call's operands (pages untyped: their element type picks the instantiation that reads them; scales null
+// for unscaled pages).
 struct Call {
   Shape s;
   const float* q;
   const void *k_pages, *v_pages;
+  const float *k_scales, *v_scales;
   const int32_t *tables, *row_seq, *first, *last;
   float sm_scale, soft_cap;
   float *out, *lse;
@@ -199,9 +247,9 @@ ffi::Error attend_rows(const Call& c, int64_t r0, int64_t r1) {
         }
       }
       const int64_t at = r * s.q_heads + h * g_count;
-      ffi::Error error = attend_group<T, kHeadDim>(s, c.q + at * d_count, k_pages, v_pages, table, h, row.lo,
-                                                   row.hi, c.sm_scale, c.soft_cap, scratch, c.out + at * d_count,
-                                                   c.lse + at);
+      ffi::Error error = attend_group<T, kHeadDim>(s, c.q + at * d_count, k_pages, v_pages, c.k_scales,
+                                                   c.v_scales, table, h, row.lo, row.hi, c.sm_scale, c.soft_cap,
+                                                   scratch, c.out + at * d_count, c.lse + at);
       if (error.failure()) return error;
     }
   }
@@ -252,7 +300,8 @@ ffi::Error run_split(ffi::ThreadPool& pool, const Call& call, RowsFn fn, int64_t
 }
 
 ffi::Error rows_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
-                          ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_seq,
+                          ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
+                          ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_seq,
                           ffi::Buffer<ffi::S32> first, ffi::Buffer<ffi::S32> last, float sm_scale, float soft_cap,
                           int64_t threads, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = tables.dimensions();
@@ -261,12 +310,24 @@ ffi::Error rows_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   if (qd[2] != s.head_dim || s.q_heads % s.kv_heads) return ffi::Error::InvalidArgument("bad head shapes");
   if (k_pages.element_type() != v_pages.element_type()) return ffi::Error::InvalidArgument("k/v dtypes differ");
   RowsFn fn;
+  bool scaled = true;
   switch (k_pages.element_type()) {
-    case ffi::DataType::F32: fn = rows_fn<float>(s.head_dim); break;
-    case ffi::DataType::BF16: fn = rows_fn<uint16_t>(s.head_dim); break;
-    default: return ffi::Error::InvalidArgument("pages must be float32 or bfloat16");
+    case ffi::DataType::F32: fn = rows_fn<float>(s.head_dim), scaled = false; break;
+    case ffi::DataType::BF16: fn = rows_fn<uint16_t>(s.head_dim), scaled = false; break;
+    case ffi::DataType::S8: fn = rows_fn<int8_t>(s.head_dim); break;
+    case ffi::DataType::F8E4M3FN: fn = rows_fn<E4M3>(s.head_dim); break;
+    case ffi::DataType::F8E5M2: fn = rows_fn<E5M2>(s.head_dim); break;
+    default: return ffi::Error::InvalidArgument("pages must be float32, bfloat16, int8, float8_e4m3fn or float8_e5m2");
   }
-  const Call call{s, q.typed_data(), k_pages.untyped_data(), v_pages.untyped_data(), tables.typed_data(),
+  // 8-bit pages need their scales (one per token and KV head); float pages take none (empty operands).
+  const int64_t scale_count = scaled ? s.kv_heads * s.num_pages * s.page_size : 0;
+  if (k_scales.element_count() != static_cast<size_t>(scale_count) ||
+      v_scales.element_count() != static_cast<size_t>(scale_count)) {
+    return ffi::Error::InvalidArgument("scales must be [kv_heads, pages, page_size, 1] for 8-bit pages, else empty");
+  }
+  const Call call{s, q.typed_data(), k_pages.untyped_data(), v_pages.untyped_data(),
+                  scaled ? k_scales.typed_data() : nullptr, scaled ? v_scales.typed_data() : nullptr,
+                  tables.typed_data(),
                   row_seq.typed_data(), first.typed_data(), last.typed_data(), sm_scale, soft_cap,
                   out->typed_data(), lse->typed_data()};
   return run_split(pool, call, fn, std::min<int64_t>(threads, std::max<int64_t>(pool.num_threads(), 1)));
@@ -280,6 +341,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRowsAttention, rows_attention,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [rows, q_heads, head_dim]
                                   .Arg<ffi::AnyBuffer>()         // k_pages [kv_heads, pages, page_size, head_dim]
                                   .Arg<ffi::AnyBuffer>()         // v_pages
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scales [kv_heads, pages, page_size, 1] | [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scales
                                   .Arg<ffi::Buffer<ffi::S32>>()  // tables [slots, width]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // row_seq [rows]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // first [rows]
