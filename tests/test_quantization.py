@@ -19,7 +19,8 @@ from jaxserve.models.loader import load_model
 from tiny import FAMILIES, build_tiny_model, train_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from quant_quality import compare, evaluate, held_out_markov, teacher_forced_logits  # noqa: E402
+from quant_quality import (TEXT, compare, evaluate, held_out_markov, teacher_forced_logits,  # noqa: E402
+                           text_workload)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -358,6 +359,23 @@ def test_noise_diagnostic_perturbs_the_quantized_weights_by_int8s_rounding_error
         want = np.abs(w).max(axis=1, keepdims=True) / 127 / np.sqrt(12)  # HF [out, in]: per output channel
         ratio = np.std((got[name] - w) / want)
         assert 0.8 < ratio < 1.2, (name, ratio)
+
+
+def test_quality_against_transformers_on_natural_text(models):
+    """The script's natural-text workload is the text in the model's tokenizer, and each mode is compared with fp32
+    transformers as well as the unquantized engine: the engine itself ("none") agrees with transformers at every
+    position (a shifted or misaligned reference would not)."""
+    from transformers import AutoTokenizer
+
+    path = models["qwen2"]
+    tok = AutoTokenizer.from_pretrained(path)
+    tokens = text_workload(tok, 2, 48)
+    assert tokens.shape == (2, 48)
+    assert tok.decode(tokens[0], skip_special_tokens=True) in TEXT.read_text()
+    got = evaluate(str(path), ["kv_int8"], tokens=tokens, against_transformers=True)
+    assert got["none"]["hf"]["top1"] == 1.0 and got["none"]["hf"]["kl"] < 1e-6, got["none"]["hf"]
+    assert abs(got["kv_int8"]["hf"]["top1"] - got["kv_int8"]["top1"]) <= 2 / tokens.size, got["kv_int8"]
+    assert got["kv_int8"]["hf"]["kl"] < 0.01
 
 
 def test_compare_counts_agreement_kl_and_near_ties():

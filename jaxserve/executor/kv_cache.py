@@ -11,6 +11,7 @@ use local ids ``0 .. P - 1``. The cache is replicated over ``sequence``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence as Seq
 
@@ -158,8 +159,9 @@ def init_kv_cache(cfg: ModelConfig, cache: CacheConfig, dtype, mesh: Mesh) -> li
         shape, sharding = cache_sharding(cfg, cache, mesh, cache.num_local_pages if local else None)
         if is_quantized_dtype(dtype):  # 8-bit values and their scales, each sharded the same way
             scale_sharding = logical_sharding(CACHE_AXES, shape[:-1] + (1,), mesh)
-            zeros = jax.jit(lambda shape=shape: QuantizedPages.zeros(shape, dtype),
-                            out_shardings=QuantizedPages(sharding, scale_sharding))
+            on_cpu = mesh.devices.flat[0].platform == "cpu"  # fp8 held as bytes there (QuantizedPages)
+            make = functools.partial(QuantizedPages.zeros, shape, dtype, fp8_as_bytes=on_cpu)
+            zeros = jax.jit(make, out_shardings=jax.eval_shape(make).with_arrays(sharding, scale_sharding))
         else:
             zeros = jax.jit(lambda shape=shape: jnp.zeros(shape, dtype), out_shardings=sharding)
         out.append((zeros(), zeros()))

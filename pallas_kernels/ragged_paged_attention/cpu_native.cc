@@ -5,8 +5,8 @@
 // row reads them in place instead of through a gathered copy, which is what bounds the pure-JAX walk on CPU.
 // Online softmax in fp32, one page of keys at a time; every key is loaded once for the whole group of query
 // heads that shares its KV head (GQA). Keys outside [first, last] are never read (unused pages may hold NaN).
-// 8-bit pages (int8, float8_e4m3fn, float8_e5m2) carry one f32 scale per token and KV head in pages of their
-// own ([num_kv_heads, num_pages, page_size, 1]); they are widened to f32 here, key by key, and the scale applied
+// 8-bit pages (int8, float8_e4m3fn, float8_e5m2, or fp8 held as uint8 bit patterns) carry one f32 scale per token and KV head in pages of their
+// own ([num_kv_heads, num_pages, page_size, 1]); they are widened to f32 here (fp8 by integer and float arithmetic, see fp8_to_float), and each key's scale applied
 // to the key's score and to its value weight, so nothing is dequantized outside the keys a row reads.
 //
 // Contract and Python side: native.py. Built there with the system compiler for the machine it runs on.
@@ -48,35 +48,32 @@ struct E5M2 {  // float8_e5m2: 5 exponent bits (bias 15), 2 mantissa bits, IEEE 
   uint8_t bits;
 };
 
-// Every value of an fp8 format as f32 (256 entries, 1 KiB: it stays in L1 while a page is read). Built with
-// ldexp, so subnormals are exact whatever the denormal mode of the thread that runs the kernel.
+// An fp8 value as f32, in integer and float operations only, so that a loop of them vectorises (a table lookup
+// would be a gather, slow on x86). The magnitude bits shifted into f32's exponent and mantissa fields, with the
+// exponent rebased (+ 127 - bias), give every normal value; a subnormal (exponent field 0) then reads as
+// 2^(1-bias) * (1 + m/2^M) / 2, and twice that less 2^(1-bias) is its value m * 2^(1-bias-M). No f32 subnormal
+// is formed on the way, so the thread's denormal mode cannot change the result. The format's NaNs and (e5m2)
+// infinities are kept.
 template <int kExponentBits>
-struct Fp8Table {
-  float value[256];
-  Fp8Table() {
-    constexpr int mantissa_bits = 7 - kExponentBits, bias = (1 << (kExponentBits - 1)) - 1;
-    constexpr int max_exponent = (1 << kExponentBits) - 1, mantissa_mask = (1 << mantissa_bits) - 1;
-    for (int b = 0; b < 256; ++b) {
-      const int exponent = (b >> mantissa_bits) & max_exponent, mantissa = b & mantissa_mask;
-      float x;
-      if (kExponentBits == 4 && exponent == max_exponent && mantissa == mantissa_mask) {
-        x = std::numeric_limits<float>::quiet_NaN();
-      } else if (kExponentBits == 5 && exponent == max_exponent) {
-        x = mantissa ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
-      } else if (exponent == 0) {
-        x = std::ldexp(static_cast<float>(mantissa), 1 - bias - mantissa_bits);
-      } else {
-        x = std::ldexp(static_cast<float>(mantissa + (1 << mantissa_bits)), exponent - bias - mantissa_bits);
-      }
-      value[b] = (b & 0x80) ? -x : x;
-    }
+inline float fp8_to_float(uint8_t b) {
+  constexpr int mantissa_bits = 7 - kExponentBits, bias = (1 << (kExponentBits - 1)) - 1;
+  const uint32_t magnitude = b & 0x7Fu;
+  const uint32_t bits = (magnitude << (23 - mantissa_bits)) + (static_cast<uint32_t>(127 - bias) << 23);
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  const float smallest_normal = std::ldexp(1.0f, 1 - bias);  // a constant after inlining
+  x = (magnitude >> mantissa_bits) == 0 ? 2.0f * x - smallest_normal : x;
+  if (kExponentBits == 4) {  // e4m3fn: S.1111.111 is NaN, no infinities
+    x = magnitude == 0x7Fu ? std::numeric_limits<float>::quiet_NaN() : x;
+  } else {  // e5m2: exponent field 31 is infinity (mantissa 0) or NaN
+    x = magnitude == 0x7Cu ? std::numeric_limits<float>::infinity()
+        : magnitude > 0x7Cu ? std::numeric_limits<float>::quiet_NaN() : x;
   }
-};
-const Fp8Table<4> kE4M3;
-const Fp8Table<5> kE5M2;
+  return (b & 0x80u) ? -x : x;
+}
 
-inline float to_float(E4M3 x) { return kE4M3.value[x.bits]; }
-inline float to_float(E5M2 x) { return kE5M2.value[x.bits]; }
+inline float to_float(E4M3 x) { return fp8_to_float<4>(x.bits); }
+inline float to_float(E5M2 x) { return fp8_to_float<5>(x.bits); }
 
 // Per-call working memory of one row's group of query heads.
 struct Scratch {
@@ -303,7 +300,8 @@ ffi::Error rows_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                           ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
                           ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_seq,
                           ffi::Buffer<ffi::S32> first, ffi::Buffer<ffi::S32> last, float sm_scale, float soft_cap,
-                          int64_t threads, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+                          int64_t threads, int64_t fp8_bytes, ffi::ResultBuffer<ffi::F32> out,
+                          ffi::ResultBuffer<ffi::F32> lse) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2) return ffi::Error::InvalidArgument("bad ranks");
   const Shape s{qd[0], qd[1], kd[0], kd[1], kd[2], kd[3], td[0], td[1]};
@@ -317,6 +315,15 @@ ffi::Error rows_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     case ffi::DataType::S8: fn = rows_fn<int8_t>(s.head_dim); break;
     case ffi::DataType::F8E4M3FN: fn = rows_fn<E4M3>(s.head_dim); break;
     case ffi::DataType::F8E5M2: fn = rows_fn<E5M2>(s.head_dim); break;
+    case ffi::DataType::U8:  // fp8 bit patterns held as bytes; fp8_bytes names the format
+      if (fp8_bytes == 4) {
+        fn = rows_fn<E4M3>(s.head_dim);
+      } else if (fp8_bytes == 5) {
+        fn = rows_fn<E5M2>(s.head_dim);
+      } else {
+        return ffi::Error::InvalidArgument("uint8 pages need fp8_bytes 4 (float8_e4m3fn) or 5 (float8_e5m2)");
+      }
+      break;
     default: return ffi::Error::InvalidArgument("pages must be float32, bfloat16, int8, float8_e4m3fn or float8_e5m2");
   }
   // 8-bit pages need their scales (one per token and KV head); float pages take none (empty operands).
@@ -350,6 +357,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRowsAttention, rows_attention,
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")      // 0: none
                                   .Attr<int64_t>("threads")     // at most this many threads (1: the caller's)
+                                  .Attr<int64_t>("fp8_bytes")   // uint8 pages: 4 e4m3fn, 5 e5m2 bit patterns
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [rows, q_heads, head_dim]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse [rows, q_heads]
 );

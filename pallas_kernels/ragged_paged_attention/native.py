@@ -164,11 +164,15 @@ def attend(
     rows, num_q_heads, _ = q.shape
     if isinstance(k_pages, QuantizedPages) != isinstance(v_pages, QuantizedPages):
         raise ValueError("k_pages and v_pages must both be QuantizedPages or both arrays")
+    fp8_bytes = 0  # uint8 pages: the fp8 format they hold (4: e4m3fn, 5: e5m2)
     if isinstance(k_pages, QuantizedPages):
+        if k_pages.fp8_format is not None:
+            fp8_bytes = 4 if jnp.dtype(k_pages.fp8_format) == jnp.float8_e4m3fn else 5
         k_pages, k_scales, v_pages, v_scales = k_pages.values, k_pages.scales, v_pages.values, v_pages.scales
     else:
         k_scales = v_scales = jnp.zeros((0,), jnp.float32)
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
                                      jax.ShapeDtypeStruct((rows, num_q_heads), jnp.float32)))
     return call(q.astype(jnp.float32), k_pages, v_pages, k_scales, v_scales, tables, row_seq, first, last,
-                sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0), threads=np.int64(threads))
+                sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0), threads=np.int64(threads),
+                fp8_bytes=np.int64(fp8_bytes))
