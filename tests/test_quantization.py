@@ -19,8 +19,7 @@ from jaxserve.models.loader import load_model
 from tiny import FAMILIES, build_tiny_model, train_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from quant_quality import (TEXT, compare, evaluate, held_out_markov, teacher_forced_logits,  # noqa: E402
-                           text_workload)
+from quant_quality import TEXT, compare, evaluate, held_out_markov, teacher_forced_logits, text_workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -434,7 +433,6 @@ def test_int8_kv_with_preemption_prefix_caching_chunked_prefill_and_nan_scales(t
     import jax.numpy as jnp
 
     from jaxserve.engine.engine import Engine
-    from pallas_kernels.quantized_pages import QuantizedPages
     from test_engine import random_workload, run
 
     path = build_tiny_model("llama", tmp_path / "m")
