@@ -57,19 +57,28 @@ struct E5M2 {  // float8_e5m2: 5 exponent bits (bias 15), 2 mantissa bits, IEEE 
 template <int kExponentBits>
 inline float fp8_to_float(uint8_t b) {
   constexpr int mantissa_bits = 7 - kExponentBits, bias = (1 << (kExponentBits - 1)) - 1;
+  constexpr float smallest_normal = 1.0f / (1 << (bias - 1));  // 2^(1 - bias)
   const uint32_t magnitude = b & 0x7Fu;
-  const uint32_t bits = (magnitude << (23 - mantissa_bits)) + (static_cast<uint32_t>(127 - bias) << 23);
+  const uint32_t normal = (magnitude << (23 - mantissa_bits)) + (static_cast<uint32_t>(127 - bias) << 23);
   float x;
-  std::memcpy(&x, &bits, sizeof x);
-  const float smallest_normal = std::ldexp(1.0f, 1 - bias);  // a constant after inlining
-  x = (magnitude >> mantissa_bits) == 0 ? 2.0f * x - smallest_normal : x;
+  std::memcpy(&x, &normal, sizeof x);
+  const float sub = 2.0f * x - smallest_normal;  // computed always, selected below: no branch in the loop
+  uint32_t subnormal;
+  std::memcpy(&subnormal, &sub, sizeof sub);
+  // Selections as bit masks (all ones where true), so the loop has no control flow and vectorises.
+  const uint32_t is_subnormal = 0u - static_cast<uint32_t>((magnitude >> mantissa_bits) == 0);
+  uint32_t bits = (subnormal & is_subnormal) | (normal & ~is_subnormal);
   if (kExponentBits == 4) {  // e4m3fn: S.1111.111 is NaN, no infinities
-    x = magnitude == 0x7Fu ? std::numeric_limits<float>::quiet_NaN() : x;
+    const uint32_t is_nan = 0u - static_cast<uint32_t>(magnitude == 0x7Fu);
+    bits = (0x7FC00000u & is_nan) | (bits & ~is_nan);
   } else {  // e5m2: exponent field 31 is infinity (mantissa 0) or NaN
-    x = magnitude == 0x7Cu ? std::numeric_limits<float>::infinity()
-        : magnitude > 0x7Cu ? std::numeric_limits<float>::quiet_NaN() : x;
+    const uint32_t is_special = 0u - static_cast<uint32_t>(magnitude >= 0x7Cu);
+    const uint32_t special = magnitude == 0x7Cu ? 0x7F800000u : 0x7FC00000u;
+    bits = (special & is_special) | (bits & ~is_special);
   }
-  return (b & 0x80u) ? -x : x;
+  bits |= static_cast<uint32_t>(b & 0x80u) << 24;  // the sign
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
 }
 
 inline float to_float(E4M3 x) { return fp8_to_float<4>(x.bits); }
