@@ -49,7 +49,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.generate
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
 
     start = time.perf_counter()
-    llm = LLM(**dataclasses.asdict(config))
+    try:
+        llm = LLM(**dataclasses.asdict(config))
+    except ValueError as e:  # a value only the devices or the checkpoint refuse (a mesh too large, ...)
+        return user_error(prog, e)
     if not multihost.is_leader():
         llm.engine.follow()
         return 0

@@ -1,24 +1,40 @@
-"""Quality of each quantization mode against the unquantized model, teacher-forced.
+"""Quality of each quantization mode, teacher-forced, against fp32 transformers and against the unquantized engine.
 
-    python scripts/quant_quality.py [--model DIR ...] [--tiny all|FAMILY,... [--tiny-hidden 256] [--train-steps 200]]
+    python scripts/quant_quality.py [--model DIR ...] [--tiny all|FAMILY,... [--tiny-hidden 256]
+        [--text-steps 300 | --train-steps 200]] [--workload text|greedy]
         [--modes w_int8,w_fp8,kv_int8,kv_fp8] [--seqs 4] [--len 96] [--chunk 16] [--dtype float32]
 
-Every mode runs the same fixed workload (``--seqs`` sequences of ``--len`` tokens: 16 random prompt tokens drawn with a
-fixed seed, continued greedily by the unquantized model) through
-the decoder in prompt chunks of ``--chunk`` tokens, so later chunks read their context back from the KV pages
-(quantized ones in the KV modes), and takes the next-token distribution at every position. Reported per mode:
-top-1 agreement (the fraction of positions where the quantized model's argmax is the unquantized model's) and the
-mean KL divergence KL(unquantized || quantized) in nats, and the near-tie evidence of ``compare``: how far the mode
-moves the top-1/top-2 logit gap (root mean square), the fraction of positions whose gap is smaller than that, and
-the share of the disagreements that fall on those positions. Output: one markdown row per model and mode.
+Every mode runs the same fixed workload (``--seqs`` sequences of ``--len`` tokens) through the decoder in prompt
+chunks of ``--chunk`` tokens, so later chunks read their context back from the KV pages (quantized ones in the KV
+modes), and takes the next-token distribution at every position. Each mode is compared twice:
+
+- against **fp32 transformers** (the model's Hugging Face class on PyTorch CPU, the whole sequence at once): what
+  a user comparing with the original checkpoint sees, and what the targets in docs/benchmarks.md are stated
+  against; the unquantized engine's own distance from it is reported as the mode ``none``;
+- against the **unquantized engine** (same code path, same ``--dtype``): the quantization's own effect.
+
+Reported per mode and reference: top-1 agreement (the fraction of positions where the two argmaxes agree) and the
+mean KL divergence KL(reference || quantized) in nats; against the engine also the near-tie evidence of
+``compare``: how far the mode moves the top-1/top-2 logit gap (root mean square), the fraction of positions
+whose gap is smaller than that, and the share of the disagreements that fall on those positions. Output: one
+markdown row per model and mode.
+
+Workloads (``--workload``):
+
+- ``text`` (default): natural English prose, ``scripts/data/natural_text.txt`` (eight paragraphs written for
+  this script), in the model's own tokenizer, cut into ``--seqs`` consecutive windows of ``--len`` tokens (fewer
+  if the text is too short). With ``--text-steps N`` the ``--tiny`` models get a BPE tokenizer trained on the
+  first ``TRAIN_PARAGRAPHS`` paragraphs and are trained N steps on them (``train_on_text``), so their
+  distributions are those of a small model of English text; they are then measured on the remaining, held-out
+  paragraphs.
+- ``greedy``: 16 random prompt tokens drawn with a fixed seed, continued greedily by the unquantized model.
 
 With ``--train-steps N`` the ``--tiny`` models are trained N steps on sequences of fixed random Markov chains with
 peaked transitions, one chain per topic (``tests/tiny.py``: ``markov_chain``, ``markov_corpus``, ``train_markov``),
 before they are saved, so their next-token distributions are as confident as a trained checkpoint's rather than a
 random model's nearly flat ones; their workload is then held-out sequences of the same corpus (a seed training
-never uses),
-not the model's greedy text. A second table gives, per model, how confident the unquantized model is on the
-workload: mean top-1 probability and quantiles of the top-1/top-2 logit gap.
+never uses). A second table gives, per model, how confident the unquantized model is on the workload: mean top-1
+probability and quantiles of the top-1/top-2 logit gap.
 """
 
 from __future__ import annotations
@@ -138,17 +154,34 @@ def compare(reference: np.ndarray, other: np.ndarray) -> dict[str, float]:
             "flips_in_ties": float(np.sum(flips & ties) / max(1, np.sum(flips)))}
 
 
+def transformers_logits(model_path: str, tokens: np.ndarray) -> np.ndarray:
+    """f32[seqs, length, vocab]: fp32 transformers' next-token logits at every position (eager attention, each
+    sequence in one forward pass): the reference a user compares a served checkpoint with."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return np.stack([model(torch.from_numpy(t[None].astype(np.int64))).logits[0].float().numpy()
+                         for t in tokens])
+
+
 def evaluate(model_path: str, modes, *, seqs: int = 4, length: int = 96, chunk: int = 16,
-             dtype: str = "float32", tokens: np.ndarray | None = None) -> dict[str, dict[str, float]]:
-    """Per mode, ``compare``'s figures against the unquantized model over ``tokens`` (i32[seqs, length]; by
-    default ``workload``: the model's own greedy text)."""
+             dtype: str = "float32", tokens: np.ndarray | None = None,
+             against_transformers: bool = False) -> dict[str, dict]:
+    """Per mode, ``compare``'s figures against the unquantized engine over ``tokens`` (i32[seqs, length]; by
+    default ``workload``: the model's own greedy text). With ``against_transformers``, each mode's figures also
+    hold ``"hf"``: ``compare`` against fp32 transformers, and a mode ``"none"`` gives the unquantized engine's."""
     from jaxserve.models.config import ModelConfig
 
     if tokens is None:
         vocab = ModelConfig.from_pretrained(Path(model_path)).vocab_size
         tokens = workload(model_path, vocab, seqs, length, dtype=dtype)
     base = teacher_forced_logits(model_path, tokens, dtype=dtype, chunk=chunk)
+    hf = transformers_logits(model_path, tokens) if against_transformers else None
     out = {}
+    if hf is not None:
+        out["none"] = {**compare(base, base), "hf": compare(hf, base)}
     for mode in modes:
         if mode == "w_int8_dequant":
             with dequantized_weights():
@@ -161,6 +194,8 @@ def evaluate(model_path: str, modes, *, seqs: int = 4, length: int = 96, chunk: 
             other = teacher_forced_logits(model_path, tokens, quantization=q, kv_cache_dtype=kv, dtype=dtype,
                                           chunk=chunk)
         out[mode] = compare(base, other)
+        if hf is not None:
+            out[mode]["hf"] = compare(hf, other)
     return out
 
 
@@ -217,10 +252,77 @@ def held_out_markov(vocab_size: int, seqs: int, length: int) -> np.ndarray:
     return markov_corpus(vocab_size, seqs, length, seed=HELD_OUT_SEED)
 
 
-def tiny_models(families: str, hidden: int = 64, train_steps: int = 0) -> list[str]:
+TEXT = Path(__file__).resolve().parent / "data" / "natural_text.txt"
+TRAIN_PARAGRAPHS = 5  # of the text's eight: training text for --text-steps; the rest is held out for measuring
+
+
+def paragraphs() -> list[str]:
+    return [p.strip() for p in TEXT.read_text().split("\n\n") if p.strip()]
+
+
+def text_workload(tokenizer, seqs: int, length: int, *, held_out: bool = False) -> np.ndarray:
+    """i32[n, length], n <= seqs: consecutive windows of the natural text (each paragraph with the tokenizer's
+    special tokens), all of it or only the paragraphs ``--text-steps`` training never sees."""
+    texts = paragraphs()[TRAIN_PARAGRAPHS:] if held_out else paragraphs()
+    ids = [i for t in texts for i in tokenizer(t)["input_ids"]]
+    n = min(seqs, len(ids) // length)
+    if n == 0:
+        raise ValueError(f"--len {length} is longer than the text ({len(ids)} tokens)")
+    return np.array(ids[: n * length], np.int32).reshape(n, length)
+
+
+def text_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer (``tests/tiny.py``'s settings) trained on the training paragraphs."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(paragraphs()[:TRAIN_PARAGRAPHS], trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def train_on_text(path: Path, tokenizer, steps: int, *, batch: int = 16, length: int = 64, lr: float = 3e-3,
+                  seed: int = 0) -> float:
+    """Train the checkpoint at ``path`` (in place) with Adam for ``steps`` steps of ``batch`` random windows of
+    the training paragraphs; returns the last loss. Deterministic: fixed seeds, one torch thread."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    ids = np.array([i for t in paragraphs()[:TRAIN_PARAGRAPHS] for i in tokenizer(t)["input_ids"]], np.int64)
+    rng = np.random.default_rng(seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(seed)
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20) * (1 - i / steps))
+        model.train()
+        for _ in range(steps):
+            starts = rng.integers(0, len(ids) - length, batch)
+            x = torch.from_numpy(np.stack([ids[s:s + length] for s in starts]))
+            loss = model(x, labels=x).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    finally:
+        torch.set_num_threads(threads)
+    model.eval().save_pretrained(path, safe_serialization=True)
+    return float(loss.detach())
+
+
+def tiny_models(families: str, hidden: int = 64, train_steps: int = 0, text_steps: int = 0) -> list[str]:
     """Build ``tests/tiny.py`` families (comma-separated, or "all") with weights at std 0.08 in a temporary folder
     (the tests' shapes at hidden 64; a wider ``hidden`` keeps everything else and doubles it for the MLP), trained
-    ``train_steps`` steps on the Markov corpus first when given."""
+    ``train_steps`` steps on the Markov corpus first when given, or ``text_steps`` steps on the natural text's
+    training paragraphs (with a tokenizer trained on them)."""
     import atexit
     import shutil
     import tempfile
@@ -231,11 +333,15 @@ def tiny_models(families: str, hidden: int = 64, train_steps: int = 0) -> list[s
     names = list(FAMILIES) if families == "all" else families.split(",")
     root = Path(tempfile.mkdtemp(prefix="quant_quality_"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
-    tok = train_tokenizer()
+    tok = text_tokenizer() if text_steps else train_tokenizer()
     wide = {} if hidden == 64 else dict(hidden_size=hidden, intermediate_size=2 * hidden)
-    suffix = ("" if hidden == 64 else f"_h{hidden}") + (f"_trained{train_steps}" if train_steps else "")
+    suffix = ("" if hidden == 64 else f"_h{hidden}") + (f"_trained{train_steps}" if train_steps else "") + \
+        (f"_text{text_steps}" if text_steps else "")
     paths = [build_tiny_model(f, root / f"{f}{suffix}", tokenizer=tok, init_std=0.08, train_steps=train_steps,
                               **wide) for f in names]
+    for path in paths if text_steps else ():
+        loss = train_on_text(path, tok, text_steps)
+        print(f"{path.name}: trained {text_steps} steps on the text, last loss {loss:.3f}", flush=True)
     return [str(p) for p in paths]
 
 
@@ -247,6 +353,10 @@ def main() -> None:
     p.add_argument("--tiny-hidden", type=int, default=64, help="hidden size of the --tiny models (intermediate: 2x)")
     p.add_argument("--train-steps", type=int, default=0, help="train the --tiny models this many steps on a peaked "
                    "Markov chain's sequences (tests/tiny.py) and measure on held-out sequences of it")
+    p.add_argument("--text-steps", type=int, default=0, help="train the --tiny models this many steps on the "
+                   "natural text's training paragraphs and measure on its held-out ones")
+    p.add_argument("--workload", choices=("text", "greedy"), default="text",
+                   help="natural text (default) or the unquantized model's greedy continuation of random ids")
     p.add_argument("--modes", default="w_int8,w_fp8,kv_int8,kv_fp8",
                    help=f"comma-separated: {', '.join(MODES)}, or the diagnostics {', '.join(DIAGNOSTIC_MODES)}")
     p.add_argument("--seqs", type=int, default=4)
@@ -254,30 +364,42 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=16)
     p.add_argument("--dtype", default="float32")
     args = p.parse_args()
+    if args.train_steps and args.text_steps:
+        p.error("give --train-steps (Markov) or --text-steps (natural text), not both")
     modes = args.modes.split(",")
     models = list(args.model)
-    trained = set()
+    markov, text_trained = set(), set()
     if args.tiny:
-        models += tiny_models(args.tiny, args.tiny_hidden, args.train_steps)
-        trained = set(models[len(args.model):]) if args.train_steps else set()
+        models += tiny_models(args.tiny, args.tiny_hidden, args.train_steps, args.text_steps)
+        trained = set(models[len(args.model):])
+        markov, text_trained = (trained if args.train_steps else set()), (trained if args.text_steps else set())
     if not models:
         p.error("give --model and/or --tiny")
-    print(f"teacher-forced, {args.seqs} x {args.len} tokens, chunks of {args.chunk}, dtype {args.dtype}\n")
-    print("| model | mode | top-1 agreement | mean KL (nats) | gap perturbation | positions with gap below it "
-          "| disagreements among them |\n| --- | --- | --- | --- | --- | --- | --- |")
+    print(f"teacher-forced, up to {args.seqs} x {args.len} tokens, chunks of {args.chunk}, dtype {args.dtype}\n")
+    print("| model | mode | top-1 vs fp32 transformers | KL vs transformers | top-1 vs unquantized engine "
+          "| KL vs engine | gap perturbation | positions with gap below it | disagreements among them |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     confidence = {}
     for model in models:
-        tokens = None
-        if model in trained:
-            from jaxserve.models.config import ModelConfig
+        from jaxserve.models.config import ModelConfig
 
+        tokens = None
+        if model in markov:
             tokens = held_out_markov(ModelConfig.from_pretrained(Path(model)).vocab_size, args.seqs, args.len)
+        elif args.workload == "text":
+            from transformers import AutoTokenizer
+
+            tokens = text_workload(AutoTokenizer.from_pretrained(model), args.seqs, args.len,
+                                   held_out=model in text_trained)
         for mode, r in evaluate(model, modes, seqs=args.seqs, length=args.len, chunk=args.chunk,
-                                dtype=args.dtype, tokens=tokens).items():
-            confidence[Path(model).name] = r
-            print(f"| {Path(model).name} | {mode} | {r['top1'] * 100:.2f}% | {r['kl']:.5f} | {r['pert']:.4f} "
-                  f"| {r['near_ties'] * 100:.1f}% | {r['flips_in_ties'] * 100:.0f}% |", flush=True)
-    print("\nThe unquantized model on the workload:\n\n| model | mean top-1 probability | top-1/top-2 logit gap: "
+                                dtype=args.dtype, tokens=tokens, against_transformers=True).items():
+            confidence[Path(model).name] = r["hf"]
+            engine = " | ".join(["-"] * 5) if mode == "none" else (
+                f"{r['top1'] * 100:.2f}% | {r['kl']:.5f} | {r['pert']:.4f} | {r['near_ties'] * 100:.1f}% "
+                f"| {r['flips_in_ties'] * 100:.0f}%")
+            print(f"| {Path(model).name} | {mode} | {r['hf']['top1'] * 100:.2f}% | {r['hf']['kl']:.5f} | {engine} |",
+                  flush=True)
+    print("\nfp32 transformers on the workload:\n\n| model | mean top-1 probability | top-1/top-2 logit gap: "
           "5% / 10% / 25% / 50% quantiles |\n| --- | --- | --- |")
     for name, r in confidence.items():
         print(f"| {name} | {r['p_top1']:.3f} | {r['gap_q5']:.3f} / {r['gap_q10']:.3f} / {r['gap_q25']:.3f} / "

@@ -61,6 +61,8 @@ CASES = [
     (["-m", "jaxserve.generate", "--model", "{gpt2}"], "unsupported architecture"),
     (["-m", "jaxserve.generate", "--max-tokens", "0"], "max_tokens=0"),
     (["-m", "jaxserve.generate", "--max-num-seqs", "-3"], "max_num_seqs=-3"),
+    (["-m", "jaxserve.generate", "--page-size", "3"], "page_size=3 must be a power of two"),
+    (["-m", "jaxserve.generate", "--mesh", "tensor=3", "--log-level", "error"], "tensor=3 has 3 devices"),  # engine
     (["-m", "jaxserve.serve", "--model", "{empty}/missing"], "missing"),
     (["-m", "jaxserve.serve", "--model", "org/no-such-model"], "could not be fetched from the hub"),
     (["-m", "jaxserve.serve", "--max-n", "0"], "--max-n=0"),

@@ -7,11 +7,14 @@ import logging
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_cases import CONFIGS, assert_matches_reference, build_batch, device_args, random_lengths
+from attention_cases import (CONFIGS, DECODE, MIXED, PREFILL, assert_matches_reference, build_batch, device_args,
+                             random_lengths, reference_attention)
 
+from pallas_kernels.quantized_pages import STORAGE, QuantizedPages, quantize
 from pallas_kernels.ragged_paged_attention import native, ragged_paged_attention_rows
 
 
@@ -30,6 +33,45 @@ def test_native_rows_match_reference(lengths, group, head_dim, dtype, window, so
     out, called = rows_program(batch, sm_scale=0.2, sliding_window=window, soft_cap=soft_cap)
     assert called
     assert_matches_reference(out, batch, sm_scale=0.2, sliding_window=window, soft_cap=soft_cap)
+
+
+@pytest.mark.parametrize("lengths, storage, group, window, as_bytes", [
+    (DECODE, "int8", 2, None, False), (MIXED, "fp8_e4m3", 4, 5, True), (PREFILL, "fp8_e5m2", 1, None, False)])
+def test_native_rows_read_8_bit_pages(lengths, storage, group, window, as_bytes):
+    """8-bit pages (values + one f32 scale per token and KV head), as the engine's int8, fp8 (e4m3) and fp8_e5m2
+    KV caches store them (fp8 as its own dtype, or as bytes: the CPU pool's form): the kernel widens them itself
+    and matches the reference, which dequantizes what it gathers. Every page and slot no row may read has NaN
+    scales (and NaN values where the format has one)."""
+    batch, _, _ = build_batch(np.random.default_rng(8), *lengths, group=group, head_dim=64)
+    args = device_args(batch)
+    for name in ("k_pages", "v_pages"):
+        pages = args[name]
+        values, scales = quantize(jnp.nan_to_num(pages, nan=0.0), STORAGE[storage])
+        poisoned = jnp.isnan(pages[..., :1])
+        if jnp.dtype(STORAGE[storage]) != jnp.int8:
+            values = jnp.where(jnp.isnan(pages), jnp.nan, values.astype(jnp.float32)).astype(values.dtype)
+        args[name] = QuantizedPages(values, jnp.where(poisoned, jnp.nan, scales))
+        if as_bytes:
+            args[name] = QuantizedPages(jax.lax.bitcast_convert_type(values, jnp.uint8), args[name].scales,
+                                        fp8_format=values.dtype)
+    kw = dict(sm_scale=0.2, sliding_window=window)
+    fn = jax.jit(lambda q, k_pages, v_pages, md: ragged_paged_attention_rows(q, k_pages, v_pages, md, **kw))
+    assert native.TARGET in fn.lower(**args).as_text()
+    assert_matches_reference(fn(**args), batch, **kw, ref=reference_attention(**args, **kw))
+
+
+@pytest.mark.parametrize("storage", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_kernel_widens_every_8_bit_code_exactly(storage):
+    """One key whose value row holds all 256 codes of the format (NaN and infinity included) and a scale of 1: a
+    row that sees only it returns that row widened, which must equal ml_dtypes' value of every code bit for bit."""
+    dtype = STORAGE[storage]
+    codes = np.arange(256, dtype=np.uint8).view(dtype).reshape(1, 1, 1, 256)
+    k = QuantizedPages(jnp.zeros(codes.shape, dtype), jnp.ones((1, 1, 1, 1), jnp.float32))
+    v = QuantizedPages(jnp.asarray(codes), jnp.ones((1, 1, 1, 1), jnp.float32))
+    zero = np.zeros(1, np.int32)
+    out, _ = jax.jit(lambda q, k, v: native.attend(q, k, v, zero.reshape(1, 1), zero, zero, zero, sm_scale=1.0,
+                                                   soft_cap=None))(jnp.ones((1, 1, 256), jnp.float32), k, v)
+    np.testing.assert_array_equal(np.asarray(out).ravel(), codes.ravel().astype(np.float32))
 
 
 def test_native_rows_many_lengths():

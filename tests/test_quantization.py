@@ -19,7 +19,7 @@ from jaxserve.models.loader import load_model
 from tiny import FAMILIES, build_tiny_model, train_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from quant_quality import compare, evaluate, held_out_markov, teacher_forced_logits  # noqa: E402
+from quant_quality import TEXT, compare, evaluate, held_out_markov, teacher_forced_logits, text_workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -360,6 +360,24 @@ def test_noise_diagnostic_perturbs_the_quantized_weights_by_int8s_rounding_error
         assert 0.8 < ratio < 1.2, (name, ratio)
 
 
+def test_quality_against_transformers_on_natural_text(models):
+    """The script's natural-text workload is the text in the model's tokenizer, and each mode is compared with fp32
+    transformers as well as the unquantized engine: the engine itself ("none") agrees with transformers at every
+    position (a shifted or misaligned reference would not). The mode is fp8 KV, which the CPU pool holds as bytes:
+    written by the engine's KV write and read back by the prompt chunks' context walk."""
+    from transformers import AutoTokenizer
+
+    path = models["qwen2"]
+    tok = AutoTokenizer.from_pretrained(path)
+    tokens = text_workload(tok, 2, 48)
+    assert tokens.shape == (2, 48)
+    assert tok.decode(tokens[0], skip_special_tokens=True) in TEXT.read_text()
+    got = evaluate(str(path), ["kv_fp8"], tokens=tokens, against_transformers=True)
+    assert got["none"]["hf"]["top1"] == 1.0 and got["none"]["hf"]["kl"] < 1e-6, got["none"]["hf"]
+    assert abs(got["kv_fp8"]["hf"]["top1"] - got["kv_fp8"]["top1"]) <= 2 / tokens.size, got["kv_fp8"]
+    assert got["kv_fp8"]["top1"] >= 0.9 and 0 < got["kv_fp8"]["hf"]["kl"] < 0.01, got["kv_fp8"]
+
+
 def test_compare_counts_agreement_kl_and_near_ties():
     a = np.log(np.array([[[0.7, 0.2, 0.1], [0.1, 0.1, 0.8], [0.41, 0.39, 0.2]]]))
     b = np.log(np.array([[[0.7, 0.2, 0.1], [0.6, 0.1, 0.3], [0.39, 0.41, 0.2]]]))
@@ -415,7 +433,6 @@ def test_int8_kv_with_preemption_prefix_caching_chunked_prefill_and_nan_scales(t
     import jax.numpy as jnp
 
     from jaxserve.engine.engine import Engine
-    from pallas_kernels.quantized_pages import QuantizedPages
     from test_engine import random_workload, run
 
     path = build_tiny_model("llama", tmp_path / "m")
@@ -430,7 +447,7 @@ def test_int8_kv_with_preemption_prefix_caching_chunked_prefill_and_nan_scales(t
         assert got[rid].outputs[0].token_ids == out.outputs[0].token_ids, rid
     runner = tight.executor.runner
     tight.scheduler.block_manager.reset_prefix_cache()
-    runner.kv_cache = [tuple(QuantizedPages(p.values, jnp.full_like(p.scales, jnp.nan), p.dtype) for p in layer)
+    runner.kv_cache = [tuple(p.with_arrays(p.values, jnp.full_like(p.scales, jnp.nan)) for p in layer)
                        for layer in runner.kv_cache]
     again = run(tight, [[(rid + "-again", p, sp) for rid, p, sp in wave] for wave in arrivals])
     for rid, out in want.items():

@@ -97,6 +97,8 @@ class EngineConfig:
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
+        if self.page_size & (self.page_size - 1):  # the pool's page size (kv_cache.CacheConfig), checked early
+            raise ValueError(f"page_size={self.page_size} must be a power of two")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages={self.num_pages} must be >= 2")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -96,8 +96,11 @@ class PageWriter:
 
             def put(pages, rows, ids):
                 if isinstance(pages, QuantizedPages):  # rows: (values, scales), stored as they were
-                    return QuantizedPages(pages.values.at[:, ids].set(rows[0], mode="drop"),
-                                          pages.scales.at[:, ids].set(rows[1], mode="drop"), pages.dtype)
+                    values = rows[0]
+                    if values.dtype != pages.values.dtype:  # fp8 from a pool that holds it as bytes, or to one
+                        values = jax.lax.bitcast_convert_type(values, pages.values.dtype)
+                    return pages.with_arrays(pages.values.at[:, ids].set(values, mode="drop"),
+                                             pages.scales.at[:, ids].set(rows[1], mode="drop"))
                 return pages.at[:, ids].set(rows[0].astype(pages.dtype), mode="drop")
 
             def scatter(cache, staged, full_ids, local_ids):

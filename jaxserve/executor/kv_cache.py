@@ -159,16 +159,18 @@ def init_kv_cache(cfg: ModelConfig, cache: CacheConfig, dtype, mesh: Mesh) -> li
         shape, sharding = cache_sharding(cfg, cache, mesh, cache.num_local_pages if local else None)
         scale_sharding = (logical_sharding(CACHE_AXES, shape[:-1] + (1,), mesh) if is_quantized_dtype(dtype)
                           else None)
-        zeros = _zeros(tuple(shape), dtype, sharding, scale_sharding)
+        on_cpu = mesh.devices.flat[0].platform == "cpu"  # fp8 held as bytes there (QuantizedPages)
+        zeros = _zeros(tuple(shape), dtype, sharding, scale_sharding, on_cpu)
         out.append((zeros(), zeros()))
     return out
 
 
 @functools.lru_cache(maxsize=None)
-def _zeros(shape: tuple, dtype, sharding, scale_sharding):
+def _zeros(shape: tuple, dtype, sharding, scale_sharding, fp8_as_bytes: bool = False):
     """The jitted zero-fill of one pool shape, kept: a pool made again (``wake_up``, a lost cache) compiles
-    nothing. 8-bit pools: values and their scales, each sharded the same way."""
+    nothing. 8-bit pools: values and their scales, each sharded the same way (fp8 values as their bytes on CPU,
+    see ``QuantizedPages``)."""
     if scale_sharding is not None:
-        return jax.jit(lambda: QuantizedPages.zeros(shape, dtype),
-                       out_shardings=QuantizedPages(sharding, scale_sharding))
+        make = functools.partial(QuantizedPages.zeros, shape, dtype, fp8_as_bytes=fp8_as_bytes)
+        return jax.jit(make, out_shardings=jax.eval_shape(make).with_arrays(sharding, scale_sharding))
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)

@@ -25,7 +25,8 @@ shape of the computation differs, chosen from measurements of XLA:CPU (2-core x8
 
 Masks are stored once per call (``_materialize``) rather than left to fusion; see there.
 
-Where the native kernel is available (``native.py``: C++ through XLA's FFI, fp32 and bf16 pages), the rows that
+Where the native kernel is available (``native.py``: C++ through XLA's FFI, fp32 and bf16 pages, and 8-bit
+``QuantizedPages`` widened in the kernel: int8, float8_e4m3fn, float8_e5m2), the rows that
 walk their pages (every decode row, and the single-row sequences of a prompt step) run it instead of the walk:
 it reads the pages in place where the walk must gather them into a copy first. The walk is its fallback.
 """

@@ -5,6 +5,9 @@
 // row reads them in place instead of through a gathered copy, which is what bounds the pure-JAX walk on CPU.
 // Online softmax in fp32, one page of keys at a time; every key is loaded once for the whole group of query
 // heads that shares its KV head (GQA). Keys outside [first, last] are never read (unused pages may hold NaN).
+// 8-bit pages (int8, float8_e4m3fn, float8_e5m2, or fp8 held as uint8 bit patterns) carry one f32 scale per token and KV head in pages of their
+// own ([num_kv_heads, num_pages, page_size, 1]); they are widened to f32 here (fp8 by integer and float arithmetic, see fp8_to_float), and each key's scale applied
+// to the key's score and to its value weight, so nothing is dequantized outside the keys a row reads.
 //
 // Contract and Python side: native.py. Built there with the system compiler for the machine it runs on.
 
@@ -34,6 +37,52 @@ inline float to_float(uint16_t bf16) {
   std::memcpy(&x, &bits, sizeof x);
   return x;
 }
+
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+
+// The two fp8 formats, as their bit patterns.
+struct E4M3 {  // float8_e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits, no infinities, NaN at S.1111.111
+  uint8_t bits;
+};
+struct E5M2 {  // float8_e5m2: 5 exponent bits (bias 15), 2 mantissa bits, IEEE infinities and NaNs
+  uint8_t bits;
+};
+
+// An fp8 value as f32, in integer and float operations only, so that a loop of them vectorises (a table lookup
+// would be a gather, slow on x86). The magnitude bits shifted into f32's exponent and mantissa fields, with the
+// exponent rebased (+ 127 - bias), give every normal value; a subnormal (exponent field 0) then reads as
+// 2^(1-bias) * (1 + m/2^M) / 2, and twice that less 2^(1-bias) is its value m * 2^(1-bias-M). No f32 subnormal
+// is formed on the way, so the thread's denormal mode cannot change the result. The format's NaNs and (e5m2)
+// infinities are kept.
+template <int kExponentBits>
+inline float fp8_to_float(uint8_t b) {
+  constexpr int mantissa_bits = 7 - kExponentBits, bias = (1 << (kExponentBits - 1)) - 1;
+  constexpr float smallest_normal = 1.0f / (1 << (bias - 1));  // 2^(1 - bias)
+  const uint32_t magnitude = b & 0x7Fu;
+  const uint32_t normal = (magnitude << (23 - mantissa_bits)) + (static_cast<uint32_t>(127 - bias) << 23);
+  float x;
+  std::memcpy(&x, &normal, sizeof x);
+  const float sub = 2.0f * x - smallest_normal;  // computed always, selected below: no branch in the loop
+  uint32_t subnormal;
+  std::memcpy(&subnormal, &sub, sizeof sub);
+  // Selections as bit masks (all ones where true), so the loop has no control flow and vectorises.
+  const uint32_t is_subnormal = 0u - static_cast<uint32_t>((magnitude >> mantissa_bits) == 0);
+  uint32_t bits = (subnormal & is_subnormal) | (normal & ~is_subnormal);
+  if (kExponentBits == 4) {  // e4m3fn: S.1111.111 is NaN, no infinities
+    const uint32_t is_nan = 0u - static_cast<uint32_t>(magnitude == 0x7Fu);
+    bits = (0x7FC00000u & is_nan) | (bits & ~is_nan);
+  } else {  // e5m2: exponent field 31 is infinity (mantissa 0) or NaN
+    const uint32_t is_special = 0u - static_cast<uint32_t>(magnitude >= 0x7Cu);
+    const uint32_t special = magnitude == 0x7Cu ? 0x7F800000u : 0x7FC00000u;
+    bits = (special & is_special) | (bits & ~is_special);
+  }
+  bits |= static_cast<uint32_t>(b & 0x80u) << 24;  // the sign
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+inline float to_float(E4M3 x) { return fp8_to_float<4>(x.bits); }
+inline float to_float(E5M2 x) { return fp8_to_float<5>(x.bits); }
 
 // Per-call working memory of one row's group of query heads.
 struct Scratch {
@@ -91,10 +140,11 @@ inline void prefetch_page(const Shape& s, const T* k_pages, const T* v_pages, co
 // One row's group of query heads over one KV head's keys [first, last]; writes the normalised output and the
 // log-sum-exp of the scores (-inf, with a zero output, when nothing is visible).
 // kHeadDim: head_dim as a constant (the loops over it unroll), or 0 for any head_dim.
+// k_scales/v_scales: the pages' per-token scales ([kv_heads, num_pages, page_size]), or null for unscaled pages.
 template <typename T, int kHeadDim>
-ffi::Error attend_group(const Shape& s, const float* q, const T* k_pages, const T* v_pages, const int32_t* table,
-                        int64_t head, int64_t first, int64_t last, float sm_scale, float soft_cap, Scratch& scratch,
-                        float* out, float* lse) {
+ffi::Error attend_group(const Shape& s, const float* q, const T* k_pages, const T* v_pages, const float* k_scales,
+                        const float* v_scales, const int32_t* table, int64_t head, int64_t first, int64_t last,
+                        float sm_scale, float soft_cap, Scratch& scratch, float* out, float* lse) {
   const int64_t g_count = s.group(), d_count = kHeadDim ? kHeadDim : s.head_dim, page_size = s.page_size;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   float *scores = scratch.scores.data(), *acc = scratch.acc.data();
@@ -110,6 +160,8 @@ ffi::Error attend_group(const Shape& s, const float* q, const T* k_pages, const 
     const int64_t base = (head * s.num_pages + page) * page_size * d_count;
     const T* k = k_pages + base;
     const T* v = v_pages + base;
+    const float* ks = k_scales ? k_scales + base / d_count : nullptr;  // the page's scales, one per key
+    const float* vs = v_scales ? v_scales + base / d_count : nullptr;
     prefetch_page(s, k_pages, v_pages, table, head, start + page_size, last);  // loads while this one computes
     for (int64_t g = 0; g < g_count; ++g) {
       const float* qg = q + g * d_count;
@@ -120,7 +172,7 @@ ffi::Error attend_group(const Shape& s, const float* q, const T* k_pages, const 
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < d_count; ++d) dot += qg[d] * to_float(kj[d]);
-        dot *= sm_scale;
+        dot *= ks ? sm_scale * ks[j] : sm_scale;
         if (soft_cap > 0.0f) dot = soft_cap * std::tanh(dot / soft_cap);
         sg[j] = dot;
         block_peak = std::max(block_peak, dot);
@@ -138,7 +190,7 @@ ffi::Error attend_group(const Shape& s, const float* q, const T* k_pages, const 
       for (int64_t d = 0; d < d_count; ++d) ag[d] *= rescale;
       for (int64_t j = lo; j < hi; ++j) {
         const T* vj = v + j * d_count;
-        const float w = sg[j];
+        const float w = vs ? sg[j] * vs[j] : sg[j];
 #pragma omp simd
         for (int64_t d = 0; d < d_count; ++d) ag[d] += w * to_float(vj[d]);
       }
@@ -165,11 +217,13 @@ inline RowKeys row_keys(const Shape& s, const int32_t* row_seq, const int32_t* f
   return {row_seq[r], std::max<int64_t>(first[r], 0), std::min<int64_t>(last[r], s.table_width * s.page_size - 1)};
 }
 
-// One call's operands (pages untyped: their element type picks the instantiation that reads them).
+// One call's operands (pages untyped: their element type picks the instantiation that reads them; scales null
+// for unscaled pages).
 struct Call {
   Shape s;
   const float* q;
   const void *k_pages, *v_pages;
+  const float *k_scales, *v_scales;
   const int32_t *tables, *row_seq, *first, *last;
   float sm_scale, soft_cap;
   float *out, *lse;
@@ -199,9 +253,9 @@ ffi::Error attend_rows(const Call& c, int64_t r0, int64_t r1) {
         }
       }
       const int64_t at = r * s.q_heads + h * g_count;
-      ffi::Error error = attend_group<T, kHeadDim>(s, c.q + at * d_count, k_pages, v_pages, table, h, row.lo,
-                                                   row.hi, c.sm_scale, c.soft_cap, scratch, c.out + at * d_count,
-                                                   c.lse + at);
+      ffi::Error error = attend_group<T, kHeadDim>(s, c.q + at * d_count, k_pages, v_pages, c.k_scales,
+                                                   c.v_scales, table, h, row.lo, row.hi, c.sm_scale, c.soft_cap,
+                                                   scratch, c.out + at * d_count, c.lse + at);
       if (error.failure()) return error;
     }
   }
@@ -252,21 +306,44 @@ ffi::Error run_split(ffi::ThreadPool& pool, const Call& call, RowsFn fn, int64_t
 }
 
 ffi::Error rows_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
-                          ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_seq,
+                          ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
+                          ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_seq,
                           ffi::Buffer<ffi::S32> first, ffi::Buffer<ffi::S32> last, float sm_scale, float soft_cap,
-                          int64_t threads, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+                          int64_t threads, int64_t fp8_bytes, ffi::ResultBuffer<ffi::F32> out,
+                          ffi::ResultBuffer<ffi::F32> lse) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2) return ffi::Error::InvalidArgument("bad ranks");
   const Shape s{qd[0], qd[1], kd[0], kd[1], kd[2], kd[3], td[0], td[1]};
   if (qd[2] != s.head_dim || s.q_heads % s.kv_heads) return ffi::Error::InvalidArgument("bad head shapes");
   if (k_pages.element_type() != v_pages.element_type()) return ffi::Error::InvalidArgument("k/v dtypes differ");
   RowsFn fn;
+  bool scaled = true;
   switch (k_pages.element_type()) {
-    case ffi::DataType::F32: fn = rows_fn<float>(s.head_dim); break;
-    case ffi::DataType::BF16: fn = rows_fn<uint16_t>(s.head_dim); break;
-    default: return ffi::Error::InvalidArgument("pages must be float32 or bfloat16");
+    case ffi::DataType::F32: fn = rows_fn<float>(s.head_dim), scaled = false; break;
+    case ffi::DataType::BF16: fn = rows_fn<uint16_t>(s.head_dim), scaled = false; break;
+    case ffi::DataType::S8: fn = rows_fn<int8_t>(s.head_dim); break;
+    case ffi::DataType::F8E4M3FN: fn = rows_fn<E4M3>(s.head_dim); break;
+    case ffi::DataType::F8E5M2: fn = rows_fn<E5M2>(s.head_dim); break;
+    case ffi::DataType::U8:  // fp8 bit patterns held as bytes; fp8_bytes names the format
+      if (fp8_bytes == 4) {
+        fn = rows_fn<E4M3>(s.head_dim);
+      } else if (fp8_bytes == 5) {
+        fn = rows_fn<E5M2>(s.head_dim);
+      } else {
+        return ffi::Error::InvalidArgument("uint8 pages need fp8_bytes 4 (float8_e4m3fn) or 5 (float8_e5m2)");
+      }
+      break;
+    default: return ffi::Error::InvalidArgument("pages must be float32, bfloat16, int8, float8_e4m3fn or float8_e5m2");
   }
-  const Call call{s, q.typed_data(), k_pages.untyped_data(), v_pages.untyped_data(), tables.typed_data(),
+  // 8-bit pages need their scales (one per token and KV head); float pages take none (empty operands).
+  const int64_t scale_count = scaled ? s.kv_heads * s.num_pages * s.page_size : 0;
+  if (k_scales.element_count() != static_cast<size_t>(scale_count) ||
+      v_scales.element_count() != static_cast<size_t>(scale_count)) {
+    return ffi::Error::InvalidArgument("scales must be [kv_heads, pages, page_size, 1] for 8-bit pages, else empty");
+  }
+  const Call call{s, q.typed_data(), k_pages.untyped_data(), v_pages.untyped_data(),
+                  scaled ? k_scales.typed_data() : nullptr, scaled ? v_scales.typed_data() : nullptr,
+                  tables.typed_data(),
                   row_seq.typed_data(), first.typed_data(), last.typed_data(), sm_scale, soft_cap,
                   out->typed_data(), lse->typed_data()};
   return run_split(pool, call, fn, std::min<int64_t>(threads, std::max<int64_t>(pool.num_threads(), 1)));
@@ -280,6 +357,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRowsAttention, rows_attention,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [rows, q_heads, head_dim]
                                   .Arg<ffi::AnyBuffer>()         // k_pages [kv_heads, pages, page_size, head_dim]
                                   .Arg<ffi::AnyBuffer>()         // v_pages
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scales [kv_heads, pages, page_size, 1] | [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scales
                                   .Arg<ffi::Buffer<ffi::S32>>()  // tables [slots, width]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // row_seq [rows]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // first [rows]
@@ -287,6 +366,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRowsAttention, rows_attention,
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")      // 0: none
                                   .Attr<int64_t>("threads")     // at most this many threads (1: the caller's)
+                                  .Attr<int64_t>("fp8_bytes")   // uint8 pages: 4 e4m3fn, 5 e5m2 bit patterns
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [rows, q_heads, head_dim]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse [rows, q_heads]
 );

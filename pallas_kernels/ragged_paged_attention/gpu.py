@@ -247,7 +247,7 @@ def _ragged_paged_attention_gpu(q, k_pages, v_pages, md: AttentionMetadata, *, s
     quantized = isinstance(k_pages, QuantizedPages)
     scales = (k_pages.scales.reshape(-1), v_pages.scales.reshape(-1)) if quantized else ()
     if quantized:
-        k_pages, v_pages = k_pages.values, v_pages.values
+        k_pages, v_pages = k_pages.typed_values(), v_pages.typed_values()
     rows = kernel_rows(sizes.block_q, group)
     splits = sizes.num_splits
     tile_seq, tile_row, tile_len = q_tiles(md, num_tokens, sizes.block_q)

@@ -43,6 +43,7 @@ TARGET = "jaxserve_rows_attention"
 _SYMBOL = "JaxserveRowsAttention"
 _FLAGS = ("-O3", "-DNDEBUG", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 PAGE_DTYPES = (jnp.float32, jnp.bfloat16)
+QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)  # QuantizedPages storage the kernel widens
 _registered: set[str] = set()  # targets registered in this process (XLA keeps them for its lifetime)
 
 
@@ -114,9 +115,15 @@ def _log_switched_off() -> None:
 
 def usable(k_pages) -> bool:
     """Whether the native kernel reads these pages in the program being traced: a CPU backend, float32 or
-    bfloat16 pages (not an 8-bit ``QuantizedPages`` pool: the pure-JAX walk reads those), the switch on and the
-    library available. Read at trace time, so the switch applies to programs traced after it changes."""
-    if jax.default_backend() != "cpu" or isinstance(k_pages, QuantizedPages) or k_pages.dtype not in PAGE_DTYPES:
+    bfloat16 pages or an 8-bit ``QuantizedPages`` pool (int8, float8_e4m3fn, float8_e5m2: widened in the
+    kernel), the switch on and the library available. Read at trace time, so the switch applies to programs
+    traced after it changes."""
+    if jax.default_backend() != "cpu":
+        return False
+    if isinstance(k_pages, QuantizedPages):
+        if k_pages.storage_dtype not in QUANTIZED_DTYPES:
+            return False
+    elif k_pages.dtype not in PAGE_DTYPES:
         return False
     return active()
 
@@ -132,8 +139,8 @@ def active() -> bool:
 
 def attend(
     q: jax.Array,  # f32[R, num_q_heads, head_dim]
-    k_pages: jax.Array,  # f32|bf16[num_kv_heads, num_pages, page_size, head_dim]
-    v_pages: jax.Array,  # like k_pages
+    k_pages: jax.Array | QuantizedPages,  # f32|bf16|int8|f8e4m3fn|f8e5m2[num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array | QuantizedPages,  # like k_pages
     tables: jax.Array,  # i32[S, P]: each sequence slot's pages
     row_seq: jax.Array,  # i32[R]: the slot whose pages each row reads
     first: jax.Array,  # i32[R]: first visible key position (inclusive)
@@ -143,7 +150,8 @@ def attend(
     soft_cap: float | None,
     threads: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
-    """Each row over keys [first, last] of its slot's pages, read in place.
+    """Each row over keys [first, last] of its slot's pages, read in place. 8-bit ``QuantizedPages`` are read as
+    their values and per-token scales, widened to f32 in the kernel.
 
     ``threads`` > 1 splits the rows over XLA's intra-op thread pool as well as the calling thread. The engine
     keeps 1: on a 2-core machine the step alone got faster but the host loop, which needs the other core while
@@ -154,7 +162,17 @@ def attend(
        lse f32[R, num_q_heads]: the log-sum-exp of its scores, -inf for such a row).
     """
     rows, num_q_heads, _ = q.shape
+    if isinstance(k_pages, QuantizedPages) != isinstance(v_pages, QuantizedPages):
+        raise ValueError("k_pages and v_pages must both be QuantizedPages or both arrays")
+    fp8_bytes = 0  # uint8 pages: the fp8 format they hold (4: e4m3fn, 5: e5m2)
+    if isinstance(k_pages, QuantizedPages):
+        if k_pages.fp8_format is not None:
+            fp8_bytes = 4 if jnp.dtype(k_pages.fp8_format) == jnp.float8_e4m3fn else 5
+        k_pages, k_scales, v_pages, v_scales = k_pages.values, k_pages.scales, v_pages.values, v_pages.scales
+    else:
+        k_scales = v_scales = jnp.zeros((0,), jnp.float32)
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
                                      jax.ShapeDtypeStruct((rows, num_q_heads), jnp.float32)))
-    return call(q.astype(jnp.float32), k_pages, v_pages, tables, row_seq, first, last,
-                sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0), threads=np.int64(threads))
+    return call(q.astype(jnp.float32), k_pages, v_pages, k_scales, v_scales, tables, row_seq, first, last,
+                sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0), threads=np.int64(threads),
+                fp8_bytes=np.int64(fp8_bytes))

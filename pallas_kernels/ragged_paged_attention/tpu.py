@@ -324,7 +324,7 @@ def _ragged_paged_attention_tpu(q, k_pages, v_pages, md: AttentionMetadata, *, s
     if quantized:
         block_kv = sizes.block_kv
         key_span = -(-pages_per_seq * k_pages.shape[2] // block_kv) * block_kv
-        pools = (k_pages.values, v_pages.values, *(sequence_scales(p.scales, md.page_indices, key_span)
+        pools = (k_pages.typed_values(), v_pages.typed_values(), *(sequence_scales(p.scales, md.page_indices, key_span)
                                                      for p in (k_pages, v_pages)))
     else:
         pools = (k_pages, v_pages)
