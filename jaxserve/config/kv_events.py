@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
+
+from jaxserve.config.json_option import json_object
 
 PUBLISHERS = ("null", "zmq")
 
@@ -66,15 +67,9 @@ class KVEventsConfig:
         """
         if value is None or isinstance(value, KVEventsConfig):
             return value
-        if isinstance(value, str):
-            if not value.strip():
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config is not valid JSON: {e}") from None
-        if not isinstance(value, Mapping):
-            raise ValueError(f"kv_events_config must be a JSON object, got {type(value).__name__}")
+        value = json_object(value, "kv_events_config")
+        if value is None:
+            return None
         keys = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(value) - set(keys))
         if unknown:

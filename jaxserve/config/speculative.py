@@ -7,6 +7,8 @@ import dataclasses
 import json
 from collections.abc import Mapping
 
+from jaxserve.config.json_option import json_object
+
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # proposals per sequence and step; the logits rows of a step grow with it
 _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
@@ -56,15 +58,9 @@ class SpeculativeConfig:
         """
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            if not value.strip():
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, Mapping):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        value = json_object(value, "speculative_config")
+        if value is None:
+            return None
         unknown = sorted(set(value) - set(_KEYS))
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))}; known: "
