@@ -161,6 +161,9 @@ def attend(
       (out f32[R, num_q_heads, head_dim]: the softmax-weighted values, zeros for a row that sees nothing;
        lse f32[R, num_q_heads]: the log-sum-exp of its scores, -inf for such a row).
     """
+    if not available():  # registered with XLA on first use, whoever calls first
+        raise RuntimeError("the native CPU attention library could not be built or loaded (logged above); callers "
+                           "check usable() first")
     rows, num_q_heads, _ = q.shape
     if isinstance(k_pages, QuantizedPages) != isinstance(v_pages, QuantizedPages):
         raise ValueError("k_pages and v_pages must both be QuantizedPages or both arrays")
