@@ -23,7 +23,7 @@ def bare_model(request, tmp_path_factory):
 
 def test_no_tokenizer_is_one_line_naming_the_flag(bare_model, tmp_path):
     server = ServerProcess(bare_model, cache_dir="", log_path=tmp_path / "fail.log", wait=False)
-    assert server.wait(120) == 1
+    assert server.wait(120) == 2  # a user error: exit code 2, as every command's
     log = (tmp_path / "fail.log").read_text()
     assert "Traceback" not in log and "sentencepiece" not in log.lower()
     line = next(l for l in log.splitlines() if "failed to start" in l)

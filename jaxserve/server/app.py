@@ -151,7 +151,9 @@ async def _serve_until_stopped(args: argparse.Namespace, engine: AsyncEngine, me
         await asyncio.gather(readiness, return_exceptions=True)
     elif ready.done():
         logger.error("the engine failed to start: %s", ready.exception())
-        code = 1
+        # A ValueError is the engine refusing what it was given (a flag's value, the model folder): a user error,
+        # exit code 2 like every command's; anything else failed while starting, 1.
+        code = 2 if isinstance(ready.exception(), ValueError) else 1
     if http_task.done() and not stopping.done():
         logger.error("the HTTP server stopped unexpectedly: %s", http_task.exception() if not
                      http_task.cancelled() else "cancelled")
