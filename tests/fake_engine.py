@@ -37,6 +37,9 @@ class _Tokenizer:
     def decode(self, ids):
         return "".join(f"<{i}>" for i in ids)
 
+    def convert_ids_to_tokens(self, ids):  # a transformers tokenizer's: one id or a list
+        return f"<{ids}>" if isinstance(ids, int) else [f"<{i}>" for i in ids]
+
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **template_options):
         self.threads.append(threading.current_thread())
         return [len(m["content"]) for m in messages]

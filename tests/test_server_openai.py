@@ -62,7 +62,9 @@ def test_models_health_and_metrics_are_served(server, client):
 def test_start_up_explains_itself(request, server):
     assert server.ready_line.endswith(f"path={tiny_model(request)}")  # the folder outside tools can load
     log = server.log_path.read_text()
-    assert "compiling " in log and "warm-up done: " in log and "compilation cache" in log
+    # A first start compiles; a start after another test's server filled the shared cache loads what it stored.
+    assert re.search(r"compiling \d+ |loading \d+ .* stored by an earlier start", log), log[-3000:]
+    assert "warm-up done: " in log and "compilation cache" in log
     assert re.search(r"engine ready: .* in [0-9.]+s: loading [0-9.]+s, warm-up [0-9.]+s \(compilation cache: "
                      r"\d+ hits, \d+ misses; step executables: \d+ loaded, \d+ compiled\)", log), log[-3000:]
     assert "Unable to initialize backend" not in log and "PyTorch was not found" not in log
