@@ -5,7 +5,6 @@ import json
 import sys
 from pathlib import Path
 
-import jax
 import ml_dtypes
 import numpy as np
 import pytest
