@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from jaxserve.outputs import RequestOutput
@@ -137,6 +137,37 @@ class _EngineStatsCollector:
             yield c
 
 
+# ServerMetrics' histogram, vLLM's name, help: the same buckets and observations under vLLM's names
+_VLLM_HISTOGRAMS = (
+    ("ttft", "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds."),
+    ("itl", "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds."),
+    ("tpot", "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds."),
+    ("e2e", "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."),
+    ("queue_time", "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request."),
+)
+
+
+class _VllmHistograms:
+    """vLLM's latency histograms, read at scrape time from jaxserve's own: the engine thread observes each token
+    once, in one histogram."""
+
+    def __init__(self, metrics: "ServerMetrics", labels: list[str]):
+        self._metrics = metrics
+        self._labels = labels
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        for attr, name, doc in _VLLM_HISTOGRAMS:
+            (ours,) = getattr(self._metrics, attr).collect()
+            buckets = [(s.labels["le"], s.value) for s in ours.samples if s.name.endswith("_bucket")]
+            total = next(s.value for s in ours.samples if s.name.endswith("_sum"))
+            family = HistogramMetricFamily(name, doc, labels=VLLM_LABELS)
+            family.add_metric(self._labels, buckets, total)
+            yield family
+
+
 class ServerMetrics:
     """All metrics of one server process, in a registry of their own."""
 
@@ -172,18 +203,9 @@ class ServerMetrics:
         info = Gauge("jaxserve_model_info", "The served model (value is always 1).", ["model"], registry=r)
         info.labels(model_name).set(1)
         self.model_name = model_name
-        # vLLM's names for the same observations (module doc)
+        # vLLM's names for the same observations (module doc): its histograms read ours at scrape time
         labels = (model_name, "0")
-        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in "
-                                   "seconds.", VLLM_LABELS, buckets=_TTFT_BUCKETS, registry=r).labels(*labels)
-        self.vllm_itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                                  VLLM_LABELS, buckets=_TOKEN_BUCKETS, registry=r).labels(*labels)
-        self.vllm_tpot = Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in "
-                                   "seconds.", VLLM_LABELS, buckets=_TOKEN_BUCKETS, registry=r).labels(*labels)
-        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                                  VLLM_LABELS, buckets=_REQUEST_BUCKETS, registry=r).labels(*labels)
-        self.vllm_queue = Histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase "
-                                    "for request.", VLLM_LABELS, buckets=_TTFT_BUCKETS, registry=r).labels(*labels)
+        r.register(_VllmHistograms(self, list(labels)))
         self.vllm_success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                     [*VLLM_LABELS, "finished_reason"], registry=r)
         for reason in ("stop", "length", "abort"):
@@ -200,14 +222,11 @@ class ServerMetrics:
         m = out.metrics
         if last_time is None:
             if m is not None and m.first_token_time is not None:
-                ttft = max(0.0, m.first_token_time - m.arrival_time)
-                self.ttft.observe(ttft)
-                self.vllm_ttft.observe(ttft)
+                self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
         else:
             gap = max(0.0, now - last_time) / new
             for _ in range(new):
                 self.itl.observe(gap)
-                self.vllm_itl.observe(gap)
 
     def observe_finished(self, out: RequestOutput) -> None:
         reasons = [c.finish_reason for c in out.outputs]
@@ -220,18 +239,12 @@ class ServerMetrics:
         m = out.metrics
         if m is None or m.finished_time is None:
             return
-        e2e = max(0.0, m.finished_time - m.arrival_time)
-        self.e2e.observe(e2e)
-        self.vllm_e2e.observe(e2e)
+        self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
         if m.first_scheduled_time is not None:
-            queued = max(0.0, m.first_scheduled_time - m.arrival_time)
-            self.queue_time.observe(queued)
-            self.vllm_queue.observe(queued)
+            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
         tokens = len(out.outputs[0].token_ids) if out.outputs else 0
         if m.first_token_time is not None and tokens > 1:
-            tpot = max(0.0, m.finished_time - m.first_token_time) / (tokens - 1)
-            self.tpot.observe(tpot)
-            self.vllm_tpot.observe(tpot)
+            self.tpot.observe(max(0.0, m.finished_time - m.first_token_time) / (tokens - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
