@@ -151,12 +151,7 @@ class ModelRunner:
         if kind == StepKind.DECODE and batch.tokens_per_replica != batch.md.kv_lens.shape[1]:
             raise ValueError(f"decode batch must have one row per slot, got {batch.tokens_per_replica} rows / "
                              f"{batch.md.kv_lens.shape[1]} slots")
-        payload = batch.pack()
-        if self.adapters is not None:
-            slots = np.zeros(batch.num_replicas * int(batch.md.kv_lens.shape[1]), np.int32)
-            if seq_slots is not None:
-                slots[: len(seq_slots)] = seq_slots
-            payload = np.concatenate([payload, slots])
+        payload = self._payload(batch, seq_slots)
         if self.channel is not None:
             if prev_ids is not None:
                 raise ValueError("a multi-process run sends followers whole batches: no previous-step ids")
@@ -199,12 +194,19 @@ class ModelRunner:
 
     def lower(self, kind: StepKind, batch: MeshBatch):
         """The step a batch would run, lowered (for inspecting the compiled program)."""
-        payload = batch.pack()
-        if self.adapters is not None:
-            payload = np.concatenate([payload, np.zeros(batch.num_replicas * int(batch.md.kv_lens.shape[1]),
-                                                        np.int32)])
-        fn, args = self._call_args(kind, batch, payload)
+        fn, args = self._call_args(kind, batch, self._payload(batch))
         return fn.lower(*args, **self._step_kwargs(self._no_prev))
+
+    def _payload(self, batch: MeshBatch, seq_slots: np.ndarray | None = None) -> np.ndarray:
+        """The step's one int32 input: the packed batch, then with adapters each sequence slot's adapter slot
+        (``seq_slots``, zero-padded: the base model)."""
+        payload = batch.pack()
+        if self.adapters is None:
+            return payload
+        slots = np.zeros(batch.num_replicas * int(batch.md.kv_lens.shape[1]), np.int32)
+        if seq_slots is not None:
+            slots[: len(seq_slots)] = seq_slots
+        return np.concatenate([payload, slots])
 
     @staticmethod
     def step_key(kind: StepKind, batch: MeshBatch) -> tuple:
