@@ -58,8 +58,10 @@ def token_layout(md: AttentionMetadata, num_tokens: int) -> tuple[jax.Array, jax
     return seq_ids, jnp.where(valid, positions, 0), valid
 
 
-def check_shapes(q, k_pages, v_pages, md: AttentionMetadata) -> None:
+def check_shapes(q, k_pages, v_pages, md: AttentionMetadata, sinks=None) -> None:
     """Trace-time checks of shapes and dtypes; raises ValueError naming the argument."""
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"sinks must be [num_q_heads] = ({q.shape[1]},), got shape {tuple(sinks.shape)}")
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:

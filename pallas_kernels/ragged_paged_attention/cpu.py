@@ -102,6 +102,17 @@ def _merge(a, b):
     return peak, out_a * scale_a[..., None] + out_b * scale_b[..., None], total_a * scale_a + total_b * scale_b
 
 
+def _with_sinks(parts, sinks: jax.Array | None):
+    """(peak, unnormalised out, sum) [KVH, R, G(, D)] with each query head's sink logit (f32[KVH * G]) merged in
+    as one more key whose value is zero: it joins the denominator only. Unchanged without sinks."""
+    if sinks is None:
+        return parts
+    peak, out, total = parts
+    num_kv_heads, _, group = peak.shape
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(num_kv_heads, 1, group), peak.shape)
+    return _merge(parts, (sink, jnp.zeros_like(out), jnp.ones_like(total)))
+
+
 def _normalise(parts) -> jax.Array:
     """The softmax-weighted values of (peak, unnormalised out, sum): 0 for rows that saw no key."""
     _, out, total = parts
@@ -124,6 +135,7 @@ def ragged_paged_attention_rows(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[num_q_heads]
 ) -> jax.Array:
     """Every row over its own sequence's pages (the decode path). Same arguments and result as the reference.
 
@@ -132,7 +144,7 @@ def ragged_paged_attention_rows(
     instead of a [rows, whole page table] copy going out to memory and back, and the walk stops at the batch's
     longest row instead of running to the end of the page-table bucket.
     """
-    check_shapes(q, k_pages, v_pages, md)
+    check_shapes(q, k_pages, v_pages, md, sinks)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
     group = num_q_heads // num_kv_heads
@@ -141,13 +153,16 @@ def ragged_paged_attention_rows(
     last = jnp.where(valid, jnp.minimum(positions, md.kv_lens[seq_ids] - 1), -1)
     first = jnp.zeros_like(last) if sliding_window is None else jnp.maximum(positions - sliding_window + 1, 0)
     if native.usable(k_pages):  # the pages read in place (native.py); padding rows see nothing
-        out, _ = native.attend(q, k_pages, v_pages, md.page_indices, seq_ids, first, last, sm_scale=sm_scale,
-                               soft_cap=soft_cap)
+        out, lse = native.attend(q, k_pages, v_pages, md.page_indices, seq_ids, first, last, sm_scale=sm_scale,
+                                 soft_cap=soft_cap)
+        if sinks is not None:  # the sink's share of the denominator, from the log-sum-exp: L / (L + e^sink)
+            out = out * jax.nn.sigmoid(lse - sinks.astype(jnp.float32)[None, :])[..., None]
         return out.astype(q.dtype)
     qh = _zero_unless(valid[:, None, None], q).reshape(num_tokens, num_kv_heads, group, head_dim)
     qh = (qh.swapaxes(0, 1) * sm_scale).astype(jnp.float32)  # [KVH, T, G, D]
     parts = _walk(qh, k_pages, v_pages, md.page_indices[seq_ids], first, last, valid, md.num_seqs,
                   soft_cap=soft_cap)
+    parts = _with_sinks(parts, sinks)
     return _normalise(parts).swapaxes(0, 1).reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
@@ -230,12 +245,13 @@ def ragged_paged_attention_chunks(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[num_q_heads]
 ) -> jax.Array:
     """Prompt chunks (the prefill path): the reference's arguments plus this step's own K/V, ``k`` and ``v``,
     one row per query row. The pages must hold every sequence's context before its chunk (the chunk's own
     rows are read from ``k``/``v``, so whether they are written yet does not matter). Result as the reference.
     """
-    check_shapes(q, k_pages, v_pages, md)
+    check_shapes(q, k_pages, v_pages, md, sinks)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape:
@@ -288,7 +304,7 @@ def ragged_paged_attention_chunks(
     context = _context_part(qh, k_pages, v_pages, md, sm_scale=sm_scale, sliding_window=sliding_window,
                             soft_cap=soft_cap)
 
-    out = _normalise(_merge(own, context))
+    out = _normalise(_with_sinks(_merge(own, context), sinks))
     return out.swapaxes(0, 1).reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 

@@ -82,9 +82,12 @@ def _kernel(
     pages_per_seq: int,
     num_splits: int,
     quantized: bool = False,
+    has_sinks: bool = False,
 ):
     if quantized:  # 8-bit pages: their f32 scales, one per key row (pallas_kernels.quantized_pages)
         ks_ref, vs_ref, *out_refs = out_refs  # f32[KVH * num_pages * page_size] each
+    if has_sinks:  # attention sinks: one logit per query head
+        sinks_ref, *out_refs = out_refs  # f32[Hq]
     kv_head, tile, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq, row0, n = tile_seq_ref[tile], tile_row_ref[tile], tile_len_ref[tile]
     live = (seq >= 0) & (n > 0)
@@ -151,6 +154,12 @@ def _kernel(
 
     init = (jnp.zeros((rows, lanes_padded), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
+    if has_sinks:
+        # The sink is one more key with a zero value: the online softmax starts from it (m = sink, l = 1). With
+        # the keys split, only split 0 starts there, so the merge counts it once.
+        sink = plgpu.load(sinks_ref.at[kv_head * group + rem_by(r, group)])
+        first = split == 0
+        init = (init[0], jnp.where(first, sink, init[1]), jnp.where(first, 1.0, init[2]))
     acc, m, l = lax.fori_loop(b_begin, b_end, body, init)
 
     if num_splits == 1:
@@ -238,8 +247,8 @@ def resolve_block_sizes(q_shape, k_pages_shape, dtype, num_slots, pages_per_seq,
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "sizes", "interpret"))
-def _ragged_paged_attention_gpu(q, k_pages, v_pages, md: AttentionMetadata, *, sm_scale, sliding_window, soft_cap,
-                                sizes: BlockSizes, interpret):
+def _ragged_paged_attention_gpu(q, k_pages, v_pages, md: AttentionMetadata, sinks, *, sm_scale, sliding_window,
+                                soft_cap, sizes: BlockSizes, interpret):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     pages_per_seq = md.page_indices.shape[1]
@@ -262,7 +271,8 @@ def _ragged_paged_attention_gpu(q, k_pages, v_pages, md: AttentionMetadata, *, s
         _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, group=group,
         num_q_heads=num_q_heads, rows=rows, lanes_padded=padded_lanes(head_dim), block_kv=sizes.block_kv,
         page_size=page_size, num_pages=num_pages,
-        pages_per_seq=pages_per_seq, num_splits=splits, quantized=quantized)
+        pages_per_seq=pages_per_seq, num_splits=splits, quantized=quantized, has_sinks=sinks is not None)
+    extra = (*scales, *(() if sinks is None else (sinks.astype(jnp.float32),)))
     outs = pl.pallas_call(
         kernel,
         grid=(num_kv_heads, tile_seq.shape[0], splits),
@@ -271,7 +281,7 @@ def _ragged_paged_attention_gpu(q, k_pages, v_pages, md: AttentionMetadata, *, s
         interpret=interpret,
         name="ragged_paged_attention_gpu",
     )(tile_seq, tile_row, tile_len, md.cu_q_lens, md.kv_lens, md.page_indices.reshape(-1),
-      q.reshape(flat_rows, head_dim), k_pages.reshape(-1, head_dim), v_pages.reshape(-1, head_dim), *scales)
+      q.reshape(flat_rows, head_dim), k_pages.reshape(-1, head_dim), v_pages.reshape(-1, head_dim), *extra)
     out = outs[0] if splits == 1 else _merge_splits(*outs).astype(q.dtype)
     return out.reshape(num_tokens, num_q_heads, head_dim)
 
@@ -285,6 +295,7 @@ def ragged_paged_attention_gpu(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[num_q_heads]
     block_sizes: BlockSizes | dict | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -296,7 +307,8 @@ def ragged_paged_attention_gpu(
 
     Args:
       q, k_pages, v_pages, md: as in the reference.
-      sm_scale, sliding_window, soft_cap: as in the reference.
+      sm_scale, sliding_window, soft_cap, sinks: as in the reference (a sink starts each row's online softmax:
+        m = sink, l = 1, no value).
       block_sizes: a ``BlockSizes`` or a dict of fields overriding the ``block_sizes`` table entry
         (``num_splits=0`` chooses the split count from the grid size).
       interpret: run in the CPU interpreter.
@@ -306,7 +318,7 @@ def ragged_paged_attention_gpu(
     """
     if plgpu is None:  # pragma: no cover
         raise RuntimeError("this jax release has no Pallas Triton backend (jax.experimental.pallas.triton)")
-    check_shapes(q, k_pages, v_pages, md)
+    check_shapes(q, k_pages, v_pages, md, sinks)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
@@ -322,6 +334,6 @@ def ragged_paged_attention_gpu(
     if sizes.num_splits > 1:
         check_elements("the split partial outputs", (sizes.num_splits, *q.shape))
     return _ragged_paged_attention_gpu(
-        q, k_pages, v_pages, md, sm_scale=float(sm_scale),
+        q, k_pages, v_pages, md, sinks, sm_scale=float(sm_scale),
         sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap), sizes=sizes,
         interpret=interpret)

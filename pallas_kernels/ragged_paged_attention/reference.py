@@ -15,15 +15,25 @@ from pallas_kernels.metadata import AttentionMetadata, check_shapes, token_layou
 _GATHER_BUDGET_BYTES = 256 * 1024 * 1024
 
 
-def masked_softmax(scores: jax.Array, visible: jax.Array, soft_cap: float | None) -> jax.Array:
+def masked_softmax(scores: jax.Array, visible: jax.Array, soft_cap: float | None,
+                   sinks: jax.Array | None = None) -> jax.Array:
     """Softmax over the last axis of f32 ``scores`` where ``visible`` (broadcastable) holds, after the optional
-    soft cap; masked entries get weight 0, and a row with nothing visible gets all zeros (not NaN)."""
+    soft cap; masked entries get weight 0, and a row with nothing visible gets all zeros (not NaN).
+
+    ``sinks`` (f32, broadcastable to ``scores[..., :1]``): one more logit per row that joins the denominator
+    and carries no value (gpt-oss's attention sinks): the weights then sum to less than 1."""
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = jnp.where(visible, scores, -jnp.inf)
     peak = jnp.max(scores, axis=-1, keepdims=True)
-    weights = jnp.where(visible, jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0)), 0.0)
-    return weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-30)
+    if sinks is not None:
+        peak = jnp.maximum(peak, sinks)
+    shift = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weights = jnp.where(visible, jnp.exp(scores - shift), 0.0)
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + jnp.exp(sinks - shift)
+    return weights / jnp.maximum(total, 1e-30)
 
 
 def ragged_paged_attention(
@@ -35,6 +45,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[num_q_heads]
 ) -> jax.Array:
     """Attention of a ragged batch over a paged KV cache.
 
@@ -45,11 +56,14 @@ def ragged_paged_attention(
       sm_scale: multiplier of q·k before the softmax.
       sliding_window: if set, a row at position p sees only keys at positions > p - sliding_window.
       soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap) before masking.
+      sinks: if set, one learned logit per query head that joins each row's softmax denominator with no value
+        (attention sinks): out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j)). A row that sees no key
+        still gets 0.
 
     Returns:
       [T, num_q_heads, head_dim] in q's dtype.
     """
-    check_shapes(q, k_pages, v_pages, md)
+    check_shapes(q, k_pages, v_pages, md, sinks)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     kv_lens, page_indices = md.kv_lens, md.page_indices
@@ -69,7 +83,8 @@ def ragged_paged_attention(
             visible &= key_pos > pos - sliding_window
         qg = q_row.reshape(num_kv_heads, group, head_dim)
         scores = jnp.einsum("kgd,kld->kgl", qg, k, preferred_element_type=jnp.float32) * sm_scale
-        weights = masked_softmax(scores, visible, soft_cap)
+        row_sinks = None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv_heads, group, 1)
+        weights = masked_softmax(scores, visible, soft_cap, row_sinks)
         # Masked keys may hold anything (another request's data, NaN): zero them, not just their weights.
         v = jnp.where(visible[None, :, None], v, jnp.zeros((), v.dtype))
         out = jnp.einsum("kgl,kld->kgd", weights, v.astype(jnp.float32))

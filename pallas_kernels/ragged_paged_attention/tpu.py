@@ -85,10 +85,15 @@ def _kernel(
     group: int,
     pages_per_seq: int,
     quantized: bool = False,
+    has_sinks: bool = False,
 ):
     del num_seqs_ref  # the work list already excludes padding slots
     if quantized:
-        ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems, m_ref, l_ref, acc_ref = refs
+        ks_hbm, vs_hbm, *refs = refs
+    if has_sinks:  # VMEM f32[hb, R, 128]: each row's query-head sink logit, replicated across lanes
+        sinks_ref, *refs = refs
+    if quantized:
+        o_ref, k_buf, v_buf, ks_buf, vs_buf, sems, m_ref, l_ref, acc_ref = refs
     else:
         o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs
     heads_per_block, rows, _ = q_ref.shape
@@ -195,8 +200,12 @@ def _kernel(
             m_ref[i] = jnp.broadcast_to(m_next, (rows, _LANES))
             l_ref[i] = jnp.broadcast_to(l_next, (rows, _LANES))
 
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    if has_sinks:  # the sink is one more key with a zero value: the online softmax starts from it
+        m_ref[...] = sinks_ref[...]
+        l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
+    else:
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     w_begin = block_start_ref[q_block]
@@ -301,8 +310,8 @@ def resolve_block_sizes(q_shape, k_pages_shape, dtype, num_slots, override=None)
 
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "sizes", "interpret", "vmem_limit_bytes"))
-def _ragged_paged_attention_tpu(q, k_pages, v_pages, md: AttentionMetadata, *, sm_scale, sliding_window, soft_cap,
-                                sizes: BlockSizes, interpret, vmem_limit_bytes):
+def _ragged_paged_attention_tpu(q, k_pages, v_pages, md: AttentionMetadata, sinks, *, sm_scale, sliding_window,
+                                soft_cap, sizes: BlockSizes, interpret, vmem_limit_bytes):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, _, _ = k_pages.shape
     num_slots, pages_per_seq = md.page_indices.shape
@@ -332,13 +341,18 @@ def _ragged_paged_attention_tpu(q, k_pages, v_pages, md: AttentionMetadata, *, s
     scale_buf = pltpu.VMEM((2, heads, 1, sizes.block_kv), jnp.float32)
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, block_q=block_q,
-        group=group, pages_per_seq=pages_per_seq, quantized=quantized)
+        group=group, pages_per_seq=pages_per_seq, quantized=quantized, has_sinks=sinks is not None)
+    sink_specs, sink_rows = [], []
+    if sinks is not None:  # f32[KVH, R, 128]: row r of a block is query head (kv head) * group + r % group
+        per_row = jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, 1, group), (1, block_q, 1))
+        sink_rows = [jnp.broadcast_to(per_row.reshape(num_kv_heads, rows, 1), (num_kv_heads, rows, _LANES))]
+        sink_specs = [pl.BlockSpec((heads, rows, _LANES), lambda h, b, *_: (h, 0, 0))]
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(num_kv_heads // heads, num_blocks),
-            in_specs=[q_spec] + [any_spec] * len(pools),
+            in_specs=[q_spec] + [any_spec] * len(pools) + sink_specs,
             out_specs=q_spec,
             scratch_shapes=[
                 kv_buf, kv_buf, *([scale_buf, scale_buf] if quantized else []),
@@ -354,7 +368,7 @@ def _ragged_paged_attention_tpu(q, k_pages, v_pages, md: AttentionMetadata, *, s
         interpret=interpret,
         name="ragged_paged_attention_tpu",
     )(md.cu_q_lens, md.kv_lens, md.page_indices.reshape(-1), md.num_seqs, block_start, work_seq, q_heads_major,
-      *pools)
+      *pools, *sink_rows)
     out = out.reshape(num_kv_heads, padded, group, head_dim).transpose(1, 0, 2, 3)
     return out.reshape(padded, num_q_heads, head_dim)[:num_tokens]
 
@@ -368,6 +382,7 @@ def ragged_paged_attention_tpu(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[num_q_heads]
     block_sizes: BlockSizes | dict | None = None,
     interpret: bool | pltpu.InterpretParams = False,
     vmem_limit_bytes: int | None = None,
@@ -381,7 +396,8 @@ def ragged_paged_attention_tpu(
 
     Args:
       q, k_pages, v_pages, md: as in the reference.
-      sm_scale, sliding_window, soft_cap: as in the reference.
+      sm_scale, sliding_window, soft_cap, sinks: as in the reference (a sink starts each row's online softmax:
+        m = sink, l = 1, no value).
       block_sizes: a ``BlockSizes`` or a dict of fields overriding the ``block_sizes`` table entry.
       interpret: run on CPU: True for the plain interpreter, or ``pltpu.InterpretParams`` for the TPU
         simulator (DMA timing, race detection).
@@ -390,7 +406,7 @@ def ragged_paged_attention_tpu(
     Returns:
       [T, num_q_heads, head_dim] in q's dtype; padding rows are zeros.
     """
-    check_shapes(q, k_pages, v_pages, md)
+    check_shapes(q, k_pages, v_pages, md, sinks)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
@@ -404,6 +420,6 @@ def ragged_paged_attention_tpu(
             raise ValueError(f"TPU block_kv={sizes.block_kv} must be a multiple of {_LANES} for 8-bit KV pages (a "
                              "block's scales are fetched as one lane-aligned run)")
     return _ragged_paged_attention_tpu(
-        q, k_pages, v_pages, md, sm_scale=float(sm_scale),
+        q, k_pages, v_pages, md, sinks, sm_scale=float(sm_scale),
         sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap), sizes=sizes,
         interpret=interpret, vmem_limit_bytes=vmem_limit_bytes)
