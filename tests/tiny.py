@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
+                          GptOssForCausalLM, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
@@ -77,6 +78,13 @@ FAMILIES = {
     "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(
         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
         moe_intermediate_size=32, shared_expert_intermediate_size=96)),
+    # gpt-oss: attention sinks, a windowed layer (window 5) then a full one, YaRN rope whose ramp falls inside
+    # head_dim 16 (original context 64), top-2 of 4 experts with biases and a clamp low enough to bite.
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=5, swiglu_limit=1.5,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                             truncate=False, original_max_position_embeddings=64))),
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -107,6 +115,8 @@ def build_tiny_model(family: str, path: Path, *, tokenizer: PreTrainedTokenizerF
                 p.copy_(norm_center + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn_like(p))
+            elif name.endswith("sinks"):  # gpt-oss: large enough to take a real share of each softmax
+                p.copy_(torch.randn_like(p))
     if train_steps:
         train_markov(model, train_steps, seed=seed)
     model.save_pretrained(path, safe_serialization=True)

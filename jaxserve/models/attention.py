@@ -95,11 +95,12 @@ class AttentionBackend:
         sm_scale: float,
         sliding_window: int | None,
         soft_cap: float | None = None,
+        sinks: jax.Array | None = None,  # f32[H]: attention sinks (gpt-oss), absent for other families
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Write this step's K/V, then attend. Returns (out dt[T, H, D], k_pages, v_pages)."""
         k_pages, v_pages = self.write(k, v, k_pages, v_pages, md)  # kv[K, num_pages, page_size, D] each
         out = self.attend(q, k, v, k_pages, v_pages, md, sm_scale=sm_scale, sliding_window=sliding_window,
-                          soft_cap=soft_cap)  # dt[T, H, D]
+                          soft_cap=soft_cap, sinks=sinks)  # dt[T, H, D]
         return out, k_pages, v_pages
 
     # The two halves, for callers whose query rows are a subset of the rows written (sequence parallelism:
@@ -120,14 +121,14 @@ class AttentionBackend:
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                md: AttentionMetadata, *, sm_scale: float, sliding_window: int | None,
-               soft_cap: float | None = None) -> jax.Array:
+               soft_cap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
         """Attention of ``q``'s rows (dt[T, H, D]) over pages that already hold their K/V. Returns dt[T, H, D].
 
         ``k`` and ``v`` are the same rows' own K/V (already written): the kernels read everything from the
         pages; the pure-JAX prompt path takes each chunk's own rows from here and only earlier context from
         the pages.
         """
-        kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
         if isinstance(k_pages, QuantizedPages):
             # The pages dequantize what they are asked for as they are gathered; a chunk's own rows are taken as
             # they read back from the pool, so the result does not depend on how a prompt was chunked.
@@ -204,6 +205,7 @@ class ShardedAttention:
         sm_scale: float,
         sliding_window: int | None,
         soft_cap: float | None = None,
+        sinks: jax.Array | None = None,  # f32[H]
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         lay, backend, nkv = self.layout, self.backend, self.num_kv_heads
         num_replicas = md.cu_q_lens.shape[0]
@@ -211,12 +213,13 @@ class ShardedAttention:
         md_spec = jax.tree.map(lambda a: P(replicas, *([None] * (a.ndim - 1))), md)
         tensor = lay.size("tensor")
         split = lay.split_sequence
-        kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        static = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
-        def local(q, k, v, k_pages, v_pages, md):
+        def local(q, k, v, k_pages, v_pages, md, sinks=None):
             """One shard's blocks: q dt[T', H', D] (its rows and heads); k, v dt[T, K', D] (the replica's whole
             chunk; all K heads when they are replicated over tensor, sliced below); the pages kv[K',
-            pages_per_replica, page_size, D]."""
+            pages_per_replica, page_size, D]; sinks f32[H'] (its heads') or None."""
+            kw = dict(static, sinks=sinks)
             md = jax.tree.map(lambda a: a[0], md)  # this replica's block: cu_q_lens i32[S + 1], ...
             if k.shape[1] != k_pages.shape[0]:
                 # KV heads replicated over tensor: keep the one this shard's q heads read.
@@ -235,8 +238,10 @@ class ShardedAttention:
             return out, k_pages, v_pages
 
         if lay.mesh.size == 1:
-            return local(q, k, v, k_pages, v_pages, md)
+            return local(q, k, v, k_pages, v_pages, md, sinks)
+        in_specs, args = (q_spec, kv_spec, kv_spec, page_spec, page_spec, md_spec), (q, k, v, k_pages, v_pages, md)
+        if sinks is not None:  # split over tensor with the q heads
+            in_specs, args = in_specs + (P(q_spec[1]),), args + (sinks,)
         return jax.shard_map(  # (dt[R * T, H, D], the pages)
-            local, mesh=lay.mesh, in_specs=(q_spec, kv_spec, kv_spec, page_spec, page_spec, md_spec),
-            out_specs=(q_spec, page_spec, page_spec), check_vma=False,
-        )(q, k, v, k_pages, v_pages, md)
+            local, mesh=lay.mesh, in_specs=in_specs, out_specs=(q_spec, page_spec, page_spec), check_vma=False,
+        )(*args)

@@ -57,6 +57,7 @@ class ModelConfig:
     # the network's identity (equality, hash).
     quantization_config: dict | None = dataclasses.field(default=None, compare=False, repr=False)
     moe: MoeConfig | None = None  # Mixture-of-Experts families
+    attn_sinks: bool = False  # a learned sink logit per query head in every softmax denominator (gpt-oss)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -172,4 +173,5 @@ class ModelConfig:
                   else 3 * self.hidden_size * self.intermediate_size for i in range(self.num_layers))
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         norms = (4 if self.sandwich_norms else 2) * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+        norms += self.num_heads if self.attn_sinks else 0
         return self.num_layers * (attn + norms) + mlp + embed + self.hidden_size

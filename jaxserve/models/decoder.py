@@ -104,6 +104,8 @@ class Attention(nnx.Module):
         self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_bias, dtype=dtype, axes=("q_heads", "embed"))
         self.q_norm = RMSNorm(d, cfg, dtype, ("head_dim",)) if cfg.qk_norm else None  # dt[D]
         self.k_norm = RMSNorm(d, cfg, dtype, ("head_dim",)) if cfg.qk_norm else None  # dt[D]
+        # dt[H]: gpt-oss's per-head sink logits (pallas_kernels.ragged_paged_attention.reference)
+        self.sinks = _param((cfg.num_heads,), dtype, ("q_heads",)) if cfg.attn_sinks else None
         self.cfg, self.sliding_window = cfg, cfg.sliding_windows[layer]
 
     def __call__(self, x, rope_table, k_pages, v_pages, md: AttentionMetadata, backend: AttentionBackend,
@@ -122,9 +124,11 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # dt[R * T, H, D], dt[R * T, K, D]
         q, k = layers.rope(q, *rope_table), layers.rope(k, *rope_table)  # dt[R * T, H, D], dt[R * T, K, D]
+        # Only families with sinks pass them: the others trace exactly the programs they did before.
+        sinks = {} if self.sinks is None else {"sinks": self.sinks[...].astype(jnp.float32)}  # f32[H]
         out, k_pages, v_pages = backend(  # out: dt[R * T, H, D]; the pages: kv[K, num_pages, page_size, D]
             q, k, v, k_pages, v_pages, md, sm_scale=cfg.sm_scale, sliding_window=self.sliding_window,
-            soft_cap=cfg.attn_soft_cap,
+            soft_cap=cfg.attn_soft_cap, **sinks,
         )
         out = self.o_proj(out.reshape(t, cfg.num_heads * cfg.head_dim), _pick(lora, "self_attn", "o_proj"))
         return out, k_pages, v_pages  # dt[R * T, C], ...

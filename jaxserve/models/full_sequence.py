@@ -16,7 +16,7 @@ from jaxserve.models.decoder import DecoderLM
 
 
 def _causal_attention(q, k, v, k_pages, v_pages, md, *, sm_scale: float, sliding_window: int | None,
-                      soft_cap: float | None):
+                      soft_cap: float | None, sinks: jax.Array | None = None):
     """q: dt[T, H, D]; k, v: dt[T, K, D] of one sequence. Returns (dt[T, H, D], k_pages, v_pages untouched)."""
     t, h, d = q.shape
     groups = h // k.shape[1]
@@ -28,7 +28,12 @@ def _causal_attention(q, k, v, k_pages, v_pages, md, *, sm_scale: float, sliding
     if sliding_window is not None:
         allowed &= pos[:, None] - pos[None, :] < sliding_window
     scores = jnp.where(allowed[None], scores, -jnp.inf)
-    out = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v.astype(jnp.float32))  # f32[T, H, D]
+    if sinks is not None:  # f32[H]: one more logit per head, in the denominator only
+        sink = jnp.broadcast_to(sinks[:, None, None], (h, t, 1))  # f32[H, T, 1]
+        weights = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]  # f32[H, T, T]
+    else:
+        weights = jax.nn.softmax(scores, axis=-1)  # f32[H, T, T]
+    out = jnp.einsum("hqk,khd->qhd", weights, v.astype(jnp.float32))  # f32[T, H, D]
     return out.astype(q.dtype), k_pages, v_pages
 
 

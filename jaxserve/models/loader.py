@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxserve.config import engine as engine_config
+from jaxserve.models import mxfp4
 from jaxserve.models import quantization as quant
 from jaxserve.models import registry
 from jaxserve.models.checkpoint import read_checkpoint, resolve_model_path, safetensors_files
@@ -44,6 +45,9 @@ _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up
 _UNUSED_QUANT = re.compile(r"\.(input_scale|k_scale|v_scale|kv_scale|q_scale)$")
 # The stacked layout transformers >= 5 keeps in memory: gate_up_proj ck[E, 2I, C], down_proj ck[E, C, I].
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+# gpt-oss keeps its experts stacked as x @ W: gate_up_proj ck[E, C, 2I] with gate and up columns interleaved
+# (gate even, up odd), down_proj ck[E, I, C], and a bias beside each.
+_GPT_OSS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig):
@@ -75,7 +79,9 @@ def quantization_plan(cfg: ModelConfig, dtype, quantization: str | None = None, 
     Raises:
       ValueError: for an unsupported ``quant_method``, or ``quantization`` asked of a pre-quantized checkpoint.
     """
-    ckq = quant.quantization_of(cfg.quantization_config) if folder is not None else None
+    # MXFP4 (gpt-oss) is dequantized at load (models/mxfp4.py): the weights are then as a bf16 checkpoint's.
+    published = folder is not None and not mxfp4.is_mxfp4(cfg.quantization_config)
+    ckq = quant.quantization_of(cfg.quantization_config) if published else None
     if ckq is not None and quantization is not None:
         raise ValueError(f"quantization={quantization!r}: the checkpoint is already quantized "
                          f"(quant_method={ckq.method!r}) and loads as published; drop the option")
@@ -240,6 +246,15 @@ def _expert_tensors(name: str, array, cfg: ModelConfig) -> list[tuple[str, int |
     our [in, out] layout); [] if ``name`` is not one."""
     if cfg.moe is None:
         return []
+    if cfg.family == "gpt_oss":
+        if not (m := _GPT_OSS.match(name)):
+            return []
+        bias = m[3] or ""
+        array = np.asarray(array)  # ck[E, in, out] (a bias: ck[E, out])
+        if m[2] == "down_proj":
+            return [(f"{m[1]}.down_proj{bias}", None, array)]  # ck[E, I, C] (bias ck[E, C])
+        # gate ck[E, C, I], up ck[E, C, I] (biases ck[E, I])
+        return [(f"{m[1]}.gate_proj{bias}", None, array[..., 0::2]), (f"{m[1]}.up_proj{bias}", None, array[..., 1::2])]
     stacked, index = _expert_weight(name, cfg)
     if index is not None:
         return [(stacked, index, np.asarray(array).T)]  # one expert's ck[out, in] -> ck[in, out]
@@ -279,11 +294,22 @@ class _SafetensorsLoad:
         self.placed: dict = {}
         self.stacks: dict = {}  # stacked expert tensors being filled: path -> (host array, experts filled)
         self.pending: dict = {}  # a pre-quantized weight's halves until both are read: path -> {"q": ..., "s": ...}
+        self.mxfp4 = mxfp4.is_mxfp4(cfg.quantization_config)
+        self.packed: dict = {}  # an MXFP4 weight's blocks and scales until both are read: name -> {suffix: array}
         self.unexpected: list[str] = []
 
     def add(self, name: str, array) -> None:
         """One tensor of the checkpoint: a scale, an expert's weight, or a tensor of ours (else unexpected)."""
         ckq, cfg = self.ckq, self.cfg
+        if self.mxfp4 and name.endswith(mxfp4.SUFFIXES):  # dequantized once both halves are in
+            base, suffix = name[:-len("_blocks")], name[-len("_blocks"):]
+            parts = self.packed.setdefault(base, {})
+            parts[suffix] = np.asarray(array)
+            if len(parts) == 2:
+                del self.packed[base]
+                # f32[..., in, out] -> the checkpoint's own bf16 layout, ck[..., in, out] as gpt-oss stacks experts
+                self.add(base, mxfp4.dequantize(parts["_blocks"], parts["_scales"]))
+            return
         if ckq is not None and name.endswith("." + ckq.scale_name):
             self._scale(name, array)
             return
@@ -404,8 +430,8 @@ class _SafetensorsLoad:
         """The loaded state; ValueError naming the missing and unexpected tensors if the checkpoint does not fit."""
         cfg = self.cfg
         missing = sorted(hf_name(p, cfg) for p in self.flat if p not in self.placed)
-        if missing or self.unexpected:
-            unexpected = self.unexpected
+        if missing or self.unexpected or self.packed:
+            unexpected = self.unexpected + [f"{n}{s}" for n, parts in self.packed.items() for s in parts]
             raise ValueError(
                 f"checkpoint in {folder} does not match {cfg.architecture}: "
                 f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "

@@ -1,9 +1,12 @@
-"""The Mixture-of-Experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): router, top-k, tokens grouped by expert, and a
-grouped matmul (``jax.lax.ragged_dot``) per projection.
+"""The Mixture-of-Experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss): router, top-k, tokens grouped by expert,
+and a grouped matmul (``jax.lax.ragged_dot``) per projection.
 
 One token's MLP output is ``sum_j w_j * expert_{e_j}(x)`` over its ``top_k`` experts ``e_j`` (softmax router
 probabilities ``w_j``, renormalised over the chosen ones when ``norm_topk_prob``), plus, for Qwen2-MoE, a shared
-dense expert scaled by ``sigmoid(x @ shared_expert_gate)``.
+dense expert scaled by ``sigmoid(x @ shared_expert_gate)``. gpt-oss (``MoeConfig``'s switches): a router bias,
+the softmax over the top-k logits only, expert biases and the clamped gated activation (``activate``); the down
+projection's bias is the same for every row of an expert, so its weighted sum is added once, outside the
+grouped matmul and the mesh (``SparseMoeBlock``).
 
 How it runs: the ``T * top_k`` (token, expert) pairs are sorted by expert, so each expert's rows are one
 contiguous group; each projection is then one ``ragged_dot`` over the groups (a grouped matmul: natively on TPU
@@ -46,17 +49,25 @@ EXPERT_AXES = {  # logical axes of the stacked expert weights dt[E, C, I] (gate,
 }
 
 
-def route(x: jax.Array, router: jax.Array, moe: MoeConfig) -> tuple[jax.Array, jax.Array]:
+def route(x: jax.Array, router: jax.Array, moe: MoeConfig, bias: jax.Array | None = None
+          ) -> tuple[jax.Array, jax.Array]:
     """Each row's top-k experts and their weights.
 
     Args:
       x: dt[T, C] the MLP input rows.
       router: dt[C, E] the gate's weight.
+      bias: dt[E] the router's bias (gpt-oss), or None.
 
     Returns:
       (weights f32[T, top_k], expert ids i32[T, top_k]), highest probability first.
     """
-    logits = layers.matmul_f32(x, router).astype(x.dtype)  # dt[T, E]: transformers' router logits are in dt
+    logits = layers.matmul_f32(x, router)  # f32[T, E]
+    if bias is not None:  # dt[E]
+        logits = logits + bias.astype(jnp.float32)
+    logits = logits.astype(x.dtype)  # dt[T, E]: transformers' router logits are in dt
+    if moe.softmax_after_topk:  # gpt-oss: the k highest logits, then a softmax over those alone
+        top, experts = jax.lax.top_k(logits.astype(jnp.float32), moe.top_k)  # f32[T, top_k], i32[T, top_k]
+        return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # f32[T, E]
     weights, experts = jax.lax.top_k(probs, moe.top_k)  # f32[T, top_k], i32[T, top_k]
     if moe.norm_topk_prob:
@@ -80,17 +91,30 @@ def group_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, ja
     return order, sizes
 
 
+def activate(gate: jax.Array, up: jax.Array, moe: MoeConfig | None = None) -> jax.Array:
+    """The gated activation of f32[M, I] gate and up projections: SwiGLU ``silu(gate) * up``, or gpt-oss's
+    clamped variant (``MoeConfig``). Returns f32[M, I]."""
+    if moe is None or moe.activation == "silu":
+        return jax.nn.silu(gate) * up
+    gate = jnp.minimum(gate, moe.swiglu_limit)
+    up = jnp.clip(up, -moe.swiglu_limit, moe.swiglu_limit)
+    return (up + 1.0) * gate * jax.nn.sigmoid(gate * moe.swiglu_alpha)
+
+
 def grouped_swiglu(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
-                   group_sizes: jax.Array) -> jax.Array:
-    """``down(silu(gate(x)) * up(x))`` of consecutive row groups, group ``g`` through expert ``g``.
+                   group_sizes: jax.Array, moe: MoeConfig | None = None,
+                   biases: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """``down(act(gate(x), up(x)))`` of consecutive row groups, group ``g`` through expert ``g`` (``activate``).
 
     Args:
       rows: dt[M, C] sorted by expert; rows past ``sum(group_sizes)`` give zeros.
       gate, up: dt[G, C, I];  down: dt[G, I, C]
       group_sizes: i32[G]
+      moe: the activation's switches (None: SwiGLU).
+      biases: (gate bias, up bias), each f32[M, I]: row by row, already zero past ``sum(group_sizes)``; or None.
 
     Returns:
-      f32[M, C]
+      f32[M, C] (without the down projection's bias)
     """
     # 16-bit operands gain nothing from a higher precision, and Mosaic's TPU grouped matmul refuses one for them
     # (a process-wide jax_default_matmul_precision="highest" would otherwise reach it).
@@ -98,12 +122,17 @@ def grouped_swiglu(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Ar
     # dt[M, in] @ dt[G, in, out] (row group g through matrix g) -> f32[M, out]
     mm = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes, precision=precision,  # noqa: E731
                                          preferred_element_type=jnp.float32)
-    hidden = (jax.nn.silu(mm(rows, gate)) * mm(rows, up)).astype(rows.dtype)  # dt[M, I]
+    g, u = mm(rows, gate), mm(rows, up)  # f32[M, I] each
+    if biases is not None:
+        g, u = g + biases[0], u + biases[1]
+    # Rows past the groups stay 0 through the activation (act(0, 0) = 0 for both), so they still give zeros.
+    hidden = activate(g, u, moe).astype(rows.dtype)  # dt[M, I]
     return mm(hidden, down)  # f32[M, C]
 
 
 def experts_local(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array,
-                  down: jax.Array, first_expert: jax.Array | int, num_experts: int) -> jax.Array:
+                  down: jax.Array, first_expert: jax.Array | int, num_experts: int, moe: MoeConfig | None = None,
+                  biases: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """The weighted sum over each row's chosen experts, counting only experts ``first_expert ..
     first_expert + G - 1`` (the ``G`` whose weights are given); the rest contribute 0.
 
@@ -113,6 +142,7 @@ def experts_local(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: ja
     Args:
       x: dt[T, C];  weights: f32[T, top_k];  experts: i32[T, top_k]
       gate, up: dt[G, C, I];  down: dt[G, I, C]
+      moe: the activation's switches (None: SwiGLU);  biases: (gate, up) dt[G, I] each, or None.
 
     Returns:
       f32[T, C]
@@ -123,7 +153,13 @@ def experts_local(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: ja
     start = jnp.sum(jnp.where(jnp.arange(num_experts) < first_expert, all_sizes, 0))  # i32[]
     # This shard's experts own sorted rows start .. start + sum(sizes) - 1: rotate them to the front.
     mine = jnp.roll(order, -start)  # i32[T * top_k]
-    out = grouped_swiglu(x[mine // k], gate, up, down, sizes)  # f32[T * top_k, C], zero past the local rows
+    row_biases = None
+    if biases is not None:  # each sorted row's own expert's biases; rows past the local ones get 0
+        local = jnp.arange(t * k) < jnp.sum(sizes)  # bool[T * top_k]
+        which = jnp.clip(experts.reshape(-1)[mine] - first_expert, 0, gate.shape[0] - 1)  # i32[T * top_k]
+        row_biases = tuple(jnp.where(local[:, None], b[which].astype(jnp.float32), 0.0) for b in biases)
+    # f32[T * top_k, C], zero past the local rows
+    out = grouped_swiglu(x[mine // k], gate, up, down, sizes, moe, row_biases)
     pair_out = jnp.zeros_like(out).at[mine].set(out)  # f32[T * top_k, C]: back to pair order (token-major)
     return jnp.einsum("tkh,tk->th", pair_out.reshape(t, k, -1), weights)  # f32[T, C]
 
@@ -148,10 +184,11 @@ def _param(shape, dtype, axes) -> nnx.Param:
 
 class Weight(nnx.Module):
     """One dt[in, out] matrix (the router dt[C, E], the shared expert's gate dt[C, 1]), named ``weight`` as in
-    the checkpoint."""
+    the checkpoint, and with ``bias`` its dt[out] bias (gpt-oss's router)."""
 
-    def __init__(self, din: int, dout: int, dtype):
+    def __init__(self, din: int, dout: int, dtype, bias: bool = False):
         self.weight = _param((din, dout), dtype, ("embed", None))  # dt[in, out]
+        self.bias = _param((dout,), dtype, (None,)) if bias else None  # dt[out]
 
 
 class Experts(nnx.Module):
@@ -164,6 +201,9 @@ class Experts(nnx.Module):
             setattr(self, name, _param(shape, dtype, EXPERT_AXES[name]))  # dt[E, C, I] or dt[E, I, C]
             # Set when quantized (jaxserve.models.quantization): f32[E, out], or f32[E, in / B, out / B]
             setattr(self, name + "_scale", nnx.data(None))
+            # gpt-oss: dt[E, out], each expert's bias (never quantized)
+            axes = (EXPERT_AXES[name][0], EXPERT_AXES[name][2])
+            setattr(self, name + "_bias", _param((e, shape[2]), dtype, axes) if moe.expert_bias else None)
 
     def weight(self, name: str, dtype) -> jax.Array:
         """A stacked weight in ``dtype`` (dequantized from its 8-bit values when quantized)."""
@@ -179,17 +219,22 @@ class SparseMoeBlock(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, shared_expert: nnx.Module | None = None):
         moe, h = cfg.moe, cfg.hidden_size
         self.moe = moe
-        self.gate = Weight(h, moe.num_experts, dtype)
+        self.gate = Weight(h, moe.num_experts, dtype, bias=moe.router_bias)
         self.experts = Experts(moe, h, dtype)
         self.shared_expert = shared_expert
         self.shared_expert_gate = None if shared_expert is None else Weight(h, 1, dtype)
 
     def __call__(self, x: jax.Array, layout: StepLayout | None = None) -> jax.Array:
         """x: dt[T, C] -> dt[T, C]."""
-        weights, experts = route(x, self.gate.weight[...], self.moe)  # f32[T, top_k], i32[T, top_k]
+        bias = None if self.gate.bias is None else self.gate.bias[...]  # dt[E]
+        weights, experts = route(x, self.gate.weight[...], self.moe, bias)  # f32[T, top_k], i32[T, top_k]
         ex = self.experts
+        biases = None if ex.gate_proj_bias is None else (ex.gate_proj_bias[...], ex.up_proj_bias[...])
         out = expert_parallel(x, weights, experts, ex.weight("gate_proj", x.dtype), ex.weight("up_proj", x.dtype),
-                              ex.weight("down_proj", x.dtype), self.moe.num_experts, layout)  # f32[T, C]
+                              ex.weight("down_proj", x.dtype), self.moe.num_experts, layout, self.moe,
+                              biases)  # f32[T, C]
+        if ex.down_proj_bias is not None:  # sum_k w_k b_{e_k}: f32[T, top_k] . dt[T, top_k, C] -> f32[T, C]
+            out = out + jnp.einsum("tk,tkc->tc", weights, ex.down_proj_bias[...][experts].astype(jnp.float32))
         if self.shared_expert is not None:
             # dt[T, 1]
             gate = jax.nn.sigmoid(layers.matmul_f32(x, self.shared_expert_gate.weight[...]).astype(x.dtype))
@@ -197,29 +242,34 @@ class SparseMoeBlock(nnx.Module):
         return out.astype(x.dtype)  # dt[T, C]
 
 
-def expert_parallel(x, weights, experts, gate, up, down, num_experts: int, layout: StepLayout | None) -> jax.Array:
+def expert_parallel(x, weights, experts, gate, up, down, num_experts: int, layout: StepLayout | None,
+                    moe: MoeConfig | None = None, biases: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """``experts_local`` over the mesh: one ``shard_map`` in which each device runs its own experts (and its
     slice of their hidden width) on every row of its data/sequence shard, then one ``psum`` over the axes the
     weights are split on. Without a mesh (or on one device) it is ``experts_local`` over all experts.
 
     x dt[T, C], weights f32[T, top_k], experts i32[T, top_k], gate and up dt[E, C, I], down dt[E, I, C] (a device
-    holds G of the experts, and its slice I' of their width). Returns f32[T, C]."""
+    holds G of the experts, and its slice I' of their width); ``moe`` the activation's switches; ``biases`` (gate,
+    up) dt[E, I] each (split as the weights' columns), or None. Returns f32[T, C]."""
     if layout is None or layout.mesh.size == 1:
-        return experts_local(x, weights, experts, gate, up, down, 0, num_experts)  # f32[T, C]
+        return experts_local(x, weights, experts, gate, up, down, 0, num_experts, moe, biases)  # f32[T, C]
     rows = layout.spec(("tokens",), x.shape[:1])[0]
     w_specs = [layout.spec(EXPERT_AXES[n], w.shape) for n, w in
                (("gate_proj", gate), ("up_proj", up), ("down_proj", down))]
     split = tuple(a for a in ("expert", "tensor") if any(a in _axes(s) for s in w_specs))
     expert_split = "expert" in _axes(w_specs[0])
 
-    def local(x, weights, experts, gate, up, down):  # x dt[T', C], ..., gate dt[G, C, I'], ...
+    def local(x, weights, experts, gate, up, down, *biases):  # x dt[T', C], ..., gate dt[G, C, I'], ...
         first = jax.lax.axis_index("expert") * gate.shape[0] if expert_split else 0
-        out = experts_local(x, weights, experts, gate, up, down, first, num_experts)  # f32[T', C]: this part
+        # f32[T', C]: this part
+        out = experts_local(x, weights, experts, gate, up, down, first, num_experts, moe, tuple(biases) or None)
         return jax.lax.psum(out, split) if split else out  # f32[T', C]: the parts summed
 
     row_spec = P(rows, None)
-    return jax.shard_map(local, mesh=layout.mesh, in_specs=(row_spec, row_spec, row_spec, *w_specs),
-                         out_specs=row_spec, check_vma=False)(x, weights, experts, gate, up, down)  # f32[T, C]
+    b_specs = () if biases is None else tuple(P(s[0], s[2]) for s in w_specs[:2])  # (experts, moe_mlp) as the weights
+    return jax.shard_map(local, mesh=layout.mesh, in_specs=(row_spec, row_spec, row_spec, *w_specs, *b_specs),
+                         out_specs=row_spec, check_vma=False)(x, weights, experts, gate, up, down,
+                                                              *(biases or ()))  # f32[T, C]
 
 
 def _axes(spec: P) -> set[str]:

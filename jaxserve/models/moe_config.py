@@ -14,6 +14,10 @@ class MoeConfig:
     ``shared_expert_size`` > 0 adds Qwen2-MoE's shared expert, a dense SwiGLU MLP of that width scaled by a
     sigmoid gate. ``sparse_layers[i]`` says whether layer ``i`` has the MoE block (else the dense MLP of
     ``ModelConfig.intermediate_size``), from ``decoder_sparse_step`` and ``mlp_only_layers``.
+
+    gpt-oss: the router has a bias and its softmax runs over the top-k logits only (``softmax_after_topk``); the
+    experts have biases (``expert_bias``) and the clamped gated activation (``activation="gpt_oss"``):
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``.
     """
 
     num_experts: int
@@ -22,6 +26,12 @@ class MoeConfig:
     norm_topk_prob: bool
     sparse_layers: tuple[bool, ...]
     shared_expert_size: int = 0
+    router_bias: bool = False
+    softmax_after_topk: bool = False
+    expert_bias: bool = False
+    activation: str = "silu"  # "silu" (SwiGLU) or "gpt_oss" (the clamped variant above)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self):
         for name in ("num_experts", "top_k", "intermediate_size"):
@@ -29,12 +39,22 @@ class MoeConfig:
                 raise ValueError(f"MoeConfig.{name}={getattr(self, name)} must be >= 1")
         if self.top_k > self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.top_k} exceeds num_experts={self.num_experts}")
+        if self.activation not in ("silu", "gpt_oss"):
+            raise ValueError(f"expert activation {self.activation!r} is not supported (supported: 'silu', 'gpt_oss')")
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], family: str, layers: int) -> "MoeConfig":
         experts = hf.get("num_local_experts") or hf.get("num_experts")
         if family == "mixtral":
             return cls(experts, hf["num_experts_per_tok"], hf["intermediate_size"], True, (True,) * layers)
+        if family == "gpt_oss":
+            return cls(experts, hf["num_experts_per_tok"], hf["intermediate_size"], False, (True,) * layers,
+                       router_bias=True, softmax_after_topk=True, expert_bias=True, activation="gpt_oss",
+                       swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+                       swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
         step, dense = hf.get("decoder_sparse_step", 1) or 1, set(hf.get("mlp_only_layers") or ())
         return cls(experts, hf["num_experts_per_tok"], hf["moe_intermediate_size"], bool(hf.get("norm_topk_prob")),
                    tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
@@ -42,10 +62,13 @@ class MoeConfig:
 
     def routed_params(self, hidden: int) -> int:
         """Parameters of every layer's routed experts (what the ``expert`` mesh axis divides)."""
-        return sum(self.sparse_layers) * self.num_experts * 3 * hidden * self.intermediate_size
+        bias = (2 * self.intermediate_size + hidden) if self.expert_bias else 0
+        return sum(self.sparse_layers) * self.num_experts * (3 * hidden * self.intermediate_size + bias)
 
     def mlp_params(self, hidden: int, *, active: bool) -> int:
         """Parameters of one MoE block: router, experts (only ``top_k`` of them if ``active``), shared expert."""
         experts = self.top_k if active else self.num_experts
         shared = 3 * hidden * self.shared_expert_size + hidden if self.shared_expert_size else 0
-        return hidden * self.num_experts + experts * 3 * hidden * self.intermediate_size + shared
+        bias = (2 * self.intermediate_size + hidden) if self.expert_bias else 0
+        router = (hidden + 1 if self.router_bias else hidden) * self.num_experts
+        return router + experts * (3 * hidden * self.intermediate_size + bias) + shared

@@ -107,7 +107,7 @@ def quantizable_paths(state: nnx.State, lm_head: bool) -> list[tuple]:
                 out.append(path)
         elif name == "weight" and var.get_value().ndim == 2 and not is_router(path):
             out.append(path)
-        elif len(path) >= 2 and path[-2] == "experts":
+        elif len(path) >= 2 and path[-2] == "experts" and var.get_value().ndim == 3:  # not gpt-oss's biases
             out.append(path)
     return out
 
