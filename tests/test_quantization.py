@@ -309,9 +309,10 @@ def test_capacity_counts_8_bit_pages_and_their_scales(models):
 TARGETS = {"w_int8": 0.97, "kv_int8": 0.98, "w_fp8": 0.93, "kv_fp8": 0.93}
 ALL_MODES = tuple(TARGETS)
 # The families and modes whose targets hold, on the tiny models trained on a peaked Markov chain (docs/benchmarks.md,
-# "Quality — teacher-forced agreement", trained models): every family in every mode. The random models' misses on
-# near-ties of nearly flat distributions are reported there, not tested.
-HOLDS = {family: ALL_MODES for family in FAMILIES}
+# "Quality — teacher-forced agreement", trained models): every family in every mode (gpt-oss, added later, is not
+# measured there yet). The random models' misses on near-ties of nearly flat distributions are reported there,
+# not tested.
+HOLDS = {family: ALL_MODES for family in FAMILIES if family != "gpt_oss"}
 # Tested here (each family costs a training run and five compiles): the random models' misses, one family per kind
 # of layer (llama3 rope, q/k norms, Gemma norms, top-2 MoE, a shared expert; llama_mha_bias is llama's layer);
 # the others reach every target in docs/benchmarks.md as well.
