@@ -115,6 +115,19 @@ def test_mixture_of_experts_on_an_expert_mesh(tmp_path):
     assert "B active per token" in aot.format_report(r)
 
 
+def test_gpt_oss_compiles_with_its_windowed_pool_and_sinks(tmp_path):
+    """A gpt-oss shape (a windowed layer, then a full one; sinks; biased experts) on expert=2, tensor=2: the steps
+    compile with the windowed layers' own pool (page tables twice as wide), which the memory report sets aside."""
+    _needs_libtpu()
+    gpt_oss = dict(TINY, architectures=["GptOssForCausalLM"], num_local_experts=4, num_experts_per_tok=2,
+                   sliding_window=64, layer_types=["sliding_attention", "full_attention"])
+    (tmp_path / "config.json").write_text(json.dumps(gpt_oss))
+    r = aot.run(_request(tmp_path, mesh="expert=2,tensor=2", buckets="probes", decode_batches=(1,)))
+    m = r["memory_per_device"]
+    assert m["window_pool_pages"] > 0 and m["window_pool_bytes"] > 0 and m["fits"]
+    assert all(s["pages"] > 0 for s in r["steps"]) and r["decode"]["1"]["tokens_per_s"] > 0
+
+
 def test_does_not_fit_says_by_how_much(tiny_folder):
     _needs_libtpu()
     r = aot.run(_request(tiny_folder, buckets="probes", hbm_utilization=0.0002, decode_batches=(1,)))
@@ -155,7 +168,8 @@ def test_bad_requests_are_one_line_errors(argv, message, capsys):
 def test_presets_are_the_published_shapes():
     sizes = {name: ModelConfig.from_hf_dict(hf).num_params / 1e9 for name, hf in aot.PRESETS.items()}
     expected = {"llama-3.2-1b": 1.24, "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55, "qwen3-8b": 8.19,
-                "qwen3-32b": 32.76, "mistral-7b": 7.25, "mixtral-8x7b": 46.70, "qwen3-30b-a3b": 30.53}
+                "qwen3-32b": 32.76, "mistral-7b": 7.25, "mixtral-8x7b": 46.70, "qwen3-30b-a3b": 30.53,
+                "gpt-oss-120b": 116.83, "gpt-oss-20b": 20.91}
     assert sizes == pytest.approx(expected, abs=0.01)
     active = {name: ModelConfig.from_hf_dict(aot.PRESETS[name]).num_active_params / 1e9
               for name in ("mixtral-8x7b", "qwen3-30b-a3b")}

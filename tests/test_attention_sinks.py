@@ -7,13 +7,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from attention_cases import MIXED, build_batch, device_args
 from test_reference_attention import chunk_rows
 
-from pallas_kernels.ragged_paged_attention import (native, ragged_paged_attention, ragged_paged_attention_chunks,
-                                                  ragged_paged_attention_gpu, ragged_paged_attention_rows,
-                                                  ragged_paged_attention_tpu)
+from pallas_kernels.ragged_paged_attention import (
+    native,
+    ragged_paged_attention,
+    ragged_paged_attention_chunks,
+    ragged_paged_attention_gpu,
+    ragged_paged_attention_rows,
+    ragged_paged_attention_tpu,
+)
+
+from attention_cases import MIXED, build_batch, device_args
 
 KW = dict(sm_scale=0.3, sliding_window=5, soft_cap=None)
 

@@ -180,6 +180,7 @@ def test_mxfp4_checkpoint_missing_its_scales_is_named(path, tmp_path):
     shutil.copytree(path, tmp_path / "m")
     save_file(tensors, tmp_path / "m" / "model.safetensors")
     config = json.loads((path / "config.json").read_text())
-    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"unexpected tensors \['model.layers.1.mlp.experts.down_proj_blocks'\]"):
         load_model(tmp_path / "m", "float32")

@@ -22,9 +22,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxserve.config import engine as engine_config
-from jaxserve.models import mxfp4
+from jaxserve.models import mxfp4, registry
 from jaxserve.models import quantization as quant
-from jaxserve.models import registry
 from jaxserve.models.checkpoint import read_checkpoint, resolve_model_path, safetensors_files
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.decoder import DecoderLM

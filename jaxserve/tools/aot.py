@@ -59,7 +59,9 @@ from jaxserve.executor.kv_cache import (
     bytes_per_token,
     cache_sharding,
     kv_storage_dtype,
+    local_pool_pages,
     pool_pages,
+    uses_local_pool,
 )
 from jaxserve.executor.penalty_state import PenaltyState
 from jaxserve.executor.runner import StepOutput, jit_step, step_layouts, step_static_args
@@ -69,6 +71,7 @@ from jaxserve.models.attention import AttentionBackend
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loader import abstract_model, param_shardings, quantization_plan, resolve_dtype
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from jaxserve.scheduler.window_pool import global_pool_budget
 from jaxserve.tools import gpu_targets
 from jaxserve.tools.chips import DEVICE_KINDS, Chip
 from jaxserve.tools.model_specs import PRESETS, model_config
@@ -219,11 +222,15 @@ class StepCompiler:
 
     def __init__(self, cfg: ModelConfig, dtype, mesh, *, page_size: int, num_pages: int, max_num_seqs: int,
                  backend: AttentionBackend, quantization: str | None = None, quantize_lm_head: bool = False,
-                 cache_dtype=None, platform: str = "tpu"):
+                 cache_dtype=None, platform: str = "tpu", local_pages: int = 0):
+        """``local_pages``: pages per replica of the windowed layers' own pool (a model interleaving windowed and
+        global layers, as the engine gives it: ``kv_cache.local_pool_pages``); 0: one pool."""
         self.cfg, self.dtype, self.mesh, self.backend, self.platform = cfg, dtype, mesh, backend, platform
         self.num_replicas = int(mesh.shape["data"])
         self.cache_dtype = cache_dtype or backend.cache_dtype(dtype, platform)
-        self.cache = CacheConfig(page_size, num_pages, self.num_replicas)
+        self.cache = CacheConfig(page_size, num_pages, self.num_replicas,
+                                 num_local_pages=local_pages * self.num_replicas)
+        self.local_pool = bool(local_pages)
         self.rules = model_rules(cfg.num_heads, cfg.num_kv_heads, mesh)
         self.layouts = step_layouts(mesh, self.rules)
         plan, _ = quantization_plan(cfg, dtype, quantization, quantize_lm_head)
@@ -233,26 +240,35 @@ class StepCompiler:
         for path, var in flat.items():
             var.set_value(jax.ShapeDtypeStruct(var.get_value().shape, var.get_value().dtype, sharding=shardings[path]))
         self.params = nnx.from_flat_state(flat)
-        shape, sharding = cache_sharding(cfg, self.cache, mesh)
-        pool = jax.ShapeDtypeStruct(shape, self.cache_dtype, sharding=sharding)
-        if jnp.dtype(self.cache_dtype).itemsize == 1:  # 8-bit pages and their per-token scales, as the engine's
-            scale_sharding = logical_sharding(CACHE_AXES, shape[:-1] + (1,), mesh)
-            pool = QuantizedPages(pool, jax.ShapeDtypeStruct(shape[:-1] + (1,), jnp.float32, sharding=scale_sharding))
-            sharding = QuantizedPages(sharding, scale_sharding)
-        self.kv_cache = [(pool, pool) for _ in range(cfg.num_layers)]
+        pools = {}  # local (the windowed pool) -> (abstract pool, its sharding)
+        for local in (False, True):
+            shape, sharding = cache_sharding(cfg, self.cache, mesh, self.cache.num_local_pages if local else None)
+            pool = jax.ShapeDtypeStruct(shape, self.cache_dtype, sharding=sharding)
+            if jnp.dtype(self.cache_dtype).itemsize == 1:  # 8-bit pages and their per-token scales, as the engine's
+                scale_sharding = logical_sharding(CACHE_AXES, shape[:-1] + (1,), mesh)
+                pool = QuantizedPages(pool, jax.ShapeDtypeStruct(shape[:-1] + (1,), jnp.float32,
+                                                                 sharding=scale_sharding))
+                sharding = QuantizedPages(sharding, scale_sharding)
+            pools[local] = (pool, sharding)
+            if not self.local_pool:
+                break
+        per_layer = [pools[uses_local_pool(cfg, self.cache, i)] for i in range(cfg.num_layers)]
+        self.kv_cache = [(pool, pool) for pool, _ in per_layer]
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        self.outs = (StepOutput(self.replicated, self.replicated), [(sharding, sharding)] * cfg.num_layers)
+        self.outs = (StepOutput(self.replicated, self.replicated), [(sh, sh) for _, sh in per_layer])
         self.num_logit_rows = self.num_replicas * max_num_seqs
         self.sample_device = mesh.devices.flat[0]
 
     def step(self, kind: str, tokens: int, slots: int, pages: int) -> Figures:
         """Compile one bucket of ``prefill_step`` or ``decode_step`` as ``ModelRunner`` would."""
-        batch = MeshBatch.padding(self.num_replicas, num_tokens=tokens, max_seqs=slots, pages_per_seq=pages)
+        # With a windowed pool each page-table row is the global table followed by the windowed one, of equal widths.
+        batch = MeshBatch.padding(self.num_replicas, num_tokens=tokens, max_seqs=slots,
+                                  pages_per_seq=pages * (2 if self.local_pool else 1))
         step_kind = StepKind.DECODE if kind == "decode" else StepKind.PREFILL
         static = step_static_args(step_kind, batch, self.layouts, self.backend, self.cfg.num_kv_heads)
         packed = jax.ShapeDtypeStruct(batch.pack().shape, jnp.int32, sharding=self.replicated)
         rows = max(self.num_logit_rows, batch.max_seqs)  # a probe wider than max_num_seqs gets its own rows
-        fn = jit_step(self.graphdef, rows, self.outs)
+        fn = jit_step(self.graphdef, rows, self.outs, self.local_pool)
         start = time.perf_counter()
         with self._target():
             traced = fn.trace(self.params, packed, self.kv_cache, *static)
@@ -386,9 +402,6 @@ def resolve(req: Request) -> Target:
             raise AotError(f"--{name.replace('_', '-')} {value} must be >= 1")
     if not 0 < req.hbm_utilization <= 1:
         raise AotError(f"--hbm-utilization {req.hbm_utilization} must be in (0, 1]")
-    if cfg.local_window is not None:
-        raise AotError("this model interleaves windowed and global layers: the engine gives it two KV pools "
-                       "(jaxserve/scheduler/window_pool.py), which aot does not compile")
     devices = topology_devices(req.topology)
     chip, per_chip = chip_of(devices, req.topology)
     platform = "gpu" if devices[0].platform in ("gpu", "cuda") else "tpu"
@@ -420,10 +433,17 @@ def engine_pool_pages(t: Target, req: Request, used: float, *, capped: bool = Tr
     (the weights): the engine's own rule, ``kv_cache.pool_pages``, capped at max_num_seqs full-length sequences
     as the engine caps it; without the cap (``capped=False``), what fits."""
     pages = pool_pages(t.hbm, bytes_per_token(t.cfg, t.cache_dtype, t.mesh_cfg.tensor), req.page_size,
-                       utilization=req.hbm_utilization, used=used,
+                       utilization=req.hbm_utilization, used=used, windows=t.cfg.sliding_windows,
+                       local_pages=local_pages(t, req),
                        max_pages=req.max_num_seqs * t.pages_per_seq if capped else None)
     limit = gpu_pool_limit(t, req)
     return pages if limit is None else min(pages, limit)
+
+
+def local_pages(t: Target, req: Request, global_pages: int | None = None) -> int:
+    """Pages (per replica) of the windowed layers' own pool, as the engine sizes it; 0 for one pool."""
+    return local_pool_pages(t.cfg.sliding_windows, req.page_size, req.max_num_seqs, req.max_num_batched_tokens,
+                            global_pages=global_pages)
 
 
 def gpu_pool_limit(t: Target, req: Request) -> int | None:
@@ -453,18 +473,32 @@ def _probes(t: Target, req: Request) -> tuple[dict, list, int, int, int]:
 def _compiler(t: Target, req: Request, layers: int, num_pages: int) -> StepCompiler:
     cfg = t.cfg if layers == t.cfg.num_layers else dataclasses.replace(
         t.cfg, num_layers=layers, sliding_windows=t.cfg.sliding_windows[:layers])
+    local = local_pages(t, req, num_pages // t.mesh_cfg.data) if t.cfg.local_window is not None else 0
     return StepCompiler(cfg, t.dtype, t.mesh, page_size=req.page_size, num_pages=num_pages,
                         max_num_seqs=req.max_num_seqs, backend=t.backend, quantization=req.quantization,
-                        quantize_lm_head=req.quantize_lm_head, cache_dtype=t.cache_dtype, platform=t.platform)
+                        quantize_lm_head=req.quantize_lm_head, cache_dtype=t.cache_dtype, platform=t.platform,
+                        local_pages=local)
+
+
+def layer_period(windows: tuple) -> int:
+    """The fewest layers whose windows repeat through the model (1: every layer alike; gpt-oss's alternation: 2)."""
+    n = len(windows)
+    return next(p for p in range(1, n + 1) if n % p == 0 and windows == windows[:p] * (n // p))
 
 
 def _compile_all(t: Target, req: Request, todo: list, compile_pages: int, log) -> tuple[dict, list, tuple]:
     """Every shape of ``todo`` compiled (at full depth, or at 2 and 3 layers and extrapolated) and the sampler:
     (figures by shape, the sampler's figures, the layer counts compiled)."""
     cfg = t.cfg
-    layers_compiled = (2, 3) if req.sample_layers and cfg.num_layers > 3 else (cfg.num_layers,)
-    if req.sample_layers and len(set(cfg.sliding_windows)) > 1:
-        raise AotError("--sample-layers needs every layer alike; this model mixes sliding-window and full layers")
+    # Sampled at whole periods of the layer pattern (2 and 3 layers when all alike; 2 and 4 for gpt-oss's pairs),
+    # so each added period adds the same work and the figures stay linear in the depth.
+    period = layer_period(cfg.sliding_windows)
+    if req.sample_layers and period == cfg.num_layers and period > 1:
+        raise AotError("--sample-layers needs the layers' windows to repeat with a period that divides the depth; "
+                       f"this model's do not ({cfg.sliding_windows})")
+    lo = 2 if period == 1 else period
+    sampled = (lo, lo + period)
+    layers_compiled = sampled if req.sample_layers and cfg.num_layers > sampled[1] else (cfg.num_layers,)
     log(f"{cfg.architecture} {cfg.num_params / 1e9:.2f}B ({cfg.num_active_params / 1e9:.2f}B active) on "
         f"{req.topology} ({len(t.devices)} x {t.devices[0].device_kind}), mesh {t.mesh_cfg}: compiling {len(todo)} "
         f"step shapes x {len(layers_compiled)} layer count(s) + sampler")
@@ -491,6 +525,10 @@ def _memory(t: Target, req: Request, full: StepCompiler, figures: dict, sampler:
     largest temporaries, by the engine's rule."""
     weights = full.weight_bytes
     page_bytes = bytes_per_token(t.cfg, t.cache_dtype, t.mesh_cfg.tensor) * req.page_size
+    # A windowed pool (the engine's, at full size) is set aside first; a global page then holds the global layers'.
+    local = local_pages(t, req)
+    minus_local, page_bytes = global_pool_budget(0.0, page_bytes, t.cfg.sliding_windows, local) if local else (
+        0.0, page_bytes)
     step_temp = max(f.temp for f in figures.values())
     sampler_temp = max(f.temp for f in sampler)
     # Non-donated outputs (logits, argmax) live beside the pool while the sampler runs.
@@ -502,7 +540,7 @@ def _memory(t: Target, req: Request, full: StepCompiler, figures: dict, sampler:
     pool = min(wanted, fit_pages) if not req.num_pages else num_pages
     pool_tokens = max(pool, 0) * req.page_size
     fits = fit_pages * req.page_size >= t.max_model_len and (not req.num_pages or num_pages <= fit_pages)
-    need = reserved + (num_pages if req.num_pages else t.pages_per_seq) * page_bytes
+    need = reserved - minus_local + (num_pages if req.num_pages else t.pages_per_seq) * page_bytes
     # At another max_num_seqs the engine would size its pool as min(that many full-length sequences, what fits).
     capacity = {}
     for n in sorted({req.max_num_seqs, *req.report_seqs}):
@@ -516,6 +554,7 @@ def _memory(t: Target, req: Request, full: StepCompiler, figures: dict, sampler:
         "generated_code_max": max(f.code for f in figures.values()),
         "argument_max": max(f.argument for f in figures.values()),
         "engine_pool_pages": engine_pages, "pool_pages": pool, "pool_bytes": max(pool, 0) * page_bytes,
+        "window_pool_pages": local, "window_pool_bytes": -minus_local,
         "pool_tokens": pool_tokens, "fits": fits, "short_by": max(0.0, need - usable),
         "full_length_sequences": pool_tokens // t.max_model_len,
     }

@@ -21,6 +21,13 @@ _LLAMA = dict(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, vocab_size=
 _QWEN3 = dict(architectures=["Qwen3ForCausalLM"], rms_norm_eps=1e-6, vocab_size=151936, head_dim=128,
               max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
               bos_token_id=151643, eos_token_id=151645)
+# gpt-oss publishes its experts in MXFP4 (dequantized at load, jaxserve/models/mxfp4.py): these are the shapes.
+_GPT_OSS = dict(architectures=["GptOssForCausalLM"], hidden_size=2880, intermediate_size=2880, head_dim=64,
+                num_attention_heads=64, num_key_value_heads=8, num_experts_per_tok=4, vocab_size=201088,
+                sliding_window=128, attention_bias=True, rms_norm_eps=1e-5, max_position_embeddings=131072,
+                rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                     truncate=False, original_max_position_embeddings=4096),
+                swiglu_limit=7.0, tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=200002)
 # The config.json shapes of the published checkpoints (no weights are needed to compile).
 PRESETS: dict[str, dict] = {
     "llama-3.2-1b": dict(_LLAMA, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
@@ -45,6 +52,10 @@ PRESETS: dict[str, dict] = {
                           num_attention_heads=32, num_key_value_heads=4, intermediate_size=6144,
                           moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
                           decoder_sparse_step=1, mlp_only_layers=[]),
+    "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128,
+                         layer_types=["sliding_attention", "full_attention"] * 18),
+    "gpt-oss-20b": dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32,
+                        layer_types=["sliding_attention", "full_attention"] * 12),
     "mistral-7b": dict(architectures=["MistralForCausalLM"], hidden_size=4096, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=32768,
                        rms_norm_eps=1e-5, max_position_embeddings=32768, rope_theta=1000000.0, sliding_window=None,
