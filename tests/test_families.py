@@ -22,7 +22,7 @@ def test_every_family_file_is_registered_once():
 def test_config_without_architectures_is_read_by_its_model_type():
     for model_type, arch in registry.BY_MODEL_TYPE.items():
         hf = dict(SHAPE, model_type=model_type, num_hidden_layers=2)
-        if "moe" in model_type or model_type == "mixtral":
+        if "moe" in model_type or model_type in ("mixtral", "gpt_oss"):
             hf.update(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
         cfg = ModelConfig.from_hf_dict(hf)
         assert cfg.architecture == arch and cfg.family == registry.BY_ARCHITECTURE[arch].name
