@@ -6,13 +6,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                          Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
-                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3NextConfig,
-                          Qwen3NextForCausalLM)
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -91,9 +90,11 @@ _HYBRID = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear
 _HYBRID_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                    shared_expert_intermediate_size=48)
 HYBRID_FAMILIES = {
-    "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM, dict(_HYBRID, **_HYBRID_MOE, norm_topk_prob=True)),
-    "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM, dict(_HYBRID)),
-    "qwen3_5_moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, dict(_HYBRID, **_HYBRID_MOE)),
+    "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM,
+                   dict(_HYBRID, **_HYBRID_MOE, norm_topk_prob=True)),
+    "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, dict(_HYBRID)),
+    "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM,
+                    dict(_HYBRID, **_HYBRID_MOE)),
 }
 
 

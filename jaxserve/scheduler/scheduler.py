@@ -14,6 +14,7 @@ from jaxserve.config.scheduler import SchedulerConfig
 from jaxserve.scheduler.block_manager import BlockManager, PageHolder
 from jaxserve.scheduler.sequence import Sequence, SequenceStatus
 from jaxserve.scheduler.slot_state import DecodeSlots, StopSlots
+from jaxserve.scheduler.state_pool import StateBlockManager
 from jaxserve.scheduler.window_pool import WindowedBlockManager
 from jaxserve.text.request_checks import check_fits
 
@@ -134,7 +135,9 @@ class Scheduler:
         bulk planner must equal)."""
         self.config = config
         self.bulk_decodes = bulk_decodes
-        if config.local_pages:
+        if config.state_slots:
+            self.block_manager = StateBlockManager(config.num_pages, config.state_slots, config.page_size)
+        elif config.local_pages:
             self.block_manager = WindowedBlockManager(
                 config.num_pages, config.local_pages, config.page_size, window=config.local_window,
                 enable_prefix_caching=config.enable_prefix_caching)

@@ -1,0 +1,146 @@
+"""Hybrid linear-attention models (Qwen3-Next, Qwen3.5 dense and MoE) against transformers, and their state pool.
+
+The delta rule's chunked form is checked against its token-by-token recurrence (the spec) on packed sequences;
+the models' logits against transformers' PyTorch implementation; the engine's greedy tokens (ragged prefill and
+decode, chunked prefill continuing a state across steps, n > 1) against transformers' greedy tokens; the state
+pool's bookkeeping (admission, preemption, abort) on the host.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config.scheduler import SchedulerConfig
+from jaxserve.scheduler.scheduler import Scheduler
+from jaxserve.scheduler.sequence import Sequence, SequenceStatus
+
+from tiny import HYBRID_FAMILIES, build_tiny_model, hf_greedy, hf_model, train_tokenizer
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer()
+
+
+def test_chunked_delta_rule_matches_the_recurrence():
+    """Three sequences packed in 37 rows (a chunk holds parts of two), one resuming from a state, padding after."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.models import gated_deltanet as gd
+
+    rng = np.random.default_rng(0)
+    hv, dk, dv, lens = 2, 4, 3, (13, 9, 11)
+    t = sum(lens) + 4
+    q, k = (gd.l2norm(jnp.asarray(rng.normal(size=(t, hv, dk)), jnp.float32)) for _ in range(2))
+    v = jnp.asarray(rng.normal(size=(t, hv, dv)), jnp.float32)
+    g = -jnp.asarray(rng.uniform(0.01, 1.0, size=(t, hv)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0, 1, size=(t, hv)), jnp.float32)
+    seq = np.repeat(np.arange(3), lens).tolist() + [2] * 4
+    valid = np.arange(t) < sum(lens)
+    g, beta = g * valid[:, None], beta * valid[:, None]  # rows of no sequence leave the states alone
+    init = jnp.asarray(rng.normal(size=(3, hv, dk, dv)), jnp.float32)
+    out, final = jax.jit(gd.chunked_delta_rule)(q, k, v, g, beta, jnp.asarray(seq, jnp.int32), init)
+    start = 0
+    for s, n in enumerate(lens):
+        part = slice(start, start + n)
+        want_out, want_final = gd.delta_rule_reference(q[part], k[part], v[part], g[part], beta[part], init[s])
+        np.testing.assert_allclose(out[part], want_out, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(final[s], want_final, rtol=1e-4, atol=1e-4)
+        start += n
+
+
+@pytest.mark.parametrize("name", sorted(HYBRID_FAMILIES))
+def test_logits_match_transformers(name, tokenizer, tmp_path):
+    """Whole-sequence logits of every hybrid family (the model code itself, without the engine)."""
+    import jax.numpy as jnp
+
+    from jaxserve.models.full_sequence import _one
+    from jaxserve.models.loader import load_model
+
+    path = build_tiny_model(name, tmp_path / name, tokenizer=tokenizer)
+    model, cfg, _ = load_model(path, "float32")
+    ids = np.random.default_rng(0).integers(3, cfg.vocab_size, 37)
+    want = hf_model(path)(torch.tensor(ids[None])).logits[0].detach().numpy()
+    got = np.asarray(_one(model, jnp.asarray(ids)))
+    assert want.std() > 0.5, "logits too flat to compare"
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, tokenizer):
+    path = build_tiny_model("qwen3_next", tmp_path_factory.mktemp("qwen3_next"), tokenizer=tokenizer)
+    llm = LLM(str(path), dtype="float32", page_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
+              debug_checks=True, warmup=False, compilation_cache_dir=None)
+    return llm, hf_model(path)
+
+
+def test_engine_greedy_matches_transformers(engine):
+    """Ragged prefill beside decodes, a prompt longer than the step's budget (its state continued across steps),
+    and n = 2 (siblings recompute the prompt): every token as transformers', then every slot and page free."""
+    llm, hf = engine
+    assert not llm.engine.scheduler.config.enable_prefix_caching
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, llm.model_config.vocab_size, n).tolist() for n in (1, 6, 23)]
+    outs = llm.generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens)
+    pair = llm.generate(prompts[1], SamplingParams(n=2, max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    assert [o.token_ids for o in pair.outputs] == [outs[1].outputs[0].token_ids[:6]] * 2
+    bm = llm.engine.scheduler.block_manager
+    bm.check_invariants()
+    assert bm.num_free_pages == bm.num_pages and bm.stats()["state_slots_used"] == 0
+
+
+def test_engine_refuses_what_it_cannot_hold(engine):
+    llm, _ = engine
+    with pytest.raises(ValueError, match="speculative_config"):
+        LLM(llm.engine.executor.model_path, dtype="float32", max_model_len=64, warmup=False,
+            compilation_cache_dir=None, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def _scheduler(num_pages: int, slots: int = 3) -> Scheduler:
+    return Scheduler(SchedulerConfig(num_pages=num_pages, page_size=4, max_model_len=24, max_num_seqs=2,
+                                     max_num_batched_tokens=16, enable_prefix_caching=False, state_slots=slots))
+
+
+def _run(sched: Scheduler, steps: int):
+    for _ in range(steps):
+        out = sched.schedule()
+        sched.update(out, [5] * out.num_entries)
+        sched.block_manager.check_invariants()
+        for s in sched.running:
+            assert len(s.local_page_table) == 1 and s.local_page_table[0] >= 1  # its slot (0 is scratch)
+
+
+def test_state_slots_follow_admission_preemption_and_abort():
+    """A slot is taken with the pages at admission and given back with them at preemption, finish and abort."""
+    sched = _scheduler(num_pages=6)
+    a, b = (Sequence(r, list(range(3, 10)), SamplingParams(max_tokens=12, ignore_eos=True)) for r in "ab")
+    sched.add(a)
+    sched.add(b)
+    _run(sched, 2)
+    bm = sched.block_manager
+    assert bm.stats()["state_slots_used"] == 2
+    assert a.local_page_table != b.local_page_table
+    _run(sched, 6)  # six pages cannot hold both at 12 tokens: the newer is preempted, its slot freed with its pages
+    assert sched.num_preemptions >= 1
+    assert bm.slots.num_used == len(sched.running) == sum(1 for s in (a, b) if s.status is SequenceStatus.RUNNING)
+    sched.finish(a, "abort")
+    sched.finish(b, "abort")
+    assert bm.slots.num_used == 0 and bm.num_free_pages == bm.num_pages
+    assert not a.local_page_table and not b.local_page_table
+
+
+def test_state_pool_shares_no_prefix_and_refuses_a_hand_over():
+    sched = _scheduler(num_pages=8)
+    seq = Sequence("x", [3, 4, 5, 6, 7], SamplingParams(max_tokens=2))
+    sched.add(seq)
+    _run(sched, 1)
+    assert sched.block_manager.match_prefix(Sequence("y", [3, 4, 5, 6, 7], SamplingParams()), share_with=seq) == []
+    with pytest.raises(ValueError, match="disaggregation"):
+        sched.block_manager.hand_over(seq, None)
