@@ -74,8 +74,9 @@ def test_logits_match_transformers(name, tokenizer, tmp_path):
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, tokenizer):
     path = build_tiny_model("qwen3_next", tmp_path_factory.mktemp("qwen3_next"), tokenizer=tokenizer)
-    llm = LLM(str(path), dtype="float32", page_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
-              debug_checks=True, warmup=False, compilation_cache_dir=None)
+    # 24 pages: four sequences of 30 tokens (8 pages each) do not fit at once, so one is preempted.
+    llm = LLM(str(path), dtype="float32", page_size=4, num_pages=24, max_num_seqs=4, max_num_batched_tokens=16,
+              max_model_len=64, debug_checks=True, warmup=False, compilation_cache_dir=None)
     return llm, hf_model(path)
 
 
@@ -94,6 +95,20 @@ def test_engine_greedy_matches_transformers(engine):
     bm = llm.engine.scheduler.block_manager
     bm.check_invariants()
     assert bm.num_free_pages == bm.num_pages and bm.stats()["state_slots_used"] == 0
+
+
+def test_engine_preemption_recomputes_the_state(engine):
+    """A preempted sequence gives back its slot and pages; readmitted, it starts its state afresh and recomputes:
+    the same tokens as transformers."""
+    llm, hf = engine
+    before = llm.engine.scheduler.num_preemptions
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, llm.model_config.vocab_size, 20).tolist() for _ in range(4)]
+    outs = llm.generate(prompts, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > before
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens)
+    assert llm.engine.scheduler.block_manager.stats()["state_slots_used"] == 0
 
 
 def test_engine_refuses_what_it_cannot_hold(engine):
@@ -144,3 +159,20 @@ def test_state_pool_shares_no_prefix_and_refuses_a_hand_over():
     assert sched.block_manager.match_prefix(Sequence("y", [3, 4, 5, 6, 7], SamplingParams()), share_with=seq) == []
     with pytest.raises(ValueError, match="disaggregation"):
         sched.block_manager.hand_over(seq, None)
+
+
+def test_capacity_sets_the_state_slots_aside(engine):
+    """``capacity`` (as the engine) takes one state slot per sequence, plus the scratch slot, off the budget
+    before the pages, which hold only the full-attention layers' KV."""
+    from jaxserve.executor.kv_cache import bytes_per_token
+    from jaxserve.tools.capacity import capacity, weights_per_device
+    from sharding.config import MeshConfig
+
+    cfg, mesh = engine[0].model_config, MeshConfig.parse(None)
+    c = capacity(cfg, hbm_gb=0.01, dtype="float32", page_size=4, mesh=mesh, utilization=1.0, max_model_len=64,
+                 max_num_seqs=4)
+    slot = cfg.linear_attention.state_bytes
+    assert (c["state_slots"], c["state_bytes_per_slot"]) == (4, slot)
+    assert c["kv_bytes_per_token"] == bytes_per_token(cfg, "float32") == 2 * 1 * 2 * 16 * 4  # the one attention layer
+    budget = 0.01 * 2**30 - weights_per_device(cfg, "float32", mesh) - 5 * slot
+    assert c["pages_per_replica"] == int(budget // (c["kv_bytes_per_token"] * 4))

@@ -60,6 +60,7 @@ from jaxserve.executor.kv_cache import (
     cache_sharding,
     kv_storage_dtype,
     pool_pages,
+    state_pool_bytes,
 )
 from jaxserve.executor.penalty_state import PenaltyState
 from jaxserve.executor.runner import StepOutput, jit_step, step_layouts, step_static_args
@@ -420,7 +421,7 @@ def engine_pool_pages(t: Target, req: Request, used: float, *, capped: bool = Tr
     (the weights): the engine's own rule, ``kv_cache.pool_pages``, capped at max_num_seqs full-length sequences
     as the engine caps it; without the cap (``capped=False``), what fits."""
     pages = pool_pages(t.hbm, bytes_per_token(t.cfg, t.cache_dtype, t.mesh_cfg.tensor), req.page_size,
-                       utilization=req.hbm_utilization, used=used,
+                       utilization=req.hbm_utilization, used=used + state_pool_bytes(t.cfg, req.max_num_seqs),
                        max_pages=req.max_num_seqs * t.pages_per_seq if capped else None)
     limit = gpu_pool_limit(t, req)
     return pages if limit is None else min(pages, limit)
