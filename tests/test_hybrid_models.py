@@ -113,7 +113,7 @@ def test_engine_preemption_recomputes_the_state(engine):
 
 def test_engine_refuses_what_it_cannot_hold(engine):
     llm, _ = engine
-    with pytest.raises(ValueError, match="speculative_config"):
+    with pytest.raises(ValueError, match="speculative_config is not supported for Qwen3NextForCausalLM"):
         LLM(llm.engine.executor.model_path, dtype="float32", max_model_len=64, warmup=False,
             compilation_cache_dir=None, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
