@@ -74,9 +74,11 @@ def test_logits_match_transformers(name, tokenizer, tmp_path):
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, tokenizer):
     path = build_tiny_model("qwen3_next", tmp_path_factory.mktemp("qwen3_next"), tokenizer=tokenizer)
-    # 24 pages: four sequences of 30 tokens (8 pages each) do not fit at once, so one is preempted.
+    # 24 pages: four sequences of 30 tokens (8 pages each) do not fit at once, so one is preempted. Two tensor
+    # shards: attention heads and the delta-rule states' value heads split over them.
     llm = LLM(str(path), dtype="float32", page_size=4, num_pages=24, max_num_seqs=4, max_num_batched_tokens=16,
-              max_model_len=64, debug_checks=True, warmup=False, compilation_cache_dir=None)
+              max_model_len=64, mesh="tensor=2", num_devices=2, debug_checks=True, warmup=False,
+              compilation_cache_dir=None)
     return llm, hf_model(path)
 
 
@@ -92,6 +94,7 @@ def test_engine_greedy_matches_transformers(engine):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens)
     pair = llm.generate(prompts[1], SamplingParams(n=2, max_tokens=6, temperature=0.0, ignore_eos=True))[0]
     assert [o.token_ids for o in pair.outputs] == [outs[1].outputs[0].token_ids[:6]] * 2
+    assert llm.engine.executor.runner.kv_cache[0][1].sharding.spec[1] == "tensor"  # the linear layer's state
     bm = llm.engine.scheduler.block_manager
     bm.check_invariants()
     assert bm.num_free_pages == bm.num_pages and bm.stats()["state_slots_used"] == 0
@@ -116,6 +119,9 @@ def test_engine_refuses_what_it_cannot_hold(engine):
     with pytest.raises(ValueError, match="speculative_config is not supported for Qwen3NextForCausalLM"):
         LLM(llm.engine.executor.model_path, dtype="float32", max_model_len=64, warmup=False,
             compilation_cache_dir=None, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="mesh .* is not supported for Qwen3NextForCausalLM"):
+        LLM(llm.engine.executor.model_path, dtype="float32", max_model_len=64, warmup=False,
+            compilation_cache_dir=None, mesh="data=2", num_devices=2)
 
 
 def _scheduler(num_pages: int, slots: int = 3) -> Scheduler:

@@ -196,8 +196,10 @@ class Executor:
         if config.prefill_mesh is not None:
             raise ValueError(f"prefill_mesh/decode_mesh (disaggregation) is not supported for {name}: its "
                              "recurrent state does not travel with the pages")
-        if self.mesh.size != 1:
-            raise ValueError(f"mesh {dict(self.mesh.shape)} is not supported for {name}: it runs on one device")
+        shape = dict(self.mesh.shape)
+        if any(shape[axis] != 1 for axis in shape if axis != "tensor"):
+            raise ValueError(f"mesh {shape} is not supported for {name}: only the tensor axis (its state slots live "
+                             "on every device of one replica)")
 
     def _pool_pages(self, backend: AttentionBackend) -> tuple[int, int]:
         """(pages of the global pool, all replicas; pages of the windowed pool, per replica)."""

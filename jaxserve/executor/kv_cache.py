@@ -169,9 +169,13 @@ def init_kv_cache(cfg: ModelConfig, cache: CacheConfig, dtype, mesh: Mesh) -> li
     out = []
     for layer in range(cfg.num_layers):
         if cfg.is_linear(layer):  # a hybrid's linear layer: its state slots, not pages (models/gated_deltanet.py)
-            la, replicated = cfg.linear_attention, NamedSharding(mesh, PartitionSpec())
-            out.append(tuple(_zeros((cache.num_state_slots, *shape), jnp.float32, replicated, None)()
-                             for shape in (la.conv_state_shape(), la.recurrent_state_shape())))
+            la, tensor = cfg.linear_attention, int(mesh.shape["tensor"])
+            # The delta-rule state split by value head over tensor where the heads divide; the small
+            # convolution state replicated.
+            heads = "tensor" if la.num_v_heads % tensor == 0 else None
+            specs = (PartitionSpec(), PartitionSpec(None, heads, None, None))
+            out.append(tuple(_zeros((cache.num_state_slots, *shape), jnp.float32, NamedSharding(mesh, spec), None)()
+                             for shape, spec in zip((la.conv_state_shape(), la.recurrent_state_shape()), specs)))
             continue
         local = uses_local_pool(cfg, cache, layer)
         shape, sharding = cache_sharding(cfg, cache, mesh, cache.num_local_pages if local else None)
