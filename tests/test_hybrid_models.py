@@ -75,10 +75,12 @@ def test_logits_match_transformers(name, tokenizer, tmp_path):
 def engine(tmp_path_factory, tokenizer):
     path = build_tiny_model("qwen3_next", tmp_path_factory.mktemp("qwen3_next"), tokenizer=tokenizer)
     # 24 pages: four sequences of 30 tokens (8 pages each) do not fit at once, so one is preempted. Two tensor
-    # shards: attention heads and the delta-rule states' value heads split over them.
+    # shards: attention heads and the delta-rule states' value heads split over them. Prompt-lookup speculation
+    # (steps of at most two decodes): a verifying step must not advance the recurrent state.
     llm = LLM(str(path), dtype="float32", page_size=4, num_pages=24, max_num_seqs=4, max_num_batched_tokens=16,
               max_model_len=64, mesh="tensor=2", num_devices=2, debug_checks=True, warmup=False,
-              compilation_cache_dir=None)
+              compilation_cache_dir=None, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                              "prompt_lookup_min": 1, "disable_by_batch_size": 2})
     return llm, hf_model(path)
 
 
@@ -114,11 +116,23 @@ def test_engine_preemption_recomputes_the_state(engine):
     assert llm.engine.scheduler.block_manager.stats()["state_slots_used"] == 0
 
 
+def test_speculation_replays_accepted_tokens_from_the_unadvanced_state(engine):
+    """Drafts proposed from a repetitive prompt are verified, some accepted and some rejected; the state is left as
+    it was and the accepted run recomputed from it: the tokens are transformers' greedy ones."""
+    llm, hf = engine
+    spec = llm.engine.spec.counters
+    before = dict(spec.stats())
+    prompt = [5, 6, 7, 8, 9] * 4
+    out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 16)
+    after = spec.stats()
+    proposed = after["spec_proposed_tokens"] - before["spec_proposed_tokens"]
+    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    assert 0 < proposed and accepted < proposed  # verified drafts, some of them rejected
+
+
 def test_engine_refuses_what_it_cannot_hold(engine):
     llm, _ = engine
-    with pytest.raises(ValueError, match="speculative_config is not supported for Qwen3NextForCausalLM"):
-        LLM(llm.engine.executor.model_path, dtype="float32", max_model_len=64, warmup=False,
-            compilation_cache_dir=None, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="mesh .* is not supported for Qwen3NextForCausalLM"):
         LLM(llm.engine.executor.model_path, dtype="float32", max_model_len=64, warmup=False,
             compilation_cache_dir=None, mesh="data=2", num_devices=2)

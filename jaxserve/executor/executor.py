@@ -188,9 +188,9 @@ class Executor:
         if self.model_config.linear_attention is None:
             return
         name = self.model_config.architecture
-        if config.speculative_config is not None:
-            raise ValueError(f"speculative_config is not supported for {name}: rejected draft tokens would advance "
-                             "its recurrent state")
+        if config.speculative_config is not None and config.speculative_config.model:
+            raise ValueError(f"speculative_config with a draft model is not supported for {name} (method 'ngram' "
+                             "is)")
         if config.enable_lora:
             raise ValueError(f"enable_lora is not supported for {name}")
         if config.prefill_mesh is not None:

@@ -209,6 +209,10 @@ class GatedDeltaNet(nnx.Module):
             off = rows - cu[seq]
             q_lens = cu[1:] - cu[:-1]  # i32[S]
             fresh = (md.kv_lens - q_lens) <= 0  # bool[S]: the step starts the sequence
+            # A negative slot (a step verifying drafts) reads the state but writes the scratch slot: the state
+            # does not advance until the accepted tokens are replayed (scheduler._update_speculated).
+            keep = slots >= 0
+            slots = jnp.abs(slots)
             conv0 = jnp.where(fresh[:, None, None], 0.0, conv_state[slots])  # f32[S, W, X]
             rec0 = jnp.where(fresh[:, None, None, None], 0.0, rec_state[slots])  # f32[S, Hv, Dk, Dv]
         xf = mixed.astype(jnp.float32)  # f32[T, X]
@@ -253,7 +257,7 @@ class GatedDeltaNet(nnx.Module):
                              conv0[sq, jnp.clip(w + rel, 0, w - 1)])  # f32[S, W, X]
         has_rows = q_lens > 0
         new_conv = jnp.where(has_rows[:, None, None], new_conv, conv0)
-        target = jnp.where(has_rows, slots, 0)  # sequences with no rows (padding) write the scratch slot
+        target = jnp.where(has_rows & keep, slots, 0)  # padding and verifying sequences write the scratch slot
         conv_state = conv_state.at[target].set(new_conv.astype(conv_state.dtype))
         rec_state = rec_state.at[target].set(final.astype(rec_state.dtype))
         return y, conv_state, rec_state
