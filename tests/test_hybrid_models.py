@@ -73,12 +73,12 @@ def test_logits_match_transformers(name, tokenizer, tmp_path):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, tokenizer):
-    path = build_tiny_model("qwen3_next", tmp_path_factory.mktemp("qwen3_next"), tokenizer=tokenizer)
-    # 24 pages: four sequences of 30 tokens (8 pages each) do not fit at once, so one is preempted. Two tensor
+    path = build_tiny_model("qwen3_5", tmp_path_factory.mktemp("qwen3_5"), tokenizer=tokenizer)
+    # 12 pages: two sequences of 30 tokens (8 pages each) do not fit at once, so one is preempted. Two tensor
     # shards: attention heads and the delta-rule states' value heads split over them. Prompt-lookup speculation
     # (steps of at most two decodes): a verifying step must not advance the recurrent state.
-    llm = LLM(str(path), dtype="float32", page_size=4, num_pages=24, max_num_seqs=4, max_num_batched_tokens=16,
-              max_model_len=64, mesh="tensor=2", num_devices=2, debug_checks=True, warmup=False,
+    llm = LLM(str(path), dtype="float32", page_size=4, num_pages=12, max_num_seqs=2, max_num_batched_tokens=16,
+              max_model_len=48, mesh="tensor=2", num_devices=2, debug_checks=True, warmup=False,
               compilation_cache_dir=None, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                               "prompt_lookup_min": 1, "disable_by_batch_size": 2})
     return llm, hf_model(path)
@@ -108,7 +108,7 @@ def test_engine_preemption_recomputes_the_state(engine):
     llm, hf = engine
     before = llm.engine.scheduler.num_preemptions
     rng = np.random.default_rng(2)
-    prompts = [rng.integers(3, llm.model_config.vocab_size, 20).tolist() for _ in range(4)]
+    prompts = [rng.integers(3, llm.model_config.vocab_size, 20).tolist() for _ in range(2)]
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.num_preemptions > before
     for prompt, out in zip(prompts, outs):
@@ -133,7 +133,7 @@ def test_speculation_replays_accepted_tokens_from_the_unadvanced_state(engine):
 
 def test_engine_refuses_what_it_cannot_hold(engine):
     llm, _ = engine
-    with pytest.raises(ValueError, match="mesh .* is not supported for Qwen3NextForCausalLM"):
+    with pytest.raises(ValueError, match="mesh .* is not supported for Qwen3_5ForCausalLM"):
         LLM(llm.engine.executor.model_path, dtype="float32", max_model_len=64, warmup=False,
             compilation_cache_dir=None, mesh="data=2", num_devices=2)
 
@@ -189,7 +189,7 @@ def test_capacity_sets_the_state_slots_aside(engine):
     from sharding.config import MeshConfig
 
     cfg, mesh = engine[0].model_config, MeshConfig.parse(None)
-    c = capacity(cfg, hbm_gb=0.01, dtype="float32", page_size=4, mesh=mesh, utilization=1.0, max_model_len=64,
+    c = capacity(cfg, hbm_gb=0.01, dtype="float32", page_size=4, mesh=mesh, utilization=1.0, max_model_len=48,
                  max_num_seqs=4)
     slot = cfg.linear_attention.state_bytes
     assert (c["state_slots"], c["state_bytes_per_slot"]) == (4, slot)
