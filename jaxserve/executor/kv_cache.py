@@ -158,6 +158,16 @@ def cache_sharding(cfg: ModelConfig, cache: CacheConfig, mesh: Mesh, num_pages: 
     return shape, logical_sharding(CACHE_AXES, shape, mesh)
 
 
+def state_arrays(cfg: ModelConfig, num_slots: int, mesh: Mesh) -> list[tuple[tuple, NamedSharding]]:
+    """(shape, sharding) of a linear layer's two state arrays: the convolution's inputs f32[slots, W, conv_dim],
+    replicated (small), and the delta rule's f32[slots, Hv, Dk, Dv], split by value head over ``tensor`` where
+    the heads divide."""
+    la, tensor = cfg.linear_attention, int(mesh.shape["tensor"])
+    heads = "tensor" if la.num_v_heads % tensor == 0 else None
+    return [((num_slots, *la.conv_state_shape()), NamedSharding(mesh, PartitionSpec())),
+            ((num_slots, *la.recurrent_state_shape()), NamedSharding(mesh, PartitionSpec(None, heads, None, None)))]
+
+
 def uses_local_pool(cfg: ModelConfig, cache: CacheConfig, layer: int) -> bool:
     """Whether ``layer`` keeps its pages in the windowed layers' own pool."""
     return bool(cache.num_local_pages) and cfg.sliding_windows[layer] is not None
@@ -169,13 +179,8 @@ def init_kv_cache(cfg: ModelConfig, cache: CacheConfig, dtype, mesh: Mesh) -> li
     out = []
     for layer in range(cfg.num_layers):
         if cfg.is_linear(layer):  # a hybrid's linear layer: its state slots, not pages (models/gated_deltanet.py)
-            la, tensor = cfg.linear_attention, int(mesh.shape["tensor"])
-            # The delta-rule state split by value head over tensor where the heads divide; the small
-            # convolution state replicated.
-            heads = "tensor" if la.num_v_heads % tensor == 0 else None
-            specs = (PartitionSpec(), PartitionSpec(None, heads, None, None))
-            out.append(tuple(_zeros((cache.num_state_slots, *shape), jnp.float32, NamedSharding(mesh, spec), None)()
-                             for shape, spec in zip((la.conv_state_shape(), la.recurrent_state_shape()), specs)))
+            out.append(tuple(_zeros(shape, jnp.float32, sharding, None)()
+                             for shape, sharding in state_arrays(cfg, cache.num_state_slots, mesh)))
             continue
         local = uses_local_pool(cfg, cache, layer)
         shape, sharding = cache_sharding(cfg, cache, mesh, cache.num_local_pages if local else None)

@@ -60,7 +60,9 @@ from jaxserve.executor.kv_cache import (
     cache_sharding,
     kv_storage_dtype,
     pool_pages,
+    state_arrays,
     state_pool_bytes,
+    state_slots_for,
 )
 from jaxserve.executor.penalty_state import PenaltyState
 from jaxserve.executor.runner import StepOutput, jit_step, step_layouts, step_static_args
@@ -240,15 +242,22 @@ class StepCompiler:
             scale_sharding = logical_sharding(CACHE_AXES, shape[:-1] + (1,), mesh)
             pool = QuantizedPages(pool, jax.ShapeDtypeStruct(shape[:-1] + (1,), jnp.float32, sharding=scale_sharding))
             sharding = QuantizedPages(sharding, scale_sharding)
-        self.kv_cache = [(pool, pool) for _ in range(cfg.num_layers)]
+        # A hybrid's linear layers hold state slots (one per sequence, plus scratch) in place of pages.
+        self.state_slots = state_slots_for(cfg, max_num_seqs)
+        states = (state_arrays(cfg, self.state_slots, mesh) if self.state_slots else [])
+        state_structs = tuple(jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s) for shape, s in states)
+        self.kv_cache = [state_structs if cfg.is_linear(i) else (pool, pool) for i in range(cfg.num_layers)]
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        self.outs = (StepOutput(self.replicated, self.replicated), [(sharding, sharding)] * cfg.num_layers)
+        self.outs = (StepOutput(self.replicated, self.replicated),
+                     [tuple(s for _, s in states) if cfg.is_linear(i) else (sharding, sharding)
+                      for i in range(cfg.num_layers)])
         self.num_logit_rows = self.num_replicas * max_num_seqs
         self.sample_device = mesh.devices.flat[0]
 
     def step(self, kind: str, tokens: int, slots: int, pages: int) -> Figures:
         """Compile one bucket of ``prefill_step`` or ``decode_step`` as ``ModelRunner`` would."""
-        batch = MeshBatch.padding(self.num_replicas, num_tokens=tokens, max_seqs=slots, pages_per_seq=pages)
+        batch = MeshBatch.padding(self.num_replicas, num_tokens=tokens, max_seqs=slots,
+                                  pages_per_seq=pages + (1 if self.state_slots else 0))  # a hybrid's slot column
         step_kind = StepKind.DECODE if kind == "decode" else StepKind.PREFILL
         static = step_static_args(step_kind, batch, self.layouts, self.backend, self.cfg.num_kv_heads)
         packed = jax.ShapeDtypeStruct(batch.pack().shape, jnp.int32, sharding=self.replicated)
@@ -519,6 +528,9 @@ def _memory(t: Target, req: Request, full: StepCompiler, figures: dict, sampler:
         "engine_pool_pages": engine_pages, "pool_pages": pool, "pool_bytes": max(pool, 0) * page_bytes,
         "pool_tokens": pool_tokens, "fits": fits, "short_by": max(0.0, need - usable),
         "full_length_sequences": pool_tokens // t.max_model_len,
+        # a hybrid's state slots (one per sequence plus scratch), set aside before the pages
+        "state_slots": max(state_slots_for(t.cfg, req.max_num_seqs) - 1, 0),
+        "state_pool_bytes": state_pool_bytes(t.cfg, req.max_num_seqs),
     }
     return memory, capacity
 
@@ -664,6 +676,8 @@ def format_report(r: dict) -> str:
         f"{m['penalty_state'] / 2**20:.1f} MiB |",
         f"| KV pool (after weights and temporaries, {r['hbm_utilization']:.0%} of HBM) | "
         f"{m['pool_pages']:,} pages = {gib(m['pool_bytes'])} = {m['pool_tokens']:,} tokens |",
+        *([f"| state slots (linear-attention layers) | {m['state_slots']:,} = {gib(m['state_pool_bytes'])} |"]
+          if m.get("state_slots") else []),
         f"| fits | {'yes' if m['fits'] else 'NO, short by ' + gib(m['short_by'])}; "
         f"{m['full_length_sequences']:,} sequences of {r['max_model_len']:,} tokens |",
     ]

@@ -24,8 +24,14 @@ import argparse
 
 from jaxserve.config.args import ArgumentParser, user_error
 from jaxserve.config.engine import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
-from jaxserve.executor.kv_cache import (bytes_per_token, kv_storage_dtype, local_pool_pages, pool_pages,
-                                         state_pool_bytes, state_slots_for)
+from jaxserve.executor.kv_cache import (
+    bytes_per_token,
+    kv_storage_dtype,
+    local_pool_pages,
+    pool_pages,
+    state_pool_bytes,
+    state_slots_for,
+)
 from jaxserve.models.config import ModelConfig
 from jaxserve.tools.model_specs import PRESETS, model_config
 from sharding.config import MeshConfig
