@@ -12,7 +12,7 @@ from jaxserve.config.scheduler import SchedulerConfig
 from jaxserve.llm import LLM
 
 # Known once the model and the pool are: set by the executor (windows and the windowed pool from the model).
-DERIVED = {"num_pages", "max_model_len", "attention_window", "local_window", "local_pages"}
+DERIVED = {"num_pages", "max_model_len", "attention_window", "local_window", "local_pages", "state_slots"}
 
 
 def test_every_scheduler_option_is_a_flag_and_reaches_the_scheduler():

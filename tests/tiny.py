@@ -6,12 +6,31 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
-                          GptOssForCausalLM, LlamaConfig,
-                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -88,13 +107,29 @@ FAMILIES = {
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
+# Hybrids of Gated DeltaNet (a recurrent state per sequence) and gated full attention: one layer of each, key heads
+# serving two value heads each, a quarter of each attention head rotated, a shared expert beside the routed ones.
+_HYBRID = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+               linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+               layer_types=["linear_attention", "full_attention"], tie_word_embeddings=False,
+               rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))
+_HYBRID_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=48)
+HYBRID_FAMILIES = {
+    "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM,
+                   dict(_HYBRID, **_HYBRID_MOE, norm_topk_prob=True)),
+    "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, dict(_HYBRID)),
+    "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM,
+                    dict(_HYBRID, **_HYBRID_MOE)),
+}
+
 
 def build_tiny_model(family: str, path: Path, *, tokenizer: PreTrainedTokenizerFast | None = None, seed: int = 0,
                      init_std: float = 0.25, train_steps: int = 0, **overrides) -> Path:
     """Save a random-weight fp32 checkpoint of ``family`` (see FAMILIES) with a tokenizer into ``path``; with
     ``train_steps``, the random model is first trained that many steps on ``markov_corpus`` (``train_markov``)."""
     tokenizer = tokenizer or train_tokenizer()
-    config_cls, model_cls, family_overrides = FAMILIES[family]
+    config_cls, model_cls, family_overrides = {**FAMILIES, **HYBRID_FAMILIES}[family]
     kwargs = dict(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=init_std, bos_token_id=0,
@@ -108,10 +143,12 @@ def build_tiny_model(family: str, path: Path, *, tokenizer: PreTrainedTokenizerF
     model = model_cls(config).eval()
     # Norms start at 1 (Gemma's at 0: it scales by 1 + w) and biases at 0; randomise them so a mix-up would show,
     # keeping every family's norms scaling by about 1 as trained checkpoints do.
-    norm_center = 0.0 if config.model_type.startswith("gemma") else 1.0
+    norm_center = 0.0 if config.model_type.startswith(("gemma", "qwen3_next", "qwen3_5")) else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("linear_attn.norm.weight"):  # the hybrids' gated norm scales by w itself
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("norm.weight"):
                 p.copy_(norm_center + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn_like(p))

@@ -34,6 +34,9 @@ class SchedulerConfig:
     # recycled behind `local_window` (jaxserve/scheduler/window_pool.py). 0 pages: one pool for every layer.
     local_window: int | None = None
     local_pages: int = 0
+    # A hybrid model (linear-attention layers): a state slot per running sequence beside its pages, from a pool of
+    # `state_slots` (jaxserve/scheduler/state_pool.py). 0: no state pool.
+    state_slots: int = 0
     # LoRA: the most distinct adapters running at once (0: no adapters); a sequence whose adapter would exceed it
     # waits
     max_loras: int = 0
@@ -56,6 +59,9 @@ class SchedulerConfig:
         if (self.local_window is None) != (self.local_pages == 0) or self.local_pages < 0:
             raise ValueError(f"SchedulerConfig.local_window={self.local_window!r} and local_pages={self.local_pages!r} "
                              "must be set together")
+        if not isinstance(self.state_slots, int) or self.state_slots < 0 or 0 < self.state_slots < self.max_num_seqs:
+            raise ValueError(f"SchedulerConfig.state_slots={self.state_slots!r} must be 0 or at least "
+                             f"max_num_seqs={self.max_num_seqs}")
         if self.max_model_len < 2:
             raise ValueError(f"SchedulerConfig.max_model_len={self.max_model_len} must be >= 2 (prompt and output)")
         # One sequence of max_model_len tokens must fit alone, or it could never finish.

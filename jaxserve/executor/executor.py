@@ -33,6 +33,8 @@ from jaxserve.executor.kv_cache import (
     limit_gpu_pool,
     local_pool_pages,
     pool_pages,
+    state_pool_bytes,
+    state_slots_for,
 )
 from jaxserve.executor.penalty_state import PenaltyState
 from jaxserve.executor.prompt_logprobs import ScoreRows, score
@@ -93,6 +95,7 @@ class Executor:
         self.num_replicas = int(self.mesh.shape["data"])
         self.is_leader = multihost.is_leader()
         model = self._load_model(model_config)
+        self._check_hybrid()
         backend = AttentionBackend.resolve(config.attention_backend)
         self.cache_dtype = self._kv_cache_dtype(backend, model.embed_tokens.dtype)
         self.draft_config = self._read_draft_config(draft_config)
@@ -159,8 +162,9 @@ class Executor:
         ``scheduler_config``."""
         config, cfg = self.config, self.model_config
         num_pages, local = self._pool_pages(backend)
+        slots = state_slots_for(cfg, config.max_num_seqs)
         self.cache_config = CacheConfig(config.page_size, num_pages, self.num_replicas,
-                                        num_local_pages=local * self.num_replicas)
+                                        num_local_pages=local * self.num_replicas, num_state_slots=slots)
         self.kv_bytes_per_token = bytes_per_token(cfg, self.cache_dtype)
         logger.info("KV cache: %d pages of %d tokens (%d tokens), %s%s, %d bytes per token%s; weights %s",
                     num_pages, config.page_size, num_pages * config.page_size, np.dtype(self.cache_dtype).name,
@@ -169,7 +173,33 @@ class Executor:
                     self._weights_description(model))
         self.scheduler_config = dataclasses.replace(
             config.scheduler_config(num_pages=self.cache_config.pages_per_replica, max_model_len=self.max_model_len),
-            attention_window=cfg.attention_window, local_window=cfg.local_window, local_pages=local)
+            attention_window=cfg.attention_window, local_window=cfg.local_window, local_pages=local,
+            state_slots=slots)
+        if slots:
+            logger.info("state pool: %d slots of %d bytes (%d linear-attention layers) beside %d KV pages of the %d "
+                        "full-attention layers; prefix caching off (a cached prefix would not restore the recurrent "
+                        "state)", slots - 1, cfg.linear_attention.state_bytes, cfg.linear_attention.num_linear_layers,
+                        num_pages, cfg.num_attention_layers)
+            self.scheduler_config = dataclasses.replace(self.scheduler_config, enable_prefix_caching=False)
+
+    def _check_hybrid(self) -> None:
+        """Refuse, naming the option, what a hybrid (linear-attention) model does not support yet."""
+        config = self.config
+        if self.model_config.linear_attention is None:
+            return
+        name = self.model_config.architecture
+        if config.speculative_config is not None and config.speculative_config.model:
+            raise ValueError(f"speculative_config with a draft model is not supported for {name} (method 'ngram' "
+                             "is)")
+        if config.enable_lora:
+            raise ValueError(f"enable_lora is not supported for {name}")
+        if config.prefill_mesh is not None:
+            raise ValueError(f"prefill_mesh/decode_mesh (disaggregation) is not supported for {name}: its "
+                             "recurrent state does not travel with the pages")
+        shape = dict(self.mesh.shape)
+        if any(shape[axis] != 1 for axis in shape if axis != "tensor"):
+            raise ValueError(f"mesh {shape} is not supported for {name}: only the tensor axis (its state slots live "
+                             "on every device of one replica)")
 
     def _pool_pages(self, backend: AttentionBackend) -> tuple[int, int]:
         """(pages of the global pool, all replicas; pages of the windowed pool, per replica)."""
@@ -276,6 +306,7 @@ class Executor:
             memory, utilization, used = stats["bytes_limit"], config.hbm_utilization, stats.get("bytes_in_use", 0)
         else:  # CPU: cpu_kv_cache_gib is the whole pool, all replicas together
             memory, utilization, used = config.cpu_kv_cache_gib * 2**30 / replicas, 1.0, 0
+        used += state_pool_bytes(cfg, config.max_num_seqs)  # a hybrid's state slots come out of the same budget
         draft = 0
         if self.config.speculative_config is not None and self.config.speculative_config.model:
             # the draft's pool mirrors the target's pages (jaxserve/executor/drafter.py): one budget for both
@@ -410,7 +441,7 @@ class Executor:
     def _decode_run(self, plan):
         """The plan's ``DecodeRun`` when it is the whole step on one replica, with no draft rows, no windowed pool
         and no draft model (else None: the batch is built from entries)."""
-        if len(plan.plans) != 1 or self.spec is not None or self.runner.local_pool:
+        if len(plan.plans) != 1 or self.spec is not None or self.runner.local_pool or self.runner.state_pool:
             return None
         p = plan.plans[0]
         return p.run if p.run is not None and not p.entries else None
@@ -533,13 +564,21 @@ class Executor:
                                              else sum(map(len, chunks)))
             num_seqs = shapes.prefill_seqs(num_tokens)
         pages = shapes.step_pages(kind == StepKind.DECODE, max(map(len, page_tables), default=1))
+        if self.runner.state_pool:  # a hybrid: each row ends with the sequence's state slot (one column)
+            if local_page_tables is None or len(local_page_tables) != len(page_tables) or any(
+                    len(lt) != 1 for lt in local_page_tables):
+                raise ValueError("a hybrid model needs a state slot (local_page_tables=[[slot]]) for every sequence")
+            page_tables = [list(t) + [0] * (pages - len(t)) + list(lt)
+                           for t, lt in zip(page_tables, local_page_tables, strict=True)]
+            pages += 1
         if self.runner.local_pool:
             if local_page_tables is None or len(local_page_tables) != len(page_tables):
                 raise ValueError("a model with a windowed page pool needs local_page_tables for every sequence")
             page_tables = [list(t) + [0] * (pages - len(t)) + list(lt)
                            for t, lt in zip(page_tables, local_page_tables, strict=True)]
             pages *= 2
-        if kind == StepKind.DECODE and row_keys is not None and self.num_replicas == 1 and not self.runner.local_pool:
+        if (kind == StepKind.DECODE and row_keys is not None and self.num_replicas == 1 and not self.runner.local_pool
+                and not self.runner.state_pool):
             return self._logit_rows(kind, MeshBatch.stack([self._decode_rows.build(
                 chunks, kv_lens, page_tables, *row_keys, max_seqs=num_seqs, pages_per_seq=pages)]))
         if self.num_replicas == 1:  # the common case: no regrouping
@@ -748,7 +787,8 @@ class Executor:
 
     def _padding_batch(self, decode: bool, num_tokens: int, num_seqs: int, pages: int) -> MeshBatch:
         batch = MeshBatch.padding(self.num_replicas, num_tokens=num_tokens, max_seqs=num_seqs,
-                                  pages_per_seq=pages * (2 if self.runner.local_pool else 1))
+                                  pages_per_seq=pages * (2 if self.runner.local_pool else 1)
+                                  + (1 if self.runner.state_pool else 0))
         return self._logit_rows(StepKind.DECODE if decode else StepKind.PREFILL, batch)
 
     def describe(self) -> dict:

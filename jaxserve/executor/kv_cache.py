@@ -17,7 +17,7 @@ from collections.abc import Sequence as Seq
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config.engine import KV_CACHE_DTYPES
 from jaxserve.models.config import ModelConfig
@@ -40,6 +40,7 @@ class CacheConfig:
     num_pages: int = 512
     num_replicas: int = 1  # the mesh's data axis
     num_local_pages: int = 0  # the windowed layers' own pool (all replicas), for models interleaving them; 0: none
+    num_state_slots: int = 0  # a hybrid model's state slots (slot 0 scratch), for its linear layers; 0: none
 
     def __post_init__(self):
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -65,7 +66,19 @@ def bytes_per_token(cfg: ModelConfig, dtype, tensor: int = 1) -> int:
     K or V (``pallas_kernels.quantized_pages``)."""
     heads = cache_heads(cfg.num_kv_heads, tensor) // tensor
     scales = SCALE_BYTES if is_quantized_dtype(dtype) else 0
-    return 2 * cfg.num_layers * heads * (cfg.head_dim * jnp.dtype(dtype).itemsize + scales)
+    return 2 * cfg.num_attention_layers * heads * (cfg.head_dim * jnp.dtype(dtype).itemsize + scales)
+
+
+def state_slots_for(cfg: ModelConfig, max_num_seqs: int) -> int:
+    """State slots of a hybrid model's pool: one per running sequence, plus the scratch slot 0; 0 for a model
+    without linear-attention layers."""
+    return 0 if cfg.linear_attention is None else max_num_seqs + 1
+
+
+def state_pool_bytes(cfg: ModelConfig, max_num_seqs: int) -> int:
+    """Bytes of a hybrid model's state pool (every slot, every linear layer; replicated on each device)."""
+    slots = state_slots_for(cfg, max_num_seqs)
+    return slots * cfg.linear_attention.state_bytes if slots else 0
 
 
 SCALE_BYTES = 4  # one f32 scale per token and KV head of an 8-bit pool
@@ -145,6 +158,16 @@ def cache_sharding(cfg: ModelConfig, cache: CacheConfig, mesh: Mesh, num_pages: 
     return shape, logical_sharding(CACHE_AXES, shape, mesh)
 
 
+def state_arrays(cfg: ModelConfig, num_slots: int, mesh: Mesh) -> list[tuple[tuple, NamedSharding]]:
+    """(shape, sharding) of a linear layer's two state arrays: the convolution's inputs f32[slots, W, conv_dim],
+    replicated (small), and the delta rule's f32[slots, Hv, Dk, Dv], split by value head over ``tensor`` where
+    the heads divide."""
+    la, tensor = cfg.linear_attention, int(mesh.shape["tensor"])
+    heads = "tensor" if la.num_v_heads % tensor == 0 else None
+    return [((num_slots, *la.conv_state_shape()), NamedSharding(mesh, PartitionSpec())),
+            ((num_slots, *la.recurrent_state_shape()), NamedSharding(mesh, PartitionSpec(None, heads, None, None)))]
+
+
 def uses_local_pool(cfg: ModelConfig, cache: CacheConfig, layer: int) -> bool:
     """Whether ``layer`` keeps its pages in the windowed layers' own pool."""
     return bool(cache.num_local_pages) and cfg.sliding_windows[layer] is not None
@@ -155,6 +178,10 @@ def init_kv_cache(cfg: ModelConfig, cache: CacheConfig, dtype, mesh: Mesh) -> li
     layers get ``num_local_pages`` pages when the cache has a windowed pool."""
     out = []
     for layer in range(cfg.num_layers):
+        if cfg.is_linear(layer):  # a hybrid's linear layer: its state slots, not pages (models/gated_deltanet.py)
+            out.append(tuple(_zeros(shape, jnp.float32, sharding, None)()
+                             for shape, sharding in state_arrays(cfg, cache.num_state_slots, mesh)))
+            continue
         local = uses_local_pool(cfg, cache, layer)
         shape, sharding = cache_sharding(cfg, cache, mesh, cache.num_local_pages if local else None)
         scale_sharding = (logical_sharding(CACHE_AXES, shape[:-1] + (1,), mesh) if is_quantized_dtype(dtype)

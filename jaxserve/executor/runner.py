@@ -135,6 +135,7 @@ class ModelRunner:
         self.adapters = None
         # One jit object per kind, so prefill and decode shapes are compiled and cached separately.
         self.local_pool = bool(cache.num_local_pages)  # page tables carry the windowed pool's table after the global
+        self.state_pool = bool(cache.num_state_slots)  # page tables end with the sequence's state slot (hybrids)
         self._steps = {kind: jit_step(self.graphdef, num_logit_rows, outs, self.local_pool) for kind in StepKind}
         self._static: dict[tuple, tuple] = {}  # (kind, shape fields) -> the step's static arguments
         # (kind, shape fields) -> the compiled step, called directly (no tracing): filled by ``prepare``.
@@ -235,6 +236,8 @@ class ModelRunner:
         if self.debug_checks:
             for r in range(batch.num_replicas):
                 md = batch.replica(r).md
+                if self.state_pool:
+                    md = dataclasses.replace(md, page_indices=md.page_indices[:, :-1])
                 pools = [(md, self.cache_cfg.pages_per_replica)]
                 if self.local_pool:
                     width = md.page_indices.shape[1] // 2

@@ -14,6 +14,7 @@ from typing import Any
 from jaxserve.models.moe_config import MoeConfig
 from jaxserve.models.registry import SUPPORTED_ARCHITECTURES, family_for
 from jaxserve.models.rope import RopeConfig
+from jaxserve.models.state_config import LinearAttentionConfig
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 __all__ = ["ModelConfig", "SUPPORTED_ARCHITECTURES"]
@@ -58,6 +59,12 @@ class ModelConfig:
     quantization_config: dict | None = dataclasses.field(default=None, compare=False, repr=False)
     moe: MoeConfig | None = None  # Mixture-of-Experts families
     attn_sinks: bool = False  # a learned sink logit per query head in every softmax denominator (gpt-oss)
+    # Hybrid families (Qwen3-Next, Qwen3.5): their Gated DeltaNet layers; the others are full attention, gated
+    # (``attn_output_gate``: q_proj also yields a per-channel sigmoid gate of the attention output) and rotating
+    # only the first ``rotary_dim`` channels of each head (partial rotary; None: all of them).
+    linear_attention: LinearAttentionConfig | None = None
+    attn_output_gate: bool = False
+    rotary_dim: int | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -79,6 +86,20 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be > 0")
         if any(w is not None and w < 1 for w in self.sliding_windows):
             raise ValueError(f"sliding windows {self.sliding_windows} must be >= 1")
+        if self.linear_attention is not None and len(self.linear_attention.layers) != self.num_layers:
+            raise ValueError(f"layer_types names {len(self.linear_attention.layers)} layers, the model has "
+                             f"{self.num_layers}")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary dimensions {self.rotary_dim} must be even and within head_dim={self.head_dim}")
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether ``layer`` is a linear-attention (Gated DeltaNet) layer: a state slot, no KV pages."""
+        return self.linear_attention is not None and self.linear_attention.layers[layer]
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers that keep KV pages (every layer but the linear-attention ones)."""
+        return self.num_layers - (self.linear_attention.num_linear_layers if self.linear_attention else 0)
 
     @property
     def sm_scale(self) -> float:
@@ -134,7 +155,7 @@ class ModelConfig:
             family=family.name,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
+            intermediate_size=hf.get("intermediate_size") or hf["moe_intermediate_size"],  # (Qwen3.5-MoE: none)
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
@@ -168,10 +189,13 @@ class ModelConfig:
         return self._params(active=True)
 
     def _params(self, *, active: bool) -> int:
-        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        attn = self.hidden_size * self.head_dim * ((3 if self.attn_output_gate else 2) * self.num_heads
+                                                   + 2 * self.num_kv_heads)
+        la = self.linear_attention
+        linear = la.num_linear_layers * (la.layer_params(self.hidden_size) - attn) if la else 0
         mlp = sum(self.moe.mlp_params(self.hidden_size, active=active) if self.is_sparse(i)
                   else 3 * self.hidden_size * self.intermediate_size for i in range(self.num_layers))
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         norms = (4 if self.sandwich_norms else 2) * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
         norms += self.num_heads if self.attn_sinks else 0
-        return self.num_layers * (attn + norms) + mlp + embed + self.hidden_size
+        return self.num_layers * (attn + norms) + linear + mlp + embed + self.hidden_size

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.models import layers, moe
+from jaxserve.models import gated_deltanet, layers, moe
 from jaxserve.models.attention import AttentionBackend, AttentionMetadata
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.lora import lora_delta
@@ -95,8 +95,11 @@ def _pick(lora, group: str, name: str):
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype):
         h, d = cfg.hidden_size, cfg.head_dim
-        # weight dt[C, H * D] (w8 when quantized; so for every Linear)
-        self.q_proj = Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias, dtype=dtype, axes=("embed", "q_heads"))
+        # weight dt[C, H * D] (w8 when quantized; so for every Linear); dt[C, H * 2D] with an output gate (each
+        # head's D query channels, then its D gate channels)
+        gated = 2 if cfg.attn_output_gate else 1
+        self.q_proj = Linear(h, cfg.num_heads * d * gated, bias=cfg.qkv_bias, dtype=dtype,
+                             axes=("embed", "q_heads"))
         # weight dt[C, K * D] each
         self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, axes=("embed", "kv_heads"))
         self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, axes=("embed", "kv_heads"))
@@ -115,7 +118,12 @@ class Attention(nnx.Module):
         (dt[R * T, C], k_pages, v_pages) with this step's K/V written."""
         cfg, t = self.cfg, x.shape[0]
         proj = lambda name: getattr(self, name)(x, _pick(lora, "self_attn", name))  # noqa: E731
-        q = _constrain(proj("q_proj").reshape(t, cfg.num_heads, cfg.head_dim), layout, "tokens", "act_heads",
+        q = proj("q_proj")
+        gate = None
+        if cfg.attn_output_gate:  # dt[R * T, H, 2D] -> q dt[R * T, H, D], gate dt[R * T, H * D]
+            q = q.reshape(t, cfg.num_heads, 2 * cfg.head_dim)
+            q, gate = q[..., : cfg.head_dim], q[..., cfg.head_dim:].reshape(t, cfg.num_heads * cfg.head_dim)
+        q = _constrain(q.reshape(t, cfg.num_heads, cfg.head_dim), layout, "tokens", "act_heads",
                        None)  # dt[R * T, H, D]
         k = _constrain(proj("k_proj").reshape(t, cfg.num_kv_heads, cfg.head_dim), layout, "tokens", "act_kv_heads",
                        None)  # dt[R * T, K, D]
@@ -130,7 +138,10 @@ class Attention(nnx.Module):
             q, k, v, k_pages, v_pages, md, sm_scale=cfg.sm_scale, sliding_window=self.sliding_window,
             soft_cap=cfg.attn_soft_cap, **sinks,
         )
-        out = self.o_proj(out.reshape(t, cfg.num_heads * cfg.head_dim), _pick(lora, "self_attn", "o_proj"))
+        out = out.reshape(t, cfg.num_heads * cfg.head_dim)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate)  # dt[R * T, H * D]
+        out = self.o_proj(out, _pick(lora, "self_attn", "o_proj"))
         return out, k_pages, v_pages  # dt[R * T, C], ...
 
 
@@ -164,7 +175,9 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype):
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg, dtype)
-        self.self_attn = Attention(cfg, layer, dtype)
+        linear = cfg.is_linear(layer)  # a hybrid's Gated DeltaNet layer in place of attention
+        self.self_attn = None if linear else Attention(cfg, layer, dtype)
+        self.linear_attn = gated_deltanet.GatedDeltaNet(cfg, dtype) if linear else None
         self.post_attention_layernorm = RMSNorm(h, cfg, dtype)
         self.pre_feedforward_layernorm = RMSNorm(h, cfg, dtype) if cfg.sandwich_norms else None
         self.post_feedforward_layernorm = RMSNorm(h, cfg, dtype) if cfg.sandwich_norms else None
@@ -173,9 +186,14 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, rope_table, k_pages, v_pages, md, backend, layout: StepLayout | None = None, lora=None):
         """x: dt[R * T, C] -> (dt[R * T, C], k_pages, v_pages) (as ``Attention``). ``lora``: (this layer's adapter
         slots {group: {name: (a, b)}}, the step's ``LoraRows``), or None."""
-        attn, k_pages, v_pages = self.self_attn(  # attn: dt[R * T, C]
-            self.input_layernorm(x), rope_table, k_pages, v_pages, md, backend, layout, lora
-        )
+        if self.linear_attn is not None:  # k_pages, v_pages: the layer's state slots (gated_deltanet)
+            attn, k_pages, v_pages = self.linear_attn(self.input_layernorm(x), k_pages, v_pages, *(
+                (None, None) if md is None else md), decode=bool(getattr(getattr(backend, "backend", None),
+                                                                         "decode", False)))
+        else:
+            attn, k_pages, v_pages = self.self_attn(  # attn: dt[R * T, C]
+                self.input_layernorm(x), rope_table, k_pages, v_pages, md, backend, layout, lora
+            )
         mlp = (lambda h: self.mlp(h, layout, lora)) if isinstance(self.mlp, MLP) else (  # noqa: E731
             lambda h: self.mlp(h, layout))  # a Mixture-of-Experts block takes no adapter
         if self.pre_feedforward_layernorm is None:
@@ -227,11 +245,18 @@ def forward(
     """
     cfg = model.cfg
     # One cos/sin table per distinct rope (Gemma 3: global and local), shared by the layers that use it.
-    tables = {}  # rope -> (cos, sin), f32[R * T, D] each
+    tables = {}  # rope -> (cos, sin), f32[R * T, D] each (f32[R * T, rotary_dim] with partial rotary)
     for i in range(cfg.num_layers):
         rope = cfg.layer_rope(i)
         if rope not in tables:
-            tables[rope] = layers.rope_tables(positions, rope, cfg.head_dim)
+            tables[rope] = layers.rope_tables(positions, rope, cfg.rotary_dim or cfg.head_dim)
+    state_md = None
+    if cfg.linear_attention is not None:
+        # A hybrid: each page-table row ends with the sequence's state slot (one replica, gated_deltanet).
+        if md.page_indices.shape[0] != 1:
+            raise ValueError("linear-attention models run on one data replica")
+        state_md = (jax.tree.map(lambda a: a[0], md), md.page_indices[0, :, -1])  # (metadata, slots i32[S])
+        md = dataclasses.replace(md, page_indices=md.page_indices[..., :-1])  # i32[R, S, P]
     md_global = md_local = md
     if local_pool:
         width = md.page_indices.shape[-1] // 2  # P / 2: each pool's pages per slot
@@ -241,7 +266,7 @@ def forward(
     x = _constrain(model.embed_tokens(_constrain(token_ids, layout, "tokens")), layout, "tokens", "act_embed")
     new_cache = []
     for i, (layer, (k_pages, v_pages)) in enumerate(zip(model.layers, kv_cache, strict=True)):
-        layer_md = md_local if cfg.sliding_windows[i] is not None else md_global
+        layer_md = state_md if cfg.is_linear(i) else md_local if cfg.sliding_windows[i] is not None else md_global
         # x: dt[R * T, C]; the pages: kv[K, num_pages, page_size, D]
         x, k_pages, v_pages = layer(x, tables[cfg.layer_rope(i)], k_pages, v_pages, layer_md, attention, layout,
                                     None if lora is None else (lora[0][i], lora[1]))

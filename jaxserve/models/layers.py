@@ -157,6 +157,9 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
       dt[T, H or K, D]
     """
     cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)  # dt[T, 1, D] each
+    if cos.shape[-1] < x.shape[-1]:  # partial rotary (Qwen3-Next): only the first channels rotate
+        d = cos.shape[-1]
+        return jnp.concatenate([rope(x[..., :d], cos[:, 0], sin[:, 0]), x[..., d:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)  # dt[T, H or K, D]
     return x * cos + rotated * sin  # dt[T, H or K, D]

@@ -33,7 +33,7 @@ from sharding.rules import DEFAULT_RULES, check_expert_parallel, logical_shardin
 DTYPES = {name: jnp.dtype(name) for name in engine_config.DTYPES if name != "auto"}
 ORBAX_DIR = "params"
 # Buffers some checkpoints carry that are derived, not learned.
-_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^mtp\.")  # mtp: Qwen3.5's multi-token head, unused
 # Mixture-of-Experts checkpoints store one tensor per expert; ours are stacked dt[E, in, out] (models/moe.py).
 # Mixtral names its block `block_sparse_moe` and its experts' projections w1 (gate), w3 (up), w2 (down).
 _MIXTRAL = {".block_sparse_moe.": ".mlp.", ".w1.weight": ".gate_proj.weight", ".w3.weight": ".up_proj.weight",

@@ -5,12 +5,26 @@ Adding a family: write its short file beside this one (see ``llama.py``, ``gemma
 
 from __future__ import annotations
 
-from jaxserve.models import gemma2, gemma3, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from jaxserve.models import (
+    gemma2,
+    gemma3,
+    gpt_oss,
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+    qwen3_next,
+)
 from jaxserve.models.family import Family
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma2.FAMILY,
                                 gemma3.FAMILY, mixtral.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY,
                                 gpt_oss.FAMILY)
+# Hybrids of linear attention (a recurrent state per sequence) and full attention.
+FAMILIES += (qwen3_next.FAMILY, qwen3_next.QWEN3_5, qwen3_next.QWEN3_5_MOE)
 BY_ARCHITECTURE: dict[str, Family] = {arch: f for f in FAMILIES for arch in f.architectures}
 SUPPORTED_ARCHITECTURES = tuple(BY_ARCHITECTURE)
 # config.json's ``model_type`` -> the architecture it means, for a config that lists no ``architectures``
@@ -21,6 +35,8 @@ BY_MODEL_TYPE: dict[str, str] = {
     "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
 }
+BY_MODEL_TYPE.update({"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+                      "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"})
 
 
 def family_for(architectures: list[str], model_type: str | None = None) -> tuple[str, Family]:

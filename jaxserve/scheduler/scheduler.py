@@ -14,6 +14,7 @@ from jaxserve.config.scheduler import SchedulerConfig
 from jaxserve.scheduler.block_manager import BlockManager, PageHolder
 from jaxserve.scheduler.sequence import Sequence, SequenceStatus
 from jaxserve.scheduler.slot_state import DecodeSlots, StopSlots
+from jaxserve.scheduler.state_pool import StateBlockManager
 from jaxserve.scheduler.window_pool import WindowedBlockManager
 from jaxserve.text.request_checks import check_fits
 
@@ -134,7 +135,9 @@ class Scheduler:
         bulk planner must equal)."""
         self.config = config
         self.bulk_decodes = bulk_decodes
-        if config.local_pages:
+        if config.state_slots:
+            self.block_manager = StateBlockManager(config.num_pages, config.state_slots, config.page_size)
+        elif config.local_pages:
             self.block_manager = WindowedBlockManager(
                 config.num_pages, config.local_pages, config.page_size, window=config.local_window,
                 enable_prefix_caching=config.enable_prefix_caching)
@@ -375,10 +378,17 @@ class Scheduler:
             self._stale.append(seq)
             plan.append(self._entry(seq, n, kv_len) if not draft else ScheduledSequence(
                 seq, [seq.last_token, *draft], kv_len, BlockManager.readable_table(seq.page_table), True,
-                BlockManager.readable_table(seq.local_page_table), num_proposed=len(draft)))
+                self._verify_table(seq), num_proposed=len(draft)))
             budget -= n
             i += 1
         return budget, extra_rows
+
+    def _verify_table(self, seq: Sequence) -> list[int]:
+        """The second table of an entry that verifies drafts; a hybrid's state slot negated: the step reads the
+        sequence's recurrent state but does not write it back, and the accepted run is replayed from it next step
+        (``_update_speculated``), so rejected drafts never advance the state."""
+        table = BlockManager.readable_table(seq.local_page_table)
+        return [-s for s in table] if self.config.state_slots else table
 
     def _draft(self, seq: Sequence, room: int) -> list[int]:
         """Speculation's draft tokens for a decoding sequence (at most ``room``); none where they would need pages
@@ -503,7 +513,9 @@ class Scheduler:
         the tokens are appended one by one, each checked for a stop, so nothing past a stop is kept."""
         seq, bm = entry.seq, self.block_manager
         accepted = len(tokens) - 1
-        seq.num_computed_tokens = entry.num_computed_before + 1 + accepted
+        # A hybrid's state was not advanced by the verifying step (``_verify_table``): its last token and the
+        # accepted drafts are computed again, from that state, as the next step's chunk.
+        seq.num_computed_tokens = entry.num_computed_before + (0 if self.config.state_slots else 1 + accepted)
         emitted = 0
         for token in tokens:
             seq.append_token(int(token))

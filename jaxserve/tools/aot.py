@@ -61,6 +61,9 @@ from jaxserve.executor.kv_cache import (
     kv_storage_dtype,
     local_pool_pages,
     pool_pages,
+    state_arrays,
+    state_pool_bytes,
+    state_slots_for,
     uses_local_pool,
 )
 from jaxserve.executor.penalty_state import PenaltyState
@@ -253,9 +256,15 @@ class StepCompiler:
             if not self.local_pool:
                 break
         per_layer = [pools[uses_local_pool(cfg, self.cache, i)] for i in range(cfg.num_layers)]
-        self.kv_cache = [(pool, pool) for pool, _ in per_layer]
+        # A hybrid's linear layers hold state slots (one per sequence, plus scratch) in place of pages.
+        self.state_slots = state_slots_for(cfg, max_num_seqs)
+        states = (state_arrays(cfg, self.state_slots, mesh) if self.state_slots else [])
+        state_structs = tuple(jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s) for shape, s in states)
+        self.kv_cache = [state_structs if cfg.is_linear(i) else (pool, pool) for i, (pool, _) in enumerate(per_layer)]
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        self.outs = (StepOutput(self.replicated, self.replicated), [(sh, sh) for _, sh in per_layer])
+        self.outs = (StepOutput(self.replicated, self.replicated),
+                     [tuple(s for _, s in states) if cfg.is_linear(i) else (sh, sh)
+                      for i, (_, sh) in enumerate(per_layer)])
         self.num_logit_rows = self.num_replicas * max_num_seqs
         self.sample_device = mesh.devices.flat[0]
 
@@ -263,7 +272,8 @@ class StepCompiler:
         """Compile one bucket of ``prefill_step`` or ``decode_step`` as ``ModelRunner`` would."""
         # With a windowed pool each page-table row is the global table followed by the windowed one, of equal widths.
         batch = MeshBatch.padding(self.num_replicas, num_tokens=tokens, max_seqs=slots,
-                                  pages_per_seq=pages * (2 if self.local_pool else 1))
+                                  pages_per_seq=pages * (2 if self.local_pool else 1)
+                                  + (1 if self.state_slots else 0))  # a hybrid's slot column
         step_kind = StepKind.DECODE if kind == "decode" else StepKind.PREFILL
         static = step_static_args(step_kind, batch, self.layouts, self.backend, self.cfg.num_kv_heads)
         packed = jax.ShapeDtypeStruct(batch.pack().shape, jnp.int32, sharding=self.replicated)
@@ -433,8 +443,8 @@ def engine_pool_pages(t: Target, req: Request, used: float, *, capped: bool = Tr
     (the weights): the engine's own rule, ``kv_cache.pool_pages``, capped at max_num_seqs full-length sequences
     as the engine caps it; without the cap (``capped=False``), what fits."""
     pages = pool_pages(t.hbm, bytes_per_token(t.cfg, t.cache_dtype, t.mesh_cfg.tensor), req.page_size,
-                       utilization=req.hbm_utilization, used=used, windows=t.cfg.sliding_windows,
-                       local_pages=local_pages(t, req),
+                       utilization=req.hbm_utilization, used=used + state_pool_bytes(t.cfg, req.max_num_seqs),
+                       windows=t.cfg.sliding_windows, local_pages=local_pages(t, req),
                        max_pages=req.max_num_seqs * t.pages_per_seq if capped else None)
     limit = gpu_pool_limit(t, req)
     return pages if limit is None else min(pages, limit)
@@ -557,6 +567,9 @@ def _memory(t: Target, req: Request, full: StepCompiler, figures: dict, sampler:
         "window_pool_pages": local, "window_pool_bytes": -minus_local,
         "pool_tokens": pool_tokens, "fits": fits, "short_by": max(0.0, need - usable),
         "full_length_sequences": pool_tokens // t.max_model_len,
+        # a hybrid's state slots (one per sequence plus scratch), set aside before the pages
+        "state_slots": max(state_slots_for(t.cfg, req.max_num_seqs) - 1, 0),
+        "state_pool_bytes": state_pool_bytes(t.cfg, req.max_num_seqs),
     }
     return memory, capacity
 
@@ -702,6 +715,8 @@ def format_report(r: dict) -> str:
         f"{m['penalty_state'] / 2**20:.1f} MiB |",
         f"| KV pool (after weights and temporaries, {r['hbm_utilization']:.0%} of HBM) | "
         f"{m['pool_pages']:,} pages = {gib(m['pool_bytes'])} = {m['pool_tokens']:,} tokens |",
+        *([f"| state slots (linear-attention layers) | {m['state_slots']:,} = {gib(m['state_pool_bytes'])} |"]
+          if m.get("state_slots") else []),
         f"| fits | {'yes' if m['fits'] else 'NO, short by ' + gib(m['short_by'])}; "
         f"{m['full_length_sequences']:,} sequences of {r['max_model_len']:,} tokens |",
     ]

@@ -24,7 +24,14 @@ import argparse
 
 from jaxserve.config.args import ArgumentParser, user_error
 from jaxserve.config.engine import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
-from jaxserve.executor.kv_cache import bytes_per_token, kv_storage_dtype, local_pool_pages, pool_pages
+from jaxserve.executor.kv_cache import (
+    bytes_per_token,
+    kv_storage_dtype,
+    local_pool_pages,
+    pool_pages,
+    state_pool_bytes,
+    state_slots_for,
+)
 from jaxserve.models.config import ModelConfig
 from jaxserve.tools.model_specs import PRESETS, model_config
 from sharding.config import MeshConfig
@@ -68,7 +75,8 @@ def capacity(cfg: ModelConfig, *, hbm_gb: float, dtype: str, page_size: int, mes
         raise ValueError(f"the weights ({weights / 2**30:.1f} GiB per device) do not fit in "
                          f"{hbm_gb} GB at utilization {utilization}")
     local = local_pool_pages(cfg.sliding_windows, page_size, max_num_seqs, max_num_batched_tokens)
-    pages = pool_pages(hbm_gb * 2**30, kv_token_device, page_size, utilization=utilization, used=weights,
+    states = state_pool_bytes(cfg, max_num_seqs)  # a hybrid's state slots, set aside first as the engine does
+    pages = pool_pages(hbm_gb * 2**30, kv_token_device, page_size, utilization=utilization, used=weights + states,
                        windows=cfg.sliding_windows, local_pages=local)
     tokens = pages * page_size * mesh.data
     return {
@@ -79,6 +87,8 @@ def capacity(cfg: ModelConfig, *, hbm_gb: float, dtype: str, page_size: int, mes
         "kv_bytes_per_token_per_device": kv_token_device,
         "pages_per_replica": pages,
         "window_pages_per_replica": local,
+        "state_slots": max(state_slots_for(cfg, max_num_seqs) - 1, 0),
+        "state_bytes_per_slot": cfg.linear_attention.state_bytes if cfg.linear_attention else 0,
         "tokens_of_context": tokens,
         "full_length_sequences": tokens // max_model_len,
         "max_model_len": max_model_len,
@@ -135,6 +145,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.capacity
     print(f"  KV bytes per token        {c['kv_bytes_per_token']:,} (all layers, K+V; "
           f"{c['kv_bytes_per_token_per_device']:,.0f} per device)")
     print(f"  KV pages per replica      {c['pages_per_replica']:,} of {args.page_size} tokens")
+    if c["state_slots"]:
+        print(f"  state slots               {c['state_slots']:,} of {c['state_bytes_per_slot']:,} bytes (the "
+              f"{cfg.linear_attention.num_linear_layers} linear-attention layers' recurrent state, one per running "
+              f"sequence, set aside first; the pages hold the {cfg.num_attention_layers} full-attention layers' KV)")
     if c["window_pages_per_replica"]:
         print(f"  windowed layers' pool     {c['window_pages_per_replica']:,} pages (set aside first; the pages "
               "above hold only the global layers' KV)")
