@@ -124,7 +124,7 @@ def _kernel(tile_seq_ref, tile_row_ref, tile_len_ref, cu_q_lens_ref, kv_lens_ref
     @pl.when(wg == 0)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(row0 * group, ROWS)], q_smem, q_bar.at[0])
+        plgpu.copy_gmem_to_smem(q_ref.at[head, tile], q_smem, q_bar.at[0])
         plgpu.barrier_wait(q_bar.at[0])
         shape = (ROWS, block_kv)
         row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
@@ -267,10 +267,14 @@ def _ragged_paged_attention_mosaic(q, k_pages, v_pages, md: AttentionMetadata, *
     page_dtype = k_pages.dtype
     tile_seq, tile_row, tile_len = q_tiles(md, num_tokens, block_q)
     num_tiles = tile_seq.shape[0]
-    # [KVH, T * group (+ one tile of padding, so the last tile's TMA stays in bounds), D]: a tile's rows are
-    # contiguous, token-major.
-    qt = q.reshape(num_tokens, num_kv_heads, group, head_dim).swapaxes(0, 1).reshape(num_kv_heads, -1, head_dim)
-    qt = jnp.pad(qt, ((0, 0), (0, ROWS), (0, 0)))
+    # Queries in tile order, [KVH, num_tiles, ROWS, D] (row r of a tile: token r // group, head r % group; rows
+    # past the tile's tokens are zeros), so each tile's TMA copy starts on a whole shared-memory tile.
+    flat_q = q.reshape(num_tokens, num_kv_heads, group, head_dim).swapaxes(0, 1).reshape(num_kv_heads, -1, head_dim)
+    flat_q = jnp.pad(flat_q, ((0, 0), (0, 1), (0, 0)))  # a zero row for the unused tile rows
+    r = jnp.arange(ROWS, dtype=jnp.int32)
+    row_ok = (r[None] // group < tile_len[:, None]) & (r[None] < block_q * group)
+    src = jnp.where(row_ok, tile_row[:, None] * group + r[None], num_tokens * group)  # [num_tiles, ROWS]
+    qt = flat_q[:, src]
     stages = sizes.num_stages
     block_kv = sizes.block_kv
     q_tf = _smem_transforms(head_dim, q.dtype)
