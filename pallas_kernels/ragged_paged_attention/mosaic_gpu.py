@@ -55,6 +55,8 @@ def _smem_transforms(minor: int, dtype):
     """Tiling and swizzle of a [rows, minor] shared-memory operand: the widest swizzle that divides a row."""
     bits = jnp.dtype(dtype).itemsize * 8
     swizzle = plgpu.find_swizzle(minor * bits)
+    if swizzle < 32:  # Mosaic GPU swizzles 32, 64 or 128 bytes; only 8-bit pages (never wgmma operands) get here
+        return ()
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
@@ -144,7 +146,7 @@ def _kernel(tile_seq_ref, tile_row_ref, tile_len_ref, cu_q_lens_ref, kv_lens_ref
             plgpu.commit_smem()
 
         def body(step, carry):
-            acc, m, l = carry
+            acc, m, denom = carry
             slot = lax.rem(step, num_stages)
             b = first_block + step
             key = b * block_kv + col
@@ -176,7 +178,7 @@ def _kernel(tile_seq_ref, tile_row_ref, tile_len_ref, cu_q_lens_ref, kv_lens_ref
             m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
             p = jnp.exp(s - lax.broadcast_in_dim(m_safe, shape, [0]))
             alpha = jnp.exp(m - m_safe)
-            l_next = alpha * l + p.sum(axis=1)
+            l_next = alpha * denom + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             plgpu.barrier_wait(v_bar.at[slot])
             keep = (b * block_kv + v_row) <= hi  # V rows past the last query's position may be NaN
@@ -213,9 +215,9 @@ def _kernel(tile_seq_ref, tile_row_ref, tile_len_ref, cu_q_lens_ref, kv_lens_ref
         head_dim = q_ref.shape[-1]
         acc = plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
         m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc, m, l = lax.fori_loop(0, num_blocks, body, (acc, m, l))
-        out = acc / lax.broadcast_in_dim(jnp.where(l > 0, l, 1.0), acc.shape, [0])
+        denom = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc, m, denom = lax.fori_loop(0, num_blocks, body, (acc, m, denom))
+        out = acc / lax.broadcast_in_dim(jnp.where(denom > 0, denom, 1.0), acc.shape, [0])
         q_smem[...] = out.astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, o_ref.at[head, tile])
@@ -240,8 +242,9 @@ def check_supported(q_dtype, head_dim: int, page_size: int, group: int) -> None:
     if jnp.dtype(q_dtype).name not in _COMPUTE_DTYPES:
         raise ValueError(f"the Mosaic GPU kernel computes in bfloat16 or float16 (wgmma), got q dtype "
                          f"{jnp.dtype(q_dtype).name}")
-    if head_dim % 8:
-        raise ValueError(f"the Mosaic GPU kernel needs head_dim a multiple of 8 (16-byte TMA rows), got {head_dim}")
+    if head_dim % 16:
+        raise ValueError(f"the Mosaic GPU kernel needs head_dim a multiple of 16 (rows of whole 32-byte swizzle "
+                         f"blocks for wgmma), got {head_dim}")
     if page_size % 8:
         raise ValueError(f"the Mosaic GPU kernel needs page_size a multiple of 8 (one TMA copy per page into "
                          f"8-row shared-memory tiles), got {page_size}")
