@@ -4,9 +4,9 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve import LLM, SamplingParams
-
 from jaxserve.executor.compile_counter import CompileCounter
 from jaxserve.models.attention import AttentionBackend
+
 from tiny import FAMILIES, MOE_FAMILIES, build_tiny_model, train_tokenizer
 
 # Compilations in this process from here on (the tests read differences).

@@ -119,6 +119,18 @@ MOSAIC_GPU_BLOCK_SIZES: dict[tuple[int, int, str, Mode], BlockSizes] = {
 MOSAIC_GPU_DEFAULT = {"decode": BlockSizes(block_q=64, block_kv=64, num_stages=3),
                       "prefill": BlockSizes(block_q=64, block_kv=64, num_stages=2)}
 
+
+
+def mosaic_gpu_shared_memory(head_dim: int, block_kv: int, num_stages: int, dtype, storage_dtype=None) -> int:
+    """Shared memory (bytes) of one Mosaic GPU attention block: the query/output tile, the K/V ring, and for
+    8-bit pages the two widened tiles and the ring's scales (the kernel's scratch, as allocated)."""
+    qb = jnp.dtype(dtype).itemsize
+    sb = qb if storage_dtype is None else jnp.dtype(storage_dtype).itemsize
+    ring = 2 * num_stages * block_kv * head_dim * sb
+    widened = 0 if storage_dtype is None else 2 * block_kv * head_dim * qb + 2 * num_stages * block_kv * 4
+    return 64 * head_dim * qb + ring + widened + 1024  # barriers and alignment
+
+
 _TABLES = {"tpu": (TPU_BLOCK_SIZES, TPU_DEFAULT), "gpu": (GPU_BLOCK_SIZES, GPU_DEFAULT),
            "mosaic_gpu": (MOSAIC_GPU_BLOCK_SIZES, MOSAIC_GPU_DEFAULT)}
 
@@ -159,7 +171,11 @@ def get_block_sizes(
 def candidates(backend: Backend, head_dim: int, page_size: int, dtype, mode: Mode) -> list[BlockSizes]:
     """The block sizes a tuning sweep tries for one table key (the current entry first)."""
     base = get_block_sizes(backend, head_dim, page_size, dtype, mode)
-    if backend == "tpu":
+    if backend == "mosaic_gpu":
+        # A tile is 64 wgmma rows whatever block_q says; the knobs are the KV block and the depth of the K/V ring.
+        grid = [BlockSizes(64, kv, num_stages=st) for kv in (64, 128, 256) if kv % page_size == 0
+                for st in (2, 3, 4)]
+    elif backend == "tpu":
         qs = [1, 2, 4, 8] if mode == "decode" else [16, 32, 64, 128]
         kvs = sorted({page_size * n for n in (4, 8, 16, 32) if page_size * n >= 64})
         heads = [1, 2, 4, 8]

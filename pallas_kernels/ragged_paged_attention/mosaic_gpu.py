@@ -31,6 +31,7 @@ the last query's position are zeroed in shared memory before the last block's ``
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,13 @@ except ImportError:  # pragma: no cover - depends on the jax release
 
 from pallas_kernels.metadata import AttentionMetadata, check_shapes
 from pallas_kernels.quantized_pages import QuantizedPages
-from pallas_kernels.ragged_paged_attention.block_sizes import BlockSizes, get_block_sizes, mode_for
+from pallas_kernels.ragged_paged_attention.block_sizes import (
+    GPU_SHARED_MEMORY_BYTES,
+    BlockSizes,
+    get_block_sizes,
+    mode_for,
+    mosaic_gpu_shared_memory,
+)
 from pallas_kernels.ragged_paged_attention.schedule import q_tiles
 
 ROWS = 64  # wgmma M of one warpgroup
@@ -224,16 +231,36 @@ def _kernel(tile_seq_ref, tile_row_ref, tile_len_ref, cu_q_lens_ref, kv_lens_ref
         plgpu.wait_smem_to_gmem(0)
 
 
-def resolve_block_sizes(q_shape, k_pages_shape, dtype, num_slots, override=None) -> BlockSizes:
-    """Table entry (``block_sizes.MOSAIC_GPU_BLOCK_SIZES``) for this call, checked against the kernel's limits."""
+def resolve_block_sizes(q_shape, k_pages_shape, dtype, num_slots, override=None, *, storage_dtype=None,
+                        shared_memory_bytes: int = GPU_SHARED_MEMORY_BYTES) -> BlockSizes:
+    """Table entry (``block_sizes.MOSAIC_GPU_BLOCK_SIZES``, or the mode's default) for this call: ``block_kv``
+    rounded up to a multiple of 64 and of the page size, then (fields not overridden) the ring shrunk until the
+    block's shared memory fits: stages down to 2, then block_kv down to 64 (or one page), then one stage."""
     num_tokens, num_q_heads, head_dim = q_shape
     num_kv_heads, _, page_size, _ = k_pages_shape
     sizes = get_block_sizes("mosaic_gpu", head_dim, page_size, dtype, mode_for(num_tokens, num_slots), override)
+    explicit = set(override or ()) if not isinstance(override, BlockSizes) else {"block_kv", "num_stages"}
+    unit = math.lcm(64, page_size)
+    if "block_kv" not in explicit:
+        sizes = sizes.replace(block_kv=-(-sizes.block_kv // unit) * unit)
+
+    def fits(s: BlockSizes) -> bool:
+        return mosaic_gpu_shared_memory(head_dim, s.block_kv, s.num_stages, dtype,
+                                        storage_dtype) <= shared_memory_bytes
+
+    for field, floor in (("num_stages", 2), ("block_kv", unit), ("num_stages", 1)):
+        while field not in explicit and not fits(sizes) and getattr(sizes, field) > floor:
+            value = getattr(sizes, field)
+            sizes = sizes.replace(**{field: max(floor, value - 1 if field == "num_stages" else value // 2)})
     if sizes.block_kv % 64 or sizes.block_kv % page_size:
         raise ValueError(f"Mosaic GPU block_kv must be a multiple of 64 and of page_size={page_size}, got "
                          f"{sizes.block_kv}")
     if sizes.num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {sizes.num_stages}")
+    if not fits(sizes):
+        raise ValueError(f"block_kv={sizes.block_kv}, num_stages={sizes.num_stages} need "
+                         f"{mosaic_gpu_shared_memory(head_dim, sizes.block_kv, sizes.num_stages, dtype, storage_dtype)}"
+                         f" bytes of shared memory, more than the {shared_memory_bytes} a block may use")
     return sizes
 
 
@@ -367,7 +394,8 @@ def ragged_paged_attention_mosaic_gpu(
     check_supported(q.dtype, head_dim, page_size, q.shape[1] // num_kv_heads)
     quantized = isinstance(k_pages, QuantizedPages)
     sizes = resolve_block_sizes(q.shape, k_pages.shape, q.dtype if quantized else k_pages.dtype,
-                                md.kv_lens.shape[0], block_sizes)
+                                md.kv_lens.shape[0], block_sizes,
+                                storage_dtype=k_pages.storage_dtype if quantized else None)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     return _ragged_paged_attention_mosaic(
