@@ -163,7 +163,8 @@ def report(label, name, seconds, kv_bytes, flops, peaks, extra=""):
           f"  {fl / 1e12:8.3f} TFLOP/s ({100 * fl / peaks[1]:5.1f}%) {extra}")
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """The options, with each shape list's default filled in."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--decode", help="BATCHxCONTEXT,... (default 8x1024,64x4096,256x2048; '' for none)")
     p.add_argument("--prefill", help="BATCHxCHUNKxCONTEXT,... (default 1x2048x2048,4x512x4096; '' for none)")
@@ -195,6 +196,11 @@ def main(argv=None):
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     shapes = parse_shapes(args.decode, True) + parse_shapes(args.prefill, False)
     peaks = measure_peaks(args)
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}); measured peak "
