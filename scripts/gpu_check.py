@@ -776,8 +776,9 @@ def section_attention(rec: Recorder, ctx: Context) -> bool:
     kinds = bench.backends(args)
     rec.figure("peaks", {"bytes_s": peaks[0], "flop_s": peaks[1]})
     rec.line(f"Measured peaks: {peaks[0] / 1e9:,.0f} GB/s (a {args.peak_copy_mb} MiB copy), "
-             f"{peaks[1] / 1e12:,.0f} TFLOP/s ({args.peak_matmul_n}^3 bf16 matmul). Heads q/kv {args.num_q_heads}/{args.num_kv_heads}, "
-             f"head_dim {args.head_dim}, page size {args.page_size}, bf16; median of {args.iters} calls after {args.warmup} warm-up.")
+             f"{peaks[1] / 1e12:,.0f} TFLOP/s ({args.peak_matmul_n}^3 bf16 matmul). Heads q/kv "
+             f"{args.num_q_heads}/{args.num_kv_heads}, head_dim {args.head_dim}, page size {args.page_size}, "
+             f"bf16; median of {args.iters} calls after {args.warmup} warm-up.")
     if "pallas_mosaic_gpu" not in kinds:
         rec.line("- the Mosaic GPU kernel is not timed: " + ("dry run (CPU)" if ctx.dry_run else
                                                           "this GPU is not a Hopper (compute capability 9.x)"))
