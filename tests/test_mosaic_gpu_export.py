@@ -3,8 +3,9 @@
 barriers), infers and checks its register layouts, tilings and swizzles (what the CPU interpreter does not
 model), and embeds it in the ``mosaic_gpu_v2`` custom call; only Mosaic's compile to machine code is left for a
 real GPU. The cases cover every serving shape (decode, large-batch decode, prefill, a mixed step with a window and
-a soft cap), the families' head sizes at their extremes and in between, and every pool kind; the script's full
-sweep (7 head sizes x 5 pools x 4 shapes) is recorded in docs/kernels.md.
+a soft cap), head sizes at the extremes and in between, 16-bit and 8-bit pools; the script's full sweep (7 head
+sizes x 5 pools x 4 shapes) is recorded in docs/benchmarks.md. (XLA's GPU compiler also compiles the program
+around the custom call for the described H100, about 40 s per shape, which these tests leave out.)
 """
 
 import importlib.util
@@ -34,7 +35,6 @@ def export():
     ("large_decode", 80, "fp8"),  # 8-bit rows of 80 bytes: shared memory without a swizzle
     ("prefill", 256, "int8"),  # the largest tile and ring
     ("mixed", 96, "float16"),
-    ("mixed", 64, "fp8_e5m2"),
 ])
 def test_exports_for_h100(export, shape, head_dim, pool):
     exported = export("h100", shape, head_dim, pool)
@@ -44,11 +44,12 @@ def test_exports_for_h100(export, shape, head_dim, pool):
 
 
 def test_the_target_is_hopper(export):
-    """Pallas reads the architecture off the described device: compute capability 9.0, i.e. sm_90a."""
+    """Mosaic GPU reads the architecture it lowers for off the described device: compute capability 9.0, i.e.
+    sm_90a, for the H100 and the H200."""
     from jax.experimental.mosaic.gpu import utils
 
     from jaxserve.tools import gpu_targets
 
-    with gpu_targets.described_mesh("h200"):
-        assert utils._infer_arch() == (9, 0)
-    assert export("h200", "decode", 16, "bfloat16").platforms == ("cuda",)
+    for target in ("h100", "h200"):
+        with gpu_targets.described_mesh(target):
+            assert utils._infer_arch() == (9, 0)
