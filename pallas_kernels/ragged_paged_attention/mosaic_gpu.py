@@ -23,6 +23,10 @@ whose ``group`` query heads share the K/V reads, a prompt chunk is a run of tile
 per-token scales are applied to the score columns (K) and to P's columns (V), which is the same as
 dequantizing each row: ``q . (s_k k) = s_k (q . k)`` and ``sum_j p_j s_vj v_j``.
 
+Interpreted (``interpret=True``, Pallas's Mosaic GPU interpreter on CPU), ``P`` goes to the ``P V`` wgmma through a
+shared-memory tile, since the interpreter takes wgmma operands from shared memory only; that is the one
+difference from the compiled kernel (``tests/test_kernel_mosaic_gpu.py``).
+
 Stray reads. Page-table entries past a sequence are clamped into the pool before their TMA copy, and score
 entries outside the visible range are masked with ``where`` (a NaN in K never reaches the softmax). V rows past
 the last query's position are zeroed in shared memory before the last block's ``P V`` (``0 * NaN`` is NaN).
@@ -81,9 +85,20 @@ def _tile_bounds(tile, tile_seq_ref, tile_row_ref, tile_len_ref, cu_q_lens_ref, 
     return seq, row0, n, pos0, first_block, num_blocks
 
 
-def _kernel(tile_seq_ref, tile_row_ref, tile_len_ref, cu_q_lens_ref, kv_lens_ref, pages_ref, q_ref, k_ref, v_ref,
-            *refs, sm_scale, sliding_window, soft_cap, group, block_kv, page_size, num_pages, pages_per_seq,
-            num_stages, quantized, p_in_smem):
+def _kernel(
+    tile_seq_ref,  # i32[NT]
+    tile_row_ref,  # i32[NT]
+    tile_len_ref,  # i32[NT]
+    cu_q_lens_ref,  # i32[S + 1]
+    kv_lens_ref,  # i32[S]
+    pages_ref,  # i32[S * P]
+    q_ref,  # dt[KVH, NT, ROWS, D]: queries in tile order
+    k_ref,  # kv[KVH, num_pages, page_size, D]
+    v_ref,  # kv[KVH, num_pages, page_size, D]
+    *refs,  # 8-bit: k/v scales f32[KVH, num_pages, page_size]; out dt[KVH, NT, ROWS, D]; then the scratch
+    sm_scale, sliding_window, soft_cap, group, block_kv, page_size, num_pages, pages_per_seq, num_stages, quantized,
+    p_in_smem,
+):
     p_smem = None
     if p_in_smem:
         *refs, p_smem = refs
