@@ -24,7 +24,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels.ragged_paged_attention import (  # noqa: E402
-    AttentionMetadata, ragged_paged_attention, ragged_paged_attention_gpu, ragged_paged_attention_tpu)
+    AttentionMetadata,
+    ragged_paged_attention,
+    ragged_paged_attention_gpu,
+    ragged_paged_attention_mosaic_gpu,
+    ragged_paged_attention_tpu,
+)
 from pallas_kernels.ragged_paged_attention.block_sizes import BlockSizes, candidates, mode_for  # noqa: E402
 
 
@@ -114,6 +119,12 @@ def measure_peaks(args) -> tuple[float, float]:
     return bandwidth, flops
 
 
+def is_hopper() -> bool:
+    """A CUDA device of compute capability 9.x (H100, H200): what the Mosaic GPU kernel (wgmma, TMA) runs on."""
+    device = jax.devices()[0]
+    return jax.default_backend() == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+
+
 def backends(args) -> dict[str, callable]:
     platform = jax.default_backend()
     found = {"reference": ragged_paged_attention}
@@ -121,6 +132,8 @@ def backends(args) -> dict[str, callable]:
         found["pallas_tpu" + ("" if platform == "tpu" else "[interpret]")] = ragged_paged_attention_tpu
     if platform == "gpu" or args.interpret:
         found["pallas_gpu" + ("" if platform == "gpu" else "[interpret]")] = ragged_paged_attention_gpu
+    if is_hopper() or args.interpret:
+        found["pallas_mosaic_gpu" + ("" if platform == "gpu" else "[interpret]")] = ragged_paged_attention_mosaic_gpu
     wanted = set(filter(None, args.backends.split(","))) if args.backends else None
     return {k: v for k, v in found.items() if wanted is None or k.split("[")[0] in wanted}
 
@@ -137,13 +150,21 @@ def call(fn, name, batch, args, blocks):
     return jax.jit(lambda b: fn(**b, **kwargs)), kwargs
 
 
+def fractions(seconds, kv_bytes, flops, peaks) -> dict:
+    """A timing as the figures the GPU kit records: time, K/V bandwidth and FLOP rate, each as a fraction of the
+    measured peak."""
+    bw, fl = kv_bytes / seconds, flops / seconds
+    return dict(us=seconds * 1e6, gb_s=bw / 1e9, bw_frac=bw / peaks[0], tflop_s=fl / 1e12, flop_frac=fl / peaks[1])
+
+
 def report(label, name, seconds, kv_bytes, flops, peaks, extra=""):
     bw, fl = kv_bytes / seconds, flops / seconds
     print(f"{label:26s} {name:27s} {seconds * 1e6:11.1f} us  {bw / 1e9:9.1f} GB/s ({100 * bw / peaks[0]:5.1f}%)"
           f"  {fl / 1e12:8.3f} TFLOP/s ({100 * fl / peaks[1]:5.1f}%) {extra}")
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """The options, with each shape list's default filled in."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--decode", help="BATCHxCONTEXT,... (default 8x1024,64x4096,256x2048; '' for none)")
     p.add_argument("--prefill", help="BATCHxCHUNKxCONTEXT,... (default 1x2048x2048,4x512x4096; '' for none)")
@@ -154,7 +175,8 @@ def main(argv=None):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--sliding-window", type=int)
     p.add_argument("--soft-cap", type=float)
-    p.add_argument("--backends", help="comma list of reference,pallas_tpu,pallas_gpu (default: all available)")
+    p.add_argument("--backends", help="comma list of reference,pallas_tpu,pallas_gpu,pallas_mosaic_gpu (default: all "
+                                      "available; pallas_mosaic_gpu on Hopper only)")
     p.add_argument("--interpret", action="store_true", help="also run the kernels in interpret mode (slow)")
     for name in ("block_q", "block_kv", "kv_heads_per_block", "num_splits", "num_warps", "num_stages"):
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, help="block-size override")
@@ -174,6 +196,11 @@ def main(argv=None):
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     shapes = parse_shapes(args.decode, True) + parse_shapes(args.prefill, False)
     peaks = measure_peaks(args)
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}); measured peak "
@@ -187,7 +214,7 @@ def main(argv=None):
         for name, fn in backends(args).items():
             sweep = [override(args)]
             if args.tune and name != "reference":
-                backend = "tpu" if "tpu" in name else "gpu"
+                backend = "tpu" if "tpu" in name else "mosaic_gpu" if "mosaic" in name else "gpu"
                 mode = mode_for(batch["q"].shape[0], shape.batch)
                 sweep = [dataclasses.asdict(c) for c in
                          candidates(backend, args.head_dim, args.page_size, args.dtype, mode)]

@@ -24,7 +24,12 @@ Sections:
    the HBM-bandwidth bound, a 2,048-token prefill's MFU, decode at batch 64;
 6. ``torch``: the same 8B shape through transformers + torch on the same GPU (random init on the GPU, bf16, static
    KV cache, ``torch.compile`` when the budget allows, else eager, noted), at batch 1 and 64, and a 2,048-token
-   prefill, so every figure of section 5 has a ratio beside it.
+   prefill, so every figure of section 5 has a ratio beside it;
+7. ``attention``: the ragged paged-attention kernels side by side (scripts/bench_attention.py): the Mosaic GPU
+   kernel (Hopper only), the Triton kernel and the reference, at decode (batch 1, 64, 256; context 1k-32k) and
+   prefill (2k, 8k), each as time and as fractions of the measured HBM bandwidth and bf16 FLOP rate; it says
+   whether the Mosaic GPU kernel is ahead of Triton at every shape (what moving ``auto`` to it on Hopper needs).
+   Last in value order: on one device call run it on its own, ``--sections environment,attention``.
 
 Targets (recorded, not asserted): batch-1 decode >= 80% of the HBM bound, 2k prefill >= 60% MFU, batch-64 decode
 >= 2x the torch baseline's tokens/s. ``--dry-run`` runs every section's code on CPU with tiny shapes, to check
@@ -742,8 +747,87 @@ def section_torch(rec: Recorder, ctx: Context) -> bool:
     return True
 
 
+# 7. Attention kernels -----------------------------------------------------------------------------------------------
+# Llama-3.1-8B's attention (32 query heads, 8 KV heads, head_dim 128), bf16, page_size 16 (scripts/bench_attention.py).
+ATTENTION_DECODE = "1x1024,1x8192,1x32768,64x1024,64x8192,64x32768,256x1024,256x4096,256x8192"
+ATTENTION_PREFILL = "1x2048x2048,1x8192x8192"
+REFERENCE_MAX_TOKENS = 64 * 8192  # the reference gathers every row's pages: past this it only costs the budget
+
+
+def section_attention(rec: Recorder, ctx: Context) -> bool:
+    """The ragged paged-attention kernels side by side: the Mosaic GPU kernel (Hopper only), the Triton kernel and
+    the reference, per shape as time and as fractions of this GPU's measured HBM bandwidth and bf16 FLOP rate.
+    The engine's ``auto`` backend moves to the Mosaic GPU kernel on Hopper only once this shows it ahead."""
+    import importlib.util
+
+    import jax
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location("bench_attention", ROOT / "scripts" / "bench_attention.py")
+    bench = sys.modules["bench_attention"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+    spec.loader.exec_module(bench)
+    if ctx.dry_run:
+        argv = ["--quick", "--decode", "1x64", "--prefill", ""]
+    else:
+        argv = ["--decode", ATTENTION_DECODE, "--prefill", ATTENTION_PREFILL, "--warmup", "1", "--iters", "5"]
+    args = bench.parse_args(argv)
+    shapes = bench.parse_shapes(args.decode, True) + bench.parse_shapes(args.prefill, False)
+    peaks = bench.measure_peaks(args)
+    kinds = bench.backends(args)
+    rec.figure("peaks", {"bytes_s": peaks[0], "flop_s": peaks[1]})
+    rec.line(f"Measured peaks: {peaks[0] / 1e9:,.0f} GB/s (a {args.peak_copy_mb} MiB copy), "
+             f"{peaks[1] / 1e12:,.0f} TFLOP/s ({args.peak_matmul_n}^3 bf16 matmul). Heads q/kv "
+             f"{args.num_q_heads}/{args.num_kv_heads}, head_dim {args.head_dim}, page size {args.page_size}, "
+             f"bf16; median of {args.iters} calls after {args.warmup} warm-up.")
+    if "pallas_mosaic_gpu" not in kinds:
+        rec.line("- the Mosaic GPU kernel is not timed: " + ("dry run (CPU)" if ctx.dry_run else
+                                                          "this GPU is not a Hopper (compute capability 9.x)"))
+    rec.line("")
+    rec.line("| shape | kernel | time | K/V bandwidth (of peak) | FLOP rate (of peak) |")
+    rec.line("| --- | --- | --- | --- | --- |")
+    figures: dict = {}
+    rng = np.random.default_rng(0)
+    for shape in shapes:
+        if rec.remaining() < 15:
+            rec.line(f"| {shape.label} | (out of time) | | | |")
+            break
+        batch = bench.make_batch(shape, args, rng)
+        kv_bytes, flops = bench.work(shape, args)
+        row = figures.setdefault(shape.label, {})
+        for name, fn in kinds.items():
+            if name == "reference" and shape.batch * shape.context > REFERENCE_MAX_TOKENS:
+                continue
+            try:
+                jitted, _ = bench.call(fn, name, batch, args, None)
+                seconds = bench.timeit(lambda: jitted(batch), warmup=args.warmup, iters=args.iters)
+            except Exception as e:  # noqa: BLE001 - one kernel failing is a result, not the end of the section
+                row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+                rec.line(f"| {shape.label} | `{name}` | failed: {row[name]['error']} | | |")
+                continue
+            f = row[name] = bench.fractions(seconds, kv_bytes, flops, peaks)
+            rec.line(f"| {shape.label} | `{name}` | {f['us']:,.1f} us | {f['gb_s']:,.0f} GB/s ({f['bw_frac']:.0%}) | "
+                     f"{f['tflop_s']:,.2f} TFLOP/s ({f['flop_frac']:.0%}) |")
+        batch = None  # its pool freed before the next shape
+        jax.clear_caches()
+        rec.figure("shapes", figures)
+    ahead = [label for label, r in figures.items()
+             if "us" in r.get("pallas_mosaic_gpu", {}) and "us" in r.get("pallas_gpu", {})
+             and r["pallas_mosaic_gpu"]["us"] < r["pallas_gpu"]["us"]]
+    compared = [label for label, r in figures.items()
+                if "us" in r.get("pallas_mosaic_gpu", {}) and "us" in r.get("pallas_gpu", {})]
+    rec.figure("mosaic_ahead", {"shapes": ahead, "of": len(compared)})
+    if compared:
+        verdict = ("ahead of Triton at every shape: `auto` may move to it on Hopper (AttentionBackend.resolve), "
+                   "with this report in docs/benchmarks.md" if len(ahead) == len(compared) else
+                   f"ahead of Triton at {len(ahead)} of {len(compared)} shapes: `auto` stays on Triton")
+        rec.line("")
+        rec.line(f"Mosaic GPU kernel {verdict}.")
+    return all("error" not in f for r in figures.values() for f in r.values())
+
+
 SECTIONS_FN = {"environment": section_environment, "parity": section_parity, "kernels": section_kernels,
-               "serving": section_serving, "model": section_model, "torch": section_torch}
+               "serving": section_serving, "model": section_model, "torch": section_torch,
+               "attention": section_attention}
 
 
 # The orchestrator -------------------------------------------------------------------------------------------------
@@ -764,6 +848,7 @@ SECTIONS = (
     Spec("serving", "HTTP serving: dummy-weight model, benchmark_serving.py", 110, 60),
     Spec("model", "Llama-3.1-8B-shaped bf16 model on the device", 90, 45),
     Spec("torch", "torch baseline: the same 8B shape through transformers", 120, 40),
+    Spec("attention", "Attention kernels: Mosaic GPU vs Triton vs the reference", 150, 30),
 )
 
 
@@ -797,7 +882,9 @@ def run_sections(specs, out: Path, *, deadline: float, dry_run: bool, command=ch
     for index, spec in enumerate(specs, 1):
         left = deadline - (time.monotonic() - started) - reserve
         budget = min(spec.budget + banked, left)
-        data_path = out / f"{index:02d}-{spec.name}.json"
+        # The child names its file by the section's place in SECTIONS, which a --sections subset does not change.
+        number = next((i for i, s in enumerate(SECTIONS, 1) if s.name == spec.name), index)
+        data_path = out / f"{number:02d}-{spec.name}.json"
         if budget < spec.minimum:
             results.append(Result(spec, "skipped", 0.0, [], {},
                                   f"skipped: {max(left, 0):.0f} s left of the deadline, the section needs "

@@ -4,9 +4,9 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve import LLM, SamplingParams
-
 from jaxserve.executor.compile_counter import CompileCounter
 from jaxserve.models.attention import AttentionBackend
+
 from tiny import FAMILIES, MOE_FAMILIES, build_tiny_model, train_tokenizer
 
 # Compilations in this process from here on (the tests read differences).
@@ -23,6 +23,7 @@ BACKEND_FAMILIES = [f for f in FAMILIES if not f.startswith("gemma") and f != "g
 def test_auto_resolves_per_platform():
     assert AttentionBackend.resolve("auto", "cpu") == AttentionBackend("reference")
     assert AttentionBackend.resolve("auto", "tpu") == AttentionBackend("pallas_tpu")
+    # Hopper too: auto moves to the Mosaic GPU kernel only once a GPU kit report shows it ahead (docs/benchmarks.md).
     assert AttentionBackend.resolve("auto", "gpu") == AttentionBackend("pallas_gpu")
     assert AttentionBackend.resolve("pallas_gpu", "cpu").interpret
     assert not AttentionBackend.resolve("pallas_gpu", "gpu").interpret
@@ -64,6 +65,34 @@ def test_every_backend_same_greedy_tokens(tmp_path, family, layers):
         results[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert results["pallas_tpu"] == results["reference"]
     assert results["pallas_gpu"] == results["reference"]
+
+
+def test_mosaic_gpu_backend_same_greedy_tokens(tmp_path):
+    """The Mosaic GPU kernel (interpreted) through the engine: bf16 (its wgmma computes in 16 bits), pages of 8
+    tokens (whole 8-row TMA tiles), GQA 8; the same greedy tokens as the reference."""
+    path = build_tiny_model("qwen3", tmp_path / "m", tokenizer=train_tokenizer(), num_hidden_layers=1)
+    # One prompt step (both prompts, one across a page edge) and decode steps: two step shapes, each compiled once
+    # by the interpreter (its compiles are the cost here).
+    prompts = [[5, 17, 99, 23, 4, 250, 31, 8, 9], [7, 7, 3]]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    results = {}
+    for backend in ("reference", "pallas_mosaic_gpu"):
+        llm = LLM(str(path), dtype="bfloat16", page_size=8, max_num_seqs=2, max_num_batched_tokens=16,
+                  max_model_len=32, attention_backend=backend, warmup=False, compilation_cache_dir=None)
+        results[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert results["pallas_mosaic_gpu"] == results["reference"]
+
+
+def test_mosaic_gpu_backend_refuses_what_its_kernel_cannot_run():
+    mosaic = AttentionBackend.resolve("pallas_mosaic_gpu", "cpu")
+    assert mosaic.interpret and not AttentionBackend.resolve("pallas_mosaic_gpu", "gpu").interpret
+    with pytest.raises(ValueError, match="pallas_mosaic_gpu.*page_size a multiple of 8.*got 4"):
+        mosaic.check_model(jnp.bfloat16, 4, [(16, 8)])
+    with pytest.raises(ValueError, match="pallas_mosaic_gpu.*bfloat16 or float16.*got q dtype float32"):
+        mosaic.check_model(jnp.float32, 16, [(16, 8)])
+    with pytest.raises(ValueError, match="head_dim a multiple of 16.*got 24"):
+        mosaic.check_model(jnp.bfloat16, 16, [(24, 4)])
+    AttentionBackend("pallas_gpu").check_model(jnp.float32, 4, [(24, 4)])  # the other backends have no such limits
 
 
 @pytest.fixture(scope="module")

@@ -152,6 +152,8 @@ def test_dry_run_runs_every_section(kit, tmp_path):
     model = figures["model"]["figures"]
     for key in ("decode_b1", "prefill", "decode_batch"):
         assert model[key]["tok_s"] > 0
+    attention = figures["attention"]["figures"]
+    assert attention["shapes"]["decode b=1 ctx=64"]["reference"]["us"] > 0 and attention["mosaic_ahead"]["of"] == 0
     torch_ = figures["torch"]["figures"]
     assert torch_["decode_b1"]["mode"] == "compiled" and torch_["decode_b8"]["mode"] == "compiled"
     assert torch_["decode_b8_eager"]["tok_s"] > 0 and torch_["prefill"]["tok_s"] > 0

@@ -42,7 +42,8 @@ HELP = {
                                     "room for others (0: no cap)",
     "max_waiting_requests": "queued requests beyond which new ones are refused as overloaded (default: no limit)",
     "compilation_cache_dir": "directory of the persistent XLA compilation cache ('' to disable)",
-    "attention_backend": "ragged paged attention implementation: auto, reference, pallas_tpu or pallas_gpu",
+    "attention_backend": "ragged paged attention implementation: auto, reference, pallas_tpu, pallas_gpu (Triton) "
+                         "or pallas_mosaic_gpu (Hopper, bf16/f16 models, page_size a multiple of 8)",
     "mesh": "device mesh, e.g. 'tensor=4', 'data=2,tensor=4' or (MoE) 'expert=4,tensor=2'; its axes must multiply "
             "to the devices in use (default: one device)",
     "num_devices": "use only the first N devices for --mesh (single process; default: every device)",

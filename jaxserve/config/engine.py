@@ -14,7 +14,7 @@ from sharding.config import MeshConfig
 # The choices of the options that have a fixed set, defined here once (flags, validation and the modules that
 # act on them all read these).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+ATTENTION_BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu", "pallas_mosaic_gpu")
 LOGPROBS_MODES = ("processed", "raw")
 QUANTIZATIONS = ("int8", "fp8")  # weight-only, quantized at load (jaxserve/models/quantization.py)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names; fp8 is e4m3

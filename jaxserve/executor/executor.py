@@ -97,6 +97,9 @@ class Executor:
         model = self._load_model(model_config)
         self._check_hybrid()
         backend = AttentionBackend.resolve(config.attention_backend)
+        cfg = self.model_config
+        backend.check_model(model.embed_tokens.dtype, config.page_size,
+                            [(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)])
         self.cache_dtype = self._kv_cache_dtype(backend, model.embed_tokens.dtype)
         self.draft_config = self._read_draft_config(draft_config)
         self._configure_pool(model, backend)
@@ -205,7 +208,9 @@ class Executor:
         """(pages of the global pool, all replicas; pages of the windowed pool, per replica)."""
         cfg, config = self.model_config, self.config
         num_pages = config.num_pages or self._auto_num_pages()
-        if backend.name == "pallas_gpu":  # 32-bit offsets: each device's per-layer pool under 2**31 elements
+        # 32-bit offsets (the Triton attention and KV write, which the Mosaic GPU backend writes through): each
+        # device's per-layer pool under 2**31 elements.
+        if backend.name in ("pallas_gpu", "pallas_mosaic_gpu"):
             tensor = int(self.mesh.shape["tensor"])
             pools = [(name, cache_heads(c.num_kv_heads, tensor) // tensor, c.head_dim)
                      for name, c in (("model", cfg), ("draft model", self.draft_config)) if c is not None]
@@ -265,8 +270,11 @@ class Executor:
             raise ValueError("speculative_config: a draft model is not supported on a multi-process run; use "
                              "method='ngram'")
         from jaxserve.executor.drafter import DraftProposer
+        from jaxserve.models.loader import resolve_dtype
 
-        config = self.config
+        config, draft = self.config, self.draft_config
+        backend.check_model(resolve_dtype(config.dtype, draft), config.page_size,
+                            [(draft.head_dim, draft.num_heads // draft.num_kv_heads)])
         return DraftProposer(
             self.spec.model, cfg=self.draft_config, dtype=config.dtype, mesh=self.mesh, cache=self.cache_config,
             cache_dtype=self._draft_cache_dtype(backend), backend=backend, max_num_seqs=config.max_num_seqs,

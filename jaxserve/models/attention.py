@@ -1,9 +1,9 @@
 """The attention seam: how the model writes new K/V into the page pool and attends over it.
 
 The model calls one ``AttentionBackend``; which implementation runs (the pure-JAX reference, the Pallas TPU
-kernel, the Pallas GPU kernel) is chosen here and nowhere else. Every implementation takes the batch as one
-``AttentionMetadata`` (defined by the kernels in ``pallas_kernels.metadata``, re-exported here), which the
-backend passes through unchanged.
+kernel, the Pallas GPU kernels on Triton and on Mosaic GPU) is chosen here and nowhere else. Every
+implementation takes the batch as one ``AttentionMetadata`` (defined by the kernels in
+``pallas_kernels.metadata``, re-exported here), which the backend passes through unchanged.
 
 On a mesh, ``ShardedAttention`` (below) calls the backend once per shard with that shard's heads, pages and
 metadata, so a kernel sees exactly the single-device contract. Sequence-parallel prefill calls the two halves
@@ -63,19 +63,36 @@ class AttentionBackend:
 
     def supports_kv_cache_dtype(self, kv_cache_dtype: str) -> bool:
         """Whether this backend reads an 8-bit KV pool (``kv_cache_dtype`` other than "auto")."""
-        return kv_cache_dtype == "auto" or self.name in ("reference", "pallas_gpu", "pallas_tpu")
+        return kv_cache_dtype == "auto" or self.name in ("reference", "pallas_gpu", "pallas_tpu",
+                                                         "pallas_mosaic_gpu")
 
     def check_quantized(self) -> None:
         if not self.supports_kv_cache_dtype("int8"):
             raise ValueError(f"attention_backend={self.name!r} does not read a quantized KV cache; "
                              "use kv_cache_dtype='auto' or attention_backend='reference'")
 
+    def check_model(self, dtype, page_size: int, layouts) -> None:
+        """Raise ValueError if this backend cannot serve a model of ``dtype`` whose attention layers have the
+        ``layouts`` ((head_dim, query heads per KV head) pairs) at ``page_size``; only the Mosaic GPU kernel has
+        such limits (16-bit wgmma operands, whole 8-row TMA tiles per page)."""
+        if self.name != "pallas_mosaic_gpu":
+            return
+        from pallas_kernels.ragged_paged_attention.mosaic_gpu import check_supported
+
+        for head_dim, group in layouts:
+            try:
+                check_supported(dtype, head_dim, page_size, group)
+            except ValueError as e:
+                raise ValueError(f"attention_backend='pallas_mosaic_gpu': {e}") from None
+
     @classmethod
     def resolve(cls, name: str, platform: str | None = None) -> "AttentionBackend":
         """A backend for ``platform`` (default: jax's default backend).
 
-        ``"auto"`` is the TPU kernel on TPU, the GPU kernel on GPU and the pure-JAX reference on CPU; a Pallas
-        kernel asked for on a CPU runs in interpret mode (slow: for tests and debugging).
+        ``"auto"`` is the TPU kernel on TPU, the GPU (Triton) kernel on GPU and the pure-JAX reference on CPU; a
+        Pallas kernel asked for on a CPU runs in interpret mode (slow: for tests and debugging). ``auto`` stays on
+        the Triton kernel on Hopper too until a GPU kit report (docs/benchmarks.md) shows the Mosaic GPU kernel
+        ahead.
         """
         platform = platform or jax.default_backend()
         if name == "auto":
@@ -115,7 +132,7 @@ class AttentionBackend:
             return write_quantized(rpa.write_kv, k_pages, v_pages, k, v, md)
         if self.name == "pallas_tpu":
             return kv_cache_update.write_kv_tpu(k_pages, v_pages, k, v, md, interpret=self.interpret)
-        if self.name == "pallas_gpu":
+        if self.name in ("pallas_gpu", "pallas_mosaic_gpu"):  # Mosaic GPU attention writes through this kernel
             return kv_cache_update.write_kv_gpu(k_pages, v_pages, k, v, md, interpret=self.interpret)
         return rpa.write_kv(k_pages, v_pages, k, v, md)
 
@@ -139,6 +156,8 @@ class AttentionBackend:
             return rpa.ragged_paged_attention_tpu(q, k_pages, v_pages, md, interpret=self.interpret, **kw)
         if self.name == "pallas_gpu":
             return rpa.ragged_paged_attention_gpu(q, k_pages, v_pages, md, interpret=self.interpret, **kw)
+        if self.name == "pallas_mosaic_gpu":
+            return rpa.ragged_paged_attention_mosaic_gpu(q, k_pages, v_pages, md, interpret=self.interpret, **kw)
         if self.decode:  # each row walks its own sequence's pages
             return rpa.ragged_paged_attention_rows(q, k_pages, v_pages, md, **kw)
         return rpa.ragged_paged_attention_chunks(q, k, v, k_pages, v_pages, md, **kw)

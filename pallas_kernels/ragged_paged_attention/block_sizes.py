@@ -17,7 +17,7 @@ from typing import Literal
 import jax.numpy as jnp
 
 Mode = Literal["decode", "prefill"]
-Backend = Literal["tpu", "gpu"]
+Backend = Literal["tpu", "gpu", "mosaic_gpu"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +102,37 @@ def gpu_shared_memory_estimate(rows: int, block_kv: int, lanes: int, num_stages:
     pipeline = (max(1, num_stages) - 1) * 2 * block_kv * (lanes * sb + scale)
     return operands + pipeline + 1024  # barriers and alignment
 
-_TABLES = {"tpu": (TPU_BLOCK_SIZES, TPU_DEFAULT), "gpu": (GPU_BLOCK_SIZES, GPU_DEFAULT)}
+# Mosaic GPU (Hopper): a tile is one warpgroup's 64 wgmma rows, so block_q is capped at 64 // group by the kernel
+# (the table's block_q only lowers it). block_kv is a multiple of 64 (the P tile's wgmma layout) and of the page
+# size (whole pages per TMA copy); num_stages is the depth of the K/V ring the memory warpgroup fills. Shared
+# memory per block: (ROWS + 2 * num_stages * block_kv) * head_dim * itemsize (+ two widened tiles for 8-bit
+# pages); at head_dim 256 the ring stays within 227 KiB with block_kv 64 and 3 stages. Shapes not in the table
+# take MOSAIC_GPU_DEFAULT for their mode; 8-bit pages use the entry of their query dtype.
+MOSAIC_GPU_BLOCK_SIZES: dict[tuple[int, int, str, Mode], BlockSizes] = {
+    (64, 16, "bfloat16", "decode"): BlockSizes(block_q=64, block_kv=128, num_stages=3),
+    (64, 16, "bfloat16", "prefill"): BlockSizes(block_q=64, block_kv=128, num_stages=2),
+    (128, 16, "bfloat16", "decode"): BlockSizes(block_q=64, block_kv=128, num_stages=3),
+    (128, 16, "bfloat16", "prefill"): BlockSizes(block_q=64, block_kv=128, num_stages=2),
+    (256, 16, "bfloat16", "decode"): BlockSizes(block_q=64, block_kv=64, num_stages=3),
+    (256, 16, "bfloat16", "prefill"): BlockSizes(block_q=64, block_kv=64, num_stages=2),
+}
+MOSAIC_GPU_DEFAULT = {"decode": BlockSizes(block_q=64, block_kv=64, num_stages=3),
+                      "prefill": BlockSizes(block_q=64, block_kv=64, num_stages=2)}
+
+
+
+def mosaic_gpu_shared_memory(head_dim: int, block_kv: int, num_stages: int, dtype, storage_dtype=None) -> int:
+    """Shared memory (bytes) of one Mosaic GPU attention block: the query/output tile, the K/V ring, and for
+    8-bit pages the two widened tiles and the ring's scales (the kernel's scratch, as allocated)."""
+    qb = jnp.dtype(dtype).itemsize
+    sb = qb if storage_dtype is None else jnp.dtype(storage_dtype).itemsize
+    ring = 2 * num_stages * block_kv * head_dim * sb
+    widened = 0 if storage_dtype is None else 2 * block_kv * head_dim * qb + 2 * num_stages * block_kv * 4
+    return 64 * head_dim * qb + ring + widened + 1024  # barriers and alignment
+
+
+_TABLES = {"tpu": (TPU_BLOCK_SIZES, TPU_DEFAULT), "gpu": (GPU_BLOCK_SIZES, GPU_DEFAULT),
+           "mosaic_gpu": (MOSAIC_GPU_BLOCK_SIZES, MOSAIC_GPU_DEFAULT)}
 
 
 def mode_for(num_tokens: int, num_slots: int) -> Mode:
@@ -141,7 +171,11 @@ def get_block_sizes(
 def candidates(backend: Backend, head_dim: int, page_size: int, dtype, mode: Mode) -> list[BlockSizes]:
     """The block sizes a tuning sweep tries for one table key (the current entry first)."""
     base = get_block_sizes(backend, head_dim, page_size, dtype, mode)
-    if backend == "tpu":
+    if backend == "mosaic_gpu":
+        # A tile is 64 wgmma rows whatever block_q says; the knobs are the KV block and the depth of the K/V ring.
+        grid = [BlockSizes(64, kv, num_stages=st) for kv in (64, 128, 256) if kv % page_size == 0
+                for st in (2, 3, 4)]
+    elif backend == "tpu":
         qs = [1, 2, 4, 8] if mode == "decode" else [16, 32, 64, 128]
         kvs = sorted({page_size * n for n in (4, 8, 16, 32) if page_size * n >= 64})
         heads = [1, 2, 4, 8]
