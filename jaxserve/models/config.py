@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jaxserve.models.mla_config import MlaConfig
 from jaxserve.models.moe_config import MoeConfig
 from jaxserve.models.registry import SUPPORTED_ARCHITECTURES, family_for
 from jaxserve.models.rope import RopeConfig
@@ -57,6 +58,9 @@ class ModelConfig:
     # the network's identity (equality, hash).
     quantization_config: dict | None = dataclasses.field(default=None, compare=False, repr=False)
     moe: MoeConfig | None = None  # Mixture-of-Experts families
+    # Multi-head latent attention (DeepSeek): num_kv_heads is then 1 and head_dim the latent's width, the shape
+    # of what the cache holds per token and layer (one shared latent "KV head", ``jaxserve.models.mla``).
+    mla: MlaConfig | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -82,7 +86,14 @@ class ModelConfig:
     @property
     def sm_scale(self) -> float:
         """The multiplier of q·k before the softmax."""
+        if self.mla is not None:
+            return self.mla.sm_scale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def rope_dim(self) -> int:
+        """The width rope rotates: the head, or multi-head latent attention's rotary part."""
+        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
 
     def layer_rope(self, layer: int) -> RopeConfig:
         """The rope of one layer: ``sliding_rope`` for windowed layers when set, else ``rope``."""
@@ -168,6 +179,8 @@ class ModelConfig:
 
     def _params(self, *, active: bool) -> int:
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        if self.mla is not None:
+            attn = self.mla.attention_params(self.hidden_size, self.num_heads)
         mlp = sum(self.moe.mlp_params(self.hidden_size, active=active) if self.is_sparse(i)
                   else 3 * self.hidden_size * self.intermediate_size for i in range(self.num_layers))
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)

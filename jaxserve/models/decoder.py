@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.models import layers, moe
+from jaxserve.models import layers, mla, moe
 from jaxserve.models.attention import AttentionBackend, AttentionMetadata
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.lora import lora_delta
@@ -160,7 +160,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype):
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg, dtype)
-        self.self_attn = Attention(cfg, layer, dtype)
+        self.self_attn = Attention(cfg, layer, dtype) if cfg.mla is None else mla.MlaAttention(cfg, layer, dtype)
         self.post_attention_layernorm = RMSNorm(h, cfg, dtype)
         self.pre_feedforward_layernorm = RMSNorm(h, cfg, dtype) if cfg.sandwich_norms else None
         self.post_feedforward_layernorm = RMSNorm(h, cfg, dtype) if cfg.sandwich_norms else None
@@ -227,7 +227,7 @@ def forward(
     for i in range(cfg.num_layers):
         rope = cfg.layer_rope(i)
         if rope not in tables:
-            tables[rope] = layers.rope_tables(positions, rope, cfg.head_dim)
+            tables[rope] = layers.rope_tables(positions, rope, cfg.rope_dim)
     md_global = md_local = md
     if local_pool:
         width = md.page_indices.shape[-1] // 2  # P / 2: each pool's pages per slot

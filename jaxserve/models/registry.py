@@ -5,11 +5,12 @@ Adding a family: write its short file beside this one (see ``llama.py``, ``gemma
 
 from __future__ import annotations
 
-from jaxserve.models import gemma2, gemma3, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from jaxserve.models import deepseek, gemma2, gemma3, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from jaxserve.models.family import Family
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma2.FAMILY,
                                 gemma3.FAMILY, mixtral.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY)
+FAMILIES += (deepseek.V2, deepseek.V3)
 BY_ARCHITECTURE: dict[str, Family] = {arch: f for f in FAMILIES for arch in f.architectures}
 SUPPORTED_ARCHITECTURES = tuple(BY_ARCHITECTURE)
 # config.json's ``model_type`` -> the architecture it means, for a config that lists no ``architectures``
@@ -19,6 +20,8 @@ BY_MODEL_TYPE: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
     "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+BY_MODEL_TYPE.update({"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                      "kimi_k2": "DeepseekV3ForCausalLM"})
 
 
 def family_for(architectures: list[str], model_type: str | None = None) -> tuple[str, Family]:
