@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.config.engine import KV_CACHE_DTYPES
+from jaxserve.models.attention import latent_value_shape
 from jaxserve.models.config import ModelConfig
 from jaxserve.scheduler.window_pool import global_pool_budget, window_pages_needed
 from pallas_kernels.gpu_addressing import max_pool_pages, pool_limit_message
@@ -155,8 +156,8 @@ def uses_local_pool(cfg: ModelConfig, cache: CacheConfig, layer: int) -> bool:
 
 def init_kv_cache(cfg: ModelConfig, cache: CacheConfig, dtype, mesh: Mesh) -> list[tuple[jax.Array, jax.Array]]:
     """Zeroed pages, created directly in their sharding (never materialised on one device first); windowed
-    layers get ``num_local_pages`` pages when the cache has a windowed pool. A latent pool (``cfg.mla``) has
-    values of width 0 (``models.attention.is_latent``)."""
+    layers get ``num_local_pages`` pages when the cache has a windowed pool. A latent pool (``cfg.mla``) has a
+    placeholder for values (``models.attention.latent_value_shape``)."""
     out = []
     for layer in range(cfg.num_layers):
         local = uses_local_pool(cfg, cache, layer)
@@ -168,8 +169,8 @@ def init_kv_cache(cfg: ModelConfig, cache: CacheConfig, dtype, mesh: Mesh) -> li
         if cfg.mla is None:
             out.append((zeros(), zeros()))
             continue
-        # Multi-head latent attention: the values are the latent entries' prefix; their pool has width 0
-        v_shape = tuple(shape[:-1]) + (0,)
+        # Multi-head latent attention: the values are the latent entries' prefix; their pool is a placeholder
+        v_shape = latent_value_shape(shape)
         v_sharding = logical_sharding(CACHE_AXES, v_shape, mesh)
         out.append((zeros(), _zeros(v_shape, dtype, v_sharding, scale_sharding, on_cpu)()))
     return out

@@ -9,9 +9,10 @@ value ``W_UV[h] c`` (``kv_b_proj`` split per head), so
 
 The up-projections fold into the query (``W_UK``) and output (``W_UV``) sides: attention is then multi-query
 attention with one shared KV head whose key is ``[c ‖ k_r]`` and whose value is the same entry's ``c`` prefix.
-The pool holds that key once; its value pool has width 0 (``AttentionBackend`` reads the value as the key's
-entry, ``attention.py``), and the first ``kv_lora_rank`` columns of the output are the attended latent. Every
-step (prefill and decode) runs this form, so each page of the latent is read once per query token for all heads.
+The pool holds that key once; the value pool is a placeholder of one value per page (``AttentionBackend``
+reads the value as the key's entry, ``attention.is_latent``), and the first ``kv_lora_rank`` columns of the
+output are the attended latent. Every step (prefill and decode) runs this form, so each page of the latent is
+read once per query token for all heads.
 
 With tensor parallelism the query heads (and ``q_b_proj``, ``kv_b_proj``, ``o_proj`` by head) are split; the
 latent, shared by all heads, is replicated on every tensor shard (``kv_cache.py``: ``cache_heads(1, tensor)``).
@@ -81,7 +82,7 @@ class MlaAttention(nnx.Module):
     def __call__(self, x, rope_table, k_pages, v_pages, md: AttentionMetadata, backend: AttentionBackend,
                  layout: StepLayout | None = None, lora=None):
         """x: dt[R * T, C]; rope_table: (cos, sin) f32[R * T, Dr] each; k_pages: kv[1, num_pages, page_size, D]
-        (the latent pool), v_pages: kv[1, num_pages, page_size, 0]. Returns (dt[R * T, C], k_pages, v_pages)
+        (the latent pool), v_pages: kv[1, num_pages, 1, 1] (its placeholder). Returns (dt[R * T, C], k_pages, v_pages)
         with this step's latents written. ``lora`` must be None (no adapters on latent attention)."""
         from jaxserve.models.decoder import _constrain
 
@@ -106,7 +107,7 @@ class MlaAttention(nnx.Module):
         q_full = jnp.concatenate([q_lat, q_rope], axis=-1)  # dt[R * T, H, D]
         k_full = jnp.concatenate([latent[:, None, :], k_rope], axis=-1)  # dt[R * T, 1, D]
         out, k_pages, v_pages = backend(  # out: dt[R * T, H, D], its first L columns the attended latent
-            q_full, k_full, k_full[..., :0], k_pages, v_pages, md, sm_scale=cfg.sm_scale, sliding_window=None)
+            q_full, k_full, k_full, k_pages, v_pages, md, sm_scale=cfg.sm_scale, sliding_window=None)
         # dt[R * T, H, Dv]
         out = jnp.einsum("thl,lhv->thv", out[..., :lat], w_uv, preferred_element_type=jnp.float32).astype(x.dtype)
         out = _constrain(out, layout, "tokens", "act_heads", None)

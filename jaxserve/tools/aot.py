@@ -65,7 +65,7 @@ from jaxserve.executor.penalty_state import PenaltyState
 from jaxserve.executor.runner import StepOutput, jit_step, step_layouts, step_static_args
 from jaxserve.executor.sampler import SamplingTensors, sample
 from jaxserve.executor.shapes import StepShapes
-from jaxserve.models.attention import AttentionBackend
+from jaxserve.models.attention import AttentionBackend, latent_value_shape
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loader import abstract_model, param_shardings, quantization_plan, resolve_dtype
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
@@ -239,9 +239,17 @@ class StepCompiler:
             scale_sharding = logical_sharding(CACHE_AXES, shape[:-1] + (1,), mesh)
             pool = QuantizedPages(pool, jax.ShapeDtypeStruct(shape[:-1] + (1,), jnp.float32, sharding=scale_sharding))
             sharding = QuantizedPages(sharding, scale_sharding)
-        self.kv_cache = [(pool, pool) for _ in range(cfg.num_layers)]
+        v_pool, v_sharding = pool, sharding
+        if cfg.mla is not None:  # a latent pool and its values' placeholder (models.attention), as the engine's
+            v_shape = latent_value_shape(shape)
+            v_sharding = logical_sharding(CACHE_AXES, v_shape, mesh)
+            v_pool = jax.ShapeDtypeStruct(v_shape, self.cache_dtype, sharding=v_sharding)
+            if jnp.dtype(self.cache_dtype).itemsize == 1:
+                v_pool = QuantizedPages(v_pool, pool.scales)
+                v_sharding = QuantizedPages(v_sharding, scale_sharding)
+        self.kv_cache = [(pool, v_pool) for _ in range(cfg.num_layers)]
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        self.outs = (StepOutput(self.replicated, self.replicated), [(sharding, sharding)] * cfg.num_layers)
+        self.outs = (StepOutput(self.replicated, self.replicated), [(sharding, v_sharding)] * cfg.num_layers)
         self.num_logit_rows = self.num_replicas * max_num_seqs
         self.sample_device = mesh.devices.flat[0]
 

@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.capacity
               f"active per token ({m.top_k} of {m.num_experts} experts"
               f"{', plus a shared expert' if m.shared_expert_size else ''})")
     print(f"  weights per device        {c['weights_gib_per_device']:.2f} GiB")
-    print(f"  KV bytes per token        {c['kv_bytes_per_token']:,} (all layers, K+V; "
+    what = "latent + rotary key" if cfg.mla else "K+V"  # multi-head latent attention caches its latent
+    print(f"  KV bytes per token        {c['kv_bytes_per_token']:,} (all layers, {what}; "
           f"{c['kv_bytes_per_token_per_device']:,.0f} per device)")
     print(f"  KV pages per replica      {c['pages_per_replica']:,} of {args.page_size} tokens")
     if c["window_pages_per_replica"]:
