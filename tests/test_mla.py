@@ -22,7 +22,7 @@ from jaxserve.models.config import ModelConfig
 from jaxserve.tools.model_specs import PRESETS
 
 from attention_cases import DECODE, MIXED, build_batch, metadata
-from tiny import FAMILIES, build_tiny_model, hf_model, train_tokenizer
+from tiny import FAMILIES, build_tiny_model, hf_greedy, hf_model, train_tokenizer
 
 LATENT, ROPE = 24, 8  # kv_lora_rank, qk_rope_head_dim of the kernel cases: entries of 32 values
 
@@ -166,3 +166,19 @@ def test_mtp_layers_are_skipped_with_a_log_line_and_8bit_latent_serves(v3_with_m
     assert set(got) == set(np.argsort(want)[-4:].tolist())
     for token, lp in got.items():
         assert abs(lp.logprob - want[token]) < 0.1
+
+
+def test_prefix_caching_and_preemption_on_a_tensor_and_expert_mesh(v3_with_mtp):
+    """Heads split over tensor=2 (the latent replicated on both shards), the experts over expert=2; a pool too
+    small for the four sequences preempts, and their shared prefix is served from cached latent pages."""
+    llm = LLM(str(v3_with_mtp), mesh="expert=2,tensor=2", num_devices=4, page_size=4, num_pages=12, max_num_seqs=4,
+              max_num_batched_tokens=16, max_model_len=48, warmup=False, debug_checks=True,
+              compilation_cache_dir=None)
+    prefix = list(range(5, 17))  # three full pages
+    prompts = [prefix + [40 + i, 60 + i] for i in range(4)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    hf = hf_model(v3_with_mtp)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 10)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.block_manager.prefix_cache_hits > 0

@@ -470,7 +470,11 @@ def _compile_all(t: Target, req: Request, todo: list, compile_pages: int, log) -
     """Every shape of ``todo`` compiled (at full depth, or at 2 and 3 layers and extrapolated) and the sampler:
     (figures by shape, the sampler's figures, the layer counts compiled)."""
     cfg = t.cfg
-    layers_compiled = (2, 3) if req.sample_layers and cfg.num_layers > 3 else (cfg.num_layers,)
+    # Sampled depths keep the leading dense layers of a model that has them (DeepSeek's first_k_dense_replace),
+    # so the slope between the two is one layer of the kind the rest are.
+    lead = next((i for i in range(cfg.num_layers) if cfg.is_sparse(i)), 0) if cfg.moe else 0
+    sampled = (lead + 1, lead + 2) if lead else (2, 3)
+    layers_compiled = sampled if req.sample_layers and cfg.num_layers > sampled[1] else (cfg.num_layers,)
     if req.sample_layers and len(set(cfg.sliding_windows)) > 1:
         raise AotError("--sample-layers needs every layer alike; this model mixes sliding-window and full layers")
     log(f"{cfg.architecture} {cfg.num_params / 1e9:.2f}B ({cfg.num_active_params / 1e9:.2f}B active) on "
