@@ -19,7 +19,9 @@ from jaxserve.executor.kv_cache import bytes_per_token
 from jaxserve.models import moe
 from jaxserve.models.attention import AttentionBackend, latent_value_shape
 from jaxserve.models.config import ModelConfig
+from jaxserve.tools.capacity import weights_per_device
 from jaxserve.tools.model_specs import PRESETS
+from sharding.config import MeshConfig
 
 from attention_cases import DECODE, MIXED, build_batch, metadata
 from tiny import FAMILIES, build_tiny_model, hf_greedy, hf_model, train_tokenizer
@@ -87,6 +89,12 @@ def test_the_cache_holds_the_latent_per_token():
     assert bytes_per_token(v3, jnp.int8) == 61 * (576 + 4)  # one f32 scale per token and layer
     assert bytes_per_token(v3, jnp.bfloat16, tensor=8) == 61 * 576 * 2  # the latent is whole on every tensor shard
     assert round(v3.num_params / 1e9, 2) == 671.03 and round(v3.num_active_params / 1e9, 2) == 37.55
+    # capacity: the low-rank projections are whole on every tensor shard, the rest divided
+    mesh = MeshConfig.parse("tensor=8,expert=4")
+    low_rank = 61 * (7168 * 1536 + 1536 + 7168 * 576 + 512) * 2
+    routed = v3.moe.routed_params(7168) * 2
+    want = (v3.num_params * 2 - routed - low_rank) / 8 + low_rank + routed / 32
+    assert weights_per_device(v3, "bfloat16", mesh) == pytest.approx(want)
     assert v3.sm_scale == pytest.approx(192**-0.5 * (0.1 * np.log(40.0) + 1) ** 2)
 
 

@@ -45,6 +45,12 @@ class MlaConfig:
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
+    def replicated_params(self, hidden: int) -> int:
+        """Parameters of one layer's attention that tensor parallelism does not split (split by head: the rest):
+        the low-rank down-projections and their norms."""
+        q = hidden * self.q_lora_rank + self.q_lora_rank if self.q_lora_rank else 0
+        return q + hidden * self.latent_dim + self.kv_lora_rank
+
     def attention_params(self, hidden: int, heads: int) -> int:
         """Parameters of one layer's attention (projections and the two low-rank norms)."""
         qk = heads * self.qk_head_dim
