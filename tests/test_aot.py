@@ -169,11 +169,12 @@ def test_presets_are_the_published_shapes():
     sizes = {name: ModelConfig.from_hf_dict(hf).num_params / 1e9 for name, hf in aot.PRESETS.items()}
     expected = {"llama-3.2-1b": 1.24, "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55, "qwen3-8b": 8.19,
                 "qwen3-32b": 32.76, "mistral-7b": 7.25, "mixtral-8x7b": 46.70, "qwen3-30b-a3b": 30.53,
-                "gpt-oss-120b": 116.83, "gpt-oss-20b": 20.91}
+                "gpt-oss-120b": 116.83, "gpt-oss-20b": 20.91,
+                "deepseek-v3": 671.03}
     assert sizes == pytest.approx(expected, abs=0.01)
     active = {name: ModelConfig.from_hf_dict(aot.PRESETS[name]).num_active_params / 1e9
-              for name in ("mixtral-8x7b", "qwen3-30b-a3b")}
-    assert active == pytest.approx({"mixtral-8x7b": 12.88, "qwen3-30b-a3b": 3.35}, abs=0.01)
+              for name in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3")}
+    assert active == pytest.approx({"mixtral-8x7b": 12.88, "qwen3-30b-a3b": 3.35, "deepseek-v3": 37.55}, abs=0.01)
 
 
 def test_int8_weights_report_the_quantized_models_fit(tiny_folder):

@@ -129,7 +129,8 @@ def test_too_many_devices_is_refused(llama):
 # qwen3_moe llama_tied_headdim's (one KV head of 24); their models run against transformers in
 # test_models_vs_transformers.py, colocated and disaggregated engines share them. gpt_oss's pages are laid out as
 # gemma2's (a windowed pool beside the global one); sinks are weights, not pages.
-DISAGG_FAMILIES = sorted(set(FAMILIES) - {"qwen2", "qwen2_moe", "qwen3_moe", "gpt_oss"})
+# deepseek_v3 stands for the latent-cache layout (deepseek_v2 shares it).
+DISAGG_FAMILIES = sorted(set(FAMILIES) - {"qwen2", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v2"})
 
 
 @pytest.mark.parametrize("family", DISAGG_FAMILIES)

@@ -24,7 +24,7 @@ from sharding import multihost
 from sharding.config import MeshConfig
 from sharding.mesh import make_mesh
 
-from tiny import FAMILIES, MOE_FAMILIES, build_tiny_model, train_tokenizer
+from tiny import FAMILIES, MLA_FAMILIES, MOE_FAMILIES, build_tiny_model, train_tokenizer
 
 # Compilations in this process from here on (the tests read differences).
 compile_counter = CompileCounter()
@@ -97,8 +97,9 @@ def test_every_mesh_matches_one_device(models, mesh):
 
 # MoE: test_moe.py, and gpt-oss's expert and tensor mesh in test_gpt_oss.py. qwen2 has llama's head layout (4 q
 # heads, 2 KV heads over tensor=2, head_dim 16); what it adds, QKV biases and tied embeddings, is split over the
-# same mesh in llama_mha_bias and llama_tied_headdim.
-@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"mistral", "qwen2", "gpt_oss", *MOE_FAMILIES}))
+# same mesh in llama_mha_bias and llama_tied_headdim. DeepSeek (MoE with a latent cache): tests/test_mla.py.
+@pytest.mark.parametrize("family",
+                         sorted(set(FAMILIES) - {"mistral", "qwen2", "gpt_oss", *MOE_FAMILIES, *MLA_FAMILIES}))
 def test_every_family_on_all_axes(models, family):
     path, want = models(family)
     assert greedy_tokens(make_llm(path, ALL_AXES)) == want

@@ -104,8 +104,24 @@ FAMILIES = {
         sliding_window=5, swiglu_limit=1.5,
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
                              truncate=False, original_max_position_embeddings=64))),
+    # Multi-head latent attention: V3 with q LoRA, yarn (its attention-scale correction), interleaved rope, one
+    # dense layer then MoE with a shared expert, sigmoid routing over 2 of 4 groups with the correction bias;
+    # V2-Lite's shape (no q LoRA) with softmax group-limited routing and two shared experts.
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12,
+        qk_rope_head_dim=8, v_head_dim=20, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, rope_interleave=True,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0, mscale_all_dim=1.0,
+                             original_max_position_embeddings=64, beta_fast=32, beta_slow=1))),
+    "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=12,
+        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        topk_method="group_limited_greedy", moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1,
+        routed_scaling_factor=1.5)),
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MLA_FAMILIES = ("deepseek_v3", "deepseek_v2")
 
 # Hybrids of Gated DeltaNet (a recurrent state per sequence) and gated full attention: one layer of each, key heads
 # serving two value heads each, a quarter of each attention head rotated, a shared expert beside the routed ones.
@@ -154,6 +170,9 @@ def build_tiny_model(family: str, path: Path, *, tokenizer: PreTrainedTokenizerF
                 p.copy_(0.2 * torch.randn_like(p))
             elif name.endswith("sinks"):  # gpt-oss: large enough to take a real share of each softmax
                 p.copy_(torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: zero would hide its use
+                b.copy_(0.1 * torch.randn_like(b))
     if train_steps:
         train_markov(model, train_steps, seed=seed)
     model.save_pretrained(path, safe_serialization=True)

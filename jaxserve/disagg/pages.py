@@ -25,7 +25,8 @@ class PageReader:
     """Takes a sequence's KV pages out of a runner's pool into compact arrays on that runner's mesh.
 
     One jitted gather over every layer (the windowed layers read the model's windowed pool where it has one)
-    into a tuple of ``[layers, 2 (K, V), cache heads, pages, page_size, head_dim]`` arrays: the values, and for
+    into a tuple of ``[layers, 2 (K, V), cache heads, pages, page_size, head_dim]`` arrays (1, the latent, for
+    multi-head latent attention): the values, and for
     an 8-bit pool its scales (``head_dim`` 1) after them, so the scales move with the values they belong to.
     Heads split over ``tensor`` as in the cache, pages whole. Page counts are padded to powers of two so few
     shapes compile (padded rows read page 0).
@@ -35,6 +36,7 @@ class PageReader:
         self.runner = runner
         cfg = runner.cfg
         self.local = [uses_local_pool(cfg, runner.cache_cfg, layer) for layer in range(cfg.num_layers)]
+        self.latent = cfg.mla is not None
         spec = _parts(runner.kv_cache[0][0])[0].sharding.spec
         self.heads = int(runner.kv_cache[0][0].shape[0])
         sharding = NamedSharding(runner.mesh, PartitionSpec(None, None, _first(spec)))
@@ -46,7 +48,8 @@ class PageReader:
         for (k, v), local in zip(cache, self.local):
             ids = local_ids if local else full_ids
             for part, kp, vp in zip(out, _parts(k), _parts(v)):
-                part.append(jnp.stack([kp[:, ids], vp[:, ids]]))
+                # a latent pool (multi-head latent attention) moves its keys only: the values are their prefix
+                part.append(jnp.stack([kp[:, ids]] if self.latent else [kp[:, ids], vp[:, ids]]))
         return tuple(jnp.stack(part) for part in out)
 
     def read(self, replica: int, holder: PageHolder, num_tokens: int):
@@ -90,7 +93,7 @@ class PageWriter:
     def _scatter(self, src_heads: int):
         fn = self._scatters.get(src_heads)
         if fn is None:
-            kv = self.runner.cfg.num_kv_heads
+            kv, latent = self.runner.cfg.num_kv_heads, self.runner.cfg.mla is not None
             # This cache's head c holds model head c * kv // heads; take it from a source head holding it.
             head_map = np.array([(c * kv // self.heads) * src_heads // kv for c in range(self.heads)], np.int32)
 
@@ -110,7 +113,7 @@ class PageWriter:
                 for layer, ((k, v), local) in enumerate(zip(cache, self.local)):
                     ids = local_ids if local else full_ids
                     out.append((put(k, [a[layer, 0] for a in staged], ids),
-                                put(v, [a[layer, 1] for a in staged], ids)))
+                                v if latent else put(v, [a[layer, 1] for a in staged], ids)))
                 return out
 
             fn = self._scatters[src_heads] = jax.jit(

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config.engine import KV_CACHE_DTYPES
+from jaxserve.models.attention import latent_value_shape
 from jaxserve.models.config import ModelConfig
 from jaxserve.scheduler.window_pool import global_pool_budget, window_pages_needed
 from pallas_kernels.gpu_addressing import max_pool_pages, pool_limit_message
@@ -63,9 +64,12 @@ def bytes_per_token(cfg: ModelConfig, dtype, tensor: int = 1) -> int:
     """KV bytes one token occupies across all layers (K and V) on each device holding it: with ``tensor`` > 1,
     a tensor shard's heads (replicated heads included); with 1, the whole token (the seed formula
     2 * layers * kv_heads * head_dim * bytes). An 8-bit pool adds its scales: one float32 per token, KV head and
-    K or V (``pallas_kernels.quantized_pages``)."""
+    K or V (``pallas_kernels.quantized_pages``). Multi-head latent attention caches one entry per token and layer
+    (the latent and the rotary key, ``head_dim`` = ``MlaConfig.latent_dim``), replicated on each tensor shard."""
     heads = cache_heads(cfg.num_kv_heads, tensor) // tensor
     scales = SCALE_BYTES if is_quantized_dtype(dtype) else 0
+    if cfg.mla is not None:  # one latent entry per token and layer, no separate values (models/mla.py)
+        return cfg.num_attention_layers * heads * (cfg.head_dim * jnp.dtype(dtype).itemsize + scales)
     return 2 * cfg.num_attention_layers * heads * (cfg.head_dim * jnp.dtype(dtype).itemsize + scales)
 
 
@@ -175,7 +179,8 @@ def uses_local_pool(cfg: ModelConfig, cache: CacheConfig, layer: int) -> bool:
 
 def init_kv_cache(cfg: ModelConfig, cache: CacheConfig, dtype, mesh: Mesh) -> list[tuple[jax.Array, jax.Array]]:
     """Zeroed pages, created directly in their sharding (never materialised on one device first); windowed
-    layers get ``num_local_pages`` pages when the cache has a windowed pool."""
+    layers get ``num_local_pages`` pages when the cache has a windowed pool. A latent pool (``cfg.mla``) has a
+    placeholder for values (``models.attention.latent_value_shape``)."""
     out = []
     for layer in range(cfg.num_layers):
         if cfg.is_linear(layer):  # a hybrid's linear layer: its state slots, not pages (models/gated_deltanet.py)
@@ -188,7 +193,13 @@ def init_kv_cache(cfg: ModelConfig, cache: CacheConfig, dtype, mesh: Mesh) -> li
                           else None)
         on_cpu = mesh.devices.flat[0].platform == "cpu"  # fp8 held as bytes there (QuantizedPages)
         zeros = _zeros(tuple(shape), dtype, sharding, scale_sharding, on_cpu)
-        out.append((zeros(), zeros()))
+        if cfg.mla is None:
+            out.append((zeros(), zeros()))
+            continue
+        # Multi-head latent attention: the values are the latent entries' prefix; their pool is a placeholder
+        v_shape = latent_value_shape(shape)
+        v_sharding = logical_sharding(CACHE_AXES, v_shape, mesh)
+        out.append((zeros(), _zeros(v_shape, dtype, v_sharding, scale_sharding, on_cpu)()))
     return out
 
 

@@ -129,7 +129,10 @@ class AttentionBackend:
     def write(self, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
               md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
         """Write each real row's K/V (dt[T, K, D] each) into its page slot. Returns (k_pages, v_pages),
-        kv[K, num_pages, page_size, D] each."""
+        kv[K, num_pages, page_size, D] each. A latent pool (``is_latent``) gets the keys only."""
+        if is_latent(k_pages, v_pages):
+            k_pages, _ = self.write(k, k, k_pages, k_pages, md)  # the second copy is dead code, never computed
+            return k_pages, v_pages
         # Each branch returns the two pools, kv[K, num_pages, page_size, D] each.
         if isinstance(k_pages, QuantizedPages):  # an 8-bit pool: quantized as written (pallas_kernels.quantized_pages)
             self.check_quantized()
@@ -150,6 +153,8 @@ class AttentionBackend:
         the pages.
         """
         kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
+        if is_latent(k_pages, v_pages):  # the values are the keys' own entries: read from the one pool
+            v, v_pages = k, k_pages
         if isinstance(k_pages, QuantizedPages):
             # The pages dequantize what they are asked for as they are gathered; a chunk's own rows are taken as
             # they read back from the pool, so the result does not depend on how a prompt was chunked.
@@ -168,6 +173,19 @@ class AttentionBackend:
         if self.decode:  # each row walks its own sequence's pages
             return rpa.ragged_paged_attention_rows(q, k_pages, v_pages, md, **kw)
         return rpa.ragged_paged_attention_chunks(q, k, v, k_pages, v_pages, md, **kw)
+
+
+def latent_value_shape(k_shape: tuple) -> tuple:
+    """The value pool's placeholder beside a latent pool kv[K, num_pages, page_size, D]: kv[K, num_pages, 1, 1],
+    one value per page that nothing reads (a pool of width 0 would be exact, but XLA:CPU cannot shard one)."""
+    return tuple(k_shape[:2]) + (1, 1)
+
+
+def is_latent(k_pages, v_pages) -> bool:
+    """Whether a layer's pools are a latent pool and its placeholder (``latent_value_shape``): multi-head latent
+    attention (``models/mla.py``), whose values are the first columns of the key pool's entries. Attention then
+    writes the keys only, reads the keys' pages as the values too, and its output has the key's width."""
+    return v_pages.shape != k_pages.shape
 
 
 CACHE_AXES = ("cache_kv_heads", "cache_pages", "page_size", "head_dim")  # the logical axes of kv[K, num_pages, ...]

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jaxserve.models.mla_config import MlaConfig
 from jaxserve.models.moe_config import MoeConfig
 from jaxserve.models.registry import SUPPORTED_ARCHITECTURES, family_for
 from jaxserve.models.rope import RopeConfig
@@ -65,6 +66,9 @@ class ModelConfig:
     linear_attention: LinearAttentionConfig | None = None
     attn_output_gate: bool = False
     rotary_dim: int | None = None
+    # Multi-head latent attention (DeepSeek): num_kv_heads is then 1 and head_dim the latent's width, the shape
+    # of what the cache holds per token and layer (one shared latent "KV head", ``jaxserve.models.mla``).
+    mla: MlaConfig | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -104,7 +108,17 @@ class ModelConfig:
     @property
     def sm_scale(self) -> float:
         """The multiplier of q·k before the softmax."""
+        if self.mla is not None:
+            return self.mla.sm_scale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def rope_dim(self) -> int:
+        """The width rope rotates: the head, multi-head latent attention's rotary part, or a partial rotary's
+        ``rotary_dim`` (Qwen3-Next)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return self.rotary_dim or self.head_dim
 
     def layer_rope(self, layer: int) -> RopeConfig:
         """The rope of one layer: ``sliding_rope`` for windowed layers when set, else ``rope``."""
@@ -193,6 +207,8 @@ class ModelConfig:
                                                    + 2 * self.num_kv_heads)
         la = self.linear_attention
         linear = la.num_linear_layers * (la.layer_params(self.hidden_size) - attn) if la else 0
+        if self.mla is not None:
+            attn = self.mla.attention_params(self.hidden_size, self.num_heads)
         mlp = sum(self.moe.mlp_params(self.hidden_size, active=active) if self.is_sparse(i)
                   else 3 * self.hidden_size * self.intermediate_size for i in range(self.num_layers))
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.models import gated_deltanet, layers, moe
+from jaxserve.models import gated_deltanet, layers, mla, moe
 from jaxserve.models.attention import AttentionBackend, AttentionMetadata
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.lora import lora_delta
@@ -176,7 +176,8 @@ class DecoderLayer(nnx.Module):
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg, dtype)
         linear = cfg.is_linear(layer)  # a hybrid's Gated DeltaNet layer in place of attention
-        self.self_attn = None if linear else Attention(cfg, layer, dtype)
+        attention = Attention if cfg.mla is None else mla.MlaAttention
+        self.self_attn = None if linear else attention(cfg, layer, dtype)
         self.linear_attn = gated_deltanet.GatedDeltaNet(cfg, dtype) if linear else None
         self.post_attention_layernorm = RMSNorm(h, cfg, dtype)
         self.pre_feedforward_layernorm = RMSNorm(h, cfg, dtype) if cfg.sandwich_norms else None
@@ -249,7 +250,7 @@ def forward(
     for i in range(cfg.num_layers):
         rope = cfg.layer_rope(i)
         if rope not in tables:
-            tables[rope] = layers.rope_tables(positions, rope, cfg.rotary_dim or cfg.head_dim)
+            tables[rope] = layers.rope_tables(positions, rope, cfg.rope_dim)
     state_md = None
     if cfg.linear_attention is not None:
         # A hybrid: each page-table row ends with the sequence's state slot (one replica, gated_deltanet).

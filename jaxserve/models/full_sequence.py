@@ -55,7 +55,7 @@ def _one(model: DecoderLM, token_ids: jax.Array) -> jax.Array:
     for i in range(cfg.num_layers):
         rope = cfg.layer_rope(i)
         if rope not in tables:
-            tables[rope] = layers.rope_tables(positions, rope, cfg.rotary_dim or cfg.head_dim)
+            tables[rope] = layers.rope_tables(positions, rope, cfg.rope_dim)
     x = model.embed_tokens(token_ids)
     for i, layer in enumerate(model.layers):
         x, _, _ = layer(x, tables[cfg.layer_rope(i)], None, None, None, _causal_attention)

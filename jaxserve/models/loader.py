@@ -12,6 +12,7 @@ C hidden size, I an expert's width, ``in`` / ``out`` a weight's input and output
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from pathlib import Path
 
@@ -30,10 +31,13 @@ from jaxserve.models.decoder import DecoderLM
 from sharding.mesh import make_mesh, place
 from sharding.rules import DEFAULT_RULES, check_expert_parallel, logical_sharding, model_rules
 
+logger = logging.getLogger(__name__)
+
 DTYPES = {name: jnp.dtype(name) for name in engine_config.DTYPES if name != "auto"}
 ORBAX_DIR = "params"
 # Buffers some checkpoints carry that are derived, not learned.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^mtp\.")  # mtp: Qwen3.5's multi-token head, unused
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # Mixture-of-Experts checkpoints store one tensor per expert; ours are stacked dt[E, in, out] (models/moe.py).
 # Mixtral names its block `block_sparse_moe` and its experts' projections w1 (gate), w3 (up), w2 (down).
 _MIXTRAL = {".block_sparse_moe.": ".mlp.", ".w1.weight": ".gate_proj.weight", ".w3.weight": ".up_proj.weight",
@@ -296,6 +300,7 @@ class _SafetensorsLoad:
         self.mxfp4 = mxfp4.is_mxfp4(cfg.quantization_config)
         self.packed: dict = {}  # an MXFP4 weight's blocks and scales until both are read: name -> {suffix: array}
         self.unexpected: list[str] = []
+        self.mtp_layers: set[int] = set()  # DeepSeek's multi-token-prediction layers, skipped
 
     def add(self, name: str, array) -> None:
         """One tensor of the checkpoint: a scale, an expert's weight, or a tensor of ours (else unexpected)."""
@@ -313,6 +318,10 @@ class _SafetensorsLoad:
             self._scale(name, array)
             return
         if ckq is not None and _UNUSED_QUANT.search(name):
+            return
+        if cfg.mla is not None and (m := _LAYER.match(name)) and int(m[1]) >= cfg.num_layers:
+            # DeepSeek-V3 stores its multi-token-prediction layers after the decoder's (num_nextn_predict_layers)
+            self.mtp_layers.add(int(m[1]))
             return
         if experts := _expert_tensors(name, array, cfg):
             for stacked, index, part in experts:
@@ -436,6 +445,9 @@ class _SafetensorsLoad:
                 f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
                 f"unexpected tensors {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
             )
+        if self.mtp_layers:
+            logger.info("skipped the multi-token-prediction layers %s of %s (num_nextn_predict_layers): not used for "
+                        "speculative decoding", sorted(self.mtp_layers), folder)
         for path, var in self.flat.items():
             var.set_value(self.placed[path])
         return nnx.from_flat_state(self.flat)

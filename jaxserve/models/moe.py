@@ -55,24 +55,51 @@ def route(x: jax.Array, router: jax.Array, moe: MoeConfig, bias: jax.Array | Non
 
     Args:
       x: dt[T, C] the MLP input rows.
-      router: dt[C, E] the gate's weight.
-      bias: dt[E] the router's bias (gpt-oss), or None.
+      router: dt[C, E] the gate's weight (f32 for DeepSeek's).
+      bias: the router's bias dt[E] (gpt-oss: added to the logits), or DeepSeek-V3's ``e_score_correction_bias``
+        f32[E] (``moe.correction_bias``: added to the scores to choose experts, not to their weights), or None.
 
     Returns:
-      (weights f32[T, top_k], expert ids i32[T, top_k]), highest probability first.
+      (weights f32[T, top_k], expert ids i32[T, top_k]); highest probability first for the softmax routers.
     """
-    logits = layers.matmul_f32(x, router)  # f32[T, E]
-    if bias is not None:  # dt[E]
-        logits = logits + bias.astype(jnp.float32)
-    logits = logits.astype(x.dtype)  # dt[T, E]: transformers' router logits are in dt
-    if moe.softmax_after_topk:  # gpt-oss: the k highest logits, then a softmax over those alone
-        top, experts = jax.lax.top_k(logits.astype(jnp.float32), moe.top_k)  # f32[T, top_k], i32[T, top_k]
-        return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # f32[T, E]
-    weights, experts = jax.lax.top_k(probs, moe.top_k)  # f32[T, top_k], i32[T, top_k]
+    if moe.scoring == "softmax" and moe.topk_method == "greedy" and moe.routed_scaling_factor == 1.0:
+        logits = layers.matmul_f32(x, router)  # f32[T, E]
+        if bias is not None:  # gpt-oss's router bias, dt[E]
+            logits = logits + bias.astype(jnp.float32)
+        logits = logits.astype(x.dtype)  # dt[T, E]: transformers' router logits are in dt
+        if moe.softmax_after_topk:  # gpt-oss: the k highest logits, then a softmax over those alone
+            top, experts = jax.lax.top_k(logits.astype(jnp.float32), moe.top_k)  # f32[T, top_k], i32[T, top_k]
+            return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # f32[T, E]
+        weights, experts = jax.lax.top_k(probs, moe.top_k)  # f32[T, top_k], i32[T, top_k]
+        if moe.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)  # f32[T, top_k], summing to 1 per row
+        return weights, experts.astype(jnp.int32)  # f32[T, top_k], i32[T, top_k]
+    return _route_grouped(x, router, moe, bias)
+
+
+def _route_grouped(x: jax.Array, router: jax.Array, moe: MoeConfig, bias: jax.Array | None
+                   ) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek's routers (``MoeConfig``): the scores in f32 from f32 operands, as transformers computes them;
+    the choice limited to the best ``topk_group`` groups; the weights scaled by ``routed_scaling_factor``."""
+    logits = layers.matmul_f32(x.astype(jnp.float32), router.astype(jnp.float32))  # f32[T, E]
+    scores = jax.nn.sigmoid(logits) if moe.scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)  # f32[T, E]
+    choice = scores if bias is None else scores + bias[None, :].astype(jnp.float32)  # f32[T, E]
+    if moe.n_group > 1 and moe.topk_method != "greedy":
+        t, per_group = x.shape[0], moe.num_experts // moe.n_group
+        grouped = choice.reshape(t, moe.n_group, per_group)  # f32[T, groups, E / groups]
+        if moe.topk_method == "noaux_tc":  # a group's two best scores summed
+            group_scores = jnp.sum(jax.lax.top_k(grouped, min(2, per_group))[0], axis=-1)  # f32[T, groups]
+        else:  # group_limited_greedy: a group's best score
+            group_scores = jnp.max(grouped, axis=-1)  # f32[T, groups]
+        _, best = jax.lax.top_k(group_scores, moe.topk_group)  # i32[T, topk_group]
+        keep = jnp.zeros((t, moe.n_group), bool).at[jnp.arange(t)[:, None], best].set(True)  # bool[T, groups]
+        choice = jnp.where(jnp.repeat(keep, per_group, axis=1), choice, -jnp.inf)  # f32[T, E]
+    _, experts = jax.lax.top_k(choice, moe.top_k)  # i32[T, top_k]
+    weights = jnp.take_along_axis(scores, experts, axis=-1)  # f32[T, top_k]
     if moe.norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)  # f32[T, top_k], summing to 1 per row
-    return weights, experts.astype(jnp.int32)  # f32[T, top_k], i32[T, top_k]
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)  # f32[T, top_k]
+    return weights * moe.routed_scaling_factor, experts.astype(jnp.int32)  # f32[T, top_k], i32[T, top_k]
 
 
 def group_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -165,11 +192,11 @@ def experts_local(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: ja
 
 
 def dense_reference(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
-                    moe: MoeConfig) -> jax.Array:
+                    moe: MoeConfig, bias: jax.Array | None = None) -> jax.Array:
     """Every expert on every row, weighted by the router (zero for experts not chosen): the test reference for
     the routed MoE (shared expert excluded): x dt[T, C], router dt[C, E], gate and up dt[E, C, I], down
     dt[E, I, C]. Returns f32[T, C]."""
-    weights, experts = route(x, router, moe)  # f32[T, top_k], i32[T, top_k]
+    weights, experts = route(x, router, moe, bias)  # f32[T, top_k], i32[T, top_k]
     dense = jnp.zeros((x.shape[0], moe.num_experts), jnp.float32)  # f32[T, E]
     dense = dense.at[jnp.arange(x.shape[0])[:, None], experts].set(weights)  # f32[T, E], zero where not chosen
     hi = jax.lax.Precision.HIGHEST
@@ -184,11 +211,13 @@ def _param(shape, dtype, axes) -> nnx.Param:
 
 class Weight(nnx.Module):
     """One dt[in, out] matrix (the router dt[C, E], the shared expert's gate dt[C, 1]), named ``weight`` as in
-    the checkpoint, and with ``bias`` its dt[out] bias (gpt-oss's router)."""
+    the checkpoint; with ``bias`` its dt[out] bias (gpt-oss's router); DeepSeek-V3's router also holds its
+    ``e_score_correction_bias`` f32[E]."""
 
-    def __init__(self, din: int, dout: int, dtype, bias: bool = False):
+    def __init__(self, din: int, dout: int, dtype, bias: bool = False, correction_bias: bool = False):
         self.weight = _param((din, dout), dtype, ("embed", None))  # dt[in, out]
         self.bias = _param((dout,), dtype, (None,)) if bias else None  # dt[out]
+        self.e_score_correction_bias = _param((dout,), jnp.float32, (None,)) if correction_bias else None  # f32[E]
 
 
 class Experts(nnx.Module):
@@ -219,15 +248,16 @@ class SparseMoeBlock(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, shared_expert: nnx.Module | None = None):
         moe, h = cfg.moe, cfg.hidden_size
         self.moe = moe
-        self.gate = Weight(h, moe.num_experts, dtype, bias=moe.router_bias)
+        self.gate = Weight(h, moe.num_experts, dtype, bias=moe.router_bias, correction_bias=moe.correction_bias)
         self.experts = Experts(moe, h, dtype)
         self.shared_expert = shared_expert
-        self.shared_expert_gate = None if shared_expert is None else Weight(h, 1, dtype)
+        self.shared_expert_gate = None if shared_expert is None or not moe.shared_expert_gated else Weight(h, 1, dtype)
 
     def __call__(self, x: jax.Array, layout: StepLayout | None = None) -> jax.Array:
         """x: dt[T, C] -> dt[T, C]."""
-        bias = None if self.gate.bias is None else self.gate.bias[...]  # dt[E]
-        weights, experts = route(x, self.gate.weight[...], self.moe, bias)  # f32[T, top_k], i32[T, top_k]
+        bias = self.gate.bias if self.gate.bias is not None else self.gate.e_score_correction_bias
+        # f32[T, top_k], i32[T, top_k]
+        weights, experts = route(x, self.gate.weight[...], self.moe, None if bias is None else bias[...])
         ex = self.experts
         biases = None if ex.gate_proj_bias is None else (ex.gate_proj_bias[...], ex.up_proj_bias[...])
         out = expert_parallel(x, weights, experts, ex.weight("gate_proj", x.dtype), ex.weight("up_proj", x.dtype),
@@ -235,7 +265,9 @@ class SparseMoeBlock(nnx.Module):
                               biases)  # f32[T, C]
         if ex.down_proj_bias is not None:  # sum_k w_k b_{e_k}: f32[T, top_k] . dt[T, top_k, C] -> f32[T, C]
             out = out + jnp.einsum("tk,tkc->tc", weights, ex.down_proj_bias[...][experts].astype(jnp.float32))
-        if self.shared_expert is not None:
+        if self.shared_expert is not None and self.shared_expert_gate is None:  # DeepSeek: added as is
+            out = out.astype(x.dtype) + self.shared_expert(x, layout)  # dt[T, C]
+        elif self.shared_expert is not None:
             # dt[T, 1]
             gate = jax.nn.sigmoid(layers.matmul_f32(x, self.shared_expert_gate.weight[...]).astype(x.dtype))
             out = out.astype(x.dtype) + gate * self.shared_expert(x, layout)  # dt[T, C]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+SCORING = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
@@ -32,6 +34,13 @@ class MoeConfig:
     activation: str = "silu"  # "silu" (SwiGLU) or "gpt_oss" (the clamped variant above)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    scoring: str = "softmax"  # "softmax" or "sigmoid"
+    topk_method: str = "greedy"  # "greedy", "group_limited_greedy" or "noaux_tc"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    correction_bias: bool = False
+    shared_expert_gated: bool = True
 
     def __post_init__(self):
         for name in ("num_experts", "top_k", "intermediate_size"):
@@ -44,6 +53,18 @@ class MoeConfig:
         for name in ("swiglu_alpha", "swiglu_limit"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        if self.scoring not in SCORING:
+            raise ValueError(f"scoring_func={self.scoring!r} is not supported (supported: {', '.join(SCORING)})")
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"topk_method={self.topk_method!r} is not supported (supported: "
+                             f"{', '.join(TOPK_METHODS)})")
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ValueError(f"n_group={self.n_group} must be >= 1 and divide n_routed_experts={self.num_experts}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group={self.topk_group} must be in 1..n_group={self.n_group}")
+        if self.top_k > self.topk_group * self.num_experts // self.n_group:
+            raise ValueError(f"num_experts_per_tok={self.top_k} exceeds the experts of topk_group={self.topk_group} "
+                             f"groups")
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], family: str, layers: int) -> "MoeConfig":
@@ -68,7 +89,8 @@ class MoeConfig:
     def mlp_params(self, hidden: int, *, active: bool) -> int:
         """Parameters of one MoE block: router, experts (only ``top_k`` of them if ``active``), shared expert."""
         experts = self.top_k if active else self.num_experts
-        shared = 3 * hidden * self.shared_expert_size + hidden if self.shared_expert_size else 0
+        gate = hidden if self.shared_expert_gated else 0
+        shared = 3 * hidden * self.shared_expert_size + gate if self.shared_expert_size else 0
         bias = (2 * self.intermediate_size + hidden) if self.expert_bias else 0
         router = (hidden + 1 if self.router_bias else hidden) * self.num_experts
         return router + experts * (3 * hidden * self.intermediate_size + bias) + shared

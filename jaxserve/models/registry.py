@@ -6,6 +6,7 @@ Adding a family: write its short file beside this one (see ``llama.py``, ``gemma
 from __future__ import annotations
 
 from jaxserve.models import (
+    deepseek,
     gemma2,
     gemma3,
     gpt_oss,
@@ -25,6 +26,7 @@ FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen
                                 gpt_oss.FAMILY)
 # Hybrids of linear attention (a recurrent state per sequence) and full attention.
 FAMILIES += (qwen3_next.FAMILY, qwen3_next.QWEN3_5, qwen3_next.QWEN3_5_MOE)
+FAMILIES += (deepseek.V2, deepseek.V3)
 BY_ARCHITECTURE: dict[str, Family] = {arch: f for f in FAMILIES for arch in f.architectures}
 SUPPORTED_ARCHITECTURES = tuple(BY_ARCHITECTURE)
 # config.json's ``model_type`` -> the architecture it means, for a config that lists no ``architectures``
@@ -37,6 +39,8 @@ BY_MODEL_TYPE: dict[str, str] = {
 }
 BY_MODEL_TYPE.update({"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                       "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"})
+BY_MODEL_TYPE.update({"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                      "kimi_k2": "DeepseekV3ForCausalLM"})
 
 
 def family_for(architectures: list[str], model_type: str | None = None) -> tuple[str, Family]:

@@ -70,7 +70,7 @@ from jaxserve.executor.penalty_state import PenaltyState
 from jaxserve.executor.runner import StepOutput, jit_step, step_layouts, step_static_args
 from jaxserve.executor.sampler import SamplingTensors, sample
 from jaxserve.executor.shapes import StepShapes
-from jaxserve.models.attention import AttentionBackend
+from jaxserve.models.attention import AttentionBackend, latent_value_shape
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loader import abstract_model, param_shardings, quantization_plan, resolve_dtype
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
@@ -243,7 +243,7 @@ class StepCompiler:
         for path, var in flat.items():
             var.set_value(jax.ShapeDtypeStruct(var.get_value().shape, var.get_value().dtype, sharding=shardings[path]))
         self.params = nnx.from_flat_state(flat)
-        pools = {}  # local (the windowed pool) -> (abstract pool, its sharding)
+        pools = {}  # local (the windowed pool) -> ((K pool, V pool), their shardings)
         for local in (False, True):
             shape, sharding = cache_sharding(cfg, self.cache, mesh, self.cache.num_local_pages if local else None)
             pool = jax.ShapeDtypeStruct(shape, self.cache_dtype, sharding=sharding)
@@ -252,7 +252,15 @@ class StepCompiler:
                 pool = QuantizedPages(pool, jax.ShapeDtypeStruct(shape[:-1] + (1,), jnp.float32,
                                                                  sharding=scale_sharding))
                 sharding = QuantizedPages(sharding, scale_sharding)
-            pools[local] = (pool, sharding)
+            v_pool, v_sharding = pool, sharding
+            if cfg.mla is not None:  # a latent pool and its values' placeholder (models.attention), as the engine's
+                v_shape = latent_value_shape(shape)
+                v_sharding = logical_sharding(CACHE_AXES, v_shape, mesh)
+                v_pool = jax.ShapeDtypeStruct(v_shape, self.cache_dtype, sharding=v_sharding)
+                if jnp.dtype(self.cache_dtype).itemsize == 1:
+                    v_pool = QuantizedPages(v_pool, pool.scales)
+                    v_sharding = QuantizedPages(v_sharding, scale_sharding)
+            pools[local] = ((pool, v_pool), (sharding, v_sharding))
             if not self.local_pool:
                 break
         per_layer = [pools[uses_local_pool(cfg, self.cache, i)] for i in range(cfg.num_layers)]
@@ -260,11 +268,10 @@ class StepCompiler:
         self.state_slots = state_slots_for(cfg, max_num_seqs)
         states = (state_arrays(cfg, self.state_slots, mesh) if self.state_slots else [])
         state_structs = tuple(jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s) for shape, s in states)
-        self.kv_cache = [state_structs if cfg.is_linear(i) else (pool, pool) for i, (pool, _) in enumerate(per_layer)]
+        self.kv_cache = [state_structs if cfg.is_linear(i) else kv for i, (kv, _) in enumerate(per_layer)]
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.outs = (StepOutput(self.replicated, self.replicated),
-                     [tuple(s for _, s in states) if cfg.is_linear(i) else (sh, sh)
-                      for i, (_, sh) in enumerate(per_layer)])
+                     [tuple(s for _, s in states) if cfg.is_linear(i) else sh for i, (_, sh) in enumerate(per_layer)])
         self.num_logit_rows = self.num_replicas * max_num_seqs
         self.sample_device = mesh.devices.flat[0]
 
@@ -501,13 +508,15 @@ def _compile_all(t: Target, req: Request, todo: list, compile_pages: int, log) -
     (figures by shape, the sampler's figures, the layer counts compiled)."""
     cfg = t.cfg
     # Sampled at whole periods of the layer pattern (2 and 3 layers when all alike; 2 and 4 for gpt-oss's pairs),
-    # so each added period adds the same work and the figures stay linear in the depth.
+    # so each added period adds the same work and the figures stay linear in the depth; a model's leading dense
+    # layers (DeepSeek's first_k_dense_replace) are kept, so the slope is one layer of the kind the rest are.
     period = layer_period(cfg.sliding_windows)
     if req.sample_layers and period == cfg.num_layers and period > 1:
         raise AotError("--sample-layers needs the layers' windows to repeat with a period that divides the depth; "
                        f"this model's do not ({cfg.sliding_windows})")
+    lead = next((i for i in range(cfg.num_layers) if cfg.is_sparse(i)), 0) if cfg.moe else 0
     lo = 2 if period == 1 else period
-    sampled = (lo, lo + period)
+    sampled = (lead + 1, lead + 2) if lead and period == 1 else (lo, lo + period)
     layers_compiled = sampled if req.sample_layers and cfg.num_layers > sampled[1] else (cfg.num_layers,)
     log(f"{cfg.architecture} {cfg.num_params / 1e9:.2f}B ({cfg.num_active_params / 1e9:.2f}B active) on "
         f"{req.topology} ({len(t.devices)} x {t.devices[0].device_kind}), mesh {t.mesh_cfg}: compiling {len(todo)} "

@@ -42,7 +42,8 @@ _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def weights_per_device(cfg: ModelConfig, dtype: str, mesh: MeshConfig, quantization: str | None = None,
                        quantize_lm_head: bool = False) -> float:
-    """Weight bytes on each device: dense weights divided over ``tensor``, routed experts also over ``expert``.
+    """Weight bytes on each device: dense weights divided over ``tensor`` (but multi-head latent attention's
+    low-rank projections, replicated), routed experts also over ``expert``.
     8-bit weights take a byte each plus a float32 scale per output channel (a column of about hidden_size)."""
     item = _ITEMSIZE[dtype]
     tensor = mesh.tensor
@@ -57,7 +58,11 @@ def weights_per_device(cfg: ModelConfig, dtype: str, mesh: MeshConfig, quantizat
         head_item = per_weight if quantize_lm_head else item
         dense_bytes = (cfg.num_params - routed - embed) * per_weight + embed * head_item
         routed_bytes = routed * per_weight
-    return dense_bytes / tensor + routed_bytes / (tensor * mesh.expert)
+    # Multi-head latent attention's low-rank projections are whole on every tensor shard (models/mla.py).
+    replicated = cfg.num_layers * cfg.mla.replicated_params(cfg.hidden_size) if cfg.mla else 0
+    per_weight = item if quantization is None else 1 + 4 / cfg.hidden_size
+    return ((dense_bytes - replicated * per_weight) / tensor + replicated * per_weight
+            + routed_bytes / (tensor * mesh.expert))
 
 
 def capacity(cfg: ModelConfig, *, hbm_gb: float, dtype: str, page_size: int, mesh: MeshConfig,
@@ -142,7 +147,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.capacity
               f"active per token ({m.top_k} of {m.num_experts} experts"
               f"{', plus a shared expert' if m.shared_expert_size else ''})")
     print(f"  weights per device        {c['weights_gib_per_device']:.2f} GiB")
-    print(f"  KV bytes per token        {c['kv_bytes_per_token']:,} (all layers, K+V; "
+    what = "latent + rotary key" if cfg.mla else "K+V"  # multi-head latent attention caches its latent
+    print(f"  KV bytes per token        {c['kv_bytes_per_token']:,} (all layers, {what}; "
           f"{c['kv_bytes_per_token_per_device']:,.0f} per device)")
     print(f"  KV pages per replica      {c['pages_per_replica']:,} of {args.page_size} tokens")
     if c["state_slots"]:

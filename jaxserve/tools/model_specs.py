@@ -61,6 +61,19 @@ PRESETS: dict[str, dict] = {
                        rms_norm_eps=1e-5, max_position_embeddings=32768, rope_theta=1000000.0, sliding_window=None,
                        tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2),
 }
+# DeepSeek-V3 (671B; Kimi-K2 has its shape with 384 experts and 64 heads): multi-head latent attention, 3 dense
+# layers then 58 of 256 routed experts (top 8 in the 4 best of 8 groups) and a shared one. Its multi-token-prediction
+# layer (num_nextn_predict_layers) is not served.
+PRESETS["deepseek-v3"] = dict(
+    architectures=["DeepseekV3ForCausalLM"], hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
+    num_key_value_heads=128, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
+    n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=3,
+    routed_scaling_factor=2.5, norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc", q_lora_rank=1536,
+    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280,
+    max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="bfloat16",
+    rope_theta=10000.0, rope_scaling=dict(type="yarn", factor=40.0, mscale=1.0, mscale_all_dim=1.0,
+                                          original_max_position_embeddings=4096, beta_fast=32, beta_slow=1),
+    num_nextn_predict_layers=1, bos_token_id=0, eos_token_id=1)
 
 
 class ModelSpecError(ValueError):

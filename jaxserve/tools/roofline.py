@@ -23,20 +23,24 @@ def weight_bytes(cfg: ModelConfig, itemsize: int) -> int:
 
 def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
     """KV-cache bytes one token occupies over all layers (K and V): the seed formula
-    2 * layers * kv_heads * head_dim * bytes."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    2 * layers * kv_heads * head_dim * bytes; multi-head latent attention caches one latent entry of head_dim
+    values per token and layer, no separate V."""
+    return (1 if cfg.mla else 2) * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
 def matmul_flops_per_token(cfg: ModelConfig) -> int:
     """2 * (parameters touched by one token's matmuls): projections, MLP and the LM head."""
     h, d = cfg.hidden_size, cfg.head_dim
+    if cfg.mla is not None:  # DeepSeek: its active parameters (top-k experts), less the embedding's lookup (no matmul)
+        return 2 * (cfg.num_active_params - (0 if cfg.tie_word_embeddings else cfg.vocab_size * h))
     attn = h * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
     mlp = 3 * h * cfg.intermediate_size
     return 2 * (cfg.num_layers * (attn + mlp) + h * cfg.vocab_size)
 
 
 def attention_flops(cfg: ModelConfig, query_tokens: int, keys_per_query: float) -> float:
-    """QK^T and PV: 4 * heads * head_dim FLOPs per (query, key) pair, per layer."""
+    """QK^T and PV: 4 * heads * head_dim FLOPs per (query, key) pair, per layer (for latent attention head_dim is
+    the latent entry's width, which both products span, the PV one reading its latent prefix)."""
     return 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * query_tokens * keys_per_query
 
 
