@@ -24,62 +24,10 @@ from flax import nnx
 from jaxserve.models import gated_deltanet, layers, mla, moe
 from jaxserve.models.attention import AttentionBackend, AttentionMetadata
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.lora import lora_delta
+from jaxserve.models.modules import Embed, Linear, RMSNorm, constrain, param
 from sharding.layout import StepLayout
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages), kv[K, num_pages, page_size, D] each
-
-
-def _constrain(x: jax.Array, layout: StepLayout | None, *axes: str | None) -> jax.Array:
-    """Pin an activation's sharding by logical axes (no-op without a mesh layout)."""
-    return x if layout is None else layout.constrain(x, axes)  # x's dtype and shape
-
-
-def _param(shape, dtype, axes) -> nnx.Param:
-    # Real values come from a checkpoint (or the demo initialiser); modules are built under nnx.eval_shape.
-    return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)  # dtype[*shape]
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, cfg: ModelConfig, dtype, axes=("norm",)):
-        self.weight = _param((dim,), dtype, axes)  # dt[dim]: C, or D for the q/k norms
-        self.eps, self.offset = cfg.rms_norm_eps, cfg.norm_offset
-
-    def __call__(self, x):  # dt[..., dim] -> dt[..., dim]
-        return layers.rms_norm(x, self.weight[...], self.eps, self.offset)
-
-
-class Embed(nnx.Module):
-    def __init__(self, vocab: int, dim: int, dtype, scale: bool = False):
-        self.embedding = _param((vocab, dim), dtype, ("vocab", "embed"))  # dt[V, C] (w8[V, C] when quantized)
-        self.embedding_scale = nnx.data(None)  # f32[V] when the embedding is quantized (jaxserve.models.quantization)
-        self.scale, self.dtype = scale, dtype
-
-    def __call__(self, token_ids):  # i32[R * T] -> dt[R * T, C]
-        x = self.embedding[...][token_ids]  # dt[R * T, C] (w8 when quantized)
-        if self.embedding_scale is not None:
-            # f32[R * T, C] * f32[R * T, 1] -> dt[R * T, C]
-            x = (x.astype(jnp.float32) * self.embedding_scale[...][token_ids][:, None]).astype(self.dtype)
-        if self.scale:  # sqrt(hidden) rounded to the model's dtype first, as the checkpoints were trained
-            x = x * jnp.asarray(x.shape[-1] ** 0.5, x.dtype)  # dt[R * T, C]
-        return x
-
-
-class Linear(nnx.Module):
-    def __init__(self, din: int, dout: int, *, bias: bool, dtype, axes: tuple[str, str]):
-        self.weight = _param((din, dout), dtype, axes)  # dt[in, out] (w8[in, out] when quantized)
-        self.bias = _param((dout,), dtype, axes[1:]) if bias else None  # dt[out]
-        # Set when the weight is quantized (jaxserve.models.quantization): f32[out], or f32[in / B, out / B]
-        self.weight_scale = nnx.data(None)
-
-    def __call__(self, x, lora=None):  # dt[..., in] -> dt[..., out]
-        """``lora``: (a dt[G, in, R], b dt[G, R, out], ``LoraRows``), each row's adapter added (models/lora.py)."""
-        y = layers.linear(x, self.weight[...], None if self.bias is None else self.bias[...],
-                          None if self.weight_scale is None else self.weight_scale[...])
-        if lora is None:
-            return y
-        delta = lora_delta(x.reshape(-1, x.shape[-1]), *lora).reshape(y.shape)  # f32[..., out]
-        return (y.astype(jnp.float32) + delta).astype(x.dtype)
 
 
 def _pick(lora, group: str, name: str):
@@ -108,7 +56,7 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(d, cfg, dtype, ("head_dim",)) if cfg.qk_norm else None  # dt[D]
         self.k_norm = RMSNorm(d, cfg, dtype, ("head_dim",)) if cfg.qk_norm else None  # dt[D]
         # dt[H]: gpt-oss's per-head sink logits (pallas_kernels.ragged_paged_attention.reference)
-        self.sinks = _param((cfg.num_heads,), dtype, ("q_heads",)) if cfg.attn_sinks else None
+        self.sinks = param((cfg.num_heads,), dtype, ("q_heads",)) if cfg.attn_sinks else None
         self.cfg, self.sliding_window = cfg, cfg.sliding_windows[layer]
 
     def __call__(self, x, rope_table, k_pages, v_pages, md: AttentionMetadata, backend: AttentionBackend,
@@ -123,11 +71,11 @@ class Attention(nnx.Module):
         if cfg.attn_output_gate:  # dt[R * T, H, 2D] -> q dt[R * T, H, D], gate dt[R * T, H * D]
             q = q.reshape(t, cfg.num_heads, 2 * cfg.head_dim)
             q, gate = q[..., : cfg.head_dim], q[..., cfg.head_dim:].reshape(t, cfg.num_heads * cfg.head_dim)
-        q = _constrain(q.reshape(t, cfg.num_heads, cfg.head_dim), layout, "tokens", "act_heads",
+        q = constrain(q.reshape(t, cfg.num_heads, cfg.head_dim), layout, "tokens", "act_heads",
                        None)  # dt[R * T, H, D]
-        k = _constrain(proj("k_proj").reshape(t, cfg.num_kv_heads, cfg.head_dim), layout, "tokens", "act_kv_heads",
+        k = constrain(proj("k_proj").reshape(t, cfg.num_kv_heads, cfg.head_dim), layout, "tokens", "act_kv_heads",
                        None)  # dt[R * T, K, D]
-        v = _constrain(proj("v_proj").reshape(t, cfg.num_kv_heads, cfg.head_dim), layout, "tokens", "act_kv_heads",
+        v = constrain(proj("v_proj").reshape(t, cfg.num_kv_heads, cfg.head_dim), layout, "tokens", "act_kv_heads",
                        None)  # dt[R * T, K, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # dt[R * T, H, D], dt[R * T, K, D]
@@ -156,7 +104,7 @@ class MLP(nnx.Module):
     def __call__(self, x, layout: StepLayout | None = None, lora=None):  # dt[R * T, C] -> dt[R * T, C]
         gate, up = self.gate_proj(x, _pick(lora, "mlp", "gate_proj")), self.up_proj(x, _pick(lora, "mlp", "up_proj"))
         hidden = layers.ACTIVATIONS[self.act](gate) * up  # dt[R * T, I]
-        return self.down_proj(_constrain(hidden, layout, "tokens", "act_mlp"), _pick(lora, "mlp", "down_proj"))
+        return self.down_proj(constrain(hidden, layout, "tokens", "act_mlp"), _pick(lora, "mlp", "down_proj"))
 
 
 def make_mlp(cfg: ModelConfig, layer: int, dtype) -> nnx.Module:
@@ -198,12 +146,12 @@ class DecoderLayer(nnx.Module):
         mlp = (lambda h: self.mlp(h, layout, lora)) if isinstance(self.mlp, MLP) else (  # noqa: E731
             lambda h: self.mlp(h, layout))  # a Mixture-of-Experts block takes no adapter
         if self.pre_feedforward_layernorm is None:
-            x = _constrain(x + attn, layout, "tokens", "act_embed")  # dt[R * T, C]
+            x = constrain(x + attn, layout, "tokens", "act_embed")  # dt[R * T, C]
             x = x + mlp(self.post_attention_layernorm(x))  # dt[R * T, C]
         else:
-            x = _constrain(x + self.post_attention_layernorm(attn), layout, "tokens", "act_embed")  # dt[R * T, C]
+            x = constrain(x + self.post_attention_layernorm(attn), layout, "tokens", "act_embed")  # dt[R * T, C]
             x = x + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(x)))  # dt[R * T, C]
-        return _constrain(x, layout, "tokens", "act_embed"), k_pages, v_pages  # dt[R * T, C], ...
+        return constrain(x, layout, "tokens", "act_embed"), k_pages, v_pages  # dt[R * T, C], ...
 
 
 class DecoderLM(nnx.Module):
@@ -264,7 +212,7 @@ def forward(
         md_global = dataclasses.replace(md, page_indices=md.page_indices[..., :width])  # i32[R, S, P / 2]
         md_local = dataclasses.replace(md, page_indices=md.page_indices[..., width:])  # i32[R, S, P / 2]
     # dt[R * T, C]
-    x = _constrain(model.embed_tokens(_constrain(token_ids, layout, "tokens")), layout, "tokens", "act_embed")
+    x = constrain(model.embed_tokens(constrain(token_ids, layout, "tokens")), layout, "tokens", "act_embed")
     new_cache = []
     for i, (layer, (k_pages, v_pages)) in enumerate(zip(model.layers, kv_cache, strict=True)):
         layer_md = state_md if cfg.is_linear(i) else md_local if cfg.sliding_windows[i] is not None else md_global
@@ -279,6 +227,6 @@ def forward(
     head = head[...].T if model.lm_head is None else head[...]  # dt[C, V] (w8[C, V] when quantized)
     head_scale = None if head_scale is None else head_scale[...]  # f32[V] (or f32[C / B, V / B]) when quantized
     # Each tensor shard computes its vocab slice; then the f32[N, V] logits (not the head) are gathered.
-    logits = layers.soft_cap(_constrain(layers.matmul_f32(x, head, head_scale), layout, "slots", "act_vocab"),
+    logits = layers.soft_cap(constrain(layers.matmul_f32(x, head, head_scale), layout, "slots", "act_vocab"),
                              cfg.final_soft_cap)  # f32[N, V]
-    return _constrain(logits, layout, "slots", "logits_vocab"), new_cache  # f32[N, V], per layer the pages
+    return constrain(logits, layout, "slots", "logits_vocab"), new_cache  # f32[N, V], per layer the pages

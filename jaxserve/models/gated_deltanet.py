@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.modules import Linear
 
 CHUNK = 16  # rows per chunk of the chunked delta rule
 
@@ -151,7 +152,6 @@ class GatedDeltaNet(nnx.Module):
     delta rule, its gated RMSNorm, the projection out. Parameter names are the checkpoints'."""
 
     def __init__(self, cfg: ModelConfig, dtype):
-        from jaxserve.models.decoder import Linear  # the shared projection module (decoder imports this file)
 
         la, h = cfg.linear_attention, cfg.hidden_size
         lin = lambda i, o: Linear(i, o, bias=False, dtype=dtype, axes=(None, None))  # noqa: E731

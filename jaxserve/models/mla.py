@@ -30,6 +30,7 @@ from flax import nnx
 from jaxserve.models import layers
 from jaxserve.models.attention import AttentionBackend, AttentionMetadata
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.modules import Linear, RMSNorm, constrain
 from sharding.layout import StepLayout
 
 # transformers' DeepSeek q_a_layernorm and kv_a_layernorm keep their default eps, not the config's rms_norm_eps
@@ -46,7 +47,6 @@ class MlaAttention(nnx.Module):
     """The checkpoint's projections (names as in transformers), and the absorbed attention over latent pages."""
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype):
-        from jaxserve.models.decoder import Linear, RMSNorm
 
         m, c, h = cfg.mla, cfg.hidden_size, cfg.num_heads
         bias = m.attention_bias
@@ -84,14 +84,13 @@ class MlaAttention(nnx.Module):
         """x: dt[R * T, C]; rope_table: (cos, sin) f32[R * T, Dr] each; k_pages: kv[1, num_pages, page_size, D]
         (the latent pool), v_pages: kv[1, num_pages, 1, 1] (its placeholder). Returns (dt[R * T, C], k_pages, v_pages)
         with this step's latents written. ``lora`` must be None (no adapters on latent attention)."""
-        from jaxserve.models.decoder import _constrain
 
         if lora is not None:
             raise ValueError("LoRA adapters are not supported on multi-head latent attention")
         cfg, m, t = self.cfg, self.cfg.mla, x.shape[0]
         h, nope, lat = cfg.num_heads, m.qk_nope_head_dim, m.kv_lora_rank
         q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = _constrain(q.reshape(t, h, m.qk_head_dim), layout, "tokens", "act_heads", None)  # dt[R * T, H, Dn + Dr]
+        q = constrain(q.reshape(t, h, m.qk_head_dim), layout, "tokens", "act_heads", None)  # dt[R * T, H, Dn + Dr]
         q_nope, q_rope = q[..., :nope], q[..., nope:]  # dt[R * T, H, Dn], dt[R * T, H, Dr]
         ckv = self.kv_a_proj_with_mqa(x)  # dt[R * T, L + Dr]
         latent = self.kv_a_layernorm(ckv[:, :lat])  # dt[R * T, L]
@@ -103,12 +102,12 @@ class MlaAttention(nnx.Module):
         w_uk, w_uv = w[..., :nope], w[..., nope:]  # dt[L, H, Dn], dt[L, H, Dv]
         # The no-rotary query in latent space: dt[R * T, H, L]
         q_lat = jnp.einsum("thn,lhn->thl", q_nope, w_uk, preferred_element_type=jnp.float32).astype(x.dtype)
-        q_lat = _constrain(q_lat, layout, "tokens", "act_heads", None)
+        q_lat = constrain(q_lat, layout, "tokens", "act_heads", None)
         q_full = jnp.concatenate([q_lat, q_rope], axis=-1)  # dt[R * T, H, D]
         k_full = jnp.concatenate([latent[:, None, :], k_rope], axis=-1)  # dt[R * T, 1, D]
         out, k_pages, v_pages = backend(  # out: dt[R * T, H, D], its first L columns the attended latent
             q_full, k_full, k_full, k_pages, v_pages, md, sm_scale=cfg.sm_scale, sliding_window=None)
         # dt[R * T, H, Dv]
         out = jnp.einsum("thl,lhv->thv", out[..., :lat], w_uv, preferred_element_type=jnp.float32).astype(x.dtype)
-        out = _constrain(out, layout, "tokens", "act_heads", None)
+        out = constrain(out, layout, "tokens", "act_heads", None)
         return self.o_proj(out.reshape(t, h * m.v_head_dim)), k_pages, v_pages  # dt[R * T, C], ...
