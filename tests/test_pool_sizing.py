@@ -65,9 +65,6 @@ def test_engine_capacity_aot_and_plan_count_the_same_pages(model):
                                     dtype="float32") == engine
     if cfg.local_window is not None:  # two pools: more global pages than pricing each page at every layer's KV
         assert engine > budget // (per_token * PAGE)
-        with pytest.raises(aot.AotError, match="two KV pools"):  # aot compiles one pool: it says so
-            aot.resolve(aot.Request(model=str(folder), topology="v5e:2x2", mesh=None))
-        return
     # aot: the engine's pool on a described v5e chip holding the weights, with the budget left.
     _needs_libtpu()
     req = aot.Request(model=str(folder), topology="v5e:2x2", mesh=None, dtype="float32", page_size=PAGE,
