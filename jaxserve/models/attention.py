@@ -131,7 +131,13 @@ class AttentionBackend:
         """Write each real row's K/V (dt[T, K, D] each) into its page slot. Returns (k_pages, v_pages),
         kv[K, num_pages, page_size, D] each. A latent pool (``is_latent``) gets the keys only."""
         if is_latent(k_pages, v_pages):
-            k_pages, _ = self.write(k, k, k_pages, k_pages, md)  # the second copy is dead code, never computed
+            # The keys only, by the pure-JAX scatter on every backend: XLA drops its unused second half, where a
+            # write kernel handed the key pool as both of its aliased pools would first copy the whole pool.
+            if isinstance(k_pages, QuantizedPages):
+                self.check_quantized()
+                k_pages, _ = write_quantized(rpa.write_kv, k_pages, k_pages, k, k, md)
+            else:
+                k_pages, _ = rpa.write_kv(k_pages, k_pages, k, k, md)
             return k_pages, v_pages
         # Each branch returns the two pools, kv[K, num_pages, page_size, D] each.
         if isinstance(k_pages, QuantizedPages):  # an 8-bit pool: quantized as written (pallas_kernels.quantized_pages)
