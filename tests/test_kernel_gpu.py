@@ -211,8 +211,10 @@ def test_8_bit_pages_head_sizes(head_dim, storage, dtype):
 
 @pytest.mark.parametrize("storage", [None, "int8"])
 def test_pools_past_32_bit_offsets_are_refused_at_trace_time(storage):
-    """Pools of >= 2**31 elements per layer would be addressed with wrapping 32-bit offsets: both kernels raise
-    a ValueError naming the sizes instead (abstract shapes: nothing is allocated); one page fewer is fine."""
+    """An 8-bit pool of >= 2**31 elements per layer would be addressed with wrapping 32-bit offsets, and a bf16
+    pool of >= 2**31 rows would overflow its int32 row index: both kernels raise a ValueError naming the sizes
+    instead (abstract shapes: nothing is allocated); one page fewer is fine, and a bf16 pool may pass 2**31
+    elements (its offsets are 64-bit past 4 GiB)."""
     from pallas_kernels.gpu_addressing import max_pool_pages
     from pallas_kernels.quantized_pages import QuantizedPages
 
@@ -221,8 +223,15 @@ def test_pools_past_32_bit_offsets_are_refused_at_trace_time(storage):
     md = AttentionMetadata(sds((slots + 1,), i32), sds((slots,), i32), sds((slots, 64), i32), sds((1,), i32))
     q = sds((slots, 4 * heads, head_dim), jnp.bfloat16)
     new = sds((slots, heads, head_dim), jnp.bfloat16)
-    fits = max_pool_pages(heads, page_size, head_dim)
-    assert heads * fits * page_size * head_dim < 2**31 <= heads * (fits + 1) * page_size * head_dim
+    fits = max_pool_pages(heads, page_size, head_dim, 1 if storage else 2)
+    if storage is None:
+        assert heads * fits * page_size < 2**31 <= heads * (fits + 1) * page_size
+        assert heads * fits * page_size * head_dim > 2**32
+        refused = rf"num_pages={fits + 1} x page_size=16 x 8 KV heads = {2**31} rows.*limit {2**31 - 1} rows"
+    else:
+        assert heads * fits * page_size * head_dim < 2**31 <= heads * (fits + 1) * page_size * head_dim
+        refused = (rf"num_pages={fits + 1} x page_size=16 x 8 KV heads x head_dim=128 = {2**31} elements.*"
+                   rf"limit {2**31 - 1}")
 
     def pool(num_pages):
         shape = (heads, num_pages, page_size, head_dim)
@@ -234,8 +243,7 @@ def test_pools_past_32_bit_offsets_are_refused_at_trace_time(storage):
     write = lambda k, v: write_kv_gpu(k, v, new, new, md)  # noqa: E731
     for fn in (attend, write) if storage is None else (attend,):
         jax.eval_shape(fn, pool(fits), pool(fits))
-        with pytest.raises(ValueError, match=rf"num_pages={fits + 1} x page_size=16 x 8 KV heads x head_dim=128 = "
-                                             rf"{2**31} elements.*limit {2**31 - 1}"):
+        with pytest.raises(ValueError, match=refused):
             jax.eval_shape(fn, pool(fits + 1), pool(fits + 1))
 
 

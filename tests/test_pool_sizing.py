@@ -143,10 +143,10 @@ def test_plan_sizes_an_instance_at_the_configured_utilization(tmp_path, capsys):
 
 
 def test_gpu_pool_limit_caps_an_automatic_pool_and_refuses_an_asked_for_one(caplog):
-    """The GPU kernels address a layer's pool on a device with 32-bit offsets: under 2**31 elements."""
+    """The GPU kernels address an 8-bit layer pool on a device with 32-bit offsets: under 2**31 elements."""
     from jaxserve.executor.kv_cache import limit_gpu_pool
 
-    pools = [("model", 8, 128), ("draft model", 2, 64)]  # 16384 and 2048 elements per page of 16 tokens
+    pools = [("model", 8, 128, 1), ("draft model", 2, 64, 1)]  # 16384 and 2048 elements per page of 16 tokens
     cap = (2**31 - 1) // (8 * 16 * 128)
     assert limit_gpu_pool(cap, 16, pools, automatic=False) == cap  # the largest pool that fits, untouched
     assert limit_gpu_pool(1000, 16, pools, automatic=True) == 1000
@@ -159,9 +159,24 @@ def test_gpu_pool_limit_caps_an_automatic_pool_and_refuses_an_asked_for_one(capl
         limit_gpu_pool(cap + 1, 16, pools, automatic=False)
     # The draft's pool is paged in step: its own limit counts too.
     draft_cap = (2**31 - 1) // (2 * 16 * 64)
-    assert limit_gpu_pool(cap, 16, [("draft model", 2, 64)], automatic=False) == cap
+    assert limit_gpu_pool(cap, 16, [("draft model", 2, 64, 1)], automatic=False) == cap
     with pytest.raises(ValueError, match="draft model: .* 2 KV heads"):
-        limit_gpu_pool(draft_cap + 1, 16, [("draft model", 2, 64)], automatic=False)
+        limit_gpu_pool(draft_cap + 1, 16, [("draft model", 2, 64, 1)], automatic=False)
+
+
+def test_gpu_pool_limit_of_a_bf16_pool_is_its_rows():
+    """A pool of 2-byte elements past 4 GiB gets 64-bit offsets: only its int32 row index limits it, at
+    2**31 rows (head_dim times the 8-bit pool's pages)."""
+    from jaxserve.executor.kv_cache import limit_gpu_pool
+
+    eight_bit = (2**31 - 1) // (8 * 16 * 128)
+    cap = (2**31 - 1) // (8 * 16)
+    assert cap >= 128 * eight_bit
+    assert limit_gpu_pool(cap, 16, [("model", 8, 128, 2)], automatic=False) == cap
+    assert limit_gpu_pool(10 * cap, 16, [("model", 8, 128, 2)], automatic=True) == cap
+    with pytest.raises(ValueError, match=rf"num_pages={cap + 1} x page_size=16 x 8 KV heads = {8 * 16 * (cap + 1)} "
+                                         rf"rows.*limit {2**31 - 1} rows.*{cap} per data replica"):
+        limit_gpu_pool(cap + 1, 16, [("model", 8, 128, 2)], automatic=False)
 
 
 def test_engine_refuses_a_gpu_pool_past_32_bit_offsets(tmp_path, monkeypatch):
@@ -171,11 +186,11 @@ def test_engine_refuses_a_gpu_pool_past_32_bit_offsets(tmp_path, monkeypatch):
     def no_allocation(*args, **kwargs):
         raise AssertionError("the pool was allocated")
 
-    monkeypatch.setattr(executor_module, "ModelRunner", no_allocation)  # the 32 GiB pool, were it not refused
+    monkeypatch.setattr(executor_module, "ModelRunner", no_allocation)  # the 512 GiB pool, were it not refused
     folder = build_tiny_model("llama", tmp_path / "llama")  # 2 KV heads of head_dim 16
-    pages = 2**31 // (2 * 16 * 16)
+    pages = 2**31 // (2 * 16)  # 2**31 rows of 4-byte elements
     config = EngineConfig(model=str(folder), dtype="float32", page_size=16, num_pages=pages, max_model_len=64,
                           max_num_seqs=4, max_num_batched_tokens=32, attention_backend="pallas_gpu", warmup=False,
                           compilation_cache_dir=None)
-    with pytest.raises(ValueError, match=rf"num_pages={pages} x page_size=16 x 2 KV heads x head_dim=16"):
+    with pytest.raises(ValueError, match=rf"num_pages={pages} x page_size=16 x 2 KV heads = {2**31} rows"):
         Executor(config, model_path=str(folder))

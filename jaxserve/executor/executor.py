@@ -208,11 +208,12 @@ class Executor:
         """(pages of the global pool, all replicas; pages of the windowed pool, per replica)."""
         cfg, config = self.model_config, self.config
         num_pages = config.num_pages or self._auto_num_pages()
-        # 32-bit offsets (the Triton attention and KV write, which the Mosaic GPU backend writes through): each
-        # device's per-layer pool under 2**31 elements.
+        # 32-bit indexing (the Triton attention and KV write, which the Mosaic GPU backend writes through): each
+        # device's per-layer pool under 2**31 rows, or 2**31 elements when 8-bit (pallas_kernels.gpu_addressing).
         if backend.name in ("pallas_gpu", "pallas_mosaic_gpu"):
             tensor = int(self.mesh.shape["tensor"])
-            pools = [(name, cache_heads(c.num_kv_heads, tensor) // tensor, c.head_dim)
+            itemsize = np.dtype(self.cache_dtype).itemsize
+            pools = [(name, cache_heads(c.num_kv_heads, tensor) // tensor, c.head_dim, itemsize)
                      for name, c in (("model", cfg), ("draft model", self.draft_config)) if c is not None]
             num_pages = self.num_replicas * limit_gpu_pool(num_pages // self.num_replicas, config.page_size, pools,
                                                            automatic=not config.num_pages)

@@ -134,19 +134,20 @@ def pool_pages(memory: float, bytes_per_token: float, page_size: int, *, utiliza
     return int(fit if max_pages is None else min(max_pages, fit))
 
 
-def limit_gpu_pool(pages_per_replica: int, page_size: int, pools: Seq[tuple[str, int, int]], *,
+def limit_gpu_pool(pages_per_replica: int, page_size: int, pools: Seq[tuple[str, int, int, int]], *,
                    automatic: bool) -> int:
-    """Pages per replica of a pool the GPU attention kernels read: those kernels address one layer's pool on one
-    device with 32-bit offsets (``pallas_kernels.gpu_addressing``), so it must hold fewer than 2**31 elements.
+    """Pages per replica of a pool the GPU attention kernels read: those kernels index one layer's pool on one
+    device with 32-bit integers (``pallas_kernels.gpu_addressing``), so it must hold fewer than 2**31 rows, or
+    fewer than 2**31 elements when 8-bit.
 
-    ``pools``: (what, KV heads per device, head_dim) of every model paged in step with this pool (the target's,
-    a draft model's). A pool sized from memory (``automatic``) is capped below the limit, with a log line; a
-    ``num_pages`` asked for is refused with a ValueError naming the sizes."""
-    for what, heads, head_dim in pools:
-        message = pool_limit_message(heads, pages_per_replica, page_size, head_dim)
+    ``pools``: (what, KV heads per device, head_dim, bytes per stored element) of every model paged in step with
+    this pool (the target's, a draft model's). A pool sized from memory (``automatic``) is capped below the
+    limit, with a log line; a ``num_pages`` asked for is refused with a ValueError naming the sizes."""
+    for what, heads, head_dim, itemsize in pools:
+        message = pool_limit_message(heads, pages_per_replica, page_size, head_dim, itemsize)
         if message is None:
             continue
-        cap = max_pool_pages(heads, page_size, head_dim)
+        cap = max_pool_pages(heads, page_size, head_dim, itemsize)
         if not automatic:
             raise ValueError(f"{what}: {message}; lower num_pages to {cap} per data replica or less, or shard the "
                              "KV heads over more devices (tensor parallelism)")

@@ -464,12 +464,13 @@ def local_pages(t: Target, req: Request, global_pages: int | None = None) -> int
 
 
 def gpu_pool_limit(t: Target, req: Request) -> int | None:
-    """The most pages per replica the GPU kernels address (32-bit offsets into one layer's pool on one device; the
+    """The most pages per replica the GPU kernels address (32-bit indexing of one layer's pool on one device; the
     engine caps a pool sized from memory there, ``kv_cache.limit_gpu_pool``); None on TPU."""
     if t.platform != "gpu":
         return None
     tensor = t.mesh_cfg.tensor
-    return max_pool_pages(cache_heads(t.cfg.num_kv_heads, tensor) // tensor, req.page_size, t.cfg.head_dim)
+    return max_pool_pages(cache_heads(t.cfg.num_kv_heads, tensor) // tensor, req.page_size, t.cfg.head_dim,
+                          jnp.dtype(t.cache_dtype).itemsize)
 
 
 def _probes(t: Target, req: Request) -> tuple[dict, list, int, int, int]:

@@ -107,8 +107,8 @@ def write_kv_gpu(
         raise RuntimeError("this jax release has no Pallas Triton backend (jax.experimental.pallas.triton)")
     check_write_shapes(k_pages, v_pages, new_k, new_v)
     # 32-bit offsets (pallas_kernels.gpu_addressing): a clear error instead of writes to the wrong rows.
-    check_elements("k_pages", k_pages.shape)
-    check_elements("new_k", new_k.shape)
+    check_elements("k_pages", k_pages.shape, jnp.dtype(k_pages.dtype).itemsize)
+    check_elements("new_k", new_k.shape, jnp.dtype(new_k.dtype).itemsize)
     if block_tokens < 1 or block_tokens & (block_tokens - 1):
         raise ValueError(f"block_tokens must be a power of two, got {block_tokens}")
     return _write_kv_gpu(k_pages, v_pages, new_k, new_v, md, block_tokens=block_tokens, interpret=interpret)

@@ -329,10 +329,11 @@ def ragged_paged_attention_gpu(
                                 md.page_indices.shape[1], block_sizes,
                                 storage_dtype=k_pages.storage_dtype if quantized else None)
     # 32-bit offsets (pallas_kernels.gpu_addressing): a clear error instead of reads of the wrong rows.
-    check_elements("k_pages", k_pages.shape)
-    check_elements("q", q.shape)
+    storage = k_pages.storage_dtype if quantized else k_pages.dtype
+    check_elements("k_pages", k_pages.shape, jnp.dtype(storage).itemsize)
+    check_elements("q", q.shape, jnp.dtype(q.dtype).itemsize)
     if sizes.num_splits > 1:
-        check_elements("the split partial outputs", (sizes.num_splits, *q.shape))
+        check_elements("the split partial outputs", (sizes.num_splits, *q.shape), 4)
     return _ragged_paged_attention_gpu(
         q, k_pages, v_pages, md, sinks, sm_scale=float(sm_scale),
         sliding_window=sliding_window, soft_cap=None if soft_cap is None else float(soft_cap), sizes=sizes,
