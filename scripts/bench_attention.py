@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import statistics
 import sys
@@ -95,14 +96,20 @@ def work(shape: Shape, args) -> tuple[float, float]:
     return kv_bytes, flops
 
 
-def timeit(fn, *, warmup: int, iters: int) -> float:
+def timeit(fn, *, warmup: int, iters: int, min_sample_s: float = 0.005) -> float:
+    """Seconds per call: the median of ``iters`` samples, each as many back-to-back calls as fill
+    ``min_sample_s`` (one wait at the end), so a short kernel is timed on the device rather than by the host's
+    dispatch and wait of every call."""
     for _ in range(warmup):
         jax.block_until_ready(fn())
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    reps = max(1, min(200, math.ceil(min_sample_s / max(time.perf_counter() - start, 1e-9))))
     times = []
     for _ in range(iters):
         start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
+        jax.block_until_ready([fn() for _ in range(reps)])
+        times.append((time.perf_counter() - start) / reps)
     return statistics.median(times)
 
 
