@@ -129,13 +129,20 @@ def test_odd_head_size_steps_compile_for_h100(tmp_path):
 
 
 def test_the_pool_stays_within_the_gpu_kernels_32_bit_offsets(config_only_folder, capsys):
-    """A small model on an H200 fits more pages than one layer's pool can address in 32 bits: the report caps the
-    pool as the engine does, and refuses a --num-pages past it."""
+    """A small model on an H200 with 8-bit KV fits more pages than one layer's pool can address with 32-bit
+    offsets: the report caps the pool as the engine does, and refuses a --num-pages past it. Its bf16 pool is
+    limited only by the row index, which it does not reach."""
     _needs_cuda_plugin()
-    req = aot.Request(model=str(config_only_folder), topology="h200", mesh=None)
+    req = aot.Request(model=str(config_only_folder), topology="h200", mesh=None, kv_cache_dtype="int8")
     t = aot.resolve(req)
     limit = (2**31 - 1) // (TINY["num_key_value_heads"] * req.page_size * TINY["head_dim"])
     assert aot.gpu_pool_limit(t, req) == limit
     assert aot.engine_pool_pages(t, req, used=0.0, capped=False) == limit
-    assert aot.main(["--model", str(config_only_folder), "--topology", "h200", "--num-pages", str(limit + 1)]) == 2
+    assert aot.main(["--model", str(config_only_folder), "--topology", "h200", "--kv-cache-dtype", "int8",
+                     "--num-pages", str(limit + 1)]) == 2
     assert "more than the GPU kernels address" in capsys.readouterr().err
+    bf16 = aot.Request(model=str(config_only_folder), topology="h200", mesh=None)
+    t = aot.resolve(bf16)
+    rows_limit = (2**31 - 1) // (TINY["num_key_value_heads"] * bf16.page_size)
+    assert aot.gpu_pool_limit(t, bf16) == rows_limit
+    assert aot.engine_pool_pages(t, bf16, used=0.0, capped=False) < rows_limit
