@@ -573,19 +573,8 @@ class Executor:
                                              else sum(map(len, chunks)))
             num_seqs = shapes.prefill_seqs(num_tokens)
         pages = shapes.step_pages(kind == StepKind.DECODE, max(map(len, page_tables), default=1))
-        if self.runner.state_pool:  # a hybrid: each row ends with the sequence's state slot (one column)
-            if local_page_tables is None or len(local_page_tables) != len(page_tables) or any(
-                    len(lt) != 1 for lt in local_page_tables):
-                raise ValueError("a hybrid model needs a state slot (local_page_tables=[[slot]]) for every sequence")
-            page_tables = [list(t) + [0] * (pages - len(t)) + list(lt)
-                           for t, lt in zip(page_tables, local_page_tables, strict=True)]
-            pages += 1
-        if self.runner.local_pool:
-            if local_page_tables is None or len(local_page_tables) != len(page_tables):
-                raise ValueError("a model with a windowed page pool needs local_page_tables for every sequence")
-            page_tables = [list(t) + [0] * (pages - len(t)) + list(lt)
-                           for t, lt in zip(page_tables, local_page_tables, strict=True)]
-            pages *= 2
+        if self.runner.state_pool or self.runner.local_pool:
+            page_tables, pages = self._append_second_table(page_tables, local_page_tables, pages)
         if (kind == StepKind.DECODE and row_keys is not None and self.num_replicas == 1 and not self.runner.local_pool
                 and not self.runner.state_pool):
             return self._logit_rows(kind, MeshBatch.stack([self._decode_rows.build(
@@ -597,6 +586,20 @@ class Executor:
                                    num_tokens=num_tokens, max_seqs=num_seqs, pages_per_seq=pages) for g in groups]
         slot = {i: (g, j) for g, members in enumerate(groups) for j, i in enumerate(members)}
         return self._logit_rows(kind, MeshBatch.stack(batches, [slot[i] for i in range(len(chunks))]))
+
+    def _append_second_table(self, page_tables: list[list[int]], local_page_tables: list[list[int]] | None,
+                             pages: int) -> tuple[list[list[int]], int]:
+        """Each row: the global table padded to ``pages``, then the sequence's second table: a hybrid's state slot
+        (one column) or the windowed pool's pages (as wide again). Returns the rows and their width."""
+        hybrid = bool(self.runner.state_pool)  # a model has one or the other, never both
+        if local_page_tables is None or len(local_page_tables) != len(page_tables) or (
+                hybrid and any(len(lt) != 1 for lt in local_page_tables)):
+            raise ValueError("a hybrid model needs a state slot (local_page_tables=[[slot]]) for every sequence"
+                             if hybrid else "a model with a windowed page pool needs local_page_tables for every "
+                             "sequence")
+        rows = [list(t) + [0] * (pages - len(t)) + list(lt)
+                for t, lt in zip(page_tables, local_page_tables, strict=True)]
+        return rows, pages + 1 if hybrid else 2 * pages
 
     def _logit_rows(self, kind: StepKind, batch: MeshBatch) -> MeshBatch:
         """With speculation every prefill step (the kind that verifies drafts) has rows for the drafts of the
