@@ -40,6 +40,13 @@ class AttentionMetadata:
     page_indices: jax.Array  # i32[S, P]
     num_seqs: jax.Array  # i32[1]
 
+    @classmethod
+    def abstract(cls, slots: int, pages_per_seq: int) -> "AttentionMetadata":
+        """Shapes alone (``jax.ShapeDtypeStruct``) for ``slots`` sequence slots of ``pages_per_seq`` pages: what
+        a kernel is traced, lowered or compiled with when nothing is allocated."""
+        sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+        return cls(sds((slots + 1,), i32), sds((slots,), i32), sds((slots, pages_per_seq), i32), sds((1,), i32))
+
 
 def token_layout(md: AttentionMetadata, num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per query row: its sequence slot, its absolute position, and whether it is a real token.

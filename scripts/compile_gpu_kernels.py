@@ -50,13 +50,12 @@ def main() -> int:
     from pallas_kernels.ragged_paged_attention.block_sizes import gpu_shared_memory_estimate
     from pallas_kernels.ragged_paged_attention.gpu import kernel_rows, padded_lanes, resolve_block_sizes
 
-    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    sds = jax.ShapeDtypeStruct
     page_size, pages_per_seq, num_pages = 16, 64, 1024
     limit = gpu_targets.GPU_TARGETS[args.target].shared_memory_per_block_optin
 
     def metadata(slots):
-        return AttentionMetadata(sds((slots + 1,), i32), sds((slots,), i32), sds((slots, pages_per_seq), i32),
-                                 sds((1,), i32))
+        return AttentionMetadata.abstract(slots, pages_per_seq)
 
     def pool(head_dim, dtype, storage):
         shape = (args.kv_heads, num_pages, page_size, head_dim)

@@ -48,7 +48,6 @@ def main() -> None:
     parser.add_argument("--num-pages", type=int, default=512, help="pages of the pool (8 KV heads)")
     parser.add_argument("--pages-per-seq", type=int, default=32, help="page-table width of every batch")
     args = parser.parse_args()
-    i32 = jnp.int32
     failures = 0
     for topology in args.topologies.split(","):
         device = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
@@ -67,8 +66,7 @@ def main() -> None:
             # (tokens, slots, group, window, soft cap): decode, a prefill chunk, a large mixed batch.
             for tokens, slots, group, window, cap in ((8, 8, 4, None, None), (512, 8, 8, 256, 30.0),
                                                       (128, 64, 1, None, None)):
-                md = AttentionMetadata(sds((slots + 1,), i32), sds((slots,), i32), sds((slots, args.pages_per_seq), i32),
-                                       sds((1,), i32))
+                md = AttentionMetadata.abstract(slots, args.pages_per_seq)
                 q = sds((tokens, 8 * group, head_dim), dtype)
                 attend = jax.jit(lambda *a, w=window, c=cap: ragged_paged_attention_tpu(
                     *a, sm_scale=head_dim**-0.5, sliding_window=w, soft_cap=c))

@@ -42,11 +42,10 @@ def export_case(target: str, shape: str, head_dim: int, pool: str, *, kv_heads: 
     from pallas_kernels.quantized_pages import STORAGE, QuantizedPages
     from pallas_kernels.ragged_paged_attention import AttentionMetadata, ragged_paged_attention_mosaic_gpu
 
-    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    sds = jax.ShapeDtypeStruct
     tokens, slots, window, cap = SHAPES[shape]
     dtype, storage = POOLS[pool]
-    md = AttentionMetadata(sds((slots + 1,), i32), sds((slots,), i32), sds((slots, PAGES_PER_SEQ), i32),
-                           sds((1,), i32))
+    md = AttentionMetadata.abstract(slots, PAGES_PER_SEQ)
     q = sds((tokens, kv_heads * group, head_dim), dtype)
     pool_shape = (kv_heads, NUM_PAGES, PAGE_SIZE, head_dim)
     if storage is None:

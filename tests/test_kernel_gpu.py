@@ -122,11 +122,10 @@ def test_shape_and_block_checks_at_trace_time():
 def test_lowers_to_triton_at_every_head_size(head_dim, described_h100):
     """Pallas Triton lowering (for a described H100, no GPU needed) of both kernels at page_size 16 with the
     table's block sizes: Triton blocks must be powers of two, so a head_dim that is not one is padded."""
-    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    sds = jax.ShapeDtypeStruct
     dtype = "bfloat16" if head_dim % 32 else "float32"
     for tokens, slots, window, soft_cap in ((8, 8, None, None), (256, 8, 64, 30.0)):
-        md = AttentionMetadata(sds((slots + 1,), i32), sds((slots,), i32), sds((slots, 64), i32),
-                               sds((1,), i32))
+        md = AttentionMetadata.abstract(slots, 64)
         pages = sds((2, 512, 16, head_dim), dtype)
         fn = jax.jit(lambda *a: ragged_paged_attention_gpu(*a, sm_scale=0.088, sliding_window=window,
                                                            soft_cap=soft_cap))
@@ -218,9 +217,9 @@ def test_pools_past_32_bit_offsets_are_refused_at_trace_time(storage):
     from pallas_kernels.gpu_addressing import max_pool_pages
     from pallas_kernels.quantized_pages import QuantizedPages
 
-    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    sds = jax.ShapeDtypeStruct
     heads, page_size, head_dim, slots = 8, 16, 128, 4
-    md = AttentionMetadata(sds((slots + 1,), i32), sds((slots,), i32), sds((slots, 64), i32), sds((1,), i32))
+    md = AttentionMetadata.abstract(slots, 64)
     q = sds((slots, 4 * heads, head_dim), jnp.bfloat16)
     new = sds((slots, heads, head_dim), jnp.bfloat16)
     fits = max_pool_pages(heads, page_size, head_dim, 1 if storage else 2)

@@ -138,9 +138,9 @@ def test_shape_and_dtype_checks_at_trace_time():
 def test_lowers_to_mosaic_at_serving_shapes(window, soft_cap):
     """Mosaic lowering (no TPU needed) of bf16, head_dim 128, page_size 16 with the table's block sizes."""
     sds = jax.ShapeDtypeStruct
-    bf16, i32 = jnp.bfloat16, jnp.int32
+    bf16 = jnp.bfloat16
     for tokens, slots in ((8, 8), (256, 8)):
-        md = AttentionMetadata(sds((slots + 1,), i32), sds((slots,), i32), sds((slots, 64), i32), sds((1,), i32))
+        md = AttentionMetadata.abstract(slots, 64)
         shapes = (sds((tokens, 32, 128), bf16), sds((8, 512, 16, 128), bf16), sds((8, 512, 16, 128), bf16), md)
         fn = jax.jit(lambda *a: ragged_paged_attention_tpu(*a, sm_scale=0.088, sliding_window=window,
                                                            soft_cap=soft_cap))
