@@ -21,7 +21,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The head sizes of the supported families (16: the tiny test models'); 24 and other sizes that are not a multiple
-# of 16 are refused by the kernel (wgmma rows of whole 32-byte swizzle blocks).
+# of 16 are refused by the kernel (wgmma rows of whole 32-byte swizzle blocks), and so are sizes past 256 such as
+# DeepSeek's 576-wide latent entries (mosaic_gpu.MAX_HEAD_DIM).
 HEAD_DIMS = (16, 64, 80, 96, 112, 128, 256)
 # (tokens, sequence slots, sliding window, soft cap): the engine's buckets at its defaults (32 sequences, 512
 # batched tokens), and a large-batch decode; page_size 16, 64 pages per sequence.

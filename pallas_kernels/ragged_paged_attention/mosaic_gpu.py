@@ -59,6 +59,10 @@ from pallas_kernels.ragged_paged_attention.block_sizes import (
 from pallas_kernels.ragged_paged_attention.schedule import q_tiles
 
 ROWS = 64  # wgmma M of one warpgroup
+# The widest head: ``P V`` is one wgmma whose N is head_dim (Hopper's wgmma takes N <= 256), accumulated in the
+# compute warpgroup's registers (64 x head_dim fp32 is head_dim / 2 registers per thread, of the 232 it holds).
+# Multi-head latent attention's 576-wide entries (DeepSeek: kv_lora_rank 512 + rope 64) are past it.
+MAX_HEAD_DIM = 256
 _COMPUTE_DTYPES = ("bfloat16", "float16")
 
 
@@ -300,6 +304,10 @@ def check_supported(q_dtype, head_dim: int, page_size: int, group: int) -> None:
     if head_dim % 16:
         raise ValueError(f"the Mosaic GPU kernel needs head_dim a multiple of 16 (rows of whole 32-byte swizzle "
                          f"blocks for wgmma), got {head_dim}")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"the Mosaic GPU kernel needs head_dim at most {MAX_HEAD_DIM} (P V is one wgmma, N <= 256, "
+                         f"into one warpgroup's fp32 accumulator of head_dim / 2 registers per thread), got "
+                         f"{head_dim}")
     if page_size % 8:
         raise ValueError(f"the Mosaic GPU kernel needs page_size a multiple of 8 (one TMA copy per page into "
                          f"8-row shared-memory tiles), got {page_size}")
