@@ -2,6 +2,7 @@
 
   PYTHONPATH=. python scripts/export_mosaic_gpu.py                  # H100: every head size, pool and shape
   PYTHONPATH=. python scripts/export_mosaic_gpu.py --target h200 --head-dims 128 --pools int8
+  PYTHONPATH=. python scripts/export_mosaic_gpu.py --head-dims 64 --sinks         # with attention sinks (gpt-oss)
 
 Each case is ``jax.export``-ed for the ``cuda`` platform inside a mesh of described GPUs
 (``jaxserve.tools.gpu_targets``; jax's CUDA plugin, from the test extra): Pallas lowers the kernel to a Mosaic GPU
@@ -20,7 +21,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The head sizes of the supported families (16: the tiny test models'); 24 and other sizes that are not a multiple
-# of 16 are refused by the kernel (wgmma rows of whole 32-byte swizzle blocks).
+# of 16 are refused by the kernel (wgmma rows of whole 32-byte swizzle blocks), and so are sizes past 256 such as
+# DeepSeek's 576-wide latent entries (mosaic_gpu.MAX_HEAD_DIM).
 HEAD_DIMS = (16, 64, 80, 96, 112, 128, 256)
 # (tokens, sequence slots, sliding window, soft cap): the engine's buckets at its defaults (32 sequences, 512
 # batched tokens), and a large-batch decode; page_size 16, 64 pages per sequence.
@@ -32,9 +34,10 @@ POOLS = {"bfloat16": ("bfloat16", None), "float16": ("float16", None), "int8": (
 PAGE_SIZE, PAGES_PER_SEQ, NUM_PAGES = 16, 64, 1024
 
 
-def export_case(target: str, shape: str, head_dim: int, pool: str, *, kv_heads: int = 8, group: int = 4):
-    """The kernel at one serving shape, exported for ``cuda`` on a described ``target`` GPU (a
-    ``jax.export.Exported``)."""
+def export_case(target: str, shape: str, head_dim: int, pool: str, *, kv_heads: int = 8, group: int = 4,
+                sinks: bool = False):
+    """The kernel at one serving shape (with one attention sink per query head if ``sinks``), exported for
+    ``cuda`` on a described ``target`` GPU (a ``jax.export.Exported``)."""
     import jax
     import jax.numpy as jnp
 
@@ -53,10 +56,10 @@ def export_case(target: str, shape: str, head_dim: int, pool: str, *, kv_heads: 
     else:
         pages = QuantizedPages(sds(pool_shape, STORAGE[storage]), sds(pool_shape[:-1] + (1,), jnp.float32),
                                jnp.dtype(dtype))
-    fn = jax.jit(lambda *a: ragged_paged_attention_mosaic_gpu(*a, sm_scale=head_dim**-0.5, sliding_window=window,
-                                                              soft_cap=cap))
+    fn = jax.jit(lambda *a: ragged_paged_attention_mosaic_gpu(*a[:4], sm_scale=head_dim**-0.5, sliding_window=window,
+                                                              soft_cap=cap, sinks=a[4] if sinks else None))
     with gpu_targets.described_mesh(target):
-        return jax.export.export(fn, platforms=["cuda"])(q, pages, pages, md)
+        return jax.export.export(fn, platforms=["cuda"])(q, pages, pages, md, sds((kv_heads * group,), jnp.float32))
 
 
 def main(argv=None) -> int:
@@ -65,6 +68,7 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dims", type=int, nargs="+", default=list(HEAD_DIMS))
     parser.add_argument("--pools", nargs="+", default=list(POOLS), choices=list(POOLS))
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--sinks", action="store_true", help="with attention sinks (one logit per query head)")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     failures = total = 0
@@ -74,13 +78,13 @@ def main(argv=None) -> int:
                 start = time.perf_counter()
                 total += 1
                 try:
-                    exported = export_case(args.target, shape, head_dim, pool)
+                    exported = export_case(args.target, shape, head_dim, pool, sinks=args.sinks)
                     ok = "mosaic_gpu" in exported.mlir_module()
                     status = "ok" if ok else "FAILED: no Mosaic GPU custom call in the exported module"
                 except Exception as e:  # noqa: BLE001 - reported, then the sweep goes on
                     ok, status = False, f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:300]}"
                 failures += not ok
-                print(f"{args.target} d={head_dim:<3} {pool:<8} {shape:<12} {status} "
+                print(f"{args.target} d={head_dim:<3} {pool:<8} {shape:<12}{' sinks' if args.sinks else ''} {status} "
                       f"[{time.perf_counter() - start:.1f}s]", flush=True)
     print(f"{total - failures}/{total} exported")
     return 1 if failures else 0

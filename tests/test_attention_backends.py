@@ -93,8 +93,6 @@ def test_mosaic_gpu_backend_refuses_what_its_kernel_cannot_run():
         mosaic.check_model(jnp.float32, 16, [(16, 8)])
     with pytest.raises(ValueError, match="head_dim a multiple of 16.*got 24"):
         mosaic.check_model(jnp.bfloat16, 16, [(24, 4)])
-    with pytest.raises(ValueError, match="pallas_mosaic_gpu' does not take attention sinks"):
-        mosaic.check_model(jnp.bfloat16, 16, [(64, 8)], sinks=True)
     AttentionBackend("pallas_gpu").check_model(jnp.float32, 4, [(24, 4)])  # the other backends have no such limits
 
 

@@ -1,7 +1,7 @@
 """Attention sinks (gpt-oss): one learned logit per query head that joins every row's softmax denominator with no
 value. The reference against dense NumPy attention, then every other backend (the CPU rows with the native
-kernel and with the pure-JAX walk, the CPU chunk path, the TPU and GPU kernels in interpret mode) against the
-reference, on poisoned batches (tests/attention_cases.py)."""
+kernel and with the pure-JAX walk, the CPU chunk path, the TPU, GPU (Triton) and Mosaic GPU kernels in interpret
+mode) against the reference, on poisoned batches (tests/attention_cases.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -14,11 +14,12 @@ from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_chunks,
     ragged_paged_attention_gpu,
+    ragged_paged_attention_mosaic_gpu,
     ragged_paged_attention_rows,
     ragged_paged_attention_tpu,
 )
 
-from attention_cases import MIXED, build_batch, device_args
+from attention_cases import MIXED, assert_matches_reference, build_batch, device_args
 
 KW = dict(sm_scale=0.3, sliding_window=5, soft_cap=None)
 
@@ -94,6 +95,21 @@ def test_tpu_kernel_with_sinks(case):
     batch, *_ = case
     check(ragged_paged_attention_tpu(**device_args(batch), **KW, sinks=jnp.asarray(case[3]),
                                      block_sizes=dict(block_q=2, block_kv=8), interpret=True), case)
+
+
+def test_mosaic_gpu_kernel_with_sinks():
+    """In the Mosaic GPU interpreter: bf16 (the kernel's wgmma operands), pages of 8 rows, a GQA group of 4 (a tile
+    row's sink is its query head's, row r of a tile being head r % group) on two KV heads, a window and a soft cap."""
+    rng = np.random.default_rng(5)
+    batch, _, _ = build_batch(rng, *MIXED, num_kv_heads=2, group=4, head_dim=16, dtype="bfloat16", page_size=8)
+    args, sinks = device_args(batch), jnp.asarray(2.0 * rng.standard_normal(8), jnp.float32)
+    kw = dict(KW, soft_cap=4.0)
+    got = ragged_paged_attention_mosaic_gpu(**args, **kw, sinks=sinks, interpret=True)
+    want = ragged_paged_attention(**args, **kw, sinks=sinks)
+    assert_matches_reference(got, batch, **kw, ref=want)
+    real = int(batch["cu_q_lens"][batch["num_seqs"][0]])
+    plain = ragged_paged_attention(**args, **kw)
+    assert not np.allclose(np.asarray(want[:real], np.float32), np.asarray(plain[:real], np.float32), atol=0.1)
 
 
 def test_sinks_shape_is_checked_at_trace_time(case):

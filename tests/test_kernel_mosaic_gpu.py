@@ -77,3 +77,7 @@ def test_rejects_what_the_kernel_cannot_run():
     batch, _, _ = build_batch(rng, *DECODE, num_kv_heads=1, group=2, head_dim=24, dtype="bfloat16", page_size=8)
     with pytest.raises(ValueError, match="head_dim a multiple of 16"):
         ragged_paged_attention_mosaic_gpu(**device_args(batch), sm_scale=0.1, interpret=True)
+    # DeepSeek's latent entries (512 + 64): past one wgmma's N and one warpgroup's accumulator registers.
+    batch, _, _ = build_batch(rng, *DECODE, num_kv_heads=1, group=16, head_dim=576, dtype="bfloat16", page_size=8)
+    with pytest.raises(ValueError, match="head_dim at most 256.*got 576"):
+        ragged_paged_attention_mosaic_gpu(**device_args(batch), sm_scale=0.1, interpret=True)

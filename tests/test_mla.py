@@ -67,6 +67,28 @@ def test_every_backend_reads_the_latent_pages(name, decode):
         np.testing.assert_allclose(out[cu[s]:cu[s + 1], :, :LATENT], want, rtol=2e-5, atol=2e-5)
 
 
+def test_mosaic_gpu_kernel_reads_the_latent_pages():
+    """The Mosaic GPU kernel (interpreted) through the backend's latent path: bf16 pages of 8 rows, the 16 query
+    heads of DeepSeek-V2-Lite on the one latent KV head, the value placeholder all NaN. At DeepSeek's own width
+    (576) the backend refuses it at start, naming the kernel's 256-wide limit."""
+    rng = np.random.default_rng(1)
+    q_lens, kv_lens = MIXED
+    batch, keys, _ = build_batch(rng, q_lens, kv_lens, num_kv_heads=1, group=16, head_dim=LATENT + ROPE,
+                                 dtype="bfloat16", page_size=8)
+    pool = jnp.asarray(batch["k_pages"])
+    placeholder = jnp.full(latent_value_shape(pool.shape), jnp.nan, pool.dtype)
+    cu = batch["cu_q_lens"]
+    backend = AttentionBackend("pallas_mosaic_gpu", interpret=True)
+    q = jnp.asarray(batch["q"])
+    out = backend.attend(q, q[:, :1], q[:, :1], pool, placeholder, metadata(batch), sm_scale=0.2, sliding_window=None)
+    out = np.asarray(out.astype(jnp.float32))
+    for s in range(len(q_lens)):
+        want = expanded_attention(batch["q"][cu[s]:cu[s + 1]].astype(np.float32), keys[s].astype(np.float32), 0.2)
+        np.testing.assert_allclose(out[cu[s]:cu[s + 1], :, :LATENT], want, rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="pallas_mosaic_gpu.*head_dim at most 256.*got 576"):
+        backend.check_model(jnp.bfloat16, 16, [(576, 16)])
+
+
 def test_write_fills_the_latent_pool_and_leaves_the_placeholder():
     rng = np.random.default_rng(1)
     batch, keys, _ = build_batch(rng, [3, 1], [3, 6], num_kv_heads=1, group=4, head_dim=LATENT + ROPE)

@@ -3,9 +3,10 @@
 barriers), infers and checks its register layouts, tilings and swizzles (what the CPU interpreter does not
 model), and embeds it in the ``mosaic_gpu_v2`` custom call; only Mosaic's compile to machine code is left for a
 real GPU. The cases cover every serving shape (decode, large-batch decode, prefill, a mixed step with a window and
-a soft cap), head sizes at the extremes and in between, 16-bit and 8-bit pools; the script's full sweep (7 head
-sizes x 5 pools x 4 shapes) is recorded in docs/benchmarks.md. (XLA's GPU compiler also compiles the program
-around the custom call for the described H100, about 40 s per shape, which these tests leave out.)
+a soft cap, and one with gpt-oss's attention sinks), head sizes at the extremes and in between, 16-bit and 8-bit
+pools; the script's full sweep (7 head sizes x 5 pools x 4 shapes) is recorded in docs/benchmarks.md. (XLA's GPU
+compiler also compiles the program around the custom call for the described H100, about 40 s per shape, which these
+tests leave out.)
 """
 
 import importlib.util
@@ -30,14 +31,15 @@ def export():
     return module.export_case
 
 
-@pytest.mark.parametrize("shape,head_dim,pool", [
-    ("decode", 128, "bfloat16"),
-    ("large_decode", 80, "fp8"),  # 8-bit rows of 80 bytes: shared memory without a swizzle
-    ("prefill", 256, "int8"),  # the largest tile and ring
-    ("mixed", 96, "float16"),
+@pytest.mark.parametrize("shape,head_dim,pool,sinks", [
+    ("decode", 128, "bfloat16", False),
+    ("large_decode", 80, "fp8", False),  # 8-bit rows of 80 bytes: shared memory without a swizzle
+    ("prefill", 256, "int8", False),  # the largest tile and ring
+    ("mixed", 96, "float16", False),
+    ("mixed", 64, "bfloat16", True),  # gpt-oss: head size 64, a window, a sink per query head
 ])
-def test_exports_for_h100(export, shape, head_dim, pool):
-    exported = export("h100", shape, head_dim, pool)
+def test_exports_for_h100(export, shape, head_dim, pool, sinks):
+    exported = export("h100", shape, head_dim, pool, sinks=sinks)
     assert exported.platforms == ("cuda",)
     module = exported.mlir_module()
     assert "stablehlo.custom_call @mosaic_gpu_v2" in module and "wgmma" in module

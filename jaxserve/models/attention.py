@@ -71,18 +71,14 @@ class AttentionBackend:
             raise ValueError(f"attention_backend={self.name!r} does not read a quantized KV cache; "
                              "use kv_cache_dtype='auto' or attention_backend='reference'")
 
-    def check_model(self, dtype, page_size: int, layouts, *, sinks: bool = False) -> None:
+    def check_model(self, dtype, page_size: int, layouts) -> None:
         """Raise ValueError if this backend cannot serve a model of ``dtype`` whose attention layers have the
-        ``layouts`` ((head_dim, query heads per KV head) pairs) at ``page_size`` (with attention ``sinks``: gpt-oss);
-        only the Mosaic GPU kernel has such limits (16-bit wgmma operands, whole 8-row TMA tiles per page, no sinks
-        in its softmax yet)."""
+        ``layouts`` ((head_dim, query heads per KV head) pairs) at ``page_size``; only
+        the Mosaic GPU kernel has such limits (16-bit wgmma operands, whole 8-row TMA tiles per page)."""
         if self.name != "pallas_mosaic_gpu":
             return
         from pallas_kernels.ragged_paged_attention.mosaic_gpu import check_supported
 
-        if sinks:
-            raise ValueError("attention_backend='pallas_mosaic_gpu' does not take attention sinks (gpt-oss) yet; "
-                             "use attention_backend='pallas_gpu' or 'reference'")
         for head_dim, group in layouts:
             try:
                 check_supported(dtype, head_dim, page_size, group)
@@ -172,9 +168,6 @@ class AttentionBackend:
         if self.name == "pallas_gpu":
             return rpa.ragged_paged_attention_gpu(q, k_pages, v_pages, md, interpret=self.interpret, **kw)
         if self.name == "pallas_mosaic_gpu":
-            if sinks is not None:  # refused at start (``check_model``)
-                raise ValueError("attention_backend='pallas_mosaic_gpu' does not take attention sinks")
-            kw.pop("sinks")
             return rpa.ragged_paged_attention_mosaic_gpu(q, k_pages, v_pages, md, interpret=self.interpret, **kw)
         if self.decode:  # each row walks its own sequence's pages
             return rpa.ragged_paged_attention_rows(q, k_pages, v_pages, md, **kw)

@@ -1,8 +1,8 @@
 """Ragged paged attention on Hopper (Pallas, Mosaic GPU backend): TMA page gathers, wgmma, warp specialisation.
 
 Same contract as ``reference.ragged_paged_attention`` (mixed decode rows and prompt chunks in one call, GQA,
-sliding window, soft cap, 8-bit pages with per-token scales). The pages must already hold this step's K/V: the
-KV write is the existing path (``pallas_kernels.kv_cache_update``), not this kernel.
+sliding window, soft cap, attention sinks, 8-bit pages with per-token scales). The pages must already hold this
+step's K/V: the KV write is the existing path (``pallas_kernels.kv_cache_update``), not this kernel.
 
 Work split. The wrapper cuts the batch into query tiles that never straddle a sequence (``schedule.q_tiles``)
 of ``block_q = 64 // group`` tokens, so that one tile's tokens times the KV head's query heads fill the 64 rows
@@ -59,6 +59,10 @@ from pallas_kernels.ragged_paged_attention.block_sizes import (
 from pallas_kernels.ragged_paged_attention.schedule import q_tiles
 
 ROWS = 64  # wgmma M of one warpgroup
+# The widest head: ``P V`` is one wgmma whose N is head_dim (Hopper's wgmma takes N <= 256), accumulated in the
+# compute warpgroup's registers (64 x head_dim fp32 is head_dim / 2 registers per thread, of the 232 it holds).
+# Multi-head latent attention's 576-wide entries (DeepSeek: kv_lora_rank 512 + rope 64) are past it.
+MAX_HEAD_DIM = 256
 _COMPUTE_DTYPES = ("bfloat16", "float16")
 
 
@@ -95,16 +99,22 @@ def _kernel(
     q_ref,  # dt[KVH, NT, ROWS, D]: queries in tile order
     k_ref,  # kv[KVH, num_pages, page_size, D]
     v_ref,  # kv[KVH, num_pages, page_size, D]
-    *refs,  # 8-bit: k/v scales f32[KVH, num_pages, page_size]; out dt[KVH, NT, ROWS, D]; then the scratch
+    *refs,  # 8-bit: k/v scales f32[KVH, num_pages, page_size]; sinks: f32[KVH, ROWS]; out dt[KVH, NT, ROWS, D];
+    # then the scratch
     sm_scale, sliding_window, soft_cap, group, block_kv, page_size, num_pages, pages_per_seq, num_stages, quantized,
-    p_in_smem,
+    has_sinks, p_in_smem,
 ):
-    p_smem = None
+    p_smem = sinks_ref = sink_smem = None
     if p_in_smem:
         *refs, p_smem = refs
+    if has_sinks:  # each tile row's query head's sink logit, and its shared-memory copy
+        *refs, sink_smem = refs
     if quantized:
-        ks_ref, vs_ref, o_ref, *scratch = refs  # f32[KVH, num_pages, page_size] each
-        q_smem, k_smem, v_smem, kc_smem, vc_smem, ks_smem, vs_smem, q_bar, k_bar, v_bar, k_free, v_free = scratch
+        ks_ref, vs_ref, *refs = refs  # f32[KVH, num_pages, page_size] each
+    if has_sinks:
+        sinks_ref, *refs = refs
+    if quantized:
+        o_ref, q_smem, k_smem, v_smem, kc_smem, vc_smem, ks_smem, vs_smem, q_bar, k_bar, v_bar, k_free, v_free = refs
     else:
         o_ref, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free = refs
     head, tile, wg = lax.axis_index("heads"), lax.axis_index("tiles"), lax.axis_index("wg")
@@ -149,6 +159,8 @@ def _kernel(
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         plgpu.copy_gmem_to_smem(q_ref.at[head, tile], q_smem, q_bar.at[0])
+        if has_sinks:
+            plgpu.copy_gmem_to_smem(sinks_ref.at[head], sink_smem, q_bar.at[0])
         plgpu.barrier_wait(q_bar.at[0])
         shape = (ROWS, block_kv)
         row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
@@ -236,8 +248,13 @@ def _kernel(
 
         head_dim = q_ref.shape[-1]
         acc = plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        denom = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        if has_sinks:
+            # The sink is one more key with a zero value: the online softmax starts from it (m = sink, l = 1).
+            m = plgpu.load(sink_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+            denom = plgpu.layout_cast(jnp.ones((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        else:
+            m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            denom = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc, m, denom = lax.fori_loop(0, num_blocks, body, (acc, m, denom))
         out = acc / lax.broadcast_in_dim(jnp.where(denom > 0, denom, 1.0), acc.shape, [0])
         q_smem[...] = out.astype(dtype)
@@ -287,6 +304,10 @@ def check_supported(q_dtype, head_dim: int, page_size: int, group: int) -> None:
     if head_dim % 16:
         raise ValueError(f"the Mosaic GPU kernel needs head_dim a multiple of 16 (rows of whole 32-byte swizzle "
                          f"blocks for wgmma), got {head_dim}")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"the Mosaic GPU kernel needs head_dim at most {MAX_HEAD_DIM} (P V is one wgmma, N <= 256, "
+                         f"into one warpgroup's fp32 accumulator of head_dim / 2 registers per thread), got "
+                         f"{head_dim}")
     if page_size % 8:
         raise ValueError(f"the Mosaic GPU kernel needs page_size a multiple of 8 (one TMA copy per page into "
                          f"8-row shared-memory tiles), got {page_size}")
@@ -296,7 +317,7 @@ def check_supported(q_dtype, head_dim: int, page_size: int, group: int) -> None:
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "sizes", "interpret"))
-def _ragged_paged_attention_mosaic(q, k_pages, v_pages, md: AttentionMetadata, *, sm_scale, sliding_window,
+def _ragged_paged_attention_mosaic(q, k_pages, v_pages, md: AttentionMetadata, sinks, *, sm_scale, sliding_window,
                                    soft_cap, sizes: BlockSizes, interpret):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -334,18 +355,24 @@ def _ragged_paged_attention_mosaic(q, k_pages, v_pages, md: AttentionMetadata, *
                     plgpu.SMEM((block_kv, head_dim), q.dtype, transforms=q_tf),
                     plgpu.SMEM((stages, block_kv), jnp.float32),
                     plgpu.SMEM((stages, block_kv), jnp.float32)]
-    scratch += [plgpu.Barrier(num_arrivals=1, num_barriers=1),
+    has_sinks = sinks is not None
+    extra = ()
+    if has_sinks:  # row r of a tile is query head r % group of its KV head: f32[KVH, ROWS]
+        extra = (sinks.astype(jnp.float32).reshape(num_kv_heads, group)[:, r % group],)
+    scratch += [plgpu.Barrier(num_arrivals=1 + has_sinks, num_barriers=1),  # the queries (and the sinks)
                 plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
                 plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
                 plgpu.Barrier(num_arrivals=1, num_barriers=stages),
                 plgpu.Barrier(num_arrivals=1, num_barriers=stages)]
     p_in_smem = bool(interpret)
+    if has_sinks:
+        scratch.append(plgpu.SMEM((ROWS,), jnp.float32))
     if p_in_smem:
         scratch.append(plgpu.SMEM((ROWS, block_kv), q.dtype, transforms=_smem_transforms(block_kv, q.dtype)))
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, group=group,
         block_kv=block_kv, page_size=page_size, num_pages=num_pages, pages_per_seq=pages_per_seq,
-        num_stages=stages, quantized=quantized, p_in_smem=p_in_smem)
+        num_stages=stages, quantized=quantized, has_sinks=has_sinks, p_in_smem=p_in_smem)
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((num_kv_heads, num_tiles, ROWS, head_dim), q.dtype),
@@ -358,7 +385,7 @@ def _ragged_paged_attention_mosaic(q, k_pages, v_pages, md: AttentionMetadata, *
         interpret=interpret,
         kernel_name="ragged_paged_attention_mosaic_gpu",
     )(tile_seq, tile_row, tile_len, md.cu_q_lens, md.kv_lens, md.page_indices.reshape(-1), qt, k_pages, v_pages,
-      *scales)
+      *scales, *extra)
     # Back to token order: token t sits in the tile whose row range holds it.
     tokens = jnp.arange(num_tokens, dtype=jnp.int32)
     slot = tile_row[:, None] + jnp.arange(block_q, dtype=jnp.int32)[None]
@@ -380,6 +407,7 @@ def ragged_paged_attention_mosaic_gpu(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[num_q_heads]
     block_sizes: BlockSizes | dict | None = None,
     interpret=False,
 ) -> jax.Array:
@@ -390,7 +418,8 @@ def ragged_paged_attention_mosaic_gpu(
 
     Args:
       q, k_pages, v_pages, md: as in the reference; q in bfloat16 or float16.
-      sm_scale, sliding_window, soft_cap: as in the reference.
+      sm_scale, sliding_window, soft_cap, sinks: as in the reference (a sink starts each row's online softmax:
+        m = sink, l = 1, no value).
       block_sizes: a ``BlockSizes`` or a dict of fields overriding the ``block_sizes`` table entry (``block_kv``,
         ``num_stages``; ``block_q`` is capped at ``64 // group``).
       interpret: run in Pallas's Mosaic GPU interpreter on CPU (True, or a ``plgpu.InterpretGPUParams``).
@@ -400,7 +429,7 @@ def ragged_paged_attention_mosaic_gpu(
     """
     if plgpu is None:  # pragma: no cover
         raise RuntimeError("this jax release has no Pallas Mosaic GPU backend (jax.experimental.pallas.mosaic_gpu)")
-    check_shapes(q, k_pages, v_pages, md)
+    check_shapes(q, k_pages, v_pages, md, sinks)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if soft_cap is not None and soft_cap <= 0:
@@ -414,5 +443,5 @@ def ragged_paged_attention_mosaic_gpu(
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     return _ragged_paged_attention_mosaic(
-        q, k_pages, v_pages, md, sm_scale=float(sm_scale), sliding_window=sliding_window,
+        q, k_pages, v_pages, md, sinks, sm_scale=float(sm_scale), sliding_window=sliding_window,
         soft_cap=None if soft_cap is None else float(soft_cap), sizes=sizes, interpret=interpret or None)
