@@ -177,21 +177,19 @@ def test_presets_are_the_published_shapes():
     assert active == pytest.approx({"mixtral-8x7b": 12.88, "qwen3-30b-a3b": 3.35, "deepseek-v3": 37.55}, abs=0.01)
 
 
-def test_int8_weights_report_the_quantized_models_fit(tiny_folder):
+def test_int8_weights_and_int8_kv_pages_compile_inside_the_serving_steps(tiny_folder):
+    """int8 weights and an 8-bit pool in the whole prefill and decode steps on a v5e mesh (one compile for both:
+    the weights' matmuls and the pool's pages are apart in the steps and in the report). The report counts the
+    quantized weights. The reference scatter writes the pool's values and scales, the Pallas TPU kernel reads them
+    inside shard_map (2 KV heads kept by 4 tensor shards); the pool, scales included, is donated and aliased, and
+    sized by its bytes."""
     _needs_libtpu()
-    r = aot.run(_request(tiny_folder, quantization="int8", buckets="probes", decode_batches=(1,)))
+    r = aot.run(_request(tiny_folder, quantization="int8", kv_cache_dtype="int8", buckets="probes",
+                         decode_batches=(1,)))
     bf16 = r["params_b"] * 1e9 * 2
     # Even split perfectly over tensor=4, the bf16 weights would take bf16 / 4 per device; int8 takes less.
     assert r["memory_per_device"]["weights"] < 0.9 * bf16 / 4
     assert r["quantization"] == "int8" and "weights int8" in aot.format_report(r)
-
-
-def test_int8_kv_pages_compile_inside_the_serving_steps(tiny_folder):
-    """The whole prefill and decode steps with an 8-bit pool on a v5e mesh: the reference scatter writes values
-    and scales, the Pallas TPU kernel reads them inside shard_map (2 KV heads kept by 4 tensor shards); the
-    pool, scales included, is donated and aliased, and sized by its bytes."""
-    _needs_libtpu()
-    r = aot.run(_request(tiny_folder, kv_cache_dtype="int8", buckets="probes", decode_batches=(1,)))
     m = r["memory_per_device"]
     assert r["kv_dtype"] == "int8" and "KV int8" in aot.format_report(r)
     assert m["kv_bytes_per_page"] == 16 * 2 * 2 * (128 + 4)  # page x layers x K/V x (values + scale), one head

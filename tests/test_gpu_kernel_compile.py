@@ -36,11 +36,14 @@ SHAPES = {
 POOLS = {"bfloat16": ("bfloat16", None), "float32": ("float32", None), "int8": ("bfloat16", "int8"),
          "fp8": ("bfloat16", "fp8")}
 
-# Prefill tiles have the most rows and ask for the most shared memory: every head size there (bf16), and every
-# pool at the largest head size. The other shapes: every pool once, at a head size that is not a power of two or
+# Prefill tiles have the most rows and ask for the most shared memory: every lane width the head sizes tile at
+# there (bf16), and every pool at the largest head size. 80 and 112 tile as 96 does (padded to 128 lanes, the same
+# block sizes and warps: test_padded_head_sizes_tile_alike), so 96 compiles for the three; every head size lowers
+# to Triton in test_kernel_gpu.py. The other shapes: every pool once, at a head size that is not a power of two or
 # at the largest. (fp32 compiles are the slow ones, hence the fewest.)
+PADDED_ALIKE = (80, 96, 112)
 ATTENTION_CASES = (
-    [("prefill", d, "bfloat16") for d in HEAD_DIMS]
+    [("prefill", d, "bfloat16") for d in HEAD_DIMS if d not in (80, 112)]
     + [("prefill", 256, p) for p in ("float32", "int8", "fp8")] + [("prefill", 24, "float32")]
     + [("decode", 96, "bfloat16"), ("decode", 256, "float32"), ("decode", 96, "int8"), ("decode", 256, "fp8")]
     + [("large_decode", 256, "bfloat16"), ("large_decode", 96, "float32"), ("large_decode", 256, "int8"),
@@ -115,6 +118,12 @@ def test_attention_compiles_for_h100(shape, head_dim, pool):
     assert gpu_shared_memory_estimate(rows, sizes.block_kv, padded_lanes(head_dim), sizes.num_stages,
                                       POOLS[pool][0], storage and STORAGE[storage]) <= GPU_SHARED_MEMORY_BYTES
     assert _compile("h100", "attention", shape, head_dim, pool) is not None
+
+
+def test_padded_head_sizes_tile_alike():
+    """The prefill head sizes left to 96's compile: the same lane padding and block sizes, so the same kernel."""
+    assert len({padded_lanes(d) for d in PADDED_ALIKE}) == 1
+    assert len({_sizes("prefill", d, "bfloat16") for d in PADDED_ALIKE}) == 1
 
 
 @pytest.mark.parametrize("head_dim,pool", WRITE_CASES)

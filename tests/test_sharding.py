@@ -31,8 +31,10 @@ compile_counter = CompileCounter()
 
 PROMPT_LENS = [1, 7, 19, 40]  # page size 4: page edges; 19 and 40 > max_num_batched_tokens = 16 (chunked)
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-MESHES = ["tensor=2", "tensor=4", "tensor=8", "sequence=2", "sequence=4", "data=2,tensor=4",
-          "data=2,tensor=2,sequence=2"]
+# Each way of splitting mistral's 8 q heads and 2 KV heads (one KV head per shard, each KV head on 2 or 4 shards)
+# and its rows (sequence=4; sequence=2 with data and tensor): tensor=4 alone is data=2,tensor=4's split, and
+# sequence=2 alone is the one inside data=2,tensor=2,sequence=2.
+MESHES = ["tensor=2", "tensor=8", "sequence=4", "data=2,tensor=4", "data=2,tensor=2,sequence=2"]
 ALL_AXES = "data=2,tensor=2,sequence=2"
 
 
@@ -95,11 +97,13 @@ def test_every_mesh_matches_one_device(models, mesh):
         assert all(r.block_manager.prefix_cache_queries for r in llm.engine.scheduler.replicas)
 
 
-# MoE: test_moe.py, and gpt-oss's expert and tensor mesh in test_gpt_oss.py. qwen2 has llama's head layout (4 q
-# heads, 2 KV heads over tensor=2, head_dim 16); what it adds, QKV biases and tied embeddings, is split over the
-# same mesh in llama_mha_bias and llama_tied_headdim. DeepSeek (MoE with a latent cache): tests/test_mla.py.
-@pytest.mark.parametrize("family",
-                         sorted(set(FAMILIES) - {"mistral", "qwen2", "gpt_oss", *MOE_FAMILIES, *MLA_FAMILIES}))
+# MoE: test_moe.py, and gpt-oss's expert and tensor mesh in test_gpt_oss.py. llama and qwen2 have mistral's split
+# (2 KV heads over tensor=2, one per shard; their rope and head_dim are per head, the same on every shard); what
+# qwen2 adds, QKV biases and tied embeddings, is split over the same mesh in llama_mha_bias and llama_tied_headdim.
+# qwen3's one KV head replicated over tensor=2 and its q/k norms are gemma3's (and the one KV head
+# llama_tied_headdim's). DeepSeek (MoE with a latent cache): tests/test_mla.py.
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"mistral", "llama", "qwen2", "qwen3", "gpt_oss",
+                                                           *MOE_FAMILIES, *MLA_FAMILIES}))
 def test_every_family_on_all_axes(models, family):
     path, want = models(family)
     assert greedy_tokens(make_llm(path, ALL_AXES)) == want
