@@ -72,7 +72,7 @@ class PenaltyState:
         # Scattering a long history straight into the [R, V] state instead made XLA:TPU offload that scatter to
         # the SparseCore with the whole state in its 8 MiB scratch memory, which fails to compile on v5p for
         # DeepSeek-V3's 129,280-token vocabulary at 32 sequences (CompileTimeSparseCoreAllocationFailure), and
-        # copied the state besides (90 MiB of temporaries for gpt-oss's at 32 sequences, 3 MiB now). The barrier
+        # copied the state besides (90 MiB of temporaries for gpt-oss's at 32 sequences, 4 MiB now). The barrier
         # pins that shape: XLA may not fold the write of whole rows back into the scatter. N is 1 in the engine;
         # the results are the same (tests/test_sampler.py).
         v, n = self.vocab_size, rows.shape[0]
