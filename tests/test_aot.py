@@ -197,3 +197,25 @@ def test_int8_weights_and_int8_kv_pages_compile_inside_the_serving_steps(tiny_fo
     pool = m["kv_bytes_per_page"] * m["pool_pages"]
     for step in r["steps"]:  # TPU lays the scales out pages-minor: 64 pages pad to 128 lanes, 16 KiB of 528 KiB
         assert pool <= step["alias"] <= 1.05 * pool
+
+
+def test_penalty_rows_reset_compiles_for_v5p_at_a_large_vocabulary():
+    """Loading a penalised sequence's row (``PenaltyState.reset_rows``, the sampler's fifth executable) compiles
+    for v5p with DeepSeek-V3's state at 32 sequences: 33 rows of 129,280. Scattered straight into that state,
+    XLA:TPU offloads the scatter of a long history (16,384 tokens here, 32,768 at max_model_len 32,768) to the
+    SparseCore with the whole operand in its 8 MiB scratch memory, and fails (CompileTimeSparseCoreAllocationFailure
+    ... in memory space spmem)."""
+    _needs_libtpu()
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from jaxserve.executor.penalty_state import PenaltyState
+
+    one = SingleDeviceSharding(aot.topology_devices("v5p:2x2x1")[0])
+    struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=one)  # noqa: E731
+    state = PenaltyState(struct((33, 129_280), jnp.int32), struct((33, 129_280), jnp.bool_))
+    ids = struct((1, 16_384), jnp.int32)
+    compiled = jax.jit(PenaltyState.reset_rows).trace(state, struct((1,), jnp.int32), ids, ids).lower().compile()
+    # the new row (2.7 MiB with its sorted ids), not a copy of the 21 MB state
+    assert compiled.memory_analysis().temp_size_in_bytes < 8 * 2**20

@@ -363,3 +363,23 @@ def test_many_banned_ids_fold_into_the_token_mask():
     np.testing.assert_array_equal(np.asarray(a.token_ids)[:2], np.asarray(b.token_ids)[:2])
     np.testing.assert_allclose(np.asarray(a.top_logprobs)[:2], np.asarray(b.top_logprobs)[:2], rtol=1e-6)
     assert int(np.asarray(a.token_ids)[0]) not in bans
+
+
+def test_reset_rows_overwrites_its_rows_and_leaves_the_rest():
+    """Rows loaded from histories replace what they held; other rows and the reserved row 0 are untouched
+    (padding entries point at row 0), repeated ids count, -1 pads."""
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 3, (S + 1, V)).astype(np.int32)
+    in_prompt = rng.random((S + 1, V)) < 0.5
+    counts[0], in_prompt[0] = 0, False
+    rows = np.array([5, 0, 2], np.int32)
+    prompt = np.array([[1, 1, 7, -1], [4, 4, 4, 4], [15, -1, -1, -1]], np.int32)
+    output = np.array([[3, 3, 3, 0], [9, 9, -1, -1], [-1, -1, -1, -1]], np.int32)
+    out = reset_jit(PenaltyState(jnp.asarray(counts), jnp.asarray(in_prompt)), rows, prompt, output)
+    want_counts, want_prompt = counts.copy(), in_prompt.copy()
+    for r, p, o in ((5, prompt[0], output[0]), (2, prompt[2], output[2])):
+        want_counts[r], want_prompt[r] = 0, False
+        np.add.at(want_counts[r], o[o >= 0], 1)
+        want_prompt[r, p[p >= 0]] = True
+    np.testing.assert_array_equal(np.asarray(out.output_counts), want_counts)
+    np.testing.assert_array_equal(np.asarray(out.in_prompt), want_prompt)

@@ -68,16 +68,26 @@ class PenaltyState:
         Returns:
           The updated state (row 0 stays zero).
         """
-        v = self.vocab_size
+        # The N new rows are counted in an [N, V] buffer of their own, then written over the state's rows whole.
+        # Scattering a long history straight into the [R, V] state instead made XLA:TPU offload that scatter to
+        # the SparseCore with the whole state in its 8 MiB scratch memory, which fails to compile on v5p for
+        # DeepSeek-V3's 129,280-token vocabulary at 32 sequences (CompileTimeSparseCoreAllocationFailure), and
+        # copied the state besides (90 MiB of temporaries for gpt-oss's at 32 sequences, 4 MiB now). The barrier
+        # pins that shape: XLA may not fold the write of whole rows back into the scatter. N is 1 in the engine;
+        # the results are the same (tests/test_sampler.py).
+        v, n = self.vocab_size, rows.shape[0]
         live = (rows != 0)[:, None]
         # Padding ids (-1) and rows (0) are pointed out of bounds so the scatters drop them.
         prompt_ids = jnp.where((prompt_ids >= 0) & live, prompt_ids, v)
         output_ids = jnp.where((output_ids >= 0) & live, output_ids, v)
-        counts = self.output_counts.at[rows].set(0)
-        counts = counts.at[rows[:, None], output_ids].add(1, mode="drop")
-        in_prompt = self.in_prompt.at[rows].set(False)
-        in_prompt = in_prompt.at[rows[:, None], prompt_ids].set(True, mode="drop")
-        # Row 0 may have been cleared above as a padding target; it is all-zero by contract anyway.
+        local = jnp.arange(n)[:, None]
+        new_counts = jnp.zeros((n, v), jnp.int32).at[local, output_ids].add(1, mode="drop")
+        new_prompt = jnp.zeros((n, v), jnp.bool_).at[local, prompt_ids].set(True, mode="drop")
+        new_counts, new_prompt = jax.lax.optimization_barrier((new_counts, new_prompt))
+        counts, in_prompt = self.output_counts, self.in_prompt
+        for i in range(n):  # rows are distinct but for padding (0), whose new row is all-zero, as row 0 must stay
+            counts = jax.lax.dynamic_update_slice(counts, new_counts[i : i + 1], (rows[i], 0))
+            in_prompt = jax.lax.dynamic_update_slice(in_prompt, new_prompt[i : i + 1], (rows[i], 0))
         return PenaltyState(counts, in_prompt)
 
     def record(
