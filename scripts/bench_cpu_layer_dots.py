@@ -102,7 +102,8 @@ def main() -> None:
                     r = json.loads(line)
                     results.setdefault((flags, r["rows"], r["dtype"], r["layout"]), []).append(r["us_per_layer"])
     for (flags, r, dtype, layout), us in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
-        print(f"[{flags or 'default'}] rows {r} {dtype} {layout}: {min(us):.0f} us/layer (runs {', '.join(f'{u:.0f}' for u in us)})")
+        runs = ", ".join(f"{u:.0f}" for u in us)
+        print(f"[{flags or 'default'}] rows {r} {dtype} {layout}: {min(us):.0f} us/layer (runs {runs})")
 
 
 if __name__ == "__main__":
