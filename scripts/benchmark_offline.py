@@ -3,13 +3,20 @@
     python scripts/benchmark_offline.py --model M [--num-requests 48 --prompt-len 16:256 --output-len 64]
         [--compare transformers,vllm --vllm-python /path/to/vllm-venv/bin/python] [--probe-batches 1,32]
         [engine options]
-    python scripts/benchmark_offline.py --make-model DIR [--preset 100m|llama-3.2-1b|llama-3.1-8b] ...
+    python scripts/benchmark_offline.py --make-model DIR [--preset 100m|smollm-135m|llama-3.2-1b|llama-3.1-8b] ...
         # writes a random-weight model of that shape first
+    python scripts/benchmark_offline.py --make-model DIR --preset smollm-135m --dtypes float32,bfloat16 --profile \
+        --compare transformers,vllm --vllm-python /path/to/vllm-venv/bin/python
+        # each dtype in turn: jaxserve (with its step split by layer kind), then the peers in the same dtype
 
 Greedy, EOS ignored, prompts of random token ids. Reports requests/s, input and output tokens/s, mean step
 time, start-up time (load + compile), roofline bounds, decode probes (step time at a batch size against its
 bandwidth bound, and host overhead: how much of a step the device waits for the host), and the peers' output
 tokens/s with ratios. Peers run in their own processes (vLLM with its own Python) and are never dependencies.
+
+``--profile`` runs the workload a second time under ``jax.profiler`` and splits each step's op time by layer kind
+(embedding, norms, attention, MLP, LM head, the greedy sampler, the rest: ``jaxserve.tools.step_profile``), per
+step kind and per layer; the timed run is never the profiled one.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from jaxserve.executor.batch import StepKind  # noqa: E402
 from jaxserve.models.demo import DEMO_CONFIG, byte_tokenizer, write_random_checkpoint  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.tools.roofline import decode_cost, measure_peaks, prefill_cost  # noqa: E402
+from jaxserve.tools.step_profile import KINDS, load_trace, split_trace  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -43,6 +51,10 @@ PRESETS = {
     "100m": dict(DEMO_CONFIG, hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
                  intermediate_size=2048, vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=2048,
                  bos_token_id=1, eos_token_id=2),
+    # A deep narrow shape (SmolLM-135M's): 30 layers of 576, 9 query and 3 KV heads of 64, tied embeddings.
+    "smollm-135m": dict(DEMO_CONFIG, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                        num_key_value_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152,
+                        tie_word_embeddings=True, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
     "llama-3.2-1b": dict(DEMO_CONFIG, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
                          tie_word_embeddings=True, max_position_embeddings=131072, bos_token_id=1, eos_token_id=2,
@@ -120,6 +132,39 @@ def probe_decode(engine: Engine, batch: int, context: int, steps: int = 16) -> d
             "device_s": float(np.median(devices))}
 
 
+def profile_workload(engine: Engine, w: dict, folder: str) -> list[tuple[str, dict]]:
+    """The workload again under ``jax.profiler``: each step's (kind, split by layer kind), in call order."""
+    runner = engine.executor.runner
+    real = runner.run
+    calls = []
+    runner.run = lambda kind, b, *a, **k: (calls.append((kind, b)), real(kind, b, *a, **k))[1]
+    try:
+        with jax.profiler.trace(folder):
+            run_jaxserve(engine, w)
+    finally:
+        runner.run = real
+    programs: dict[str, str] = {}  # "<kind> <shape fields>" -> the compiled step's HLO text
+    for kind, b in calls:
+        key = runner.step_key(kind, b)
+        label = f"{kind.name.lower()} {key[1]}"
+        if label not in programs:
+            compiled = runner.executables.get(key)
+            programs[label] = (compiled if compiled is not None else runner.lower(kind, b).compile()).as_text()
+    return [(sp["program"].split()[0], sp) for sp in split_trace(load_trace(folder), programs)]
+
+
+def print_profile(steps: list[tuple[str, dict]], num_layers: int) -> None:
+    kinds = (*KINDS, "rest")
+    for name in sorted({k for k, _ in steps}):
+        group = [sp for k, sp in steps if k == name]
+        n = len(group)
+        mean = {k: sum(sp[k] for sp in group) / n / 1e3 for k in (*kinds, "wall_us", "ops_us")}  # ms per step
+        parts = ", ".join(f"{k} {mean[k]:.2f} ({mean[k] / mean['ops_us']:.0%})" for k in kinds)
+        per_layer = ", ".join(f"{k} {1e3 * mean[k] / num_layers:.0f}" for k in ("attention", "mlp", "norm"))
+        print(f"  profile {name} steps ({n}): wall {mean['wall_us']:.1f} ms, ops {mean['ops_us']:.1f} ms = {parts} "
+              f"ms; per layer (us): {per_layer}")
+
+
 def run_peer(cmd: list[str], env=None) -> list[dict]:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
@@ -142,14 +187,28 @@ def main() -> None:
     p.add_argument("--hf-batch-sizes", default="8,16,48")
     p.add_argument("--probe-batches", default="1,32", help="decode probes at these batch sizes ('' to skip)")
     p.add_argument("--probe-context", type=int, default=256)
+    p.add_argument("--dtypes", default=None,
+                   help="comma list of dtypes to run in turn, each with its peers (default: --dtype alone)")
+    p.add_argument("--profile", action="store_true",
+                   help="split the step's time by layer kind from a profiled second run of the workload")
     add_engine_args(p)
     args = p.parse_args()
+    dtypes = (args.dtypes or args.dtype).split(",")
     if args.make_model:
         args.model = str(make_model(args.make_model, args.preset,
-                                    "bfloat16" if args.dtype == "bfloat16" else "float32"))
+                                    "bfloat16" if dtypes == ["bfloat16"] else "float32"))
     if args.model is None:
         p.error("--model or --make-model is required")
+    peers = [x for x in args.compare.split(",") if x]
+    if "vllm" in peers and not args.vllm_python:
+        p.error("--compare vllm needs --vllm-python")
+    for dtype in dtypes:
+        args.dtype = dtype
+        print(f"=== {dtype} ===", flush=True)
+        run_dtype(args, peers)
 
+
+def run_dtype(args, peers: list[str]) -> None:
     start = time.perf_counter()
     engine = Engine(engine_config_from_args(args, max_model_len=args.max_model_len or None))
     startup = time.perf_counter() - start
@@ -167,7 +226,7 @@ def main() -> None:
     out_tps = res["output_tokens"] / res["seconds"]
     print(f"jaxserve: {len(w['prompts'])} requests in {res['seconds']:.2f}s = {len(w['prompts']) / res['seconds']:.2f} "
           f"req/s, {in_tok / res['seconds']:.0f} input tok/s, {out_tps:.1f} output tok/s, {res['steps']} steps, "
-          f"mean step {1e3 * res['seconds'] / res['steps']:.1f} ms")
+          f"mean step {1e3 * res['seconds'] / res['steps']:.1f} ms", flush=True)
     if engine.spec is not None:  # speculative decoding's counters (jaxserve/spec_decode/planner.py)
         sp = engine.spec.counters.stats()
         print(f"  speculation: {sp['spec_proposed_tokens']} proposed, {sp['spec_accepted_tokens']} accepted "
@@ -191,7 +250,11 @@ def main() -> None:
               f"bandwidth bound {1e3 * bw_bound:.2f} ms ({bw_bound / r['step_s']:.0%} achieved), roofline "
               f"{1e3 * c.bound_seconds(peak_flops, peak_bw):.2f} ms")
 
-    peers = [x for x in args.compare.split(",") if x]
+    if args.profile:
+        with tempfile.TemporaryDirectory() as tmp:
+            print_profile(profile_workload(engine, w, tmp), cfg.num_layers)
+    engine.close()  # its memory back before the peers run
+    del engine
     with tempfile.TemporaryDirectory() as tmp:
         wpath = Path(tmp) / "workload.json"
         wpath.write_text(json.dumps(w))
@@ -205,8 +268,6 @@ def main() -> None:
                 best = max(r["output_tokens"] / r["seconds"] for r in runs)
                 print(f"  jaxserve / transformers (best batch) = {out_tps / best:.2f}x")
         if "vllm" in peers:
-            if not args.vllm_python:
-                p.error("--compare vllm needs --vllm-python")
             env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
             dtypes = (args.vllm_dtypes or ("float32" if itemsize == 4 else "bfloat16")).split(",")
             for dtype in dtypes:
@@ -216,6 +277,8 @@ def main() -> None:
                     tps = r["output_tokens"] / r["seconds"]
                     print(f"vllm {dtype}: {tps:.1f} output tok/s (start-up {r['startup_seconds']:.1f}s); "
                           f"jaxserve / vllm {dtype} = {out_tps / tps:.2f}x")
+
+
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 arithmetic it prints against."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +37,7 @@ def test_benchmark_offline_reports_and_compares(tmp_path):
            "--num-requests", "3", "--prompt-len", "4:9", "--output-len", "3", "--max-num-seqs", "4",
            "--max-num-batched-tokens", "32", "--max-model-len", "64", "--page-size", "4", "--no-warmup",
            "--compilation-cache-dir", "", "--probe-batches", "1,2", "--probe-context", "8",
-           "--compare", "transformers", "--hf-batch-sizes", "3"]
+           "--compare", "transformers", "--hf-batch-sizes", "3", "--profile"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -46,3 +47,11 @@ def test_benchmark_offline_reports_and_compares(tmp_path):
     for b in (1, 2):
         assert f"decode batch {b} @ context 8:" in out and "host overhead" in out and "bandwidth bound" in out
     assert "transformers batch 3:" in out and "jaxserve / transformers (best batch) =" in out
+    # The profiled run's split by layer kind: each kind found in the trace (the named scopes reached the ops).
+    lines = {line.split()[1]: line for line in out.splitlines() if line.startswith("  profile ")}
+    assert set(lines) == {"prefill", "decode"}, out
+    for line in lines.values():
+        ms = dict(re.findall(r"(embed|norm|attention|mlp|lm_head|sampler|rest) ([0-9.]+) \(", line))
+        assert set(ms) == {"embed", "norm", "attention", "mlp", "lm_head", "sampler", "rest"}, line
+        assert float(ms["attention"]) > 0 and float(ms["mlp"]) > 0, line
+        assert "per layer (us): attention" in line

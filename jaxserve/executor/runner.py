@@ -70,7 +70,9 @@ def jit_step(graphdef: nnx.GraphDef, num_rows: int, out_shardings=None, local_po
         logits, kv_cache = forward(nnx.merge(graphdef, params), token_ids, positions, md, kv_cache, logits_indices,
                                    attention, layout, local_pool=local_pool, lora=lora)
         pad = num_rows - logits.shape[0]
-        return StepOutput(jnp.pad(logits, ((0, pad), (0, 0))), jnp.pad(argmax(logits), (0, pad))), kv_cache
+        with jax.named_scope("sampler"):
+            greedy = jnp.pad(argmax(logits), (0, pad))  # i32[num_rows]
+        return StepOutput(jnp.pad(logits, ((0, pad), (0, 0))), greedy), kv_cache
 
     return jax.jit(step, donate_argnums=(2,), static_argnums=(3, 4, 5), out_shardings=out_shardings)
 

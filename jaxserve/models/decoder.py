@@ -135,22 +135,34 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, rope_table, k_pages, v_pages, md, backend, layout: StepLayout | None = None, lora=None):
         """x: dt[R * T, C] -> (dt[R * T, C], k_pages, v_pages) (as ``Attention``). ``lora``: (this layer's adapter
         slots {group: {name: (a, b)}}, the step's ``LoraRows``), or None."""
-        if self.linear_attn is not None:  # k_pages, v_pages: the layer's state slots (gated_deltanet)
-            attn, k_pages, v_pages = self.linear_attn(self.input_layernorm(x), k_pages, v_pages, *(
-                (None, None) if md is None else md), decode=bool(getattr(getattr(backend, "backend", None),
-                                                                         "decode", False)))
-        else:
-            attn, k_pages, v_pages = self.self_attn(  # attn: dt[R * T, C]
-                self.input_layernorm(x), rope_table, k_pages, v_pages, md, backend, layout, lora
-            )
-        mlp = (lambda h: self.mlp(h, layout, lora)) if isinstance(self.mlp, MLP) else (  # noqa: E731
-            lambda h: self.mlp(h, layout))  # a Mixture-of-Experts block takes no adapter
+        # The named scopes only label the compiled program's ops (a profile's split by layer kind:
+        # scripts/benchmark_offline.py --profile); they change no computation.
+        with jax.named_scope("norm"):
+            h = self.input_layernorm(x)  # dt[R * T, C]
+        with jax.named_scope("attention"):
+            if self.linear_attn is not None:  # k_pages, v_pages: the layer's state slots (gated_deltanet)
+                attn, k_pages, v_pages = self.linear_attn(h, k_pages, v_pages, *(
+                    (None, None) if md is None else md), decode=bool(getattr(getattr(backend, "backend", None),
+                                                                             "decode", False)))
+            else:
+                attn, k_pages, v_pages = self.self_attn(  # attn: dt[R * T, C]
+                    h, rope_table, k_pages, v_pages, md, backend, layout, lora
+                )
+
+        def mlp(h):  # a Mixture-of-Experts block takes no adapter
+            with jax.named_scope("mlp"):
+                return self.mlp(h, layout, lora) if isinstance(self.mlp, MLP) else self.mlp(h, layout)
+
+        def norm(module, h):
+            with jax.named_scope("norm"):
+                return module(h)
+
         if self.pre_feedforward_layernorm is None:
             x = constrain(x + attn, layout, "tokens", "act_embed")  # dt[R * T, C]
-            x = x + mlp(self.post_attention_layernorm(x))  # dt[R * T, C]
+            x = x + mlp(norm(self.post_attention_layernorm, x))  # dt[R * T, C]
         else:
-            x = constrain(x + self.post_attention_layernorm(attn), layout, "tokens", "act_embed")  # dt[R * T, C]
-            x = x + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(x)))  # dt[R * T, C]
+            x = constrain(x + norm(self.post_attention_layernorm, attn), layout, "tokens", "act_embed")
+            x = x + norm(self.post_feedforward_layernorm, mlp(norm(self.pre_feedforward_layernorm, x)))
         return constrain(x, layout, "tokens", "act_embed"), k_pages, v_pages  # dt[R * T, C], ...
 
 
@@ -212,7 +224,8 @@ def forward(
         md_global = dataclasses.replace(md, page_indices=md.page_indices[..., :width])  # i32[R, S, P / 2]
         md_local = dataclasses.replace(md, page_indices=md.page_indices[..., width:])  # i32[R, S, P / 2]
     # dt[R * T, C]
-    x = constrain(model.embed_tokens(constrain(token_ids, layout, "tokens")), layout, "tokens", "act_embed")
+    with jax.named_scope("embed"):
+        x = constrain(model.embed_tokens(constrain(token_ids, layout, "tokens")), layout, "tokens", "act_embed")
     new_cache = []
     for i, (layer, (k_pages, v_pages)) in enumerate(zip(model.layers, kv_cache, strict=True)):
         layer_md = state_md if cfg.is_linear(i) else md_local if cfg.sliding_windows[i] is not None else md_global
@@ -220,13 +233,15 @@ def forward(
         x, k_pages, v_pages = layer(x, tables[cfg.layer_rope(i)], k_pages, v_pages, layer_md, attention, layout,
                                     None if lora is None else (lora[0][i], lora[1]))
         new_cache.append((k_pages, v_pages))
-    x = model.norm(x[logits_indices])  # dt[N, C]
+    with jax.named_scope("norm"):
+        x = model.norm(x[logits_indices])  # dt[N, C]
     head_module = model.embed_tokens if model.lm_head is None else model.lm_head
     head, head_scale = (getattr(head_module, n) for n in (("embedding", "embedding_scale") if model.lm_head is None
                                                           else ("weight", "weight_scale")))
     head = head[...].T if model.lm_head is None else head[...]  # dt[C, V] (w8[C, V] when quantized)
     head_scale = None if head_scale is None else head_scale[...]  # f32[V] (or f32[C / B, V / B]) when quantized
     # Each tensor shard computes its vocab slice; then the f32[N, V] logits (not the head) are gathered.
-    logits = layers.soft_cap(constrain(layers.matmul_f32(x, head, head_scale), layout, "slots", "act_vocab"),
-                             cfg.final_soft_cap)  # f32[N, V]
+    with jax.named_scope("lm_head"):
+        logits = layers.soft_cap(constrain(layers.matmul_f32(x, head, head_scale), layout, "slots", "act_vocab"),
+                                 cfg.final_soft_cap)  # f32[N, V]
     return constrain(logits, layout, "slots", "logits_vocab"), new_cache  # f32[N, V], per layer the pages
