@@ -51,13 +51,18 @@ def layer_type_windows(hf: HfConfig, layers: int, *, default_types: list[str] | 
     types = hf.get("layer_types") or default_types
     if types is None:
         return (int(window),) * layers
+    check_layer_types(types, layers, ("sliding_attention", "full_attention"))
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
+
+
+def check_layer_types(types: list[str], layers: int, supported: tuple[str, ...]) -> None:
+    """A config's ``layer_types``: one entry a layer, each of ``supported``, else a ValueError naming the field."""
     if len(types) != layers:
         raise ValueError(f"layer_types has {len(types)} entries for num_hidden_layers={layers}")
-    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    unknown = sorted(set(types) - set(supported))
     if unknown:
-        raise ValueError(f"layer_types {unknown} are not supported (supported: 'sliding_attention', "
-                         "'full_attention')")
-    return tuple(int(window) if t == "sliding_attention" else None for t in types)
+        raise ValueError(f"layer_types {unknown} are not supported (supported: "
+                         f"{', '.join(repr(t) for t in supported)})")
 
 
 def activation(hf: HfConfig, default: str) -> str:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxserve.models.family import check_layer_types
+
 STATE_ITEMSIZE = 4  # both states are kept in float32: the delta rule accumulates in it
 
 
@@ -83,12 +85,7 @@ class LinearAttentionConfig:
         if types is None:
             interval = hf.get("full_attention_interval", 4)
             types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
-        if len(types) != layers:
-            raise ValueError(f"layer_types has {len(types)} entries for num_hidden_layers={layers}")
-        unknown = sorted(set(types) - {"linear_attention", "full_attention"})
-        if unknown:
-            raise ValueError(f"layer_types {unknown} are not supported (supported: 'linear_attention', "
-                             "'full_attention')")
+        check_layer_types(types, layers, ("linear_attention", "full_attention"))
         return cls(hf.get("linear_num_key_heads", 16), hf.get("linear_num_value_heads", 32),
                    hf.get("linear_key_head_dim", 128), hf.get("linear_value_head_dim", 128),
                    hf.get("linear_conv_kernel_dim", 4), tuple(t == "linear_attention" for t in types),
