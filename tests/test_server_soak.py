@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import statistics
 import time
 
 import grpc
@@ -116,10 +117,10 @@ def test_soak_mixed_requests_with_cancels():
     assert results.count("skipped") == 0, "the soak did not finish in its time limit"
     assert results.count("cancelled") > 100 and results.count("bad") > 20
     print(f"soak: {len(results)} requests, rss MiB {[round(r) for r in rss]}")
-    # Over the second half, from the lower of its first two readings to the lower of its last two: a leak grows
-    # every reading, while one step up of the allocator's arenas (the process also holds whatever else ran in it)
-    # is in one reading only.
+    # Over the second half, the median growth from one reading to the next: a leak grows every reading, while
+    # one step up of the allocator's arenas (the process also holds whatever else ran in it) is one difference
+    # only, wherever it falls (between the half's first two readings it used to count as the whole growth).
     half = rss[len(rss) // 2:]
     per_sample = NUM_REQUESTS / SAMPLES / 1000
-    slope = (min(half[-2:]) - min(half[:2])) / (per_sample * (len(half) - 2))
+    slope = statistics.median(b - a for a, b in zip(half, half[1:])) / per_sample
     assert slope < MAX_GROWTH_MIB_PER_1000, f"resident memory still grows: {rss} MiB"
