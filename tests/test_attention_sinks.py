@@ -98,13 +98,14 @@ def test_tpu_kernel_with_sinks(case):
 
 
 def test_mosaic_gpu_kernel_with_sinks():
-    """In the Mosaic GPU interpreter: bf16 (the kernel's wgmma operands), pages of 8 rows, a GQA group of 4 (a tile
-    row's sink is its query head's, row r of a tile being head r % group) on two KV heads, a window and a soft cap."""
+    """In the Mosaic GPU interpreter (compiled on a GPU): bf16 (the kernel's wgmma operands), pages of 8 rows, a
+    GQA group of 4 (a tile row's sink is its query head's, row r of a tile being head r % group) on two KV heads, a
+    window and a soft cap."""
     rng = np.random.default_rng(5)
     batch, _, _ = build_batch(rng, *MIXED, num_kv_heads=2, group=4, head_dim=16, dtype="bfloat16", page_size=8)
     args, sinks = device_args(batch), jnp.asarray(2.0 * rng.standard_normal(8), jnp.float32)
     kw = dict(KW, soft_cap=4.0)
-    got = ragged_paged_attention_mosaic_gpu(**args, **kw, sinks=sinks, interpret=True)
+    got = ragged_paged_attention_mosaic_gpu(**args, **kw, sinks=sinks, interpret=jax.default_backend() != "gpu")
     want = ragged_paged_attention(**args, **kw, sinks=sinks)
     assert_matches_reference(got, batch, **kw, ref=want)
     real = int(batch["cu_q_lens"][batch["num_seqs"][0]])

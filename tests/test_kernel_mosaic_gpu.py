@@ -1,4 +1,5 @@
-"""The Mosaic GPU (Hopper) ragged paged-attention kernel against the reference, in Pallas's Mosaic GPU interpreter.
+"""The Mosaic GPU (Hopper) ragged paged-attention kernel against the reference, in Pallas's Mosaic GPU interpreter
+on CPU, compiled for the device on a GPU (``JAX_PLATFORMS=cuda``, as scripts/gpu_check.py runs them).
 
 The interpreter (``plgpu.InterpretGPUParams`` passed as ``interpret``; jax 0.11's
 ``jax._src.pallas.mosaic_gpu.interpret``) runs the kernel body on the CPU once per block of the grid, each
@@ -27,6 +28,7 @@ in ``tests/test_attention_backends.py``. Pages are 8 tokens (the kernel copies w
 shared-memory tiles); sequences are long enough that keys span more 64-key blocks than the ring has slots.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -37,6 +39,7 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged
 from attention_cases import DECODE, MIXED, assert_matches_reference, build_batch, device_args
 
 PAGE_SIZE = 8
+INTERPRET = jax.default_backend() != "gpu"
 BLOCKS = dict(block_kv=64, num_stages=2)  # 8 pages per block; 2 slots, so long sequences wrap around the ring
 
 # (lengths, group, head_dim, pool, sliding_window, soft_cap), one KV head.
@@ -47,7 +50,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("lengths,group,head_dim,pool,window,soft_cap", CASES)
-def test_matches_reference_interpreted(lengths, group, head_dim, pool, window, soft_cap):
+def test_matches_reference(lengths, group, head_dim, pool, window, soft_cap):
     rng = np.random.default_rng(group * 1000 + head_dim)
     # Long enough that a sequence's keys span several 64-key blocks (and more blocks than ring slots).
     lengths = (lengths[0], [kv * 4 for kv in lengths[1]])
@@ -59,7 +62,7 @@ def test_matches_reference_interpreted(lengths, group, head_dim, pool, window, s
             values, scales = quantize(args[name], STORAGE[pool])
             args[name] = QuantizedPages(values, scales, jnp.dtype("bfloat16"))
     kw = dict(sm_scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
-    out = ragged_paged_attention_mosaic_gpu(**args, **kw, block_sizes=BLOCKS, interpret=True)
+    out = ragged_paged_attention_mosaic_gpu(**args, **kw, block_sizes=BLOCKS, interpret=INTERPRET)
     assert out.dtype == jnp.bfloat16
     # The reference reads the same (dequantized) pages.
     ref = ragged_paged_attention(**args, **kw)

@@ -1,13 +1,15 @@
-"""One decoder layer's matrix products on XLA:CPU, fp32 against bf16, under XLA:CPU options, and separate
-against fused (QKV, gate/up) weights.
+"""One decoder layer's matrix products, fp32 against bf16, under XLA options, and separate against fused (QKV,
+gate/up) weights; on XLA:CPU by default, on a GPU with ``--platform cuda``.
 
-    python scripts/bench_cpu_layer_dots.py [--preset smollm-135m] [--rows 48,512] \
+    python scripts/bench_layer_dots.py [--preset smollm-135m] [--rows 48,512] \
         [--settings="default;--xla_cpu_use_onednn=true"]
+    python scripts/bench_layer_dots.py --platform cuda --preset llama-3.1-8b --rows 1,64 --dtypes bfloat16
 
 Each XLA_FLAGS setting runs in its own process (XLA reads its options once); the settings alternate over
 ``--rounds`` so a shared machine's slow spells fall on all of them. Each line: setting, rows, dtype, layout,
 median microseconds of one layer's products (q, k, v, o, gate, up, down; bf16 as bf16 x bf16 -> fp32, as
-``jaxserve.models.layers.matmul_f32``) over ``--iters`` calls of a jitted loop over 8 layers' weights.
+``jaxserve.models.layers.matmul_f32``) over ``--iters`` calls of a jitted loop over 8 layers' weights, and
+the weights' bytes read per second (the bound of a small-row step). Weights are drawn on the device.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from pathlib import Path
 
 
-def child(preset: str, rows: list[int], iters: int) -> None:
+def child(preset: str, rows: list[int], iters: int, dtypes: list[str]) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -34,11 +36,7 @@ def child(preset: str, rows: list[int], iters: int) -> None:
     d = cfg.get("head_dim", c // cfg["num_attention_heads"])
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
     layers = 8
-    rng = np.random.default_rng(0)
-    w = lambda *s: rng.standard_normal((layers, *s), np.float32) * 0.02  # noqa: E731
-    sep = {"q": w(c, q), "k": w(c, kv), "v": w(c, kv), "o": w(q, c), "g": w(c, m), "u": w(c, m), "d": w(m, c)}
-    fused = {"qkv": np.concatenate([sep["q"], sep["k"], sep["v"]], -1), "o": sep["o"],
-             "gu": np.concatenate([sep["g"], sep["u"]], -1), "d": sep["d"]}
+    shapes = {"q": (c, q), "k": (c, kv), "v": (c, kv), "o": (q, c), "g": (c, m), "u": (c, m), "d": (m, c)}
 
     def dot(x, wt):
         return jnp.dot(x, wt, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -59,10 +57,20 @@ def child(preset: str, rows: list[int], iters: int) -> None:
             return x + dot(jax.nn.silu(gu[:, :m]) * gu[:, m:], wl["d"]), None
         return jax.lax.scan(body, x, ws, unroll=True)[0]
 
-    for r in rows:
-        for dtype in (jnp.float32, jnp.bfloat16):
-            for name, fn, ws in (("separate", run_sep, sep), ("fused", run_fused, fused)):
-                wd = jax.tree.map(lambda a: jnp.asarray(a, dtype), ws)
+    def draw(dtype):  # dt[layers, *shape] each, separate and fused (the fused ones are concatenations)
+        keys = jax.random.split(jax.random.key(0), len(shapes))
+        sep = {n: (0.02 * jax.random.normal(k, (layers, *s), jnp.float32)).astype(dtype)
+               for k, (n, s) in zip(keys, shapes.items())}
+        fused = {"qkv": jnp.concatenate([sep["q"], sep["k"], sep["v"]], -1), "o": sep["o"],
+                 "gu": jnp.concatenate([sep["g"], sep["u"]], -1), "d": sep["d"]}
+        return sep, fused
+
+    rng = np.random.default_rng(0)
+    for dtype in [jnp.dtype(d) for d in dtypes]:
+        sep, fused = draw(dtype)
+        layer_bytes = sum(a.nbytes for a in sep.values()) / layers
+        for r in rows:
+            for name, fn, wd in (("separate", run_sep, sep), ("fused", run_fused, fused)):
                 x = jnp.asarray(rng.standard_normal((r, c), np.float32), dtype)
                 f = jax.jit(fn)
                 f(x, wd).block_until_ready()
@@ -71,8 +79,10 @@ def child(preset: str, rows: list[int], iters: int) -> None:
                     t = time.perf_counter()
                     f(x, wd).block_until_ready()
                     times.append(time.perf_counter() - t)
-                print(json.dumps({"rows": r, "dtype": jnp.dtype(dtype).name, "layout": name,
-                                  "us_per_layer": 1e6 * float(np.median(times)) / layers}), flush=True)
+                us = 1e6 * float(np.median(times)) / layers
+                print(json.dumps({"rows": r, "dtype": dtype.name, "layout": name, "us_per_layer": us,
+                                  "weight_gb_s": layer_bytes / us / 1e3}), flush=True)
+        del sep, fused
 
 
 def main() -> None:
@@ -82,28 +92,34 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--settings", default="default", help="';'-separated XLA_FLAGS values ('default': none)")
+    p.add_argument("--platform", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     rows = [int(x) for x in args.rows.split(",")]
     if args.child:
-        child(args.preset, rows, args.iters)
+        child(args.preset, rows, args.iters, args.dtypes.split(","))
         return
     results: dict[tuple, list[float]] = {}
     for _ in range(args.rounds):
         for flags in ["" if f == "default" else f for f in args.settings.split(";")]:
-            env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+            env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS=args.platform)
             proc = subprocess.run([sys.executable, __file__, "--child", "--preset", args.preset, "--rows", args.rows,
-                                   "--iters", str(args.iters)], env=env, capture_output=True, text=True)
+                                   "--iters", str(args.iters), "--dtypes", args.dtypes],
+                                  env=env, capture_output=True, text=True)
             if proc.returncode:
                 print(f"[{flags}] failed: {proc.stderr[-1500:]}", file=sys.stderr)
                 continue
             for line in proc.stdout.splitlines():
                 if line.startswith("{"):
                     r = json.loads(line)
-                    results.setdefault((flags, r["rows"], r["dtype"], r["layout"]), []).append(r["us_per_layer"])
-    for (flags, r, dtype, layout), us in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
-        runs = ", ".join(f"{u:.0f}" for u in us)
-        print(f"[{flags or 'default'}] rows {r} {dtype} {layout}: {min(us):.0f} us/layer (runs {runs})")
+                    key = (flags, r["rows"], r["dtype"], r["layout"])
+                    results.setdefault(key, []).append((r["us_per_layer"], r["weight_gb_s"]))
+    for (flags, r, dtype, layout), runs in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
+        us, gbs = min(runs)
+        listed = ", ".join(f"{u:.1f}" for u, _ in runs)
+        print(f"[{flags or 'default'}] rows {r} {dtype} {layout}: {us:.1f} us/layer, weights at {gbs:.0f} GB/s "
+              f"(runs {listed})")
 
 
 if __name__ == "__main__":
