@@ -25,13 +25,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # DeepSeek's 576-wide latent entries (mosaic_gpu.MAX_HEAD_DIM).
 HEAD_DIMS = (16, 64, 80, 96, 112, 128, 256)
 # (tokens, sequence slots, sliding window, soft cap): the engine's buckets at its defaults (32 sequences, 512
-# batched tokens), and a large-batch decode; page_size 16, 64 pages per sequence.
+# batched tokens), and a large-batch decode; page_size 16 (32 for an 8-bit pool, whose scale copies start on
+# 128-byte boundaries: mosaic_gpu.check_supported), 64 pages per sequence.
 SHAPES = {"decode": (8, 8, None, None), "large_decode": (256, 256, None, None), "prefill": (512, 32, None, None),
           "mixed": (256, 32, 64, 30.0)}
 # pool -> (query dtype, 8-bit storage or None)
 POOLS = {"bfloat16": ("bfloat16", None), "float16": ("float16", None), "int8": ("bfloat16", "int8"),
          "fp8": ("bfloat16", "fp8"), "fp8_e5m2": ("bfloat16", "fp8_e5m2")}
-PAGE_SIZE, PAGES_PER_SEQ, NUM_PAGES = 16, 64, 1024
+PAGE_SIZE, QUANTIZED_PAGE_SIZE, PAGES_PER_SEQ, NUM_PAGES = 16, 32, 64, 1024
 
 
 def export_case(target: str, shape: str, head_dim: int, pool: str, *, kv_heads: int = 8, group: int = 4,
@@ -50,7 +51,7 @@ def export_case(target: str, shape: str, head_dim: int, pool: str, *, kv_heads: 
     dtype, storage = POOLS[pool]
     md = AttentionMetadata.abstract(slots, PAGES_PER_SEQ)
     q = sds((tokens, kv_heads * group, head_dim), dtype)
-    pool_shape = (kv_heads, NUM_PAGES, PAGE_SIZE, head_dim)
+    pool_shape = (kv_heads, NUM_PAGES, PAGE_SIZE if storage is None else QUANTIZED_PAGE_SIZE, head_dim)
     if storage is None:
         pages = sds(pool_shape, dtype)
     else:

@@ -94,6 +94,10 @@ def test_mosaic_gpu_backend_refuses_what_its_kernel_cannot_run():
         mosaic.check_model(jnp.float32, 16, [(16, 8)])
     with pytest.raises(ValueError, match="head_dim a multiple of 16.*got 24"):
         mosaic.check_model(jnp.bfloat16, 16, [(24, 4)])
+    with pytest.raises(ValueError, match="8-bit pool.*page_size a multiple of 32 with an 8-bit KV cache, got 16"):
+        mosaic.check_model(jnp.bfloat16, 16, [(128, 4)], quantized=True)
+    mosaic.check_model(jnp.bfloat16, 16, [(128, 4)])
+    mosaic.check_model(jnp.bfloat16, 32, [(128, 4)], quantized=True)
     AttentionBackend("pallas_gpu").check_model(jnp.float32, 4, [(24, 4)])  # the other backends have no such limits
 
 

@@ -42,20 +42,21 @@ PAGE_SIZE = 8
 INTERPRET = jax.default_backend() != "gpu"
 BLOCKS = dict(block_kv=64, num_stages=2)  # 8 pages per block; 2 slots, so long sequences wrap around the ring
 
-# (lengths, group, head_dim, pool, sliding_window, soft_cap), one KV head.
+# (lengths, group, head_dim, pool, page_size, sliding_window, soft_cap), one KV head. An 8-bit pool's pages are 32
+# tokens: each page's f32 scales are one TMA copy, whose shared-memory destination starts on a 128-byte boundary.
 CASES = [
-    (MIXED, 1, 80, "bfloat16", 5, 3.0),
-    (DECODE, 8, 128, "int8", 6, None),
+    (MIXED, 1, 80, "bfloat16", PAGE_SIZE, 5, 3.0),
+    (DECODE, 8, 128, "int8", 32, 6, None),
 ]
 
 
-@pytest.mark.parametrize("lengths,group,head_dim,pool,window,soft_cap", CASES)
-def test_matches_reference(lengths, group, head_dim, pool, window, soft_cap):
+@pytest.mark.parametrize("lengths,group,head_dim,pool,page_size,window,soft_cap", CASES)
+def test_matches_reference(lengths, group, head_dim, pool, page_size, window, soft_cap):
     rng = np.random.default_rng(group * 1000 + head_dim)
     # Long enough that a sequence's keys span several 64-key blocks (and more blocks than ring slots).
     lengths = (lengths[0], [kv * 4 for kv in lengths[1]])
     batch, _, _ = build_batch(rng, *lengths, num_kv_heads=1, group=group, head_dim=head_dim, dtype="bfloat16",
-                              page_size=PAGE_SIZE)
+                              page_size=page_size)
     args = device_args(batch)
     if pool != "bfloat16":
         for name in ("k_pages", "v_pages"):
@@ -84,3 +85,10 @@ def test_rejects_what_the_kernel_cannot_run():
     batch, _, _ = build_batch(rng, *DECODE, num_kv_heads=1, group=16, head_dim=576, dtype="bfloat16", page_size=8)
     with pytest.raises(ValueError, match="head_dim at most 256.*got 576"):
         ragged_paged_attention_mosaic_gpu(**device_args(batch), sm_scale=0.1, interpret=True)
+    # An 8-bit pool at 16-token pages: every other page's scale copy would start 64 bytes into a 128-byte line.
+    batch, _, _ = build_batch(rng, *DECODE, num_kv_heads=1, group=2, head_dim=64, dtype="bfloat16", page_size=16)
+    args = device_args(batch)
+    for name in ("k_pages", "v_pages"):
+        args[name] = QuantizedPages(*quantize(args[name], STORAGE["int8"]), jnp.dtype("bfloat16"))
+    with pytest.raises(ValueError, match="page_size a multiple of 32 with an 8-bit KV cache, got 16"):
+        ragged_paged_attention_mosaic_gpu(**args, sm_scale=0.1, interpret=True)

@@ -99,7 +99,8 @@ class Executor:
         backend = AttentionBackend.resolve(config.attention_backend)
         cfg = self.model_config
         backend.check_model(model.embed_tokens.dtype, config.page_size,
-                            [(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)])
+                            [(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)],
+                            quantized=config.kv_cache_dtype != "auto")
         self.cache_dtype = self._kv_cache_dtype(backend, model.embed_tokens.dtype)
         self.draft_config = self._read_draft_config(draft_config)
         self._configure_pool(model, backend)
@@ -275,7 +276,8 @@ class Executor:
 
         config, draft = self.config, self.draft_config
         backend.check_model(resolve_dtype(config.dtype, draft), config.page_size,
-                            [(draft.head_dim, draft.num_heads // draft.num_kv_heads)])
+                            [(draft.head_dim, draft.num_heads // draft.num_kv_heads)],
+                            quantized=config.kv_cache_dtype != "auto")
         return DraftProposer(
             self.spec.model, cfg=self.draft_config, dtype=config.dtype, mesh=self.mesh, cache=self.cache_config,
             cache_dtype=self._draft_cache_dtype(backend), backend=backend, max_num_seqs=config.max_num_seqs,

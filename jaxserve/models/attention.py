@@ -71,17 +71,18 @@ class AttentionBackend:
             raise ValueError(f"attention_backend={self.name!r} does not read a quantized KV cache; "
                              "use kv_cache_dtype='auto' or attention_backend='reference'")
 
-    def check_model(self, dtype, page_size: int, layouts) -> None:
+    def check_model(self, dtype, page_size: int, layouts, *, quantized: bool = False) -> None:
         """Raise ValueError if this backend cannot serve a model of ``dtype`` whose attention layers have the
-        ``layouts`` ((head_dim, query heads per KV head) pairs) at ``page_size``; only
-        the Mosaic GPU kernel has such limits (16-bit wgmma operands, whole 8-row TMA tiles per page)."""
+        ``layouts`` ((head_dim, query heads per KV head) pairs) at ``page_size`` (``quantized``: on an 8-bit KV
+        pool); only the Mosaic GPU kernel has such limits (16-bit wgmma operands, whole 8-row TMA tiles per page,
+        128-byte aligned scale copies)."""
         if self.name != "pallas_mosaic_gpu":
             return
         from pallas_kernels.ragged_paged_attention.mosaic_gpu import check_supported
 
         for head_dim, group in layouts:
             try:
-                check_supported(dtype, head_dim, page_size, group)
+                check_supported(dtype, head_dim, page_size, group, quantized=quantized)
             except ValueError as e:
                 raise ValueError(f"attention_backend='pallas_mosaic_gpu': {e}") from None
 

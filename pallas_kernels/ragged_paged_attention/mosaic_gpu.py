@@ -63,6 +63,8 @@ ROWS = 64  # wgmma M of one warpgroup
 # compute warpgroup's registers (64 x head_dim fp32 is head_dim / 2 registers per thread, of the 232 it holds).
 # Multi-head latent attention's 576-wide entries (DeepSeek: kv_lora_rank 512 + rope 64) are past it.
 MAX_HEAD_DIM = 256
+# A TMA copy's destination in shared memory starts on a 128-byte boundary (an 8-bit pool's scale rows).
+TMA_SMEM_ALIGNMENT = 128
 _COMPUTE_DTYPES = ("bfloat16", "float16")
 
 
@@ -296,8 +298,8 @@ def resolve_block_sizes(q_shape, k_pages_shape, dtype, num_slots, override=None,
     return sizes
 
 
-def check_supported(q_dtype, head_dim: int, page_size: int, group: int) -> None:
-    """The kernel's hardware limits, as ValueErrors naming the value."""
+def check_supported(q_dtype, head_dim: int, page_size: int, group: int, *, quantized: bool = False) -> None:
+    """The kernel's hardware limits, as ValueErrors naming the value; ``quantized``: an 8-bit pool."""
     if jnp.dtype(q_dtype).name not in _COMPUTE_DTYPES:
         raise ValueError(f"the Mosaic GPU kernel computes in bfloat16 or float16 (wgmma), got q dtype "
                          f"{jnp.dtype(q_dtype).name}")
@@ -311,6 +313,13 @@ def check_supported(q_dtype, head_dim: int, page_size: int, group: int) -> None:
     if page_size % 8:
         raise ValueError(f"the Mosaic GPU kernel needs page_size a multiple of 8 (one TMA copy per page into "
                          f"8-row shared-memory tiles), got {page_size}")
+    if quantized and (page_size * 4) % TMA_SMEM_ALIGNMENT:
+        # Each page's f32 scales are one TMA copy into the slot's scale row at page * page_size * 4 bytes; a TMA
+        # destination in shared memory must start on a 128-byte boundary, and at page_size 8 or 16 every other
+        # page's would not (on an H200 the copy faulted: CUDA_ERROR_MISALIGNED_ADDRESS).
+        raise ValueError(f"the Mosaic GPU kernel reads an 8-bit pool's per-token f32 scales with one TMA copy per "
+                         f"page, which must start on a {TMA_SMEM_ALIGNMENT}-byte boundary of shared memory: it needs "
+                         f"page_size a multiple of {TMA_SMEM_ALIGNMENT // 4} with an 8-bit KV cache, got {page_size}")
     if group > ROWS:
         raise ValueError(f"the Mosaic GPU kernel holds one token's query heads in {ROWS} rows, got a GQA group of "
                          f"{group}")
@@ -435,8 +444,8 @@ def ragged_paged_attention_mosaic_gpu(
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
     num_kv_heads, _, page_size, head_dim = k_pages.shape
-    check_supported(q.dtype, head_dim, page_size, q.shape[1] // num_kv_heads)
     quantized = isinstance(k_pages, QuantizedPages)
+    check_supported(q.dtype, head_dim, page_size, q.shape[1] // num_kv_heads, quantized=quantized)
     sizes = resolve_block_sizes(q.shape, k_pages.shape, q.dtype if quantized else k_pages.dtype,
                                 md.kv_lens.shape[0], block_sizes,
                                 storage_dtype=k_pages.storage_dtype if quantized else None)
