@@ -41,34 +41,42 @@ def child(preset: str, rows: list[int], iters: int, dtypes: list[str]) -> None:
     def dot(x, wt):
         return jnp.dot(x, wt, preferred_element_type=jnp.float32).astype(x.dtype)
 
-    def run_sep(x, ws):
-        def body(x, wl):
-            a = dot(x, wl["q"]) + jnp.pad(dot(x, wl["k"]) + dot(x, wl["v"]), ((0, 0), (0, q - kv)))
-            x = x + dot(a, wl["o"])
-            return x + dot(jax.nn.silu(dot(x, wl["g"])) * dot(x, wl["u"]), wl["d"]), None
-        return jax.lax.scan(body, x, ws, unroll=True)[0]
+    def layer_sep(x, wl):
+        a = dot(x, wl["q"]) + jnp.pad(dot(x, wl["k"]) + dot(x, wl["v"]), ((0, 0), (0, q - kv)))
+        x = x + dot(a, wl["o"])
+        return x + dot(jax.nn.silu(dot(x, wl["g"])) * dot(x, wl["u"]), wl["d"])
 
-    def run_fused(x, ws):
-        def body(x, wl):
-            y = dot(x, wl["qkv"])
-            a = y[:, :q] + jnp.pad(y[:, q:q + kv] + y[:, q + kv:], ((0, 0), (0, q - kv)))
-            x = x + dot(a, wl["o"])
-            gu = dot(x, wl["gu"])
-            return x + dot(jax.nn.silu(gu[:, :m]) * gu[:, m:], wl["d"]), None
-        return jax.lax.scan(body, x, ws, unroll=True)[0]
+    def layer_fused(x, wl):
+        y = dot(x, wl["qkv"])
+        a = y[:, :q] + jnp.pad(y[:, q:q + kv] + y[:, q + kv:], ((0, 0), (0, q - kv)))
+        x = x + dot(a, wl["o"])
+        gu = dot(x, wl["gu"])
+        return x + dot(jax.nn.silu(gu[:, :m]) * gu[:, m:], wl["d"])
 
-    def draw(dtype):  # dt[layers, *shape] each, separate and fused (the fused ones are concatenations)
-        keys = jax.random.split(jax.random.key(0), len(shapes))
-        sep = {n: (0.02 * jax.random.normal(k, (layers, *s), jnp.float32)).astype(dtype)
-               for k, (n, s) in zip(keys, shapes.items())}
-        fused = {"qkv": jnp.concatenate([sep["q"], sep["k"], sep["v"]], -1), "o": sep["o"],
-                 "gu": jnp.concatenate([sep["g"], sep["u"]], -1), "d": sep["d"]}
+    def stack(layer):  # each layer's weights are arrays of their own, as the engine holds them (no slicing)
+        def run(x, ws):
+            for wl in ws:
+                x = layer(x, wl)
+            return x
+        return run
+
+    run_sep, run_fused = stack(layer_sep), stack(layer_fused)
+
+    def draw(dtype):  # per layer, dt[*shape] each, separate and fused (the fused ones are concatenations)
+        sep, fused = [], []
+        for i in range(layers):
+            keys = jax.random.split(jax.random.key(i), len(shapes))
+            w = {n: (0.02 * jax.random.normal(k, s, jnp.float32)).astype(dtype)
+                 for k, (n, s) in zip(keys, shapes.items())}
+            sep.append(w)
+            fused.append({"qkv": jnp.concatenate([w["q"], w["k"], w["v"]], -1), "o": w["o"],
+                          "gu": jnp.concatenate([w["g"], w["u"]], -1), "d": w["d"]})
         return sep, fused
 
     rng = np.random.default_rng(0)
     for dtype in [jnp.dtype(d) for d in dtypes]:
         sep, fused = draw(dtype)
-        layer_bytes = sum(a.nbytes for a in sep.values()) / layers
+        layer_bytes = sum(a.nbytes for a in sep[0].values())
         for r in rows:
             for name, fn, wd in (("separate", run_sep, sep), ("fused", run_fused, fused)):
                 x = jnp.asarray(rng.standard_normal((r, c), np.float32), dtype)
