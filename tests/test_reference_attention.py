@@ -147,6 +147,29 @@ def test_cpu_paths_match_reference(lengths, window, soft_cap, native_rows, monke
     k, v = chunk_rows(case, q_lens, kv_lens)
     got = np.asarray(ragged_paged_attention_chunks(args["q"], k, v, args["k_pages"], args["v_pages"], args["md"], **kw))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    # As the engine calls it (its rows in the pages already): the cheaper of the rows path and the chunk path.
+    got = ragged_paged_attention_chunks(args["q"], k, v, args["k_pages"], args["v_pages"], args["md"],
+                                        pages_hold_rows=True, **kw)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+def test_prompt_step_path_by_cost():
+    """Many short prompts go row by row through the native kernel; a long chunk, or one with a long cached context,
+    stays on the chunk path (the bench's layouts at a 512-row bucket: scripts/bench_cpu_prompt_attention.py)."""
+    def md(q_lens, kv_lens, slots=64):
+        pad = slots - len(q_lens)
+        cu = np.concatenate([[0], np.cumsum(q_lens), np.full(pad, sum(q_lens))]).astype(np.int32)
+        return AttentionMetadata(jnp.asarray(cu), jnp.asarray(list(kv_lens) + [0] * pad, jnp.int32),
+                                 jnp.zeros((slots, 4), jnp.int32), jnp.asarray([len(q_lens)], jnp.int32))
+
+    cheaper = lambda q_lens, kv_lens, **kw: bool(cpu_attention.rows_are_cheaper(md(q_lens, kv_lens), 512, **kw))  # noqa: E731
+    assert cheaper([32] * 16, [32] * 16)  # measured 5.2x faster row by row
+    assert cheaper([128] * 4, [128] * 4)  # 1.3x
+    assert not cheaper([256] * 2, [256] * 2)  # 0.75x
+    assert not cheaper([512], [512])  # 0.24x
+    assert not cheaper([512], [2048])  # 0.22x
+    assert cheaper([1] * 48, [300] * 48)  # decode rows riding in a prompt step
+    assert cheaper([512], [512], sliding_window=16)  # a short window sees few keys per row
 
 
 @pytest.mark.parametrize("budget", [None, 12 * 1024])

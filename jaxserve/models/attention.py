@@ -172,7 +172,8 @@ class AttentionBackend:
             return rpa.ragged_paged_attention_mosaic_gpu(q, k_pages, v_pages, md, interpret=self.interpret, **kw)
         if self.decode:  # each row walks its own sequence's pages
             return rpa.ragged_paged_attention_rows(q, k_pages, v_pages, md, **kw)
-        return rpa.ragged_paged_attention_chunks(q, k, v, k_pages, v_pages, md, **kw)
+        # The pages hold this step's rows already (``__call__`` writes, then attends).
+        return rpa.ragged_paged_attention_chunks(q, k, v, k_pages, v_pages, md, pages_hold_rows=True, **kw)
 
 
 def latent_value_shape(k_shape: tuple) -> tuple:

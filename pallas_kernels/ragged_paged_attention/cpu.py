@@ -45,6 +45,12 @@ _SCORE_BUDGET_BYTES = 256 * 1024 * 1024  # bound on one block's scores in the in
 _ROW_KEYS = 64  # keys per step of the decode walk
 _LONG_WALK = 4  # whole steps from which the decode walk takes its last partial step whole (see _walk)
 _CONTEXT_KEYS = 256  # keys per step of a prompt chunk's walk over its cached context
+# Relative costs of a prompt step's two paths where the native kernel runs, in nanoseconds for SmolLM-135M's
+# heads (9 query, 3 KV, head_dim 64), fp32, measured on a 2-core AMD EPYC (scripts/bench_cpu_prompt_attention.py):
+# the native rows path ~170 per (row, visible key) pair; the chunk path ~24 per square of the step's rows (its
+# dense in-chunk spans) plus ~32 per pair of a row and a key of its cached context (the context walk). Only
+# their ratios matter: both scale alike with the heads.
+_ROWS_NS_PER_PAIR, _CHUNK_NS_PER_ROW_SQUARED, _CHUNK_NS_PER_CONTEXT_PAIR = 170.0, 24.0, 32.0
 
 
 def _cap(scores: jax.Array, soft_cap: float | None) -> jax.Array:
@@ -246,12 +252,23 @@ def ragged_paged_attention_chunks(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     sinks: jax.Array | None = None,  # f32[num_q_heads]
+    pages_hold_rows: bool = False,
 ) -> jax.Array:
     """Prompt chunks (the prefill path): the reference's arguments plus this step's own K/V, ``k`` and ``v``,
     one row per query row. The pages must hold every sequence's context before its chunk (the chunk's own
     rows are read from ``k``/``v``, so whether they are written yet does not matter). Result as the reference.
+
+    Where the native kernel runs and the step's own rows are written to the pages already (``pages_hold_rows``,
+    as the engine's backend does), a step whose rows see few keys in all (many short prompts) is cheaper row by
+    row through the kernel than densely (``rows_are_cheaper``): the choice is made per step, at run time.
     """
     check_shapes(q, k_pages, v_pages, md, sinks)
+    if pages_hold_rows and native.usable(k_pages):
+        kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
+        return jax.lax.cond(
+            rows_are_cheaper(md, q.shape[0], sliding_window),
+            lambda: ragged_paged_attention_rows(q, k_pages, v_pages, md, **kw),
+            lambda: ragged_paged_attention_chunks(q, k, v, k_pages, v_pages, md, **kw))
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape:
@@ -306,6 +323,25 @@ def ragged_paged_attention_chunks(
 
     out = _normalise(_with_sinks(_merge(own, context), sinks))
     return out.swapaxes(0, 1).reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def rows_are_cheaper(md: AttentionMetadata, num_tokens: int, sliding_window: int | None = None) -> jax.Array:
+    """Whether a prompt step of ``num_tokens`` rows (its bucket) costs less row by row through the native kernel
+    than through the chunk path (bool[]), by the measured costs above: the rows path pays for every (row,
+    visible key) pair; the chunk path for the square of its rows, whatever they see, and for its rows' cached
+    context."""
+    slot = jnp.arange(md.kv_lens.shape[0], dtype=jnp.int32)
+    live = slot < md.num_seqs[0]
+    q_lens = jnp.where(live, md.cu_q_lens[1:] - md.cu_q_lens[:-1], 0).astype(jnp.float32)
+    context = jnp.where(live, md.kv_lens, 0).astype(jnp.float32) - q_lens
+    own = q_lens * (q_lens + 1) / 2  # each row sees its chunk's rows up to itself
+    seen = q_lens * context + own
+    if sliding_window is not None:  # at most the window per row
+        seen = jnp.minimum(seen, q_lens * sliding_window)
+    rows_cost = _ROWS_NS_PER_PAIR * jnp.sum(seen)
+    chunk_cost = _CHUNK_NS_PER_ROW_SQUARED * float(num_tokens) ** 2 + _CHUNK_NS_PER_CONTEXT_PAIR * jnp.sum(
+        q_lens * context)
+    return rows_cost < chunk_cost
 
 
 def _context_part(qh, k_pages, v_pages, md: AttentionMetadata, *, sm_scale, sliding_window, soft_cap):
