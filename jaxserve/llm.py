@@ -53,7 +53,7 @@ class LLM:
     def graphdef(self):
         """The model's structure (flax ``nnx.GraphDef``): with ``get_weights``' arrays, ``nnx.merge(graphdef,
         weights)`` is the model; ``jaxserve.models.full_sequence`` runs it over whole sequences for training."""
-        return self.engine.executor.runner.graphdef
+        return self.engine.executor.weights_graphdef
 
     def get_weights(self) -> dict:
         """The weights being served: a nested dict of arrays in the engine's own layout, on its mesh (linear

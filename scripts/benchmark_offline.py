@@ -55,6 +55,11 @@ PRESETS = {
     "smollm-135m": dict(DEMO_CONFIG, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
                         num_key_value_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152,
                         tie_word_embeddings=True, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
+    # Host-bound: the device step costs almost nothing, so admission, scheduling and outputs are the cost
+    # (issue 34's end-to-end case: 256 prompts of 8-32 tokens, 96 greedy tokens each). Heads of 32: vLLM's CPU
+    # attention has no head_dim 16.
+    "host-2x128": dict(DEMO_CONFIG, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=344),
     "llama-3.2-1b": dict(DEMO_CONFIG, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
                          tie_word_embeddings=True, max_position_embeddings=131072, bos_token_id=1, eos_token_id=2,

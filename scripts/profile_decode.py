@@ -1,7 +1,7 @@
 """Where a decode step's time goes: time one decode shape of a dummy-weight model, then list its device kernels.
 
     python scripts/profile_decode.py --out DIR [--batch 1] [--context 1024] [--steps 64] [--trace]
-        [--attention-backend auto] [--tiny]
+        [--attention-backend auto] [--fuse-projections auto|on|off] [--tiny]
 
 The model is the GPU kit's Llama-3.1-8B shape in bf16 (``--tiny``: its 2-layer, 128-wide stand-in, for a check on
 CPU), weights drawn on the device (``load_format="dummy"``). The script times ``--steps`` back-to-back decode steps
@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-steps", type=int, default=8)
     p.add_argument("--trace", action="store_true")
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--fuse-projections", default="auto", choices=("auto", "on", "off"),
+                   help="one weight for Q/K/V and one for gate/up (EngineConfig.fuse_projections)")
     p.add_argument("--tiny", action="store_true", help="the kit's 2-layer stand-in (a check on CPU)")
     args = p.parse_args(argv)
     for name in ("batch", "context", "steps", "trace_steps"):
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             model=tmp, load_format="dummy", dtype="bfloat16", page_size=page, num_pages=args.batch * per_seq + 8,
             max_num_seqs=args.batch, max_num_batched_tokens=max(args.batch, 16), max_model_len=args.context + 8,
             warmup=False, compilation_cache_dir=None, enable_prefix_caching=False,
-            attention_backend=args.attention_backend))
+            attention_backend=args.attention_backend, fuse_projections=args.fuse_projections))
     executor = engine.executor
     runner = executor.runner
     pool = engine.scheduler.block_manager.pool
@@ -106,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
 
     steps(2)  # compile and warm
     wall = min(steps(args.steps) for _ in range(3))
-    result = {"device": jax.devices()[0].device_kind, "backend": runner.backend.name, "batch": args.batch,
+    result = {"device": jax.devices()[0].device_kind, "backend": runner.backend.name,
+              "fused_projections": executor.fused_projections, "batch": args.batch,
               "context": args.context, "xla_flags": os.environ.get("XLA_FLAGS", ""), "step_ms": wall * 1e3,
               "tok_s": args.batch / wall}
     if args.trace:

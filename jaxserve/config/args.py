@@ -13,6 +13,7 @@ import typing
 from jaxserve.config.engine import (
     ATTENTION_BACKENDS,
     DTYPES,
+    FUSE_PROJECTIONS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     LOGPROBS_MODES,
@@ -73,6 +74,9 @@ HELP = {
     "quantize_lm_head": "with --quantization, quantize the LM head and the embeddings too",
     "kv_cache_dtype": "KV cache storage: auto (the model's dtype), int8 or fp8/fp8_e4m3/fp8_e5m2, with one scale per "
                       "token and KV head",
+    "fuse_projections": "one weight for each layer's Q/K/V projections and one for its gate and up projections, "
+                        "each read by one product: auto (on a GPU, where it is faster; not on CPU), on, off; never "
+                        "with LoRA adapters",
     "speculative_config": "speculative decoding, as a JSON object with vLLM's keys, e.g. '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
                           "(default: none)",
@@ -104,7 +108,8 @@ def user_error(prog: str, message: object) -> int:
 
 
 CHOICES = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "logprobs_mode": LOGPROBS_MODES,
-           "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES, "load_format": LOAD_FORMATS}
+           "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES, "load_format": LOAD_FORMATS,
+           "fuse_projections": FUSE_PROJECTIONS}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = (),

@@ -21,6 +21,7 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's name
 # vLLM's --load-format: "auto" reads the checkpoint; "dummy" reads only config.json and draws random weights on the
 # devices (benchmarks without a download).
 LOAD_FORMATS = ("auto", "dummy")
+FUSE_PROJECTIONS = ("auto", "on", "off")
 # The share of a GPU's memory jax's allocator takes at start (its own default is 0.75); the engine sizes its KV pool
 # as hbm_utilization of what the allocator holds, so 0.95 x 0.9 of the GPU by default, near vLLM's 0.9.
 GPU_MEMORY_FRACTION = 0.95
@@ -84,6 +85,8 @@ class EngineConfig:
     quantization: str | None = None  # weights quantized at load: "int8" or "fp8" (None: as the checkpoint is)
     quantize_lm_head: bool = False  # quantize the LM head and embeddings too
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8", "fp8" (= "fp8_e4m3"), "fp8_e5m2"
+    # One weight for each layer's Q/K/V projections and one for its gate/up: "auto" (GPU only), "on", "off"
+    fuse_projections: str = "auto"
     # vLLM's speculative_config: a JSON object (the flag) or a dict, kept as a SpeculativeConfig
     speculative_config: "str | dict | SpeculativeConfig | None" = None
     # vLLM's kv_events_config: a JSON object (the flag) or a dict, kept as a KVEventsConfig
@@ -132,7 +135,8 @@ class EngineConfig:
                              "(the decode side would need the prompt's KV in the draft's pool too); use "
                              "method 'ngram'")
         for name, choices in (("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS),
-                              ("logprobs_mode", LOGPROBS_MODES), ("load_format", LOAD_FORMATS)):
+                              ("logprobs_mode", LOGPROBS_MODES), ("load_format", LOAD_FORMATS),
+                              ("fuse_projections", FUSE_PROJECTIONS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(map(repr, choices))}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

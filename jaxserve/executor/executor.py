@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jaxserve.config.engine import EngineConfig
 from jaxserve.executor import compile_progress, platforms
@@ -95,6 +96,9 @@ class Executor:
         self.num_replicas = int(self.mesh.shape["data"])
         self.is_leader = multihost.is_leader()
         model = self._load_model(model_config)
+        # The structure of the weights as callers see them (``get_weights``), fused projections or not.
+        self.weights_graphdef = nnx.split(model)[0]
+        self.fused_projections = self._fuse_projections(model)
         self._check_hybrid()
         backend = AttentionBackend.resolve(config.attention_backend)
         cfg = self.model_config
@@ -142,6 +146,23 @@ class Executor:
                              f"(max_position_embeddings in config.json, with its rope scaling)")
         self.max_model_len = config.max_model_len or limit
         return model
+
+    def _fuse_projections(self, model) -> bool:
+        """Make each layer's Q/K/V weights one and its gate/up weights one (``decoder.fuse_projections``) as
+        ``fuse_projections`` says: "auto" on a GPU only (where one product of each is faster; on the CPU it is
+        not), "on", "off". Adapters are served on separate weights, so LoRA keeps them apart. Returns whether any
+        were fused."""
+        mode = self.config.fuse_projections
+        if mode == "off" or (mode == "auto" and jax.default_backend() != "gpu"):
+            return False
+        if self.config.enable_lora:
+            if mode == "on":
+                raise ValueError("fuse_projections='on' cannot be combined with enable_lora: adapters are served on "
+                                 "separate projection weights")
+            return False
+        from jaxserve.models.decoder import fuse_projections
+
+        return fuse_projections(model) > 0
 
     def _kv_cache_dtype(self, backend: AttentionBackend, weights_dtype):
         """The KV pool's dtype: the backend's for the weights' dtype, or an 8-bit pool with per-token scales
@@ -298,8 +319,6 @@ class Executor:
     @staticmethod
     def _weights_description(model) -> str:
         """The parameters' dtypes and bytes, e.g. "int8 + float32, 51.2 MiB"."""
-        from flax import nnx
-
         leaves = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(model))]
         names = sorted({np.dtype(a.dtype).name for a in leaves})
         return f"{' + '.join(names)}, {sum(a.nbytes for a in leaves) / 2**20:.1f} MiB"
@@ -648,10 +667,11 @@ class Executor:
 
     # Live weights -------------------------------------------------------------------------------------------
     def get_weights(self) -> dict:
-        """The parameters as the steps use them, a nested dict of arrays on the mesh (``weights.pure_weights``)."""
-        from jaxserve.executor.weights import pure_weights
+        """The parameters as the steps use them, a nested dict of arrays on the mesh (``weights.pure_weights``),
+        with fused projection weights shown as the ones they were made of (``weights.split_fused``)."""
+        from jaxserve.executor.weights import pure_weights, split_fused
 
-        return pure_weights(self.runner.params)
+        return pure_weights(split_fused(self.runner.params) if self.fused_projections else self.runner.params)
 
     def update_weights(self, params) -> None:
         """Serve ``params`` from the next step on (``weights.replacement_state`` checks and places them): the same
@@ -667,7 +687,13 @@ class Executor:
             raise ValueError("the engine is asleep at level 2 (its weights are off the device); call wake_up first")
         if jax.process_count() > 1:
             raise ValueError("update_weights is not supported on a multi-process run")
-        self.runner.params = replacement_state(self.runner.params, params, self.model_config)
+        if not self.fused_projections:
+            self.runner.params = replacement_state(self.runner.params, params, self.model_config)
+            return
+        from jaxserve.executor.weights import fuse_like, split_fused
+
+        new = replacement_state(split_fused(self.runner.params), params, self.model_config)
+        self.runner.params = fuse_like(new, self.runner.params)
 
     # Sleep --------------------------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
@@ -705,8 +731,6 @@ class Executor:
     def read_weights(self, path: str):
         """A checkpoint folder's weights (same architecture and shapes), loaded onto this executor's mesh in its
         dtype and quantization, as ``update_weights`` takes them."""
-        from flax import nnx
-
         try:
             cfg = ModelConfig.from_pretrained(resolve_model_path(path))
         except OSError as e:

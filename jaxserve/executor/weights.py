@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models import registry
+from jaxserve.models.decoder import FUSED, joiner, part_sharding, splitter
 from jaxserve.models.config import ModelConfig
 
 
@@ -57,6 +58,44 @@ def replacement_state(current: nnx.State, params, cfg: ModelConfig) -> nnx.State
         if not (isinstance(new, jax.Array) and new.sharding == old.sharding):
             new = jax.device_put(new, old.sharding)
         items.append((path, var.replace(new)))
+    return nnx.from_flat_state(items)
+
+
+def split_fused(state: nnx.State) -> nnx.State:
+    """``state`` in the engine's public layout: each fused weight (``decoder.FUSED``: a layer's Q/K/V
+    dt[C, K, G + 2, D], an MLP's gate/up dt[C, 2, I]) as the projection weights dt[C, out] it was made of, sharded
+    as they were. What ``pure_weights`` shows a caller and ``replacement_state`` checks new weights against,
+    whether or not the engine fused them."""
+    items = []
+    for path, var in nnx.to_flat_state(state):
+        name = path[-1]
+        if name not in FUSED:
+            items.append((path, var))
+            continue
+        fused = var.get_value()
+        parts = splitter(name, part_sharding(name, fused.sharding))(fused)
+        for part_name, value in zip(FUSED[name], parts):
+            axes = ("embed", "mlp") if name == "gate_up_proj" else (
+                "embed", "q_heads" if part_name == "q_proj" else "kv_heads")
+            items.append((path[:-1] + (part_name, "weight"), nnx.Param(value, logical_axes=axes)))
+    return nnx.from_flat_state(items)
+
+
+def fuse_like(public: nnx.State, like: nnx.State) -> nnx.State:
+    """``public`` (``split_fused``'s layout) in ``like``'s: the projection weights that ``like`` holds fused,
+    joined as there and placed on its sharding; every other tensor as it is."""
+    given = dict(nnx.to_flat_state(public))
+    items = []
+    for path, var in nnx.to_flat_state(like):
+        name = path[-1]
+        if name not in FUSED:
+            items.append((path, given[path]))
+            continue
+        target = var.get_value()
+        kv, d = (target.shape[1], target.shape[3]) if name == "qkv_proj" else (0, 0)
+        parts = [given[path[:-1] + (p, "weight")].get_value() for p in FUSED[name]]
+        fused = joiner(name, kv, d, target.sharding)(*parts)
+        items.append((path, var.replace(fused)))
     return nnx.from_flat_state(items)
 
 
