@@ -277,7 +277,7 @@ def run_dtype(args, peers: list[str]) -> None:
             dtypes = (args.vllm_dtypes or ("float32" if itemsize == 4 else "bfloat16")).split(",")
             for dtype in dtypes:
                 runs = run_peer([args.vllm_python, str(HERE / "peers" / "vllm_generate.py"), str(wpath), "--model",
-                                 args.model, "--dtype", dtype], env)
+                                 args.model, "--dtype", dtype, "--max-num-seqs", str(args.max_num_seqs)], env)
                 for r in runs:
                     tps = r["output_tokens"] / r["seconds"]
                     print(f"vllm {dtype}: {tps:.1f} output tok/s (start-up {r['startup_seconds']:.1f}s); "
