@@ -58,9 +58,11 @@ def matmul_f32(x: jax.Array, weight: jax.Array, scale: jax.Array | None = None) 
     product's columns (the 8-bit values are converted to x's dtype, exactly, inside the dot); a block scale
     dequantizes the weight first.
 
-    Asking for the fp32 result is also what makes bf16 fast on CPU: XLA:CPU runs a bf16 x bf16 -> fp32 matmul
-    on the bf16 dot-product instructions (~2x fp32's rate here) but a bf16 -> bf16 one several times slower;
-    and its one-row bf16 matmul is ~10x slower than a two-row one, so a single 16-bit row is padded to two.
+    Asking for the fp32 result is also what makes bf16 fast on a CPU with bf16 dot-product instructions
+    (AVX-512 bf16): XLA:CPU runs a bf16 x bf16 -> fp32 matmul on them (~2x fp32's rate on such a host) but a
+    bf16 -> bf16 one several times slower; and its one-row bf16 matmul is ~10x slower than a two-row one, so a
+    single 16-bit row is padded to two. On an AVX2-only CPU no XLA option makes bf16 faster than fp32
+    (docs/benchmarks.md, "Quiet machine, weights as the engine holds them").
     """
     if scale is not None:
         if scale.ndim == weight.ndim:  # block scales f32[in / B, out / B]
