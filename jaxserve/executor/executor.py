@@ -692,7 +692,8 @@ class Executor:
             return
         from jaxserve.executor.weights import fuse_like, split_fused
 
-        new = replacement_state(split_fused(self.runner.params), params, self.model_config)
+        # Checked against the public layout's shapes alone: no split copy of the served weights is made.
+        new = replacement_state(split_fused(self.runner.params, abstract=True), params, self.model_config)
         self.runner.params = fuse_like(new, self.runner.params)
 
     # Sleep --------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ shardings runs through the same executables. ``replacement_state`` builds that p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import jax
@@ -15,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models import registry
-from jaxserve.models.decoder import FUSED, joiner, part_sharding, splitter
+from jaxserve.models.decoder import AXES, FUSED, joiner, part_sharding, split_projections, splitter
 from jaxserve.models.config import ModelConfig
 
 
@@ -61,11 +62,12 @@ def replacement_state(current: nnx.State, params, cfg: ModelConfig) -> nnx.State
     return nnx.from_flat_state(items)
 
 
-def split_fused(state: nnx.State) -> nnx.State:
+def split_fused(state: nnx.State, *, abstract: bool = False) -> nnx.State:
     """``state`` in the engine's public layout: each fused weight (``decoder.FUSED``: a layer's Q/K/V
     dt[C, K, G + 2, D], an MLP's gate/up dt[C, 2, I]) as the projection weights dt[C, out] it was made of, sharded
     as they were. What ``pure_weights`` shows a caller and ``replacement_state`` checks new weights against,
-    whether or not the engine fused them."""
+    whether or not the engine fused them. ``abstract``: the parts as shapes, dtypes and shardings alone
+    (``jax.ShapeDtypeStruct``), all that checking new weights needs, so no copy of them is made on the device."""
     items = []
     for path, var in nnx.to_flat_state(state):
         name = path[-1]
@@ -73,11 +75,14 @@ def split_fused(state: nnx.State) -> nnx.State:
             items.append((path, var))
             continue
         fused = var.get_value()
-        parts = splitter(name, part_sharding(name, fused.sharding))(fused)
+        sharding = part_sharding(name, fused.sharding)
+        if abstract:
+            parts = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding or fused.sharding)
+                     for a in jax.eval_shape(functools.partial(split_projections, name), fused)]
+        else:
+            parts = splitter(name, sharding)(fused)
         for part_name, value in zip(FUSED[name], parts):
-            axes = ("embed", "mlp") if name == "gate_up_proj" else (
-                "embed", "q_heads" if part_name == "q_proj" else "kv_heads")
-            items.append((path[:-1] + (part_name, "weight"), nnx.Param(value, logical_axes=axes)))
+            items.append((path[:-1] + (part_name, "weight"), nnx.Param(value, logical_axes=AXES[part_name])))
     return nnx.from_flat_state(items)
 
 

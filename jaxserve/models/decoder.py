@@ -40,6 +40,10 @@ def _out_spec(weight):
 
 # A fused weight's name -> the projections it joins (``Attention.fuse_qkv``, ``MLP.fuse_gate_up``).
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# The logical sharding axes of those projections' weights and of the fused weights.
+AXES = {"q_proj": ("embed", "q_heads"), "k_proj": ("embed", "kv_heads"), "v_proj": ("embed", "kv_heads"),
+        "gate_proj": ("embed", "mlp"), "up_proj": ("embed", "mlp"),
+        "qkv_proj": ("embed", "kv_heads", None, "head_dim"), "gate_up_proj": ("embed", None, "mlp")}
 _PART_DIM = {"qkv_proj": 1, "gate_up_proj": 2}  # the fused dim that carries the parts' output split
 
 
@@ -94,11 +98,11 @@ def splitter(name: str, part_sharding):
     return jax.jit(lambda fused: split_projections(name, fused), out_shardings=out)
 
 
-def _join_in_place(module, name: str, num_kv_heads: int, head_dim: int, axes: tuple) -> None:
+def _join_in_place(module, name: str, num_kv_heads: int, head_dim: int) -> None:
     """Replace ``module``'s ``FUSED[name]`` Linears by one weight ``name`` on the same devices."""
     parts = [getattr(module, p).weight.get_value() for p in FUSED[name]]
     fused = joiner(name, num_kv_heads, head_dim, fused_sharding(name, getattr(parts[0], "sharding", None)))(*parts)
-    setattr(module, name, nnx.Param(fused, logical_axes=axes))
+    setattr(module, name, nnx.Param(fused, logical_axes=AXES[name]))
     for p in FUSED[name]:
         setattr(module, p, nnx.data(None))
 
@@ -127,10 +131,10 @@ class Attention(nnx.Module):
         # head's D query channels, then its D gate channels)
         gated = 2 if cfg.attn_output_gate else 1
         self.q_proj = Linear(h, cfg.num_heads * d * gated, bias=cfg.qkv_bias, dtype=dtype,
-                             axes=("embed", "q_heads"))
+                             axes=AXES["q_proj"])
         # weight dt[C, K * D] each
-        self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, axes=("embed", "kv_heads"))
-        self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, axes=("embed", "kv_heads"))
+        self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, axes=AXES["k_proj"])
+        self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, axes=AXES["v_proj"])
         # weight dt[H * D, C]
         self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_bias, dtype=dtype, axes=("q_heads", "embed"))
         self.q_norm = RMSNorm(d, cfg, dtype, ("head_dim",)) if cfg.qk_norm else None  # dt[D]
@@ -156,8 +160,7 @@ class Attention(nnx.Module):
     def fuse_qkv(self) -> None:
         """Replace the Q, K and V Linears by one dt[C, K, G + 2, D] weight, sharded as they were (``can_fuse_qkv``
         must hold); one product then reads all three."""
-        _join_in_place(self, "qkv_proj", self.cfg.num_kv_heads, self.cfg.head_dim,
-                       ("embed", "kv_heads", None, "head_dim"))
+        _join_in_place(self, "qkv_proj", self.cfg.num_kv_heads, self.cfg.head_dim)
 
     def __call__(self, x, rope_table, k_pages, v_pages, md: AttentionMetadata, backend: AttentionBackend,
                  layout: StepLayout | None = None, lora=None):
@@ -201,8 +204,8 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, intermediate_size: int | None = None):
         h, m, b = cfg.hidden_size, intermediate_size or cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = Linear(h, m, bias=b, dtype=dtype, axes=("embed", "mlp"))  # weight dt[C, I]
-        self.up_proj = Linear(h, m, bias=b, dtype=dtype, axes=("embed", "mlp"))  # weight dt[C, I]
+        self.gate_proj = Linear(h, m, bias=b, dtype=dtype, axes=AXES["gate_proj"])  # weight dt[C, I]
+        self.up_proj = Linear(h, m, bias=b, dtype=dtype, axes=AXES["up_proj"])  # weight dt[C, I]
         self.down_proj = Linear(m, h, bias=b, dtype=dtype, axes=("mlp", "embed"))  # weight dt[I, C]
         # dt[C, 2, I]: the gate and up weights as one (``fuse_gate_up``), in place of the two Linears; each row of C
         # holds its gate then its up columns, so the product is one matrix [C, 2I] and a shard of I keeps both.
@@ -218,7 +221,7 @@ class MLP(nnx.Module):
         """Replace the gate and up Linears by one dt[C, 2, I] weight on the same devices (sharded over I as they
         were); ``can_fuse`` must hold. One product reads both: on an H200 the seven products of a Llama-8B layer
         took 172 us fused (Q/K/V and gate/up) against 235 us at one row (docs/benchmarks.md)."""
-        _join_in_place(self, "gate_up_proj", 0, 0, ("embed", None, "mlp"))
+        _join_in_place(self, "gate_up_proj", 0, 0)
 
     def __call__(self, x, layout: StepLayout | None = None, lora=None):  # dt[R * T, C] -> dt[R * T, C]
         if self.gate_up_proj is not None:  # adapters are served on unfused weights only
