@@ -92,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         (Path(tmp) / "config.json").write_text(json.dumps(hf))
         engine = Engine(EngineConfig(
             model=tmp, load_format="dummy", dtype="bfloat16", page_size=page, num_pages=args.batch * per_seq + 8,
-            max_num_seqs=args.batch, max_num_batched_tokens=max(args.batch, 16), max_model_len=args.context + 8,
+            # At least 2 slots, as a serving engine has: a GPU decodes one sequence in its two-row bucket
+            # (shapes.decode_floor), which an engine of one slot caps at one row.
+            max_num_seqs=max(args.batch, 2), max_num_batched_tokens=max(args.batch, 16),
+            max_model_len=args.context + 8,
             warmup=False, compilation_cache_dir=None, enable_prefix_caching=False,
             attention_backend=args.attention_backend, fuse_projections=args.fuse_projections))
     executor = engine.executor
@@ -110,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = min(steps(args.steps) for _ in range(3))
     result = {"device": jax.devices()[0].device_kind, "backend": runner.backend.name,
               "fused_projections": executor.fused_projections, "batch": args.batch,
+              "rows": batch.shape_fields()[1],  # the decode bucket the batch ran in
               "context": args.context, "xla_flags": os.environ.get("XLA_FLAGS", ""), "step_ms": wall * 1e3,
               "tok_s": args.batch / wall}
     if args.trace:

@@ -41,7 +41,7 @@ from jaxserve.executor.penalty_state import PenaltyState
 from jaxserve.executor.prompt_logprobs import ScoreRows, score
 from jaxserve.executor.runner import ModelRunner, StepOutput
 from jaxserve.executor.sampler import SamplingTensors, sample
-from jaxserve.executor.shapes import StepShapes, bucket
+from jaxserve.executor.shapes import StepShapes, bucket, decode_floor
 from jaxserve.executor.verify import verify
 from jaxserve.models.attention import AttentionBackend
 from jaxserve.models.checkpoint import resolve_model_path
@@ -249,7 +249,8 @@ class Executor:
         config, spec = self.config, self.spec  # a verified sequence alone: 1 + k rows, a bucket of its own
         self.shapes = StepShapes(config.max_num_seqs, config.max_num_batched_tokens,
                                  self.scheduler_config.pages_per_seq,
-                                 16 if spec is None else min(16, bucket(1 + spec.num_speculative_tokens, 4, 16)))
+                                 16 if spec is None else min(16, bucket(1 + spec.num_speculative_tokens, 4, 16)),
+                                 decode_floor(jax.default_backend()))
         # Speculation: a verified sequence needs a logits row per draft too (jaxserve/spec_decode/rows.py).
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self._sample_rows = config.max_num_seqs * self.num_replicas  # the sampler's slots: one per running sequence

@@ -25,6 +25,16 @@ def ladder(bucket_of, start: int) -> list[int]:
     return sizes
 
 
+def decode_floor(platform: str) -> int:
+    """The smallest decode bucket on ``platform``: 2 rows on a GPU, 1 elsewhere.
+
+    At one row XLA's GPU compiler sees every row reduction as a reduction to a scalar: each RMSNorm becomes two
+    kernels (the sum of squares, then the scaling) where at two rows it is one normalization fusion, and each
+    product whose output it pads to two rows anyway gets a padding kernel before it. A second row costs the
+    weight-bound products nothing (docs/benchmarks.md, "batch-1 decode in a two-row bucket")."""
+    return 2 if platform in ("gpu", "cuda") else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class StepShapes:
     """Bucket ladders of one engine: prefill steps by token count, decode steps by slot count; one page-table
@@ -34,12 +44,13 @@ class StepShapes:
     max_num_batched_tokens: int
     pages_per_seq: int  # page-table width that holds a max_model_len sequence
     min_token_bucket: int = 16  # speculation lowers it: a lone verified sequence runs 1 + k rows, not 16
+    min_decode_seqs: int = 1  # the smallest decode bucket (``decode_floor``)
 
     def token_bucket(self, n: int) -> int:
         return bucket(n, self.min_token_bucket, max(16, self.max_num_batched_tokens))
 
     def seq_bucket(self, n: int) -> int:
-        return bucket(n, 1, self.max_num_seqs)
+        return bucket(n, min(self.min_decode_seqs, self.max_num_seqs), self.max_num_seqs)
 
     def page_bucket(self, n: int) -> int:
         return bucket(n, 16, max(16, self.pages_per_seq))

@@ -69,7 +69,7 @@ from jaxserve.executor.kv_cache import (
 from jaxserve.executor.penalty_state import PenaltyState
 from jaxserve.executor.runner import StepOutput, jit_step, step_layouts, step_static_args
 from jaxserve.executor.sampler import SamplingTensors, sample
-from jaxserve.executor.shapes import StepShapes
+from jaxserve.executor.shapes import StepShapes, decode_floor
 from jaxserve.models.attention import AttentionBackend, latent_value_shape
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loader import abstract_model, param_shardings, quantization_plan, resolve_dtype
@@ -440,7 +440,8 @@ def resolve(req: Request) -> Target:
     except ValueError as e:
         raise AotError(str(e)) from None
     max_model_len = min(req.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    shapes = StepShapes(req.max_num_seqs, req.max_num_batched_tokens, _ceil(max_model_len, req.page_size))
+    shapes = StepShapes(req.max_num_seqs, req.max_num_batched_tokens, _ceil(max_model_len, req.page_size),
+                        min_decode_seqs=decode_floor(platform))
     return Target(cfg, dtype, devices, chip, per_chip, mesh_cfg, mesh, backend, cache_dtype, max_model_len, shapes,
                   platform, gpu[0].memory_bytes * gpu_memory_fraction() if gpu else None)
 
@@ -482,7 +483,9 @@ def _probes(t: Target, req: Request) -> tuple[dict, list, int, int, int]:
     probe_pages = shapes.step_pages(True, _ceil(context + 1, req.page_size))
     prompt_tokens = shapes.token_bucket(min(prompt_len, req.max_num_batched_tokens))
     prompt_pages = shapes.step_pages(False, _ceil(prompt_len, req.page_size))
-    probes = {f"decode@{b}": ("decode", b, b, probe_pages) for b in req.decode_batches}
+    # A batch under the platform's smallest decode bucket runs in that bucket, as the engine runs it.
+    probes = {f"decode@{b}": ("decode", max(b, shapes.min_decode_seqs), max(b, shapes.min_decode_seqs), probe_pages)
+              for b in req.decode_batches}
     probes["prefill"] = ("prefill", prompt_tokens, shapes.prefill_seqs(prompt_tokens), prompt_pages)
     todo = list(dict.fromkeys((warmup_shapes(shapes) if req.buckets == "all" else []) + list(probes.values())))
     return probes, todo, context, prompt_len, prompt_tokens
