@@ -82,6 +82,34 @@ def test_tensor_parallel_steps_compile_for_two_h200s(config_only_folder):
     assert "gives no cost analysis" in text and "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in text
 
 
+@pytest.mark.parametrize("topology,mesh,qkv", [("h200", None, True), ("h200:2", "tensor=2", True),
+                                               ("h200:4", "tensor=4", False)])
+def test_gpu_steps_compile_the_fused_projections_the_engine_serves(config_only_folder, topology, mesh, qkv):
+    """On a GPU the engine joins Q/K/V and gate/up after loading (``fuse_projections="auto"``); aot compiles the
+    same weights: Q/K/V only where the query and KV heads split alike (4 query and 2 KV heads: not over 4)."""
+    _needs_cuda_plugin()
+    from flax import nnx
+
+    req = aot.Request(model=str(config_only_folder), topology=topology, mesh=mesh, max_num_seqs=4,
+                      max_num_batched_tokens=32, buckets="probes")
+    target = aot.resolve(req)
+    weights = {".".join(map(str, k)): v.get_value()
+               for k, v in nnx.to_flat_state(aot._compiler(target, req, 2, 64).params)}
+    assert ("layers.0.self_attn.qkv_proj" in weights) == qkv
+    assert ("layers.0.self_attn.q_proj.weight" in weights) == (not qkv)
+    gate_up = weights["layers.0.mlp.gate_up_proj"]
+    assert gate_up.shape == (256, 2, 512) and "layers.0.mlp.up_proj.weight" not in weights
+    if mesh == "tensor=2":  # sharded as their parts: the fused weights' output dims over tensor
+        assert tuple(gate_up.sharding.spec) == (None, None, "tensor")
+        assert tuple(weights["layers.0.self_attn.qkv_proj"].sharding.spec)[:2] == (None, "tensor")
+    # A TPU compile keeps the weights as loaded (the engine fuses on a GPU only).
+    tpu = aot.Request(model=str(config_only_folder), topology="v5e:2x2", mesh="tensor=2", max_num_seqs=4,
+                      max_num_batched_tokens=32, buckets="probes")
+    tpu_weights = {".".join(map(str, k)) for k, _ in nnx.to_flat_state(aot._compiler(aot.resolve(tpu), tpu, 2,
+                                                                                        64).params)}
+    assert "layers.0.self_attn.q_proj.weight" in tpu_weights and "layers.0.mlp.gate_proj.weight" in tpu_weights
+
+
 @pytest.mark.parametrize("topology,message", [
     ("h100:x", "the GPU count after ':' must be a positive integer"),
     ("h100:0", "the GPU count after ':' must be a positive integer"),

@@ -101,7 +101,13 @@ def splitter(name: str, part_sharding):
 def _join_in_place(module, name: str, num_kv_heads: int, head_dim: int) -> None:
     """Replace ``module``'s ``FUSED[name]`` Linears by one weight ``name`` on the same devices."""
     parts = [getattr(module, p).weight.get_value() for p in FUSED[name]]
-    fused = joiner(name, num_kv_heads, head_dim, fused_sharding(name, getattr(parts[0], "sharding", None)))(*parts)
+    sharding = fused_sharding(name, getattr(parts[0], "sharding", None))
+    join = joiner(name, num_kv_heads, head_dim, sharding)
+    if isinstance(parts[0], jax.ShapeDtypeStruct):  # abstract weights (jaxserve.aot): the fused weight's shape
+        out = jax.eval_shape(join, *parts)
+        fused = jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=sharding)
+    else:
+        fused = join(*parts)
     setattr(module, name, nnx.Param(fused, logical_axes=AXES[name]))
     for p in FUSED[name]:
         setattr(module, p, nnx.data(None))

@@ -72,6 +72,7 @@ from jaxserve.executor.sampler import SamplingTensors, sample
 from jaxserve.executor.shapes import StepShapes, decode_floor
 from jaxserve.models.attention import AttentionBackend, latent_value_shape
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.decoder import fuse_projections as decoder_fuse_projections
 from jaxserve.models.loader import abstract_model, param_shardings, quantization_plan, resolve_dtype
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from jaxserve.scheduler.window_pool import global_pool_budget
@@ -225,9 +226,11 @@ class StepCompiler:
 
     def __init__(self, cfg: ModelConfig, dtype, mesh, *, page_size: int, num_pages: int, max_num_seqs: int,
                  backend: AttentionBackend, quantization: str | None = None, quantize_lm_head: bool = False,
-                 cache_dtype=None, platform: str = "tpu", local_pages: int = 0):
+                 cache_dtype=None, platform: str = "tpu", local_pages: int = 0, fuse_projections: bool = False):
         """``local_pages``: pages per replica of the windowed layers' own pool (a model interleaving windowed and
-        global layers, as the engine gives it: ``kv_cache.local_pool_pages``); 0: one pool."""
+        global layers, as the engine gives it: ``kv_cache.local_pool_pages``); 0: one pool. ``fuse_projections``:
+        Q/K/V and gate/up joined as the engine joins them on a GPU (``decoder.fuse_projections``), where the
+        weights' shardings allow."""
         self.cfg, self.dtype, self.mesh, self.backend, self.platform = cfg, dtype, mesh, backend, platform
         self.num_replicas = int(mesh.shape["data"])
         self.cache_dtype = cache_dtype or backend.cache_dtype(dtype, platform)
@@ -243,6 +246,10 @@ class StepCompiler:
         for path, var in flat.items():
             var.set_value(jax.ShapeDtypeStruct(var.get_value().shape, var.get_value().dtype, sharding=shardings[path]))
         self.params = nnx.from_flat_state(flat)
+        if fuse_projections:
+            model = nnx.merge(self.graphdef, self.params)
+            decoder_fuse_projections(model)
+            self.graphdef, self.params = nnx.split(model)
         pools = {}  # local (the windowed pool) -> ((K pool, V pool), their shardings)
         for local in (False, True):
             shape, sharding = cache_sharding(cfg, self.cache, mesh, self.cache.num_local_pages if local else None)
@@ -498,7 +505,7 @@ def _compiler(t: Target, req: Request, layers: int, num_pages: int) -> StepCompi
     return StepCompiler(cfg, t.dtype, t.mesh, page_size=req.page_size, num_pages=num_pages,
                         max_num_seqs=req.max_num_seqs, backend=t.backend, quantization=req.quantization,
                         quantize_lm_head=req.quantize_lm_head, cache_dtype=t.cache_dtype, platform=t.platform,
-                        local_pages=local)
+                        local_pages=local, fuse_projections=t.platform == "gpu")  # the engine's "auto"
 
 
 def layer_period(windows: tuple) -> int:
