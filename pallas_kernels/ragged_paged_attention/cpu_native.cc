@@ -86,7 +86,8 @@ inline float to_float(E5M2 x) { return fp8_to_float<5>(x.bits); }
 
 // Per-call working memory of one row's group of query heads.
 struct Scratch {
-  std::vector<float> scores, acc, peak, total;  // [group, page_size], [group, head_dim], [group], [group]
+  // [heads, page_size], [heads, head_dim], then [heads] each: per query head of the row
+  std::vector<float> scores, acc, peak, total, block_peak, rescale;
 };
 
 // exp(x) for x <= 0 (a score less the running peak) to within a few ulp: Cody-Waite range reduction and Cephes'
@@ -137,71 +138,89 @@ inline void prefetch_page(const Shape& s, const T* k_pages, const T* v_pages, co
   prefetch(v_pages + base, keys * s.head_dim);
 }
 
-// One row's group of query heads over one KV head's keys [first, last]; writes the normalised output and the
-// log-sum-exp of the scores (-inf, with a zero output, when nothing is visible).
+// One row's query heads over the keys [first, last] of KV heads [head0, head0 + n_heads), all heads at once; writes
+// the normalised outputs and the log-sum-exp of the scores (-inf, with a zero output, when nothing is visible).
+// Keys are the outer loop and heads the inner one, so the reads of one key's K (or V) rows in every head's pages are
+// independent of each other and in flight together: one walk at a time left the core waiting on each page's
+// reads (docs/benchmarks.md, two threads ran 1.7x faster). Each query head's arithmetic is as in one walk.
 // kHeadDim: head_dim as a constant (the loops over it unroll), or 0 for any head_dim.
 // k_scales/v_scales: the pages' per-token scales ([kv_heads, num_pages, page_size]), or null for unscaled pages.
 template <typename T, int kHeadDim>
-ffi::Error attend_group(const Shape& s, const float* q, const T* k_pages, const T* v_pages, const float* k_scales,
-                        const float* v_scales, const int32_t* table, int64_t head, int64_t first, int64_t last,
-                        float sm_scale, float soft_cap, Scratch& scratch, float* out, float* lse) {
-  const int64_t g_count = s.group(), d_count = kHeadDim ? kHeadDim : s.head_dim, page_size = s.page_size;
+ffi::Error attend_heads(const Shape& s, const float* q, const T* k_pages, const T* v_pages, const float* k_scales,
+                        const float* v_scales, const int32_t* table, int64_t head0, int64_t n_heads, int64_t first,
+                        int64_t last, float sm_scale, float soft_cap, Scratch& scratch, float* out, float* lse) {
+  const int64_t g_count = s.group(), n = n_heads * g_count, d_count = kHeadDim ? kHeadDim : s.head_dim;
+  const int64_t page_size = s.page_size, head_stride = s.num_pages * page_size * d_count;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   float *scores = scratch.scores.data(), *acc = scratch.acc.data();
   float *peak = scratch.peak.data(), *total = scratch.total.data();
-  for (int64_t g = 0; g < g_count; ++g) peak[g] = neg_inf, total[g] = 0.0f;
-  std::fill(acc, acc + g_count * d_count, 0.0f);
+  float *block_peak = scratch.block_peak.data(), *rescale = scratch.rescale.data();
+  for (int64_t i = 0; i < n; ++i) peak[i] = neg_inf, total[i] = 0.0f;
+  std::fill(acc, acc + n * d_count, 0.0f);
   // No page is visited without a visible key (an empty one would rescale by exp(-inf - -inf) = NaN).
   for (int64_t start = first - first % page_size; first <= last && start <= last; start += page_size) {
     const int32_t page = table[start / page_size];
     if (page < 0 || page >= s.num_pages) return ffi::Error::InvalidArgument("page index out of range");
     const int64_t lo = std::max<int64_t>(first, start) - start;
     const int64_t hi = std::min<int64_t>(last, start + page_size - 1) - start + 1;  // keys [lo, hi) of the page
-    const int64_t base = (head * s.num_pages + page) * page_size * d_count;
-    const T* k = k_pages + base;
-    const T* v = v_pages + base;
-    const float* ks = k_scales ? k_scales + base / d_count : nullptr;  // the page's scales, one per key
-    const float* vs = v_scales ? v_scales + base / d_count : nullptr;
-    prefetch_page(s, k_pages, v_pages, table, head, start + page_size, last);  // loads while this one computes
-    for (int64_t g = 0; g < g_count; ++g) {
-      const float* qg = q + g * d_count;
-      float* sg = scores + g * page_size;
-      float block_peak = neg_inf;
-      for (int64_t j = lo; j < hi; ++j) {
-        const T* kj = k + j * d_count;
-        float dot = 0.0f;
+    const int64_t base0 = (head0 * s.num_pages + page) * page_size * d_count;  // head h's page: + h * head_stride
+    for (int64_t h = 0; h < n_heads; ++h) {  // loads while this one computes
+      prefetch_page(s, k_pages, v_pages, table, head0 + h, start + page_size, last);
+    }
+    for (int64_t i = 0; i < n; ++i) block_peak[i] = neg_inf;
+    for (int64_t j = lo; j < hi; ++j) {
+      for (int64_t h = 0; h < n_heads; ++h) {
+        const int64_t base = base0 + h * head_stride;
+        const T* kj = k_pages + base + j * d_count;
+        const float key_scale = k_scales ? sm_scale * k_scales[base / d_count + j] : sm_scale;
+        for (int64_t g = 0; g < g_count; ++g) {
+          const int64_t i = h * g_count + g;
+          const float* qi = q + i * d_count;
+          float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < d_count; ++d) dot += qg[d] * to_float(kj[d]);
-        dot *= ks ? sm_scale * ks[j] : sm_scale;
-        if (soft_cap > 0.0f) dot = soft_cap * std::tanh(dot / soft_cap);
-        sg[j] = dot;
-        block_peak = std::max(block_peak, dot);
+          for (int64_t d = 0; d < d_count; ++d) dot += qi[d] * to_float(kj[d]);
+          dot *= key_scale;
+          if (soft_cap > 0.0f) dot = soft_cap * std::tanh(dot / soft_cap);
+          scores[i * page_size + j] = dot;
+          block_peak[i] = std::max(block_peak[i], dot);
+        }
       }
-      const float new_peak = std::max(peak[g], block_peak);
-      const float rescale = std::exp(peak[g] - new_peak);  // exp(-inf) = 0 before the first key
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      float* si = scores + i * page_size;
+      const float new_peak = std::max(peak[i], block_peak[i]);
+      rescale[i] = std::exp(peak[i] - new_peak);  // exp(-inf) = 0 before the first key
       float block_total = 0.0f;
 #pragma omp simd reduction(+ : block_total)
       for (int64_t j = lo; j < hi; ++j) {
-        sg[j] = exp_nonpositive(sg[j] - new_peak);
-        block_total += sg[j];
+        si[j] = exp_nonpositive(si[j] - new_peak);
+        block_total += si[j];
       }
-      float* ag = acc + g * d_count;
+      float* ai = acc + i * d_count;
 #pragma omp simd
-      for (int64_t d = 0; d < d_count; ++d) ag[d] *= rescale;
-      for (int64_t j = lo; j < hi; ++j) {
-        const T* vj = v + j * d_count;
-        const float w = vs ? sg[j] * vs[j] : sg[j];
+      for (int64_t d = 0; d < d_count; ++d) ai[d] *= rescale[i];
+      total[i] = total[i] * rescale[i] + block_total;
+      peak[i] = new_peak;
+    }
+    for (int64_t j = lo; j < hi; ++j) {
+      for (int64_t h = 0; h < n_heads; ++h) {
+        const int64_t base = base0 + h * head_stride;
+        const T* vj = v_pages + base + j * d_count;
+        const float value_scale = v_scales ? v_scales[base / d_count + j] : 1.0f;
+        for (int64_t g = 0; g < g_count; ++g) {
+          const int64_t i = h * g_count + g;
+          const float w = v_scales ? scores[i * page_size + j] * value_scale : scores[i * page_size + j];
+          float* ai = acc + i * d_count;
 #pragma omp simd
-        for (int64_t d = 0; d < d_count; ++d) ag[d] += w * to_float(vj[d]);
+          for (int64_t d = 0; d < d_count; ++d) ai[d] += w * to_float(vj[d]);
+        }
       }
-      total[g] = total[g] * rescale + block_total;
-      peak[g] = new_peak;
     }
   }
-  for (int64_t g = 0; g < g_count; ++g) {
-    const float inv = total[g] > 0.0f ? 1.0f / total[g] : 0.0f;
-    for (int64_t d = 0; d < d_count; ++d) out[g * d_count + d] = acc[g * d_count + d] * inv;
-    lse[g] = total[g] > 0.0f ? peak[g] + std::log(total[g]) : neg_inf;
+  for (int64_t i = 0; i < n; ++i) {
+    const float inv = total[i] > 0.0f ? 1.0f / total[i] : 0.0f;
+    for (int64_t d = 0; d < d_count; ++d) out[i * d_count + d] = acc[i * d_count + d] * inv;
+    lse[i] = total[i] > 0.0f ? peak[i] + std::log(total[i]) : neg_inf;
   }
   return ffi::Error::Success();
 }
@@ -235,29 +254,27 @@ ffi::Error attend_rows(const Call& c, int64_t r0, int64_t r1) {
   const Shape& s = c.s;
   const T* k_pages = static_cast<const T*>(c.k_pages);
   const T* v_pages = static_cast<const T*>(c.v_pages);
-  const int64_t g_count = s.group(), d_count = s.head_dim;
-  Scratch scratch{std::vector<float>(g_count * s.page_size), std::vector<float>(g_count * d_count),
-                  std::vector<float>(g_count), std::vector<float>(g_count)};
+  const int64_t n = s.q_heads, d_count = s.head_dim;
+  Scratch scratch{std::vector<float>(n * s.page_size), std::vector<float>(n * d_count), std::vector<float>(n),
+                  std::vector<float>(n), std::vector<float>(n), std::vector<float>(n)};
   for (int64_t r = r0; r < r1; ++r) {
     const RowKeys row = row_keys(s, c.row_seq, c.first, c.last, r);
     if (row.seq < 0 || row.seq >= s.slots) return ffi::Error::InvalidArgument("row sequence slot out of range");
     const int32_t* table = c.tables + row.seq * s.table_width;
-    for (int64_t h = 0; h < s.kv_heads; ++h) {
-      // The next walk's first page (this row's next head, else the next row's first) loads during this one.
-      if (h + 1 < s.kv_heads) {
-        prefetch_page(s, k_pages, v_pages, table, h + 1, row.lo, row.hi);
-      } else if (r + 1 < r1) {
-        const RowKeys next = row_keys(s, c.row_seq, c.first, c.last, r + 1);
-        if (next.seq >= 0 && next.seq < s.slots) {
-          prefetch_page(s, k_pages, v_pages, c.tables + next.seq * s.table_width, 0, next.lo, next.hi);
+    // The next row's first pages load during this row's walk.
+    if (r + 1 < r1) {
+      const RowKeys next = row_keys(s, c.row_seq, c.first, c.last, r + 1);
+      if (next.seq >= 0 && next.seq < s.slots) {
+        for (int64_t h = 0; h < s.kv_heads; ++h) {
+          prefetch_page(s, k_pages, v_pages, c.tables + next.seq * s.table_width, h, next.lo, next.hi);
         }
       }
-      const int64_t at = r * s.q_heads + h * g_count;
-      ffi::Error error = attend_group<T, kHeadDim>(s, c.q + at * d_count, k_pages, v_pages, c.k_scales,
-                                                   c.v_scales, table, h, row.lo, row.hi, c.sm_scale, c.soft_cap,
-                                                   scratch, c.out + at * d_count, c.lse + at);
-      if (error.failure()) return error;
     }
+    const int64_t at = r * s.q_heads;
+    ffi::Error error = attend_heads<T, kHeadDim>(s, c.q + at * d_count, k_pages, v_pages, c.k_scales, c.v_scales,
+                                                 table, 0, s.kv_heads, row.lo, row.hi, c.sm_scale, c.soft_cap,
+                                                 scratch, c.out + at * d_count, c.lse + at);
+    if (error.failure()) return error;
   }
   return ffi::Error::Success();
 }
