@@ -103,11 +103,8 @@ def _join_in_place(module, name: str, num_kv_heads: int, head_dim: int) -> None:
     parts = [getattr(module, p).weight.get_value() for p in FUSED[name]]
     sharding = fused_sharding(name, getattr(parts[0], "sharding", None))
     join = joiner(name, num_kv_heads, head_dim, sharding)
-    if isinstance(parts[0], jax.ShapeDtypeStruct):  # abstract weights (jaxserve.aot): the fused weight's shape
-        out = jax.eval_shape(join, *parts)
-        fused = jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=sharding)
-    else:
-        fused = join(*parts)
+    # Abstract weights (jaxserve.aot): the fused weight's shape, dtype and sharding alone.
+    fused = jax.eval_shape(join, *parts) if isinstance(parts[0], jax.ShapeDtypeStruct) else join(*parts)
     setattr(module, name, nnx.Param(fused, logical_axes=AXES[name]))
     for p in FUSED[name]:
         setattr(module, p, nnx.data(None))

@@ -84,9 +84,8 @@ inline float fp8_to_float(uint8_t b) {
 inline float to_float(E4M3 x) { return fp8_to_float<4>(x.bits); }
 inline float to_float(E5M2 x) { return fp8_to_float<5>(x.bits); }
 
-// Per-call working memory of one row's group of query heads.
+// Per-call working memory of one row's query heads: [heads, page_size], [heads, head_dim], then [heads] each.
 struct Scratch {
-  // [heads, page_size], [heads, head_dim], then [heads] each: per query head of the row
   std::vector<float> scores, acc, peak, total, block_peak, rescale;
 };
 
@@ -138,8 +137,8 @@ inline void prefetch_page(const Shape& s, const T* k_pages, const T* v_pages, co
   prefetch(v_pages + base, keys * s.head_dim);
 }
 
-// One row's query heads over the keys [first, last] of KV heads [head0, head0 + n_heads), all heads at once; writes
-// the normalised outputs and the log-sum-exp of the scores (-inf, with a zero output, when nothing is visible).
+// One row's query heads over the keys [first, last] of every KV head, all heads at once; writes the normalised
+// outputs and the log-sum-exp of the scores (-inf, with a zero output, when nothing is visible).
 // Keys are the outer loop and heads the inner one, so the reads of one key's K (or V) rows in every head's pages are
 // independent of each other and in flight together: one walk at a time left the core waiting on each page's
 // reads (docs/benchmarks.md, two threads ran 1.7x faster). Each query head's arithmetic is as in one walk.
@@ -147,9 +146,10 @@ inline void prefetch_page(const Shape& s, const T* k_pages, const T* v_pages, co
 // k_scales/v_scales: the pages' per-token scales ([kv_heads, num_pages, page_size]), or null for unscaled pages.
 template <typename T, int kHeadDim>
 ffi::Error attend_heads(const Shape& s, const float* q, const T* k_pages, const T* v_pages, const float* k_scales,
-                        const float* v_scales, const int32_t* table, int64_t head0, int64_t n_heads, int64_t first,
-                        int64_t last, float sm_scale, float soft_cap, Scratch& scratch, float* out, float* lse) {
-  const int64_t g_count = s.group(), n = n_heads * g_count, d_count = kHeadDim ? kHeadDim : s.head_dim;
+                        const float* v_scales, const int32_t* table, int64_t first, int64_t last, float sm_scale,
+                        float soft_cap, Scratch& scratch, float* out, float* lse) {
+  const int64_t n_heads = s.kv_heads, g_count = s.group(), n = s.q_heads;
+  const int64_t d_count = kHeadDim ? kHeadDim : s.head_dim;
   const int64_t page_size = s.page_size, head_stride = s.num_pages * page_size * d_count;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   float *scores = scratch.scores.data(), *acc = scratch.acc.data();
@@ -163,9 +163,9 @@ ffi::Error attend_heads(const Shape& s, const float* q, const T* k_pages, const 
     if (page < 0 || page >= s.num_pages) return ffi::Error::InvalidArgument("page index out of range");
     const int64_t lo = std::max<int64_t>(first, start) - start;
     const int64_t hi = std::min<int64_t>(last, start + page_size - 1) - start + 1;  // keys [lo, hi) of the page
-    const int64_t base0 = (head0 * s.num_pages + page) * page_size * d_count;  // head h's page: + h * head_stride
+    const int64_t base0 = page * page_size * d_count;  // head h's page: + h * head_stride
     for (int64_t h = 0; h < n_heads; ++h) {  // loads while this one computes
-      prefetch_page(s, k_pages, v_pages, table, head0 + h, start + page_size, last);
+      prefetch_page(s, k_pages, v_pages, table, h, start + page_size, last);
     }
     for (int64_t i = 0; i < n; ++i) block_peak[i] = neg_inf;
     for (int64_t j = lo; j < hi; ++j) {
@@ -272,8 +272,8 @@ ffi::Error attend_rows(const Call& c, int64_t r0, int64_t r1) {
     }
     const int64_t at = r * s.q_heads;
     ffi::Error error = attend_heads<T, kHeadDim>(s, c.q + at * d_count, k_pages, v_pages, c.k_scales, c.v_scales,
-                                                 table, 0, s.kv_heads, row.lo, row.hi, c.sm_scale, c.soft_cap,
-                                                 scratch, c.out + at * d_count, c.lse + at);
+                                                 table, row.lo, row.hi, c.sm_scale, c.soft_cap, scratch,
+                                                 c.out + at * d_count, c.lse + at);
     if (error.failure()) return error;
   }
   return ffi::Error::Success();
