@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache
 
 from jaxserve.config.engine import EngineConfig
 from jaxserve.executor import compile_progress, platforms
@@ -62,13 +63,21 @@ logger = logging.getLogger(__name__)
 
 
 def _use_compilation_cache(config: EngineConfig) -> None:
-    """JAX's compilation cache is process-wide: each engine sets it to its own option, on or off."""
-    jax.config.update("jax_enable_compilation_cache", bool(config.compilation_cache_dir))
-    if config.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+    """JAX's compilation cache is process-wide: each engine sets it to its own option, on or off.
+
+    JAX decides once per process whether the cache is used, and opens its directory once: the first compilation
+    fixes both, and later changes of the options alone are ignored. An engine whose option differs from what the
+    process has therefore resets JAX's cache too, so its compilations go where its option says."""
+    enabled, path = bool(config.compilation_cache_dir), config.compilation_cache_dir
+    current = (jax.config.jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir)
+    jax.config.update("jax_enable_compilation_cache", enabled)
+    if enabled:
+        jax.config.update("jax_compilation_cache_dir", path)
         # Every program, however quick to compile: one left out (jax's default skips those under a second) is
         # compiled again at every start, and a warm start should compile nothing.
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    if current != (enabled, path if enabled else current[1]):
+        compilation_cache.reset_cache()
 
 
 class Executor:
