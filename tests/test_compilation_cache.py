@@ -6,6 +6,9 @@ there, and started cold every time)."""
 
 import inspect
 import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -45,3 +48,22 @@ def test_each_engine_s_cache_option_holds_after_another_engine_s(tmp_path):
         assert _programs(first) == 1
     finally:
         executor._use_compilation_cache(EngineConfig(compilation_cache_dir=None))  # the run's own setting again
+
+
+def test_the_first_engine_of_a_process_leaves_jax_s_cache_as_is(tmp_path):
+    """JAX's untouched defaults have opened nothing: the first engine sets its option without a reset (whose log
+    line, "Resetting cache at <empty>", would only puzzle a server's reader)."""
+    code = textwrap.dedent(f"""
+        import logging
+        logging.basicConfig(level=logging.INFO)
+        import jax, jax.numpy as jnp
+        from jaxserve.config.engine import EngineConfig
+        from jaxserve.executor.executor import _use_compilation_cache
+        _use_compilation_cache(EngineConfig(compilation_cache_dir={str(tmp_path)!r}))
+        jax.jit(lambda v: v + 1)(jnp.ones(3)).block_until_ready()
+    """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Resetting cache" not in done.stderr
+    assert _programs(tmp_path) >= 1  # the engine's directory is used
