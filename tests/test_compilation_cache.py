@@ -4,7 +4,6 @@ JAX decides once per process whether its persistent cache is used, and opens the
 the first engine's choice held for every later one (an engine given a directory after one without wrote nothing
 there, and started cold every time)."""
 
-import inspect
 import os
 import subprocess
 import sys
@@ -16,8 +15,7 @@ import jax.numpy as jnp
 from jaxserve.config.engine import EngineConfig
 from jaxserve.executor import executor
 
-# The engine's own function, not the suite's wrapper of it (conftest.py), which swaps "off" for the run's cache.
-use_compilation_cache = inspect.unwrap(executor._use_compilation_cache)
+use_compilation_cache = executor._use_compilation_cache
 
 
 def _programs(path) -> int:
@@ -47,7 +45,7 @@ def test_each_engine_s_cache_option_holds_after_another_engine_s(tmp_path):
         jax.jit(lambda v: v * 2.5)(x).block_until_ready()  # a new function object: jax's in-memory cache misses
         assert _programs(first) == 1
     finally:
-        executor._use_compilation_cache(EngineConfig(compilation_cache_dir=None))  # the run's own setting again
+        use_compilation_cache(EngineConfig(compilation_cache_dir=None))  # off again, as the tests' engines have it
 
 
 def test_the_first_engine_of_a_process_leaves_jax_s_cache_as_is(tmp_path):
