@@ -13,9 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config.engine import EngineConfig
-from jaxserve.executor import executor
-
-use_compilation_cache = executor._use_compilation_cache
+from jaxserve.executor.executor import _use_compilation_cache as use_compilation_cache
 
 
 def _programs(path) -> int:

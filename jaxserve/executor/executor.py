@@ -69,15 +69,15 @@ def _use_compilation_cache(config: EngineConfig) -> None:
     fixes both, and later changes of the options alone are ignored. An engine whose option differs from one set
     before it (by an earlier engine, or the caller) therefore resets JAX's cache too, so its compilations go where
     its option says. JAX's untouched defaults (on, no directory) have opened nothing and need no reset."""
-    enabled, path = bool(config.compilation_cache_dir), config.compilation_cache_dir
     before = (jax.config.jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir)
-    jax.config.update("jax_enable_compilation_cache", enabled)
-    if enabled:
-        jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_enable_compilation_cache", bool(config.compilation_cache_dir))
+    if config.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
         # Every program, however quick to compile: one left out (jax's default skips those under a second) is
         # compiled again at every start, and a warm start should compile nothing.
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    if before != (True, None) and before != (enabled, path if enabled else before[1]):
+    after = (jax.config.jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir)
+    if before not in ((True, None), after):
         compilation_cache.reset_cache()
 
 
