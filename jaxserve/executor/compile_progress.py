@@ -1,8 +1,8 @@
 """What the warm-up compile is doing, while it does it: progress over the shapes to compile (a tqdm bar on a
 terminal, else a log line every few seconds with an estimate of the time left), then one summary line with the
 time taken, how many programs XLA compiled (none on a warm start), whether the persistent compilation cache was
-used (hits and misses) and, when the executor sets ``stored``, how many step executables the executable store
-loaded or had to compile.
+used (hits and misses) and, when the executor sets ``stored``, how many executables (the steps', the sampler's)
+the executable store loaded or had to compile.
 
 The warm-up loop calls ``start(total)`` once, ``tick()`` on what it returns after each compiled shape and
 ``finish()`` at the end, which returns the summary: whoever ran the warm-up keeps it (``Executor.warmup_summary``).
@@ -35,7 +35,7 @@ class Progress:
         # compilations and the cache's lookups and hits: from now on, or from when the caller started ``counter``
         # (the executor's, at its own start: the programs of loading the model count too)
         self._counter = counter if counter is not None else CompileCounter()
-        self.stored: tuple[int, int] | None = None  # (loaded, compiled) step executables of the executable store
+        self.stored: tuple[int, int] | None = None  # (loaded, compiled) executables of the executable store
         self.summary: dict | None = None  # set by ``finish``
         self._bar = None
         if sys.stderr.isatty():

@@ -39,6 +39,7 @@ from jaxserve.executor.kv_cache import (
     state_slots_for,
 )
 from jaxserve.executor.penalty_state import PenaltyState
+from jaxserve.executor.prepared import PreparedFunction
 from jaxserve.executor.prompt_logprobs import ScoreRows, score
 from jaxserve.executor.runner import ModelRunner, StepOutput
 from jaxserve.executor.sampler import SamplingTensors, sample
@@ -271,9 +272,10 @@ class Executor:
 
     def _jit_device_functions(self) -> None:
         """The sampler, the verifier, prompt-logprob scoring and the penalty rows' reset, jitted."""
-        self._sample = jax.jit(sample if not self.spec else functools.partial(_sample_first_rows, self._sample_rows))
+        self._sample = PreparedFunction("sample", jax.jit(
+            sample if not self.spec else functools.partial(_sample_first_rows, self._sample_rows)))
         self._verify = jax.jit(verify, static_argnames=("with_logprobs",))
-        self._score = jax.jit(score)
+        self._score = PreparedFunction("score", jax.jit(score))
         self._reset_rows = jax.jit(PenaltyState.reset_rows)
 
     def _make_adapter_slots(self):
@@ -782,7 +784,7 @@ class Executor:
                 batch = self._padding_batch(decode, num_tokens, num_seqs, pages)
                 out = jax.block_until_ready(self.runner.run(StepKind.DECODE if decode else StepKind.PREFILL, batch))
                 progress.tick()
-            self._warm_sampler(self.runner.local(out).logits, progress)
+            self._warm_sampler(self.runner.local(out).logits, progress, store)
         else:
             # The shapes on a thread pool, one per core (XLA's compiler and the executable loads release the GIL;
             # tracing and lowering do not); the sampler meanwhile in this thread, on logits shaped and placed as
@@ -794,7 +796,7 @@ class Executor:
                 done = [pool.submit(self._prepare_shape, shape, store) for shape in ordered]
                 logits = jax.device_put(np.zeros((self.runner.num_logit_rows, self.model_config.vocab_size),
                                                  np.float32), self.runner.sample_device)
-                self._warm_sampler(logits, progress)
+                self._warm_sampler(logits, progress, store)
                 for future in concurrent.futures.as_completed(done):
                     future.result()
                     progress.tick()
@@ -809,9 +811,11 @@ class Executor:
         kind = StepKind.DECODE if decode else StepKind.PREFILL
         return self.runner.prepare(kind, self._padding_batch(decode, num_tokens, num_seqs, pages), store)
 
-    def _warm_sampler(self, logits, progress) -> None:
-        """Compile the sampler's variants, prompt-logprob scoring and (speculation) the verifier on ``logits``, a
-        step's logits as ``runner.local`` gives them: same shape *and* placement as when serving."""
+    def _warm_sampler(self, logits, progress, store=None) -> None:
+        """Make the sampler's variants and prompt-logprob scoring ready (loaded from ``store`` when it holds them,
+        else compiled and saved there) and compile (speculation) the verifier, on ``logits``, a step's logits as
+        ``runner.local`` gives them: same shape *and* placement as when serving."""
+        devices, compiles = [self.runner.sample_device], self.runner.compiles
         # Serving passes the sampler a penalty state produced by jitted code; warm it on one as well.
         pad = np.full((1, self.max_model_len), -1, np.int32)
         self._penalties = self._reset_rows(self._penalties, np.zeros(1, np.int32), pad, pad)
@@ -821,9 +825,12 @@ class Executor:
                                             penalty_rows=[0], logprobs_mode=self.config.logprobs_mode,
                                             token_bitmask=self._all_allowed, logit_bias_width=MAX_LOGIT_BIAS)
             for penalties in (None, self._penalties):
+                self._sample.prepare((logits, tensors, penalties), devices, store, compiles)
                 jax.block_until_ready(self._sample(logits, tensors, penalties))
                 progress.tick()
-        jax.block_until_ready(self._score(logits, np.zeros(self.runner.num_logit_rows, np.int32)))
+        targets = np.zeros(self.runner.num_logit_rows, np.int32)
+        self._score.prepare((logits, targets), devices, store, compiles)
+        jax.block_until_ready(self._score(logits, targets))
         if self.spec is not None:
             k, slots = self.num_spec_tokens, self._spec_slots
             for logprobs in (None, 1):
