@@ -16,8 +16,14 @@ without tracing anything:
   windowed pool);
 - the step: its kind and shape fields (replicas, tokens, slots, pages).
 
-Anything different is a different file (a miss: the shape is compiled, through the compilation cache, and
-saved); a file that cannot be read or loaded is a miss too, never an error. Files are written atomically.
+Anything different is a different file (a miss: the shape is compiled and saved); a file that cannot be read or
+loaded is a miss too, never an error. Files are written atomically.
+
+A miss is compiled by XLA, never read from JAX's persistent compilation cache (``compile_fresh``): an executable
+read from that cache serializes without some of its XLA:CPU kernels (another process loading it fails at its
+first step, "Function ... not found"), so it could not be stored. After any change of the source that left a
+program's HLO alone (an upgrade), that cache would answer every miss, nothing would be stored, and every later
+start would trace and lower every program again.
 
 Loading an executable runs code from the file (pickle): the store lives in the engine's own compilation-cache
 directory (``<compilation_cache_dir>/executables``) and must not be shared with untrusted writers.
@@ -31,12 +37,14 @@ import logging
 import os
 import pickle
 import platform
+import secrets
 import sys
 import tempfile
 from pathlib import Path
 
 import jax
 from jax.experimental import serialize_executable
+from jax.extend.mlir import ir
 
 from pallas_kernels.ragged_paged_attention import native
 
@@ -114,6 +122,24 @@ def runner_fingerprint(runner) -> str:
         _describe_leaves(runner.kv_cache),
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def compile_fresh(lowered: "jax.stages.Lowered") -> "jax.stages.Compiled":
+    """``lowered`` compiled by XLA, not read from JAX's persistent compilation cache (see the module docstring).
+
+    The cache's key covers the program's module, name included: the module gets a name of its own (its program
+    is unchanged), so the cache cannot hold it, and the entry JAX writes for it, which nothing will ask for again,
+    is removed."""
+    module = lowered.compiler_ir("stablehlo")
+    name = f"{ir.StringAttr(module.operation.attributes['sym_name']).value}_{secrets.token_hex(8)}"
+    with module.context:
+        module.operation.attributes["sym_name"] = ir.StringAttr.get(name)
+    compiled = lowered.compile()
+    cache_dir = jax.config.jax_compilation_cache_dir
+    if cache_dir and jax.config.jax_enable_compilation_cache:
+        for path in Path(cache_dir).glob(f"{name}-*"):
+            path.unlink(missing_ok=True)
+    return compiled
 
 
 class ExecutableStore:

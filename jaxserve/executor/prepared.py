@@ -4,13 +4,14 @@ warm-up, chosen by the arguments' structure, shapes and dtypes.
 ``jax.jit`` traces and lowers a function again in every process before it can even look in the persistent
 compilation cache; for the sampler's variants that is most of a warm start's Python work. ``prepare`` instead
 loads each variant's executable from the executable store (``jaxserve.executor.executable_store``) when it
-holds it, else lowers and compiles it (through the compilation cache) and saves it there, as the runner does for
-the steps. A call whose arguments match no prepared variant goes through the jitted function, as before.
+holds it, else lowers, compiles and saves it there, as the runner does for the steps. A call whose arguments match no prepared variant goes through the jitted function, as before.
 """
 
 from __future__ import annotations
 
 import jax
+
+from jaxserve.executor.executable_store import compile_fresh
 
 
 def signature(args: tuple) -> tuple:
@@ -44,18 +45,19 @@ class PreparedFunction:
 
     def prepare(self, args: tuple, devices: list, store=None, compiles=None) -> bool:
         """Make the executable of ``args`` ready: loaded from ``store`` (an ``ExecutableStore``, or None) onto
-        ``devices`` (where it runs, in order), else lowered and compiled and, when ``compiles`` (a
-        ``CompileCounter``) shows XLA compiled it in this thread rather than reading it from the compilation
-        cache, saved there (an executable read from that cache serializes without some of its XLA:CPU kernels).
-        Returns whether it was loaded."""
+        ``devices`` (where it runs, in order), else lowered and compiled (by XLA, not read from the compilation
+        cache, when there is a store: ``compile_fresh``) and saved there, unless ``compiles`` (a
+        ``CompileCounter``) shows this thread read it from that cache after all. Returns whether it was loaded."""
         key = self.store_key(args)
         compiled = store.load(key, devices) if store is not None else None
         loaded = compiled is not None
-        if compiled is None:
-            hits = compiles.thread_cache_hits() if compiles is not None else 0
+        if compiled is None and store is None:
             compiled = self.jitted.lower(*args).compile()
+        elif compiled is None:
+            hits = compiles.thread_cache_hits() if compiles is not None else 0
+            compiled = compile_fresh(self.jitted.lower(*args))
             # saved before it ever runs: XLA:CPU's sort thunks do not serialize once they have run
-            if store is not None and compiles is not None and compiles.thread_cache_hits() == hits:
+            if compiles is None or compiles.thread_cache_hits() == hits:
                 store.save(key, compiled)
         self.executables[signature(args)] = compiled
         return loaded

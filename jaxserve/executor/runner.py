@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.executor.batch import MeshBatch, StepKind
 from jaxserve.executor.compile_counter import CompileCounter
+from jaxserve.executor.executable_store import compile_fresh
 from jaxserve.executor.kv_cache import CacheConfig, init_kv_cache
 from jaxserve.executor.sampler import argmax
 from jaxserve.models.attention import AttentionBackend, ShardedAttention
@@ -223,13 +224,14 @@ class ModelRunner:
         key = self.step_key(kind, batch)
         compiled = store.load(key, list(self.mesh.devices.flat)) if store is not None else None
         loaded = compiled is not None
-        if compiled is None:
-            hits = self.compiles.thread_cache_hits()
+        if compiled is None and store is None:
             compiled = self.lower(kind, batch).compile()
+        elif compiled is None:
+            hits = self.compiles.thread_cache_hits()
+            compiled = compile_fresh(self.lower(kind, batch))
             # Saved before it ever runs (XLA:CPU's sort thunks do not serialize once they have run), and only when
-            # XLA compiled it here: an executable read from the compilation cache serializes without some of its
-            # XLA:CPU kernels, and another process loading it fails at its first step ("Function ... not found").
-            if store is not None and self.compiles.thread_cache_hits() == hits:
+            # XLA compiled it here (``compile_fresh``: an executable read from the compilation cache cannot be).
+            if self.compiles.thread_cache_hits() == hits:
                 store.save(key, compiled)
         self.executables[key] = compiled
         return loaded
