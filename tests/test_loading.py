@@ -145,3 +145,26 @@ def test_hub_id_goes_to_snapshot_download(monkeypatch, llama):
     assert resolve_model_path(str(llama)) == llama
     with pytest.raises(ValueError, match="is not a folder"):
         resolve_model_path("./no/such/folder")
+
+
+def test_tokenizer_problems_fail_before_the_executor_is_built(tmp_path):
+    """The tokenizer loads on a thread of its own beside the executor; a folder without one, or a chat template
+    that is neither a file nor a template, still fails first, before any weight is loaded or program compiled."""
+    from jaxserve.config.engine import EngineConfig
+    from jaxserve.engine.engine import Engine
+
+    built = []
+
+    def executor_factory(*args, **kwargs):
+        built.append(args)
+        raise AssertionError("the executor was built")
+
+    folder = build_tiny_model("llama", tmp_path / "m")
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        Engine(EngineConfig(model=str(folder), chat_template="no template here"), executor_factory=executor_factory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).unlink(missing_ok=True)
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        Engine(EngineConfig(model=str(folder)), executor_factory=executor_factory)
+    assert built == []
+

@@ -9,6 +9,7 @@ start-up.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -36,6 +37,7 @@ from jaxserve.text.request_checks import RequestChecks
 from jaxserve.text.structured_output import GrammarCompiler, StructuredOutputs
 from jaxserve.text.tokenizer import (
     chat_template_ids,
+    check_tokenizer_folder,
     eos_token_ids,
     has_tokenizer,
     load_tokenizer,
@@ -91,11 +93,18 @@ class Engine:
             from jaxserve.spec_decode.draft import check_draft
 
             draft = check_draft(spec.model, cfg)
-        self.tokenizer = None if config.skip_tokenizer_init else self._load_tokenizer(folder)
+        # The tokenizer loads on a thread of its own while the executor loads the weights and warms up: most of
+        # its time is importing transformers, Python work that the executor's native work leaves room for. A
+        # folder with no tokenizer file fails here, before anything is compiled.
+        self._chat_template = (resolve_chat_template(config.chat_template) if config.chat_template is not None
+                               else None)
+        tokenizer = None if config.skip_tokenizer_init else self._start_loading_tokenizer(folder)
+        self.tokenizer = None
         self._token_texts: dict[int, str] = {}  # token id -> its text alone (the logprobs' decoded_token)
-        if config.chat_template is not None and self.tokenizer is not None:
-            self.tokenizer.chat_template = resolve_chat_template(config.chat_template)
-        self.eos_token_ids = eos_token_ids(folder, cfg, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(folder, cfg, None)
+        if not self.eos_token_ids and tokenizer is not None:  # the tokenizer's own EOS is the last resort
+            self.tokenizer = self._tokenizer_loaded(tokenizer)
+            self.eos_token_ids = eos_token_ids(folder, cfg, self.tokenizer)
         # The checkpoint's sampling defaults, for requests that set nothing (LLM.get_default_sampling_params).
         self.generation_defaults = load_generation_defaults(folder, config.generation_config)
         if executor_factory is None:
@@ -105,6 +114,8 @@ class Engine:
         # Each config.json read once: the executor (and its loader, its draft) take the configs read here.
         self.executor = executor_factory(config, model_path=str(folder), eos_token_ids=self.eos_token_ids,
                                          model_config=cfg, draft_config=draft)
+        if tokenizer is not None and self.tokenizer is None:
+            self.tokenizer = self._tokenizer_loaded(tokenizer)
         self.model_path = model_path
         self.model_config = self.executor.model_config
         self.max_model_len = self.executor.max_model_len
@@ -138,6 +149,24 @@ class Engine:
         # ``publish_kv_events``, once a subclass has built its stages)
         self.kv_events = make_publisher(config.kv_events_config)
         self._kv_event_pools: list | None = None
+
+    def _start_loading_tokenizer(self, folder) -> concurrent.futures.Future:
+        """``_load_tokenizer(folder)`` started on a thread of its own; a folder without a tokenizer raises now."""
+        config = self.config
+        if config.tokenizer is not None or config.load_format != "dummy":
+            check_tokenizer_folder(config.tokenizer or folder)
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenizer")
+        try:
+            return pool.submit(self._load_tokenizer, folder)
+        finally:
+            pool.shutdown(wait=False)
+
+    def _tokenizer_loaded(self, pending: concurrent.futures.Future):
+        """The tokenizer ``_start_loading_tokenizer`` loads, with ``--chat-template`` applied."""
+        tokenizer = pending.result()
+        if self._chat_template is not None:
+            tokenizer.chat_template = self._chat_template
+        return tokenizer
 
     def _load_tokenizer(self, folder):
         """The tokenizer of ``config.tokenizer`` or the model folder. Random weights (``load_format="dummy"``) from

@@ -23,13 +23,18 @@ def has_tokenizer(folder: Path) -> bool:
     return any((Path(folder) / name).exists() for name in _TOKENIZER_FILES)
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """The tokenizer of a local folder or hub id; a local folder with no tokenizer file is a ValueError that
-    names the folder and the ways out (never a loader's traceback)."""
+def check_tokenizer_folder(path: str | Path) -> None:
+    """A local folder with no tokenizer file is a ValueError that names the folder and the ways out (never a
+    loader's traceback)."""
     folder = Path(path)
     if folder.is_dir() and not has_tokenizer(folder):
         raise ValueError(f"{folder} has no tokenizer ({', '.join(_TOKENIZER_FILES[:3])}, ...): pass --tokenizer "
                          "PATH, or --skip-tokenizer-init (skip_tokenizer_init=True) to serve token-id prompts only")
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a local folder or hub id (``check_tokenizer_folder`` first)."""
+    check_tokenizer_folder(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
