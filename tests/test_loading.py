@@ -168,3 +168,13 @@ def test_tokenizer_problems_fail_before_the_executor_is_built(tmp_path):
         Engine(EngineConfig(model=str(folder)), executor_factory=executor_factory)
     assert built == []
 
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 700), (700, 3), (513, 257)])
+def test_transposed_is_the_contiguous_transpose(shape):
+    from jaxserve.models.loader import transposed
+
+    a = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    t = transposed(a)
+    assert t.flags.c_contiguous and t.dtype == a.dtype
+    np.testing.assert_array_equal(t, a.T)

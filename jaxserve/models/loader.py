@@ -244,6 +244,16 @@ def _dummy_quantized(key, *, shape: tuple, kind: str, embedding: bool):
     return q, jnp.squeeze(scale, axis=reduce)
 
 
+def transposed(array: np.ndarray, rows: int = 256) -> np.ndarray:
+    """A 2-D array's transpose, contiguous. Copied a block of rows at a time: a block's columns fit the caches, where
+    numpy's one strided copy of the whole transpose reads the source against them (twice as slow for the ~100M
+    model's weights)."""
+    out = np.empty(array.shape[::-1], array.dtype)
+    for start in range(0, array.shape[0], rows):
+        out[:, start:start + rows] = array[start:start + rows].T
+    return out
+
+
 def _expert_tensors(name: str, array, cfg: ModelConfig) -> list[tuple[str, int | None, np.ndarray]]:
     """An expert tensor of the checkpoint as (our stacked tensor's name, expert index or None for all, array in
     our [in, out] layout); [] if ``name`` is not one."""
@@ -341,7 +351,7 @@ class _SafetensorsLoad:
         target = self.flat[path].get_value()
         # HF stores linear weights [out, in]; ours are [in, out].
         if array.ndim == 2 and path[-1] == "weight":
-            array = array.T  # ck[out, in] -> ck[in, out]
+            array = transposed(array)  # ck[out, in] -> ck[in, out]
         if tuple(array.shape) != tuple(target.shape):
             raise ValueError(
                 f"tensor {name}: checkpoint shape {tuple(array.shape)} (after layout conversion) does not match "
