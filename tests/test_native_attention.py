@@ -85,7 +85,8 @@ def test_native_rows_many_lengths():
 
 
 def test_rows_split_over_threads_give_the_same_result():
-    """The kernel's rows split over XLA's intra-op pool (``threads=2``): the same floats as one thread."""
+    """The kernel's rows split over XLA's intra-op pool (``threads=2``, and 0: the whole pool, the default the
+    engine uses): the same floats as one thread."""
     batch, _, _ = build_batch(np.random.default_rng(5), [1] * 24, list(range(3, 51, 2)), head_dim=32)
     args = device_args(batch)
     md = args["md"]
@@ -97,9 +98,10 @@ def test_rows_split_over_threads_give_the_same_result():
                                                    sm_scale=0.3, soft_cap=None, threads=threads))
         return [np.asarray(x) for x in fn(args["q"][:24], args["k_pages"], args["v_pages"])]
 
-    one, two = run(1), run(2)
-    np.testing.assert_array_equal(one[0], two[0])
-    np.testing.assert_array_equal(one[1], two[1])
+    one, two, pool = run(1), run(2), run(0)
+    for other in (two, pool):
+        np.testing.assert_array_equal(one[0], other[0])
+        np.testing.assert_array_equal(one[1], other[1])
     assert_matches_reference(np.concatenate([one[0], np.zeros_like(args["q"][24:])]), batch, sm_scale=0.3)
 
 

@@ -363,7 +363,8 @@ ffi::Error rows_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                   tables.typed_data(),
                   row_seq.typed_data(), first.typed_data(), last.typed_data(), sm_scale, soft_cap,
                   out->typed_data(), lse->typed_data()};
-  return run_split(pool, call, fn, std::min<int64_t>(threads, std::max<int64_t>(pool.num_threads(), 1)));
+  const int64_t pool_threads = std::max<int64_t>(pool.num_threads(), 1);
+  return run_split(pool, call, fn, threads <= 0 ? pool_threads : std::min<int64_t>(threads, pool_threads));
 }
 
 }  // namespace
@@ -382,7 +383,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRowsAttention, rows_attention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // last [rows]
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")      // 0: none
-                                  .Attr<int64_t>("threads")     // at most this many threads (1: the caller's)
+                                  .Attr<int64_t>("threads")     // at most this many (1: the caller's; 0: the pool's)
                                   .Attr<int64_t>("fp8_bytes")   // uint8 pages: 4 e4m3fn, 5 e5m2 bit patterns
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [rows, q_heads, head_dim]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse [rows, q_heads]

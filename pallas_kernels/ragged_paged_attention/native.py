@@ -148,14 +148,16 @@ def attend(
     *,
     sm_scale: float,
     soft_cap: float | None,
-    threads: int = 1,
+    threads: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
     """Each row over keys [first, last] of its slot's pages, read in place. 8-bit ``QuantizedPages`` are read as
     their values and per-token scales, widened to f32 in the kernel.
 
-    ``threads`` > 1 splits the rows over XLA's intra-op thread pool as well as the calling thread. The engine
-    keeps 1: on a 2-core machine the step alone got faster but the host loop, which needs the other core while
-    the step runs, lost as much (docs/benchmarks.md).
+    ``threads``: the rows are split over at most this many threads, the calling thread and XLA's intra-op pool
+    (0, the default: every thread of the pool; 1: the calling thread alone). One walk is bound by how many
+    random reads it keeps in flight, not by the memory's bandwidth, so more walks at once read faster: on 2
+    cores the host-bound case's decode steps run 1.2x faster with both, and the decode-only host benchmark does
+    not drop (docs/benchmarks.md, "The native attention over both cores").
 
     Returns:
       (out f32[R, num_q_heads, head_dim]: the softmax-weighted values, zeros for a row that sees nothing;
