@@ -17,6 +17,13 @@ tokens/s with ratios. Peers run in their own processes (vLLM with its own Python
 ``--profile`` runs the workload a second time under ``jax.profiler`` and splits each step's op time by layer kind
 (embedding, norms, attention, MLP, LM head, the greedy sampler, the rest: ``jaxserve.tools.step_profile``), per
 step kind and per layer; the timed run is never the profiled one.
+
+``--api generate`` runs the workload through the offline API, ``LLM.generate``, as vLLM's peer run does (a
+two-request ``generate`` first, before the clock), and times its phases: admission (``add_request`` of every
+prompt), the engine steps that carry prompt tokens, the decode-only steps, and output assembly (the rest of the
+call). ``--rounds N`` runs the workload N times; with ``--compare vllm`` vLLM's engine stays up and takes turns
+with jaxserve's, round by round, and the median of the paired ratios is reported. Pass ``--skip-tokenizer-init``
+to compare with vLLM's run, which detokenizes nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import numpy as np  # noqa: E402
 from jaxserve.config.args import add_engine_args, engine_config_from_args  # noqa: E402
 from jaxserve.engine.engine import Engine  # noqa: E402
 from jaxserve.executor.batch import StepKind  # noqa: E402
+from jaxserve.llm import LLM  # noqa: E402
 from jaxserve.models.demo import DEMO_CONFIG, byte_tokenizer, write_random_checkpoint  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.tools.roofline import decode_cost, measure_peaks, prefill_cost  # noqa: E402
@@ -99,6 +107,108 @@ def run_jaxserve(engine: Engine, w: dict) -> dict:
     seconds = time.perf_counter() - start
     steps = engine.stats_counters["steps"] - steps0
     return {"seconds": seconds, "output_tokens": out_tokens, "steps": steps}
+
+
+def run_generate(llm: LLM, w: dict) -> dict:
+    """The workload through ``LLM.generate``, its phases timed (see the module docstring)."""
+    engine, runner = llm.engine, llm.engine.executor.runner
+    params = SamplingParams(max_tokens=w["output_len"], temperature=0.0, ignore_eos=True)
+    phases = {"admission": 0.0, "prompt_steps": 0.0, "decode_steps": 0.0}
+    counts = {"prompt_steps": 0, "decode_steps": 0}
+    launched: list[StepKind] = []
+    real_add, real_step, real_run = engine.add_request, engine.step, runner.run
+
+    def add_request(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return real_add(*args, **kwargs)
+        finally:
+            phases["admission"] += time.perf_counter() - start
+
+    def step():
+        launched.clear()
+        start = time.perf_counter()
+        out = real_step()
+        phase = "prompt_steps" if StepKind.PREFILL in launched else "decode_steps"
+        phases[phase] += time.perf_counter() - start
+        counts[phase] += 1
+        return out
+
+    engine.add_request, engine.step = add_request, step
+    runner.run = lambda kind, b, *a, **k: (launched.append(kind), real_run(kind, b, *a, **k))[1]
+    try:
+        start = time.perf_counter()
+        outs = llm.generate(w["prompts"], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+    finally:
+        del engine.add_request, engine.step  # the class's methods again
+        runner.run = real_run
+    phases["assembly"] = seconds - sum(phases.values())
+    return {"seconds": seconds, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+            "steps": sum(counts.values()), "phases": phases, "counts": counts}
+
+
+def format_phases(res: dict) -> str:
+    ph, n = res["phases"], res["counts"]
+    return (f"admission {1e3 * ph['admission']:.0f} ms, {n['prompt_steps']} steps with prompt tokens "
+            f"{1e3 * ph['prompt_steps']:.0f} ms, {n['decode_steps']} decode steps {1e3 * ph['decode_steps']:.0f} ms "
+            f"({1e3 * ph['decode_steps'] / max(1, n['decode_steps']):.2f} ms each), output assembly "
+            f"{1e3 * ph['assembly']:.0f} ms")
+
+
+class PacedPeer:
+    """vLLM's peer run kept up (``vllm_generate.py --paced``): one round of the workload per ``round()``."""
+
+    def __init__(self, cmd: list[str], env=None):
+        self.proc = subprocess.Popen([*cmd, "--paced", "--rounds", "1000000"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        self.startup_seconds = self._next()["startup_seconds"]
+
+    def _next(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError(f"the peer exited (code {self.proc.wait()})")
+
+    def round(self) -> dict:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return self._next()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+def run_rounds(args, llm: LLM, w: dict, wpath: Path) -> None:
+    """``--api generate --rounds N``: jaxserve's rounds, each followed by vLLM's when compared; paired ratios."""
+    peer = None
+    if "vllm" in args.compare.split(","):
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+        peer = PacedPeer([args.vllm_python, str(HERE / "peers" / "vllm_generate.py"), str(wpath), "--model",
+                          args.model, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs)], env)
+        print(f"vllm {args.dtype}: up (start-up {peer.startup_seconds:.1f}s)", flush=True)
+    ratios = []
+    try:
+        for r in range(args.rounds):
+            # vLLM's worker spins on its message queue for a second after its last message: let it go idle
+            time.sleep(2.5 if peer is not None else 0.5)
+            res = run_generate(llm, w)
+            tps = res["output_tokens"] / res["seconds"]
+            line = f"round {r + 1}: jaxserve {tps:.0f} output tok/s ({format_phases(res)})"
+            if peer is not None:
+                time.sleep(0.5)
+                v = peer.round()
+                vtps = v["output_tokens"] / v["seconds"]
+                ratios.append(tps / vtps)
+                line += f"; vllm {vtps:.0f}; jaxserve / vllm = {tps / vtps:.2f}x"
+            print(f"{line}; load {os.getloadavg()[0]:.1f}", flush=True)
+    finally:
+        if peer is not None:
+            peer.close()
+    if ratios:
+        print(f"jaxserve / vllm {args.dtype} over {len(ratios)} paired rounds: median {np.median(ratios):.2f}x "
+              f"(min {min(ratios):.2f}x, max {max(ratios):.2f}x)")
 
 
 def probe_decode(engine: Engine, batch: int, context: int, steps: int = 16) -> dict:
@@ -196,6 +306,10 @@ def main() -> None:
                    help="comma list of dtypes to run in turn, each with its peers (default: --dtype alone)")
     p.add_argument("--profile", action="store_true",
                    help="split the step's time by layer kind from a profiled second run of the workload")
+    p.add_argument("--api", choices=("engine", "generate"), default="engine",
+                   help="drive the engine step by step, or go through LLM.generate with its phases timed")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --api generate: run the workload this many times (paired with vLLM's rounds)")
     add_engine_args(p)
     args = p.parse_args()
     dtypes = (args.dtypes or args.dtype).split(",")
@@ -215,7 +329,15 @@ def main() -> None:
 
 def run_dtype(args, peers: list[str]) -> None:
     start = time.perf_counter()
-    engine = Engine(engine_config_from_args(args, max_model_len=args.max_model_len or None))
+    config = engine_config_from_args(args, max_model_len=args.max_model_len or None)
+    if args.api == "generate":
+        import dataclasses
+
+        llm = LLM(config.model, **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                                   if f.name != "model"})
+        engine = llm.engine
+    else:
+        engine = Engine(config)
     startup = time.perf_counter() - start
     cfg = engine.model_config
     w = workload(args, cfg.vocab_size)
@@ -226,12 +348,25 @@ def run_dtype(args, peers: list[str]) -> None:
     peak_flops, peak_bw = measure_peaks(engine.executor.runner.params["embed_tokens"]["embedding"].get_value().dtype)
     print(f"measured peaks: {peak_flops / 1e9:.0f} GFLOP/s matmul, {peak_bw / 1e9:.1f} GB/s memory")
 
-    res = run_jaxserve(engine, w)
+    if args.api == "generate":
+        llm.generate(w["prompts"][:2], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        if args.rounds > 1:
+            with tempfile.TemporaryDirectory() as tmp:
+                wpath = Path(tmp) / "workload.json"
+                wpath.write_text(json.dumps(w))
+                run_rounds(args, llm, w, wpath)
+            engine.close()
+            return
+        res = run_generate(llm, w)
+    else:
+        res = run_jaxserve(engine, w)
     in_tok = sum(map(len, w["prompts"]))
     out_tps = res["output_tokens"] / res["seconds"]
     print(f"jaxserve: {len(w['prompts'])} requests in {res['seconds']:.2f}s = {len(w['prompts']) / res['seconds']:.2f} "
           f"req/s, {in_tok / res['seconds']:.0f} input tok/s, {out_tps:.1f} output tok/s, {res['steps']} steps, "
           f"mean step {1e3 * res['seconds'] / res['steps']:.1f} ms", flush=True)
+    if "phases" in res:
+        print(f"  phases: {format_phases(res)}", flush=True)
     if engine.spec is not None:  # speculative decoding's counters (jaxserve/spec_decode/planner.py)
         sp = engine.spec.counters.stats()
         print(f"  speculation: {sp['spec_proposed_tokens']} proposed, {sp['spec_accepted_tokens']} accepted "
