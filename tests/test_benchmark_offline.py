@@ -55,3 +55,23 @@ def test_benchmark_offline_reports_and_compares(tmp_path):
         assert set(ms) == {"embed", "norm", "attention", "mlp", "lm_head", "sampler", "rest"}, line
         assert float(ms["attention"]) > 0 and float(ms["mlp"]) > 0, line
         assert "per layer (us): attention" in line
+
+
+def test_benchmark_offline_through_generate_times_its_phases(tmp_path):
+    """``--api generate --rounds 2``: each round through LLM.generate, its phases timed; every request's
+    tokens counted (3 requests x 3 tokens)."""
+    model = build_tiny_model("llama", tmp_path / "m")
+    cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_offline.py"), "--model", str(model),
+           "--num-requests", "3", "--prompt-len", "4:9", "--output-len", "3", "--max-num-seqs", "4",
+           "--max-num-batched-tokens", "32", "--max-model-len", "64", "--page-size", "4",
+           "--compilation-cache-dir", "", "--probe-batches", "", "--api", "generate", "--skip-tokenizer-init",
+           "--rounds", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rounds = [line for line in proc.stdout.splitlines() if line.startswith("round ")]
+    assert len(rounds) == 2, proc.stdout
+    for line in rounds:
+        phases = re.search(r"admission (\d+) ms, (\d+) steps with prompt tokens (\d+) ms, (\d+) decode steps", line)
+        assert phases is not None and "output assembly" in line, line
+        assert int(phases[2]) >= 1 and int(phases[2]) + int(phases[4]) >= 3, line  # 3 tokens: a step per token
