@@ -28,9 +28,9 @@ from pallas_kernels.ragged_paged_attention import (  # noqa: E402
     AttentionMetadata,
     ragged_paged_attention,
     ragged_paged_attention_gpu,
-    ragged_paged_attention_mosaic_gpu,
     ragged_paged_attention_tpu,
 )
+from pallas_kernels.ragged_paged_attention.mosaic_gpu import ragged_paged_attention_mosaic_gpu  # noqa: E402
 from pallas_kernels.ragged_paged_attention.block_sizes import BlockSizes, candidates, mode_for  # noqa: E402
 
 

@@ -44,7 +44,8 @@ def export_case(target: str, shape: str, head_dim: int, pool: str, *, kv_heads: 
 
     from jaxserve.tools import gpu_targets
     from pallas_kernels.quantized_pages import STORAGE, QuantizedPages
-    from pallas_kernels.ragged_paged_attention import AttentionMetadata, ragged_paged_attention_mosaic_gpu
+    from pallas_kernels.ragged_paged_attention import AttentionMetadata
+    from pallas_kernels.ragged_paged_attention.mosaic_gpu import ragged_paged_attention_mosaic_gpu
 
     sds = jax.ShapeDtypeStruct
     tokens, slots, window, cap = SHAPES[shape]

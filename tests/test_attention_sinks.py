@@ -14,10 +14,10 @@ from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_chunks,
     ragged_paged_attention_gpu,
-    ragged_paged_attention_mosaic_gpu,
     ragged_paged_attention_rows,
     ragged_paged_attention_tpu,
 )
+from pallas_kernels.ragged_paged_attention.mosaic_gpu import ragged_paged_attention_mosaic_gpu
 
 from attention_cases import MIXED, assert_matches_reference, build_batch, device_args
 

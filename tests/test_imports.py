@@ -58,3 +58,17 @@ def test_kernel_packages_import_plainly():
         assert found["unbound"] == [], f"{package}: exported but not imported: {found['unbound']}"
         if package.endswith("kv_cache_update"):
             assert not any(n.startswith("pallas_kernels.ragged_paged_attention") for n in found["loaded"])
+
+
+def test_the_engine_does_not_import_the_mosaic_gpu_kernel():
+    """The Mosaic GPU kernel's jax modules take ~0.5 s to import: a server that does not run it (every CPU and TPU
+    start) never imports them. Its users import ``pallas_kernels.ragged_paged_attention.mosaic_gpu`` itself."""
+    found = run_fresh("""
+        import json, sys
+        import jaxserve.engine.engine, jaxserve.executor.executor, jaxserve.serve, pallas_kernels.ragged_paged_attention
+
+        heavy = ("pallas_kernels.ragged_paged_attention.mosaic_gpu", "jax.experimental.pallas.mosaic_gpu",
+                 "jax.experimental.mosaic.gpu", "jax._src.pallas.mosaic_gpu.core")
+        print(json.dumps(sorted(m for m in heavy if m in sys.modules)))
+    """)
+    assert found == []  # (jax.experimental.pallas itself loads a few small Mosaic GPU modules: its dialect)

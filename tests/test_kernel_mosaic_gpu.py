@@ -34,7 +34,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.quantized_pages import STORAGE, QuantizedPages, quantize
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_mosaic_gpu
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.mosaic_gpu import ragged_paged_attention_mosaic_gpu
 
 from attention_cases import DECODE, MIXED, assert_matches_reference, build_batch, device_args
 

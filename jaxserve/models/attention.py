@@ -168,8 +168,10 @@ class AttentionBackend:
             return rpa.ragged_paged_attention_tpu(q, k_pages, v_pages, md, interpret=self.interpret, **kw)
         if self.name == "pallas_gpu":
             return rpa.ragged_paged_attention_gpu(q, k_pages, v_pages, md, interpret=self.interpret, **kw)
-        if self.name == "pallas_mosaic_gpu":
-            return rpa.ragged_paged_attention_mosaic_gpu(q, k_pages, v_pages, md, interpret=self.interpret, **kw)
+        if self.name == "pallas_mosaic_gpu":  # its module is imported by its users only (see the package)
+            from pallas_kernels.ragged_paged_attention.mosaic_gpu import ragged_paged_attention_mosaic_gpu
+
+            return ragged_paged_attention_mosaic_gpu(q, k_pages, v_pages, md, interpret=self.interpret, **kw)
         if self.decode:  # each row walks its own sequence's pages
             return rpa.ragged_paged_attention_rows(q, k_pages, v_pages, md, **kw)
         # The pages hold this step's rows already (``__call__`` writes, then attends).
