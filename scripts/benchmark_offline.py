@@ -29,6 +29,7 @@ to compare with vLLM's run, which detokenizes nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -331,8 +332,6 @@ def run_dtype(args, peers: list[str]) -> None:
     start = time.perf_counter()
     config = engine_config_from_args(args, max_model_len=args.max_model_len or None)
     if args.api == "generate":
-        import dataclasses
-
         llm = LLM(config.model, **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)
                                    if f.name != "model"})
         engine = llm.engine

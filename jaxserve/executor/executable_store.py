@@ -40,6 +40,7 @@ import platform
 import secrets
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -140,6 +141,25 @@ def compile_fresh(lowered: "jax.stages.Lowered") -> "jax.stages.Compiled":
         for path in Path(cache_dir).glob(f"{name}-*"):
             path.unlink(missing_ok=True)
     return compiled
+
+
+def load_or_compile(store: "ExecutableStore | None", key: tuple, devices: list,
+                    lower: "Callable[[], jax.stages.Lowered]", compiles) -> "tuple[jax.stages.Compiled, bool]":
+    """The executable of ``key``, and whether it was loaded: from ``store`` onto ``devices`` (where it runs, in
+    order) when it holds it; else ``lower()`` compiled through the compilation cache when there is no store, and
+    by XLA (``compile_fresh``) and saved there when there is one. It is saved before it ever runs (XLA:CPU's sort
+    thunks do not serialize once they have run), and only if ``compiles`` (a ``CompileCounter``) shows that XLA
+    compiled it in this thread. Thread-safe for distinct keys."""
+    if store is None:
+        return lower().compile(), False
+    compiled = store.load(key, devices)
+    if compiled is not None:
+        return compiled, True
+    hits = compiles.thread_cache_hits()
+    compiled = compile_fresh(lower())
+    if compiles.thread_cache_hits() == hits:
+        store.save(key, compiled)
+    return compiled, False
 
 
 class ExecutableStore:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxserve.executor.executable_store import compile_fresh
+from jaxserve.executor.executable_store import load_or_compile
 
 
 def signature(args: tuple) -> tuple:
@@ -38,26 +38,13 @@ class PreparedFunction:
                 return compiled(*args)
         return self.jitted(*args)
 
-    def store_key(self, args: tuple) -> tuple:
-        """The key of these arguments' executable in the executable store (stable across processes)."""
-        treedef, leaves = signature(args)
-        return self.name, str(treedef), tuple((tuple(shape), str(dtype)) for shape, dtype in leaves)
-
-    def prepare(self, args: tuple, devices: list, store=None, compiles=None) -> bool:
+    def prepare(self, args: tuple, devices: list, store, compiles) -> bool:
         """Make the executable of ``args`` ready: loaded from ``store`` (an ``ExecutableStore``, or None) onto
-        ``devices`` (where it runs, in order), else lowered and compiled (by XLA, not read from the compilation
-        cache, when there is a store: ``compile_fresh``) and saved there, unless ``compiles`` (a
-        ``CompileCounter``) shows this thread read it from that cache after all. Returns whether it was loaded."""
-        key = self.store_key(args)
-        compiled = store.load(key, devices) if store is not None else None
-        loaded = compiled is not None
-        if compiled is None and store is None:
-            compiled = self.jitted.lower(*args).compile()
-        elif compiled is None:
-            hits = compiles.thread_cache_hits() if compiles is not None else 0
-            compiled = compile_fresh(self.jitted.lower(*args))
-            # saved before it ever runs: XLA:CPU's sort thunks do not serialize once they have run
-            if compiles is None or compiles.thread_cache_hits() == hits:
-                store.save(key, compiled)
-        self.executables[signature(args)] = compiled
+        ``devices`` (where it runs, in order), else lowered, compiled and saved there (``load_or_compile``;
+        ``compiles``: the ``CompileCounter`` it needs). Returns whether it was loaded."""
+        sig = signature(args)
+        treedef, leaves = sig  # the store's key: stable across processes
+        key = self.name, str(treedef), tuple((tuple(shape), str(dtype)) for shape, dtype in leaves)
+        self.executables[sig], loaded = load_or_compile(store, key, devices, lambda: self.jitted.lower(*args),
+                                                        compiles)
         return loaded

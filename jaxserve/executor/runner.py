@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.executor.batch import MeshBatch, StepKind
 from jaxserve.executor.compile_counter import CompileCounter
-from jaxserve.executor.executable_store import compile_fresh
+from jaxserve.executor.executable_store import load_or_compile
 from jaxserve.executor.kv_cache import CacheConfig, init_kv_cache
 from jaxserve.executor.sampler import argmax
 from jaxserve.models.attention import AttentionBackend, ShardedAttention
@@ -219,21 +219,11 @@ class ModelRunner:
 
     def prepare(self, kind: StepKind, batch: MeshBatch, store=None) -> bool:
         """Make the step of a batch's shape ready, so ``run`` calls it without tracing: loaded from ``store`` (a
-        ``jaxserve.executor.executable_store.ExecutableStore``) when it holds it, else lowered and compiled (through the
-        compilation cache) and saved there. Thread-safe for distinct shapes. Returns whether it was loaded."""
+        ``jaxserve.executor.executable_store.ExecutableStore``) when it holds it, else lowered, compiled and saved
+        there (``load_or_compile``). Thread-safe for distinct shapes. Returns whether it was loaded."""
         key = self.step_key(kind, batch)
-        compiled = store.load(key, list(self.mesh.devices.flat)) if store is not None else None
-        loaded = compiled is not None
-        if compiled is None and store is None:
-            compiled = self.lower(kind, batch).compile()
-        elif compiled is None:
-            hits = self.compiles.thread_cache_hits()
-            compiled = compile_fresh(self.lower(kind, batch))
-            # Saved before it ever runs (XLA:CPU's sort thunks do not serialize once they have run), and only when
-            # XLA compiled it here (``compile_fresh``: an executable read from the compilation cache cannot be).
-            if self.compiles.thread_cache_hits() == hits:
-                store.save(key, compiled)
-        self.executables[key] = compiled
+        self.executables[key], loaded = load_or_compile(store, key, list(self.mesh.devices.flat),
+                                                        lambda: self.lower(kind, batch), self.compiles)
         return loaded
 
     def _run(self, kind: StepKind, batch: MeshBatch, payload: np.ndarray, prev_ids=None) -> StepOutput:
