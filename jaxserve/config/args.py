@@ -50,6 +50,10 @@ HELP = {
     "num_devices": "use only the first N devices for --mesh (single process; default: every device)",
     "seed": "engine seed for requests that give none",
     "warmup": "compile every bucket shape at start-up so serving never compiles",
+    "compile_in_background": "at start-up compile only the largest prefill and decode shapes (and load those the "
+                             "compilation cache's executable store holds), report ready, and compile the other "
+                             "bucket shapes on background threads; meanwhile their steps run padded to the next "
+                             "compiled shape",
     "debug_checks": "check every batch's page ids and lengths on the host before it runs",
     "logprobs_mode": "logprobs of the 'processed' distribution tokens are drawn from, or of the 'raw' logits",
     "generation_config": "default sampling parameters of requests that set none: 'auto' (the model folder's "

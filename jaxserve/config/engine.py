@@ -67,6 +67,9 @@ class EngineConfig:
     num_devices: int | None = None  # use only the first N devices (single process); None: all when mesh is set
     seed: int = 0
     warmup: bool = True
+    # Start-up compiles the largest prefill and decode shapes (and what the executable store holds), the rest
+    # on background threads once serving starts (jaxserve/executor/background_compile.py). The server's default.
+    compile_in_background: bool = False
     debug_checks: bool = False
     logprobs_mode: str = "processed"
     generation_config: str = "auto"  # sampling defaults: "auto" (the checkpoint's), "vllm" (none), or a folder

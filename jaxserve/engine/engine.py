@@ -665,6 +665,7 @@ class Engine:
         s.update(self.stats_counters)
         s["num_pages"] = self.executor.cache_config.num_pages
         s["compilations_after_warmup"] = self.executor.compilations_after_warmup
+        s["step_shapes_pending"] = self.executor.shapes_pending
         s["kv_bytes_per_token"] = self.executor.kv_bytes_per_token
         if self.spec is not None:
             s.update(self.spec.counters.stats())

@@ -58,12 +58,13 @@ class CompileCounter:
         self._lock = threading.Lock()
         self._count = 0
         self._cache = {"lookups": 0, "hits": 0}
-        self._thread = threading.local()  # each thread's cache hits (a compile's events fire on its own thread)
+        self._thread = threading.local()  # each thread's compilations and cache hits (a compile's events fire on its own thread)
         _subscribe(self)
 
     def _compiled(self) -> None:
         with self._lock:
             self._count += 1
+        self._thread.compiles = getattr(self._thread, "compiles", 0) + 1
 
     def _cache_event(self, name: str) -> None:
         with self._lock:
@@ -79,6 +80,11 @@ class CompileCounter:
         """Persistent-cache lookups and hits since this counter started."""
         with self._lock:
             return dict(self._cache)
+
+    def thread_count(self) -> int:
+        """Backend compilations on the calling thread since this counter started (a step's own, not those of a
+        compile running beside it on another thread)."""
+        return getattr(self._thread, "compiles", 0)
 
     def thread_cache_hits(self) -> int:
         """Persistent-cache hits of compilations run on the calling thread since this counter started."""

@@ -25,8 +25,9 @@ class Progress:
     """One warm-up's progress over ``total`` shapes; see the module docstring."""
 
     def __init__(self, total: int, cache_dir: str | None, what: str, counter: CompileCounter | None = None,
-                 stored: bool = False):
+                 stored: bool = False, later: int = 0):
         self.total = max(total, 1)
+        self.later = later  # shapes left to compile in the background once serving starts
         self.cache_dir = cache_dir
         self.what = what
         self.done = 0
@@ -44,10 +45,11 @@ class Progress:
             self._bar = tqdm(total=self.total, desc=f"compiling {what}", unit="shape", leave=False,
                              file=sys.stderr, dynamic_ncols=True)
         where = f"the compilation cache in {cache_dir}" if cache_dir else "no compilation cache"
+        then = f"; {later} more compile in the background once serving starts" if later else ""
         if stored:  # the executable store holds every step: a warm start
-            logger.info("loading %d %s stored by an earlier start (with %s)", self.total, what, where)
+            logger.info("loading %d %s stored by an earlier start (with %s)%s", self.total, what, where, then)
         else:
-            logger.info("compiling %d %s (with %s); the first start takes longest", self.total, what, where)
+            logger.info("compiling %d %s (with %s); the first start takes longest%s", self.total, what, where, then)
 
     def tick(self) -> None:
         self.done = min(self.done + 1, self.total)
@@ -73,7 +75,7 @@ class Progress:
         # events, which count a program read from the cache too
         compiled = max(lookups - hits, self._counter.count() - hits, 0)
         summary = {"seconds": seconds, "shapes": self.total, "compilations": compiled, "cache_hits": hits,
-                   "cache_misses": lookups - hits, "cache_dir": self.cache_dir}
+                   "cache_misses": lookups - hits, "cache_dir": self.cache_dir, "shapes_later": self.later}
         if not self.cache_dir:
             cache = "compilation cache off"
         elif lookups == 0:
@@ -88,15 +90,17 @@ class Progress:
             summary.update(executables_loaded=loaded, executables_compiled=compiled)
             cache += f"; executable store: {loaded} loaded, {compiled} compiled and saved"
         compiled_text = "compiled nothing" if compiled == 0 else f"compiled {compiled} programs"
-        logger.info("warm-up done: %d %s ready in %.1fs, %s; %s", self.total, self.what, seconds, compiled_text,
-                    cache)
+        later = f" ({self.later} more compiling in the background)" if self.later else ""
+        logger.info("warm-up done: %d %s ready in %.1fs%s, %s; %s", self.total, self.what, seconds, later,
+                    compiled_text, cache)
         self.summary = summary
         return summary
 
 
 def start(total: int, cache_dir: str | None = None, what: str = "step shapes", *,
-          counter: CompileCounter | None = None, stored: bool = False) -> Progress:
+          counter: CompileCounter | None = None, stored: bool = False, later: int = 0) -> Progress:
     """Begin reporting a warm-up of ``total`` shapes; the returned ``Progress``'s ``tick()`` advances it.
     ``counter``: count compilations from its start instead of from now; ``stored``: every shape is in the
-    executable store (the first line says it loads them)."""
-    return Progress(total, cache_dir, what, counter, stored)
+    executable store (the first line says it loads them); ``later``: shapes that compile in the background after
+    the warm-up (said in both lines)."""
+    return Progress(total, cache_dir, what, counter, stored, later)

@@ -24,6 +24,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from jaxserve.config.engine import EngineConfig
 from jaxserve.executor import compile_progress, platforms
+from jaxserve.executor.background_compile import BackgroundCompile
 from jaxserve.executor.batch import MeshBatch, StepBatch, StepKind
 from jaxserve.executor.compile_counter import CompileCounter
 from jaxserve.executor.decode_rows import DecodeRows
@@ -140,6 +141,7 @@ class Executor:
         self.asleep = 0  # the level of ``sleep`` while asleep
         self._host_weights = None  # level 2: [(weights on the host, their shardings)] per runner
         self._last_shape = ""  # the latest launched step's shapes, for the compile guard's warning
+        self._later: BackgroundCompile | None = None  # the shapes compiling after start-up (compile_in_background)
         if config.warmup and self.is_leader:
             self.warmup()  # on a multi-process run the followers compile the same shapes as they follow
 
@@ -387,14 +389,14 @@ class Executor:
           StepFailed: the step raised; the plan's sequences got no token.
         """
         compiles = self.runner.compiles
-        compiled = compiles.count()
+        compiled = compiles.thread_count()  # this thread's: shapes compiling in the background are not the step's
         try:
             return self._launch(plan, prev)
         except Exception as e:
             raise self._failed(e) from e
         finally:
-            if self.warmed_up and compiles.count() != compiled:
-                self._compiled_while_serving(compiles.count() - compiled)
+            if self.warmed_up and compiles.thread_count() != compiled:
+                self._compiled_while_serving(compiles.thread_count() - compiled)
 
     def _compiled_while_serving(self, n: int) -> None:
         """The compile guard: warm-up compiles every shape serving uses, so a compilation now is a bug that
@@ -762,8 +764,20 @@ class Executor:
         self.runner.follow()
 
     def close(self) -> None:
-        """Release the follower processes of a multi-process run (no-op otherwise)."""
+        """Stop compiling shapes in the background (the one being compiled finishes) and release the follower
+        processes of a multi-process run."""
+        if self._later is not None:
+            self._later.stop()
         self.runner.close()
+
+    @property
+    def shapes_pending(self) -> int:
+        """Step shapes still compiling in the background (``compile_in_background``); 0 once all are ready."""
+        return 0 if self._later is None else self._later.pending
+
+    def wait_for_shapes(self, timeout: float | None = None) -> bool:
+        """Wait until every step shape compiling in the background is ready; returns whether all are."""
+        return self._later is None or (self._later.wait(timeout) and self.shapes.compiled is None)
 
     # Start-up -----------------------------------------------------------------------------------------------
     def warmup(self) -> None:
@@ -773,11 +787,13 @@ class Executor:
         shapes = self.shapes.all_shapes()
         store = (ExecutableStore.for_runner(self.config.compilation_cache_dir, self.runner)
                  if self.adapters is None else None)  # (the store's programs take no adapters)
-        stored = store is not None and all(
-            store.holds(self.runner.step_key(StepKind.DECODE if shape[0] else StepKind.PREFILL,
-                                             self._padding_batch(*shape))) for shape in shapes)
+        held = [shape for shape in shapes if store is not None and store.holds(self.runner.step_key(
+            StepKind.DECODE if shape[0] else StepKind.PREFILL, self._padding_batch(*shape)))]
+        later = self._shapes_for_later(shapes, held)
+        shapes = [shape for shape in shapes if shape not in later]
         progress = compile_progress.start(len(shapes) + 4, self.config.compilation_cache_dir,
-                                          counter=self._start_compiles, stored=stored)
+                                          counter=self._start_compiles, stored=len(held) == len(shapes),
+                                          later=len(later))
         if jax.process_count() > 1:  # the followers compile each shape as they follow it: run them all
             out = None
             for decode, num_tokens, num_seqs, pages in shapes:
@@ -805,6 +821,34 @@ class Executor:
         self.warmup_summary = progress.finish()
         self.warmed_up = True
         logger.debug("warm-up prepared the steps and the sampler in %.1fs", time.perf_counter() - start)
+        if later:
+            self._compile_later(shapes, later, store)
+
+    def _shapes_for_later(self, shapes: list, held: list) -> list:
+        """With ``compile_in_background``, the shapes left for after start-up, in the order to compile them:
+        all but the largest prefill and decode shapes (every step fits one) and those the store holds (loading is
+        quick). Smaller shapes first, a decode and a prefill shape in turn: they are the most padded meanwhile.
+        None on a multi-process run (the followers compile what the leader runs) or with speculation (its
+        drafter's steps have shapes of their own)."""
+        if not self.config.compile_in_background or jax.process_count() > 1 or self.spec is not None:
+            return []
+        first = {max((s for s in shapes if s[0] == decode), key=lambda s: s[1]) for decode in (False, True)}
+        later = [s for s in shapes if s not in first and s not in held]
+        rank = {s: i for kind in (False, True) for i, s in enumerate(sorted(
+            (s for s in shapes if s[0] == kind), key=lambda s: s[1]))}
+        return sorted(later, key=lambda s: (rank[s], not s[0]))
+
+    def _compile_later(self, ready: list, later: list, store) -> None:
+        """Serve with the ``ready`` shapes while ``later`` compile on background threads (half the cores: the
+        host loop keeps the rest)."""
+        self.shapes = self.shapes.with_compiled({(s[0], s[1]) for s in ready})
+
+        def add(shape) -> None:  # called under the background compile's lock: one shape at a time
+            if self.shapes.compiled is not None:
+                self.shapes = self.shapes.with_compiled(self.shapes.compiled | {(shape[0], shape[1])})
+
+        self._later = BackgroundCompile(later, lambda shape: self._prepare_shape(shape, store), add,
+                                        workers=max(1, (os.cpu_count() or 2) // 2))
 
     def _prepare_shape(self, shape, store) -> bool:
         decode, num_tokens, num_seqs, pages = shape

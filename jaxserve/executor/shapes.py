@@ -45,12 +45,35 @@ class StepShapes:
     pages_per_seq: int  # page-table width that holds a max_model_len sequence
     min_token_bucket: int = 16  # speculation lowers it: a lone verified sequence runs 1 + k rows, not 16
     min_decode_seqs: int = 1  # the smallest decode bucket (``decode_floor``)
+    # While start-up compiles some shapes in the background: the (decode, bucket) pairs compiled so far, the
+    # largest of each kind among them. A step then takes the smallest *compiled* bucket that holds it. None: all.
+    compiled: frozenset[tuple[bool, int]] | None = None
 
     def token_bucket(self, n: int) -> int:
-        return bucket(n, self.min_token_bucket, max(16, self.max_num_batched_tokens))
+        return self._compiled_at_least(False, self._token_size(n), self._token_size)
 
     def seq_bucket(self, n: int) -> int:
+        return self._compiled_at_least(True, self._seq_size(n), self._seq_size)
+
+    def _token_size(self, n: int) -> int:
+        return bucket(n, self.min_token_bucket, max(16, self.max_num_batched_tokens))
+
+    def _seq_size(self, n: int) -> int:
         return bucket(n, min(self.min_decode_seqs, self.max_num_seqs), self.max_num_seqs)
+
+    def _compiled_at_least(self, decode: bool, size: int, bucket_of) -> int:
+        """``size``, or while shapes are still compiling the next bucket up that is compiled (the largest is)."""
+        if self.compiled is not None:
+            while (decode, size) not in self.compiled and bucket_of(size + 1) != size:
+                size = bucket_of(size + 1)
+        return size
+
+    def with_compiled(self, compiled) -> "StepShapes":
+        """These shapes with only ``compiled``'s (decode, bucket) pairs in use; every pair of ``all_shapes``
+        in it: all of them (``compiled`` None)."""
+        if compiled is not None and {(s[0], s[1]) for s in self.all_shapes()} <= set(compiled):
+            compiled = None
+        return dataclasses.replace(self, compiled=None if compiled is None else frozenset(compiled))
 
     def page_bucket(self, n: int) -> int:
         return bucket(n, 16, max(16, self.pages_per_seq))
@@ -69,13 +92,13 @@ class StepShapes:
         return min(self.max_num_seqs, num_tokens)
 
     def token_buckets(self) -> list[int]:
-        return ladder(self.token_bucket, self.min_token_bucket)
+        return ladder(self._token_size, self.min_token_bucket)
 
     def decode_buckets(self) -> list[int]:
-        return ladder(self.seq_bucket, 1)
+        return ladder(self._seq_size, 1)
 
     def all_shapes(self) -> list[tuple[bool, int, int, int]]:
-        """Every compiled shape as (decode, tokens, slots, pages per sequence), prefill first."""
+        """Every shape serving compiles, as (decode, tokens, slots, pages per sequence), prefill first."""
         pages = self.step_pages(False, 1)
         shapes = [(False, t, self.prefill_seqs(t), pages) for t in self.token_buckets()]
         return shapes + [(True, n, n, pages) for n in self.decode_buckets()]

@@ -20,13 +20,14 @@ WAITING_PER_SEQ = 4  # the default waiting queue holds this many sequences per b
 
 
 def add_engine_args_with_demo_shapes(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = (),
-                                     notes: dict | None = None) -> None:
+                                     notes: dict | None = None, defaults: dict | None = None) -> None:
     """The engine flags, with the demo model's smaller shapes as defaults when no --model is given (call
-    ``fill_demo_shapes`` after parsing)."""
+    ``fill_demo_shapes`` after parsing); ``defaults``: other flags' defaults that differ from the engine's."""
     notes = dict(notes or {})
     notes.update({name: f"default: {_DEFAULTS[name] or 'the model context length'}; {value} for the demo model"
                   for name, value in DEMO_ENGINE_DEFAULTS.items()})
-    add_engine_args(parser, skip=skip, defaults={name: None for name in DEMO_ENGINE_DEFAULTS}, notes=notes)
+    add_engine_args(parser, skip=skip, defaults={**(defaults or {}), **{name: None for name in DEMO_ENGINE_DEFAULTS}},
+                    notes=notes)
 
 
 def fill_demo_shapes(args: argparse.Namespace) -> None:
@@ -86,7 +87,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="LoRA adapters (PEFT folders) served from the start, each selected by its NAME in the "
                         "'model' field (needs --enable-lora; more can be loaded with POST /v1/load_lora_adapter)")
     notes = {"max_waiting_requests": f"default: {WAITING_PER_SEQ} x --max-num-seqs per data replica; 0: no limit"}
-    add_engine_args_with_demo_shapes(p, skip=("warmup",), notes=notes)
+    # A server reports ready once every request can run; the other shapes compile while it serves.
+    add_engine_args_with_demo_shapes(p, skip=("warmup",), notes=notes, defaults={"compile_in_background": True})
 
 
 def _add_disagg_args(d: argparse._ArgumentGroup) -> None:

@@ -1,0 +1,149 @@
+"""Start-up with ``compile_in_background`` (the server's default): the warm-up compiles the largest prefill and
+decode shapes, the engine serves at once, each step runs in the smallest shape compiled so far, the other shapes
+compile on a background thread (never in a step), are saved to the executable store, and ``close`` drops those
+not started."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import SamplingParams
+from jaxserve.config.engine import EngineConfig
+from jaxserve.engine.engine import Engine
+from jaxserve.executor.batch import StepKind
+from jaxserve.executor.compile_counter import CompileCounter
+from jaxserve.executor.executor import Executor
+from jaxserve.executor.shapes import StepShapes
+from jaxserve.server.args import build_parser
+from tiny import build_tiny_model, hf_greedy, hf_model, train_tokenizer
+
+PROMPT = list(range(3, 30))  # 27 tokens: two 16-token chunks, then decodes
+
+
+def test_a_step_takes_the_smallest_compiled_bucket_that_holds_it():
+    shapes = StepShapes(max_num_seqs=8, max_num_batched_tokens=128, pages_per_seq=4)
+    assert shapes.token_buckets() == [16, 32, 64, 128] and shapes.decode_buckets() == [1, 2, 4, 8]
+    first = shapes.with_compiled({(False, 128), (True, 8)})
+    assert [first.token_bucket(n) for n in (1, 16, 17, 100)] == [128] * 4
+    assert [first.seq_bucket(n) for n in (1, 3, 8)] == [8] * 3
+    # the ladders and the shape list stay whole: they say what is to be compiled
+    assert first.token_buckets() == shapes.token_buckets() and first.all_shapes() == shapes.all_shapes()
+    more = first.with_compiled(first.compiled | {(False, 32), (True, 2)})
+    assert [more.token_bucket(n) for n in (1, 32, 33)] == [32, 32, 128]
+    assert [more.seq_bucket(n) for n in (1, 2, 3)] == [2, 2, 8]
+    every = more.with_compiled({(s[0], s[1]) for s in shapes.all_shapes()})
+    assert every.compiled is None and every == shapes
+
+
+def test_the_compile_guard_counts_only_the_calling_threads_compilations():
+    counter = CompileCounter()
+    thread = threading.Thread(target=lambda: jax.jit(lambda x: x * 3 + 1).lower(np.ones(7, np.float32)).compile())
+    thread.start()
+    thread.join()
+    assert counter.count() == 1 and counter.thread_count() == 0
+    jax.jit(lambda x: x * 5 - 2).lower(np.ones(9, np.float32)).compile()
+    assert counter.count() == 2 and counter.thread_count() == 1
+
+
+def test_the_server_compiles_in_the_background_unless_told_not_to():
+    assert build_parser().parse_args([]).compile_in_background
+    assert not build_parser().parse_args(["--no-compile-in-background"]).compile_in_background
+    assert not EngineConfig().compile_in_background  # offline jobs (LLM) compile everything before the clock
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model("llama", tmp_path_factory.mktemp("llama"), tokenizer=train_tokenizer())
+
+
+def _config(model_dir, cache_dir) -> EngineConfig:
+    # Prefill buckets of 16 and 32 tokens, decode buckets of 1, 2 and 4 rows: 3 shapes left for the background.
+    return EngineConfig(model=str(model_dir), page_size=4, num_pages=48, max_model_len=64, max_num_seqs=4,
+                        max_num_batched_tokens=32, seed=0, compilation_cache_dir=cache_dir,
+                        compile_in_background=True)
+
+
+def _serve(engine: Engine) -> dict:
+    engine.add_request("greedy", PROMPT, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.add_request("sampled", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.9, seed=4, logprobs=2,
+                                                            repetition_penalty=1.2, ignore_eos=True))
+    tokens = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    return tokens
+
+
+@pytest.fixture
+def gated(monkeypatch):
+    """Hold every shape the background compile takes until the test sets the event; count them."""
+    gate, taken = threading.Event(), []
+    prepare = Executor._prepare_shape
+
+    def held(self, shape, store):
+        if self.warmed_up:  # the background's shapes (the warm-up's run before it is set)
+            taken.append(shape)
+            assert gate.wait(300)
+        return prepare(self, shape, store)
+
+    monkeypatch.setattr(Executor, "_prepare_shape", held)
+    return gate, taken
+
+
+def test_serving_starts_on_the_largest_shapes_and_moves_to_each_shape_once_compiled(model_dir, tmp_path, gated):
+    gate, taken = gated
+    engine = Engine(_config(model_dir, str(tmp_path / "cache")))
+    executor = engine.executor
+    every = executor.shapes.all_shapes()
+    assert [s[1] for s in every if not s[0]] == [16, 32] and [s[1] for s in every if s[0]] == [1, 2, 4]
+    assert executor.warmup_summary["shapes_later"] == 3 == executor.shapes_pending
+    assert executor.shapes.compiled == {(False, 32), (True, 4)}
+    assert engine.stats()["step_shapes_pending"] == 3
+
+    tokens = _serve(engine)  # while the background holds its first shape
+    hf = hf_model(model_dir)
+    assert tokens["greedy"] == hf_greedy(hf, PROMPT, 8)
+    assert executor.compilations_after_warmup == 0  # no step compiled: each ran in a compiled shape
+    assert executor.shapes.token_bucket(3) == 32 and executor.shapes.seq_bucket(1) == 4
+
+    gate.set()
+    assert executor.wait_for_shapes(timeout=600)
+    assert executor.shapes_pending == 0 and executor.shapes.compiled is None
+    assert executor.shapes.token_bucket(3) == 16 and executor.shapes.seq_bucket(1) == 1
+    # smaller shapes first, a decode and a prefill shape in turn (the order the background threads take them)
+    assert [(s[0], s[1]) for s in executor._shapes_for_later(every, [])] == [(True, 1), (False, 16), (True, 2)]
+    assert sorted(taken) == sorted(s for s in every if (s[0], s[1]) in {(True, 1), (False, 16), (True, 2)})
+    assert sorted(executor.runner.executables) == sorted(executor.runner.step_key(
+        StepKind.DECODE if s[0] else StepKind.PREFILL, executor._padding_batch(*s)) for s in every)
+    again = _serve(engine)
+    assert again["greedy"] == tokens["greedy"]
+    assert executor.compilations_after_warmup == 0
+    engine.close()
+
+    # The background's shapes were saved: the next start loads every shape before it is ready.
+    warm = Engine(_config(model_dir, str(tmp_path / "cache")))
+    assert warm.executor.shapes_pending == 0 and warm.executor.shapes.compiled is None
+    assert warm.executor.warmup_summary["shapes_later"] == 0 and warm.executor.warmup_summary["compilations"] == 0
+    assert _serve(warm)["greedy"] == tokens["greedy"]
+    warm.close()
+
+
+def test_close_drops_the_shapes_not_started(model_dir, gated):
+    gate, taken = gated
+    engine = Engine(_config(model_dir, None))  # no store: the background compiles through jit's path alike
+    executor = engine.executor
+    assert executor.shapes_pending == 3
+    closing = threading.Thread(target=engine.close)
+    closing.start()
+    closing.join(2)
+    assert closing.is_alive()  # waiting for the shape being compiled
+    gate.set()
+    closing.join(300)
+    assert not closing.is_alive()
+    assert len(taken) == 1 and executor.shapes_pending == 0
+    assert executor.shapes.compiled is not None and len(executor.runner.executables) == 3
