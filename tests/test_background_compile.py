@@ -85,11 +85,11 @@ def gated(monkeypatch):
     gate, taken = threading.Event(), []
     prepare = Executor._prepare_shape
 
-    def held(self, shape, store):
+    def held(self, shape, store, state=None):
         if self.warmed_up:  # the background's shapes (the warm-up's run before it is set)
             taken.append(shape)
             assert gate.wait(300)
-        return prepare(self, shape, store)
+        return prepare(self, shape, store, state)
 
     monkeypatch.setattr(Executor, "_prepare_shape", held)
     return gate, taken
@@ -147,3 +147,22 @@ def test_close_drops_the_shapes_not_started(model_dir, gated):
     assert not closing.is_alive()
     assert len(taken) == 1 and executor.shapes_pending == 0
     assert executor.shapes.compiled is not None and len(executor.runner.executables) == 3
+
+
+def test_shapes_compiled_while_the_engine_sleeps_serve_once_it_wakes(model_dir, tmp_path, gated):
+    gate, taken = gated
+    engine = Engine(_config(model_dir, str(tmp_path / "cache")))
+    executor = engine.executor
+    tokens = _serve(engine)
+    engine.sleep(2)  # the pool and the weights deleted while the background holds its first shape
+    gate.set()
+    assert executor.wait_for_shapes(timeout=600)
+    engine.wake_up()
+    assert executor.shapes.compiled is None
+    assert _serve(engine)["greedy"] == tokens["greedy"]
+    assert executor.compilations_after_warmup == 0
+    engine.close()
+    # what the background saved serves the next start alike
+    warm = Engine(_config(model_dir, str(tmp_path / "cache")))
+    assert warm.executor.warmup_summary["compilations"] == 0 and _serve(warm)["greedy"] == tokens["greedy"]
+    warm.close()

@@ -847,13 +847,16 @@ class Executor:
             if self.shapes.compiled is not None:
                 self.shapes = self.shapes.with_compiled(self.shapes.compiled | {(shape[0], shape[1])})
 
-        self._later = BackgroundCompile(later, lambda shape: self._prepare_shape(shape, store), add,
+        # Lowered against the arrays' descriptions, taken now: serving donates the pool at every step, and
+        # ``sleep`` deletes it (and the weights), while a shape compiles.
+        state = self.runner.abstract_state()
+        self._later = BackgroundCompile(later, lambda shape: self._prepare_shape(shape, store, state), add,
                                         workers=max(1, (os.cpu_count() or 2) // 2))
 
-    def _prepare_shape(self, shape, store) -> bool:
+    def _prepare_shape(self, shape, store, state: tuple | None = None) -> bool:
         decode, num_tokens, num_seqs, pages = shape
         kind = StepKind.DECODE if decode else StepKind.PREFILL
-        return self.runner.prepare(kind, self._padding_batch(decode, num_tokens, num_seqs, pages), store)
+        return self.runner.prepare(kind, self._padding_batch(decode, num_tokens, num_seqs, pages), store, state)
 
     def _warm_sampler(self, logits, progress, store=None) -> None:
         """Make the sampler's variants and prompt-logprob scoring ready (loaded from ``store`` when it holds them,

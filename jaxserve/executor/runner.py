@@ -196,10 +196,21 @@ class ModelRunner:
         packed = place(payload, self._replicated)
         return self._steps[kind], (self.params, packed, self.kv_cache, *static)
 
-    def lower(self, kind: StepKind, batch: MeshBatch):
-        """The step a batch would run, lowered (for inspecting the compiled program)."""
+    def lower(self, kind: StepKind, batch: MeshBatch, state: tuple | None = None):
+        """The step a batch would run, lowered (for inspecting the compiled program). ``state``: the weights and
+        the KV pool as ``abstract_state`` described them, in place of the live arrays."""
         fn, args = self._call_args(kind, batch, self._payload(batch))
+        if state is not None:
+            args = (state[0], args[1], state[1], *args[3:])
         return fn.lower(*args, **self._step_kwargs(self._no_prev))
+
+    def abstract_state(self) -> tuple:
+        """The weights and the KV pool as shapes, dtypes and shardings only: what a step is compiled against,
+        whatever becomes of the arrays meanwhile (a step donating the pool, ``sleep`` deleting both)."""
+        def describe(a):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) if isinstance(a, jax.Array) else a
+
+        return jax.tree.map(describe, self.params), jax.tree.map(describe, self.kv_cache)
 
     def _payload(self, batch: MeshBatch, seq_slots: np.ndarray | None = None) -> np.ndarray:
         """The step's one int32 input: the packed batch, then with adapters each sequence slot's adapter slot
@@ -217,13 +228,14 @@ class ModelRunner:
         """The key of a batch's step among the prepared executables and in the executable store."""
         return int(kind), batch.shape_fields()
 
-    def prepare(self, kind: StepKind, batch: MeshBatch, store=None) -> bool:
+    def prepare(self, kind: StepKind, batch: MeshBatch, store=None, state: tuple | None = None) -> bool:
         """Make the step of a batch's shape ready, so ``run`` calls it without tracing: loaded from ``store`` (a
-        ``jaxserve.executor.executable_store.ExecutableStore``) when it holds it, else lowered, compiled and saved
-        there (``load_or_compile``). Thread-safe for distinct shapes. Returns whether it was loaded."""
+        ``jaxserve.executor.executable_store.ExecutableStore``) when it holds it, else lowered (against ``state``,
+        an ``abstract_state``, when given) compiled and saved there (``load_or_compile``). Thread-safe for
+        distinct shapes. Returns whether it was loaded."""
         key = self.step_key(kind, batch)
         self.executables[key], loaded = load_or_compile(store, key, list(self.mesh.devices.flat),
-                                                        lambda: self.lower(kind, batch), self.compiles)
+                                                        lambda: self.lower(kind, batch, state), self.compiles)
         return loaded
 
     def _run(self, kind: StepKind, batch: MeshBatch, payload: np.ndarray, prev_ids=None) -> StepOutput:
