@@ -10,7 +10,7 @@ without tracing anything:
   and instruction-set flags: XLA:CPU compiles for it) and the mesh (axis names and sizes, device ids and
   kinds); the jax options that change programs (matmul precision, x64, ``XLA_FLAGS``);
 - the code that is traced: a hash of every source file of ``jaxserve``, ``pallas_kernels`` and ``sharding``
-  (the native CPU attention kernel's C++ included), and whether CPU steps call that kernel;
+  (the native CPU kernels' C++ included), and whether CPU steps call the native attention and dense kernels;
 - the model: its ``ModelConfig``, the structure, shapes, dtypes and shardings of its parameters (the dtype and
   any 8-bit weights and scales) and of the KV pool; the step's options (attention backend, logits rows,
   windowed pool);
@@ -47,6 +47,7 @@ import jax
 from jax.experimental import serialize_executable
 from jax.extend.mlir import ir
 
+from pallas_kernels.matmul import native as native_dense
 from pallas_kernels.ragged_paged_attention import native
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,11 @@ def _host_cpu() -> str:
     return f"{platform.machine()} {platform.processor()} {hashlib.sha256(flags.encode()).hexdigest()}"
 
 
+def _native_dense(platform_name: str) -> bool:
+    """Whether this process's CPU steps call the native dense-product kernel (registered by asking, as above)."""
+    return platform_name == "cpu" and native_dense.active()
+
+
 def _native_attention(platform_name: str) -> bool:
     """Whether this process's CPU steps call the native attention kernel. Asking registers it: a stored
     executable that calls it must find it registered before it runs, and a warm start traces nothing that would."""
@@ -112,6 +118,7 @@ def runner_fingerprint(runner) -> str:
         f"jax={jax.__version__} jaxlib={jaxlib.__version__} flax={flax.__version__} python={sys.version}",
         f"backend={devices[0].platform} {devices[0].client.platform_version} host={_host_cpu()}",
         f"native_cpu_attention={_native_attention(devices[0].platform)}",
+        f"native_cpu_dense={_native_dense(devices[0].platform)}",
         f"mesh={dict(mesh.shape)} devices={[(d.id, d.device_kind) for d in devices]}",
         f"precision={config.jax_default_matmul_precision} x64={config.jax_enable_x64} "
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')} LIBTPU_INIT_ARGS={os.environ.get('LIBTPU_INIT_ARGS', '')}",

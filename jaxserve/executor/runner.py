@@ -24,6 +24,7 @@ from jaxserve.executor.sampler import argmax
 from jaxserve.models.attention import AttentionBackend, ShardedAttention
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.decoder import DecoderLM, forward
+from jaxserve.models.layers import native_products
 from jaxserve.models.lora import group_rows, token_slots
 from pallas_kernels.ragged_paged_attention import check_values, token_layout
 from sharding import multihost
@@ -68,8 +69,10 @@ def jit_step(graphdef: nnx.GraphDef, num_rows: int, out_shardings=None, local_po
             slots = jax.vmap(lambda cu, n, ss: token_slots(cu, n, ss, t))(batch.md.cu_q_lens, batch.md.num_seqs,
                                                                            seq_slots).reshape(-1)  # i32[R * T]
             lora = (adapters, group_rows(slots, jax.tree.leaves(adapters)[0].shape[0]))
-        logits, kv_cache = forward(nnx.merge(graphdef, params), token_ids, positions, md, kv_cache, logits_indices,
-                                   attention, layout, local_pool=local_pool, lora=lora)
+        # On one device the products may run the native CPU kernel (a custom call: XLA cannot split it over a mesh).
+        with native_products(layout.mesh.size == 1):
+            logits, kv_cache = forward(nnx.merge(graphdef, params), token_ids, positions, md, kv_cache,
+                                       logits_indices, attention, layout, local_pool=local_pool, lora=lora)
         pad = num_rows - logits.shape[0]
         with jax.named_scope("sampler"):
             greedy = jnp.pad(argmax(logits), (0, pad))  # i32[num_rows]

@@ -383,10 +383,10 @@ def forward(
     head_module = model.embed_tokens if model.lm_head is None else model.lm_head
     head, head_scale = (getattr(head_module, n) for n in (("embedding", "embedding_scale") if model.lm_head is None
                                                           else ("weight", "weight_scale")))
-    head = head[...].T if model.lm_head is None else head[...]  # dt[C, V] (w8[C, V] when quantized)
+    head = head[...]  # dt[C, V], or tied: the embedding dt[V, C] (w8 when quantized)
     head_scale = None if head_scale is None else head_scale[...]  # f32[V] (or f32[C / B, V / B]) when quantized
     # Each tensor shard computes its vocab slice; then the f32[N, V] logits (not the head) are gathered.
     with jax.named_scope("lm_head"):
-        logits = layers.soft_cap(constrain(layers.matmul_f32(x, head, head_scale), layout, "slots", "act_vocab"),
-                                 cfg.final_soft_cap)  # f32[N, V]
+        product = layers.matmul_f32(x, head, head_scale, transposed=model.lm_head is None)  # f32[N, V]
+        logits = layers.soft_cap(constrain(product, layout, "slots", "act_vocab"), cfg.final_soft_cap)  # f32[N, V]
     return constrain(logits, layout, "slots", "logits_vocab"), new_cache  # f32[N, V], per layer the pages

@@ -8,11 +8,15 @@ Dims: T tokens (the rows of a step), H query heads, K KV heads, D head_dim, C hi
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models.rope import RopeConfig
+from pallas_kernels.matmul import native as native_dense
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
@@ -50,9 +54,29 @@ def dequantize(weight: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     return (weight.astype(jnp.float32) * full).astype(dtype)  # dtype[..., in, out]
 
 
-def matmul_f32(x: jax.Array, weight: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+_native_products = contextvars.ContextVar("jaxserve_native_products", default=False)
+
+
+@contextlib.contextmanager
+def native_products(on: bool):
+    """While tracing inside it (``on``), ``matmul_f32``'s unquantized products run the native CPU kernel
+    (``pallas_kernels.matmul``) in programs lowered for a CPU. The decoder turns it on for a step on one device:
+    XLA's partitioner cannot split a custom call over a mesh."""
+    token = _native_products.set(on)
+    try:
+        yield
+    finally:
+        _native_products.reset(token)
+
+
+def matmul_f32(x: jax.Array, weight: jax.Array, scale: jax.Array | None = None, *,
+               transposed: bool = False) -> jax.Array:
     """``x @ weight`` for 2-D ``x`` (dt[M, in] @ dt[in, out] or w8[in, out]), accumulated and returned in fp32:
-    f32[M, out].
+    f32[M, out]; ``transposed``: the weight is dt[out, in] (a tied LM head's embedding) and the product
+    ``x @ weight.T``.
+
+    Within ``native_products(True)`` an unquantized product lowered for a CPU runs the native kernel, which
+    takes a transposed weight as it is.
 
     With a ``scale`` the weight is 8-bit (``jaxserve.models.quantization``): a per-channel scale multiplies the
     product's columns (the 8-bit values are converted to x's dtype, exactly, inside the dot); a block scale
@@ -64,10 +88,14 @@ def matmul_f32(x: jax.Array, weight: jax.Array, scale: jax.Array | None = None) 
     single 16-bit row is padded to two. On an AVX2-only CPU no XLA option makes bf16 faster than fp32
     (docs/benchmarks.md, "Quiet machine, weights as the engine holds them").
     """
+    if transposed and (scale is not None or not _native_products.get()):
+        return matmul_f32(x, weight.T, scale)
     if scale is not None:
         if scale.ndim == weight.ndim:  # block scales f32[in / B, out / B]
             return matmul_f32(x, dequantize(weight, scale, x.dtype))  # f32[M, out]
         return quantized_matmul(x, weight, scale)  # f32[M, out]
+    if _native_products.get() and native_dense.usable(x, weight):
+        return native_dense.dense(x, weight, transposed=transposed)  # f32[M, out]
     if x.shape[0] == 1 and x.dtype.itemsize == 2 and jax.default_backend() == "cpu":
         # x padded to dt[2, in]; the product's first row: f32[1, out]
         return jnp.dot(jnp.pad(x, ((0, 1), (0, 0))), weight, preferred_element_type=jnp.float32)[:1]

@@ -2,13 +2,8 @@
 
 XLA:CPU cannot read a row's K/V pages in place: the pure-JAX walk (``cpu.py``) gathers them into a copy first,
 and that copy, not the arithmetic, bounds the decode step on CPU. The C++ kernel reads the pages through the
-page table directly. It is compiled from the source shipped in this package with the system C++ compiler
-(``$CXX``, else ``g++``) for the machine it runs on, into ``$JAXSERVE_CACHE/native`` (default
-``~/.cache/jaxserve/native``) under a name keyed by the source, the flags, the compiler, jaxlib and the host
-CPU's instruction-set flags (``-march=native``: a cache on a shared home must not hand one machine's build to
-another), written under
-a temporary name and renamed so concurrent processes never load a half-written library; then loaded with ctypes
-and registered as an XLA FFI target for the CPU platform.
+page table directly. It is built for the machine it runs on and registered as an XLA FFI target
+(``pallas_kernels.native_build``).
 
 Where it cannot be built (no compiler, a failed build) or ``JAXSERVE_CPU_NATIVE_ATTENTION=0``, ``available()``
 is False, one log line says why, and callers run the pure-JAX walk. An executable that calls the target (a
@@ -17,22 +12,17 @@ deserialized one included) needs it registered in its process first: call ``avai
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 
+from pallas_kernels import native_build
 from pallas_kernels.quantized_pages import QuantizedPages
 
 logger = logging.getLogger(__name__)
@@ -41,14 +31,12 @@ SOURCE = Path(__file__).with_name("cpu_native.cc")
 SWITCH = "JAXSERVE_CPU_NATIVE_ATTENTION"  # "0" turns the native path off
 TARGET = "jaxserve_rows_attention"
 _SYMBOL = "JaxserveRowsAttention"
-_FLAGS = ("-O3", "-DNDEBUG", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 PAGE_DTYPES = (jnp.float32, jnp.bfloat16)
 QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)  # QuantizedPages storage the kernel widens
-_registered: set[str] = set()  # targets registered in this process (XLA keeps them for its lifetime)
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("JAXSERVE_CACHE", Path.home() / ".cache" / "jaxserve")) / "native"
+    return native_build.cache_dir()
 
 
 def enabled() -> bool:
@@ -56,50 +44,19 @@ def enabled() -> bool:
     return os.environ.get(SWITCH, "1") != "0"
 
 
-def _host_cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return platform.machine()
-
-
 def build(directory: Path, compiler: str) -> Path:
     """The shared library built from ``SOURCE`` with ``compiler`` in ``directory`` (reused when its key matches).
 
     Raises OSError or subprocess.CalledProcessError when the compiler is missing or the build fails.
     """
-    found = shutil.which(compiler)
-    if found is None:
-        raise FileNotFoundError(f"no C++ compiler {compiler!r}")
-    version = subprocess.run([found, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(_FLAGS), found, version, jaxlib.__version__,
-                                    _host_cpu_flags()]).encode()).hexdigest()[:24]
-    path = directory / f"rows_attention-{key}.so"
-    if path.exists():
-        return path
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".so")
-    os.close(fd)
-    try:
-        subprocess.run([found, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp],
-                       capture_output=True, text=True, check=True)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return native_build.build(SOURCE, "rows_attention", directory, compiler)
 
 
 @functools.cache
 def available() -> bool:
     """Build, load and register the kernel once per process; False (with one log line) where it cannot be."""
     try:
-        path = build(cache_dir(), os.environ.get("CXX", "g++"))
-        if TARGET not in _registered:
-            library = ctypes.cdll.LoadLibrary(str(path))
-            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, _SYMBOL)), platform="cpu")
-            _registered.add(TARGET)
+        native_build.register(build(cache_dir(), os.environ.get("CXX", "g++")), _SYMBOL, TARGET)
     except (OSError, subprocess.CalledProcessError) as e:
         detail = (getattr(e, "stderr", None) or str(e)).strip()
         logger.warning("native CPU attention unavailable (%s): the pure-JAX walk runs",
