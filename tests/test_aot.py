@@ -52,7 +52,7 @@ def test_compiles_what_the_engine_warms_up(monkeypatch):
     executor = Executor(config, model_path=str(demo_model_path()))
     seen = []
 
-    def prepare(kind, batch, store=None):
+    def prepare(kind, batch, store=None, state=None):
         _, tokens, slots, pages = batch.shape_fields()
         seen.append(("decode" if kind == StepKind.DECODE else "prefill", tokens, slots, pages))
         return False
