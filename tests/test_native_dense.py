@@ -72,10 +72,13 @@ def test_matmul_f32_takes_the_kernel_only_inside_native_products(monkeypatch):
         return jax.jit(f).lower(x, weight).as_text()
 
     assert native.TARGET in program(True) and native.TARGET not in program(False)
-    assert native.TARGET in program(True, transposed=True, weight=w.T)
+    # a transposed weight: bf16 through the kernel, f32 through XLA's product (as fast there)
+    assert native.TARGET in program(True, transposed=True, weight=w.T.astype(jnp.bfloat16))
+    assert native.TARGET not in program(True, transposed=True, weight=w.T)
+    wb = w.T.astype(jnp.bfloat16)
     with layers.native_products(True):
-        on = layers.matmul_f32(x, w.T, transposed=True)
-    off = layers.matmul_f32(x, w.T, transposed=True)
+        on = layers.matmul_f32(x, wb, transposed=True)
+    off = layers.matmul_f32(x, wb, transposed=True)
     np.testing.assert_allclose(np.asarray(on), np.asarray(off), rtol=1e-5, atol=1e-5)
     # 8-bit weights keep their own product
     scale = jnp.ones((24,), jnp.float32)

@@ -76,7 +76,7 @@ def matmul_f32(x: jax.Array, weight: jax.Array, scale: jax.Array | None = None, 
     ``x @ weight.T``.
 
     Within ``native_products(True)`` an unquantized product lowered for a CPU runs the native kernel, which
-    takes a transposed weight as it is.
+    takes a transposed bf16 weight as it is (a transposed f32 one stays with XLA, as fast there).
 
     With a ``scale`` the weight is 8-bit (``jaxserve.models.quantization``): a per-channel scale multiplies the
     product's columns (the 8-bit values are converted to x's dtype, exactly, inside the dot); a block scale
@@ -88,8 +88,11 @@ def matmul_f32(x: jax.Array, weight: jax.Array, scale: jax.Array | None = None, 
     single 16-bit row is padded to two. On an AVX2-only CPU no XLA option makes bf16 faster than fp32
     (docs/benchmarks.md, "Quiet machine, weights as the engine holds them").
     """
-    if transposed and (scale is not None or not _native_products.get()):
-        return matmul_f32(x, weight.T, scale)
+    if transposed and (scale is not None or weight.dtype == jnp.float32 or not _native_products.get()):
+        # XLA's product with a transposed f32 weight is level with the kernel's or faster; with a bf16 one
+        # the kernel is 2.5x faster (docs/benchmarks.md, "The products alone")
+        with native_products(False):
+            return matmul_f32(x, weight.T, scale)
     if scale is not None:
         if scale.ndim == weight.ndim:  # block scales f32[in / B, out / B]
             return matmul_f32(x, dequantize(weight, scale, x.dtype))  # f32[M, out]
