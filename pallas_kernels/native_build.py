@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -73,3 +74,17 @@ def register(path: Path, symbol: str, target: str) -> None:
         library = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
         _registered.add(target)
+
+
+def build_and_register(source: Path, stem: str, symbol: str, target: str, log: logging.Logger, what: str,
+                       fallback: str) -> bool:
+    """Build ``source`` (``build``, into ``cache_dir()`` with ``$CXX`` or ``g++``) and register it (``register``);
+    False, with one line on ``log`` saying ``what`` is unavailable and that ``fallback`` runs, where it cannot be."""
+    try:
+        register(build(source, stem, cache_dir(), os.environ.get("CXX", "g++")), symbol, target)
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = (getattr(e, "stderr", None) or str(e)).strip()
+        log.warning("%s unavailable (%s): %s runs", what, detail.splitlines()[-1] if detail else type(e).__name__,
+                    fallback)
+        return False
+    return True

@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import subprocess
 from pathlib import Path
 
 import jax
@@ -29,6 +28,7 @@ import numpy as np
 from pallas_kernels import native_build
 
 logger = logging.getLogger(__name__)
+
 
 SOURCE = Path(__file__).with_name("cpu_native.cc")
 SWITCH = "JAXSERVE_CPU_NATIVE_DENSE"  # "0" turns the native path off
@@ -50,14 +50,8 @@ def build(directory: Path, compiler: str) -> Path:
 @functools.cache
 def available() -> bool:
     """Build, load and register the kernel once per process; False (with one log line) where it cannot be."""
-    try:
-        native_build.register(build(native_build.cache_dir(), os.environ.get("CXX", "g++")), _SYMBOL, TARGET)
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = (getattr(e, "stderr", None) or str(e)).strip()
-        logger.warning("native CPU dense products unavailable (%s): XLA's dot runs",
-                       detail.splitlines()[-1] if detail else type(e).__name__)
-        return False
-    return True
+    return native_build.build_and_register(SOURCE, "dense", _SYMBOL, TARGET, logger,
+                                           "native CPU dense products", "XLA's dot")
 
 
 def active() -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import subprocess
 from pathlib import Path
 
 import jax
@@ -55,14 +54,8 @@ def build(directory: Path, compiler: str) -> Path:
 @functools.cache
 def available() -> bool:
     """Build, load and register the kernel once per process; False (with one log line) where it cannot be."""
-    try:
-        native_build.register(build(cache_dir(), os.environ.get("CXX", "g++")), _SYMBOL, TARGET)
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = (getattr(e, "stderr", None) or str(e)).strip()
-        logger.warning("native CPU attention unavailable (%s): the pure-JAX walk runs",
-                       detail.splitlines()[-1] if detail else type(e).__name__)
-        return False
-    return True
+    return native_build.build_and_register(SOURCE, "rows_attention", _SYMBOL, TARGET, logger,
+                                           "native CPU attention", "the pure-JAX walk")
 
 
 @functools.cache
