@@ -18,8 +18,6 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <string>
-#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

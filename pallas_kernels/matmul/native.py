@@ -81,12 +81,12 @@ def dense(x: jax.Array, w: jax.Array, *, transposed: bool = False, threads: int 
     ``threads``: the columns are split over at most this many threads, the calling one and XLA's intra-op pool
     (0, the default: every thread of the pool; 1: the calling thread alone).
     """
+    if x.ndim == 2 and w.ndim == 2 and x.shape[1] != w.shape[1 if transposed else 0]:
+        raise ValueError(f"x [{x.shape[0]}, {x.shape[1]}] and w {list(w.shape)} (transposed={transposed}) "
+                         "disagree on k")
     if not usable(x, w):
         return dense_reference(x, w, transposed=transposed)
     n = w.shape[0] if transposed else w.shape[1]
-    if x.shape[1] != w.shape[1 if transposed else 0]:
-        raise ValueError(f"x [{x.shape[0]}, {x.shape[1]}] and w {list(w.shape)} (transposed={transposed}) "
-                         "disagree on k")
 
     def native(x, w):
         call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
