@@ -7,6 +7,7 @@ a fresh machine. ``--help`` lists every option; docs/serving.md describes the en
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 
@@ -53,10 +54,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") 
     from jaxserve.server.app import serve  # importing it loads grpc
 
     code = asyncio.run(serve(args))
-    if code < 0:  # stopped during warm-up: the engine thread cannot be interrupted mid-compile
+    from jaxserve.executor.background_compile import still_compiling
+
+    # Stopped during warm-up (the engine thread cannot be interrupted mid-compile), or with step shapes still
+    # compiling in the background (the interpreter's exit would wait for them): the server has shut down, so
+    # end the process now.
+    if code < 0 or still_compiling():
+        logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(max(code, 0))
     return code
 
 

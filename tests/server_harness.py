@@ -59,9 +59,9 @@ class ServerProcess:
     """A running server: ``http`` (base URL), ``grpc`` (host:port), ``metrics()``, ``terminate()``."""
 
     def __init__(self, model: Path, *, cache_dir: str, log_path: Path, extra: list[str] = (), http_port: int = 0,
-                 grpc_port: int = 0, wait: bool = True):
+                 grpc_port: int = 0, wait: bool = True, entry: tuple[str, ...] = ("-m", "jaxserve.serve")):
         self.log_path = log_path
-        self.args = [sys.executable, "-m", "jaxserve.serve", "--model", str(model), "--served-model-name", MODEL_NAME,
+        self.args = [sys.executable, *entry, "--model", str(model), "--served-model-name", MODEL_NAME,
                      "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
                      *SMALL_ENGINE, "--compilation-cache-dir", cache_dir, *extra]
         self._log = open(log_path, "w")

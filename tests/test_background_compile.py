@@ -1,12 +1,16 @@
-"""Start-up with ``compile_in_background`` (the server's default): the warm-up compiles the largest prefill and
+"""Start-up with ``compile_in_background`` (the server's default off a GPU): the warm-up compiles the largest prefill and
 decode shapes, the engine serves at once, each step runs in the smallest shape compiled so far, the other shapes
 compile on a background thread (never in a step), are saved to the executable store, and ``close`` drops those
-not started."""
+not started, waiting a bounded time for those being compiled (a stopping server does not wait for them)."""
 
 from __future__ import annotations
 
+import re
 import threading
+import time
+from types import SimpleNamespace
 
+import httpx
 import jax
 import numpy as np
 import pytest
@@ -14,11 +18,14 @@ import pytest
 from jaxserve import SamplingParams
 from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.engine import Engine
+from jaxserve.executor import executor as executor_module
+from jaxserve.executor.background_compile import still_compiling
 from jaxserve.executor.batch import StepKind
 from jaxserve.executor.compile_counter import CompileCounter
 from jaxserve.executor.executor import Executor
 from jaxserve.executor.shapes import StepShapes
 from jaxserve.server.args import build_parser
+from server_harness import MODEL_NAME, ServerProcess, tiny_model
 from tiny import build_tiny_model, hf_greedy, hf_model, train_tokenizer
 
 PROMPT = list(range(3, 30))  # 27 tokens: two 16-token chunks, then decodes
@@ -50,9 +57,20 @@ def test_the_compile_guard_counts_only_the_calling_threads_compilations():
 
 
 def test_the_server_compiles_in_the_background_unless_told_not_to():
-    assert build_parser().parse_args([]).compile_in_background
-    assert not build_parser().parse_args(["--no-compile-in-background"]).compile_in_background
-    assert not EngineConfig().compile_in_background  # offline jobs (LLM) compile everything before the clock
+    assert build_parser().parse_args([]).compile_in_background is None  # auto: the engine decides
+    assert build_parser().parse_args(["--compile-in-background"]).compile_in_background is True
+    assert build_parser().parse_args(["--no-compile-in-background"]).compile_in_background is False
+    assert EngineConfig().compile_in_background is False  # offline jobs (LLM) compile everything before the clock
+
+
+@pytest.mark.parametrize("setting, platform, expected", [
+    (None, "cpu", True), (None, "tpu", True), (None, "gpu", False),
+    (True, "gpu", True), (False, "cpu", False)])
+def test_auto_compiles_in_the_background_except_on_a_gpu(setting, platform, expected):
+    # On a GPU, XLA's compiler times candidate kernels on the device that serves.
+    executor = SimpleNamespace(config=SimpleNamespace(compile_in_background=setting),
+                               runner=SimpleNamespace(sample_device=SimpleNamespace(platform=platform)))
+    assert Executor.compiles_in_background.fget(executor) is expected
 
 
 @pytest.fixture(scope="module")
@@ -133,20 +151,65 @@ def test_serving_starts_on_the_largest_shapes_and_moves_to_each_shape_once_compi
     warm.close()
 
 
-def test_close_drops_the_shapes_not_started(model_dir, gated):
+def test_close_drops_the_shapes_not_started_and_waits_a_bounded_time(model_dir, gated, monkeypatch):
     gate, taken = gated
+    monkeypatch.setattr(executor_module, "CLOSE_WAIT_S", 1.0)
     engine = Engine(_config(model_dir, None))  # no store: the background compiles through jit's path alike
     executor = engine.executor
     assert executor.shapes_pending == 3
     closing = threading.Thread(target=engine.close)
     closing.start()
-    closing.join(2)
-    assert closing.is_alive()  # waiting for the shape being compiled
+    closing.join(0.5)
+    assert closing.is_alive()  # waiting for the shape being compiled...
+    closing.join(30)
+    assert not closing.is_alive()  # ...for CLOSE_WAIT_S only
+    assert still_compiling() == 1 and executor.shapes_pending == 1
     gate.set()
-    closing.join(300)
-    assert not closing.is_alive()
+    assert executor.wait_for_shapes(timeout=300) is False  # the shape finished; the two not started were dropped
+    assert still_compiling() == 0
     assert len(taken) == 1 and executor.shapes_pending == 0
     assert executor.shapes.compiled is not None and len(executor.runner.executables) == 3
+
+
+HELD_SERVER = """
+import itertools, sys, time
+from jaxserve.executor.executor import Executor
+
+prepare = Executor._prepare_shape
+taken = itertools.count()
+
+def held(self, shape, store, state=None):  # the background's third shape takes an hour to compile
+    if self.warmed_up and next(taken) >= 2:
+        time.sleep(3600)
+    return prepare(self, shape, store, state)
+
+Executor._prepare_shape = held
+from jaxserve.serve import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_gauge_follows_an_idle_server_and_sigterm_stops_it_while_shapes_compile(request, tmp_path):
+    script = tmp_path / "held_server.py"
+    script.write_text(HELD_SERVER)
+    server = ServerProcess(tiny_model(request), cache_dir=str(tmp_path / "cache"), log_path=tmp_path / "server.log",
+                           extra=["--compile-in-background"], entry=(str(script),))
+    try:
+        later = int(re.search(r"\((\d+) more compiling in the background\)", server.log()).group(1))
+        assert later >= 3
+        # no request comes, yet the gauge follows the background: two shapes compile, the third is held
+        m = server.wait_metrics(lambda m: m["jaxserve_step_shapes_pending"] == later - 2, timeout=120)
+        assert m["jaxserve_step_shapes_pending"] == later - 2
+        r = httpx.post(server.http + "/v1/completions", json={"model": MODEL_NAME, "prompt": "hello",
+                                                              "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200
+        server.signal()
+        started = time.monotonic()
+        assert server.wait(60) == 0, server.log()
+        assert time.monotonic() - started < 30  # close waits CLOSE_WAIT_S; the process does not wait for the rest
+        assert "still compiling in the background; not waiting for them" in server.log()
+    finally:
+        server.terminate()
 
 
 def test_shapes_compiled_while_the_engine_sleeps_serve_once_it_wakes(model_dir, tmp_path, gated):

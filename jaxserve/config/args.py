@@ -138,7 +138,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = 
         help_text = HELP[field.name]
         if field.name in notes or "default:" not in help_text.lower():
             help_text += f" ({notes.get(field.name, f'default: {default}')})"
-        if kind is bool:
+        if kind is bool or set(typing.get_args(kind)) == {bool, type(None)}:  # None: decided by the engine
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind) if typing.get_args(kind) else kind

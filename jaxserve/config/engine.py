@@ -68,8 +68,9 @@ class EngineConfig:
     seed: int = 0
     warmup: bool = True
     # Start-up compiles the largest prefill and decode shapes (and what the executable store holds), the rest
-    # on background threads once serving starts (jaxserve/executor/background_compile.py). The server's default.
-    compile_in_background: bool = False
+    # on background threads once serving starts (jaxserve/executor/background_compile.py). None: on, except on a
+    # GPU, whose compiler times candidate kernels on the device that serves (the server's default).
+    compile_in_background: bool | None = False
     debug_checks: bool = False
     logprobs_mode: str = "processed"
     generation_config: str = "auto"  # sampling defaults: "auto" (the checkpoint's), "vllm" (none), or a folder

@@ -167,6 +167,10 @@ class DisaggregatedEngine(StagedEngine):
         self.stats_counters.update(kv_transfers=0, kv_transfer_bytes=0, kv_transfer_seconds=0.0,
                                    kv_transfer_queue_seconds=0.0, prefill_steps=0, decode_steps=0)
 
+    def close(self) -> None:
+        self.prefill_executor.close()
+        super().close()
+
     # Steps --------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Land finished copies, run a prefill step (unless the decode side is backed up), hand its finished

@@ -78,11 +78,11 @@ class RequestStream:
         return item
 
 
-def take_all(q: queue.Queue, block: bool) -> list:
-    """Everything queued in ``q`` now (waiting for a first item if ``block``)."""
+def take_all(q: queue.Queue, block: bool, timeout: float | None = None) -> list:
+    """Everything queued in ``q`` now (waiting for a first item if ``block``, at most ``timeout`` seconds)."""
     items = []
     try:
-        items.append(q.get(block=block))
+        items.append(q.get(block=block, timeout=timeout))
         while True:
             items.append(q.get_nowait())
     except queue.Empty:

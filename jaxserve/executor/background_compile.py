@@ -8,8 +8,9 @@ more padding. Each compiled shape is saved to the executable store, so the next 
 is ready.
 
 XLA's compiler releases the GIL, so the host loop keeps running while a shape compiles; on a machine with few
-cores the two share them. ``stop`` (the executor's ``close``, or the interpreter's exit) lets the shape being
-compiled finish and drops the rest.
+cores the two share them. ``stop`` (the executor's ``close``, or the interpreter's exit) drops the shapes not
+started and waits for those being compiled: as long as they take at the interpreter's exit, a few seconds at most
+when the server stops (which then ends its process without waiting further: ``jaxserve.serve``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class BackgroundCompile:
                 if not self._queue:
                     return
                 shape = self._queue.pop(0)
+            started = time.monotonic()
             try:
                 self._prepare(shape)
             except Exception:  # noqa: BLE001 - a shape left out costs padding, never a request
@@ -71,6 +73,8 @@ class BackgroundCompile:
                 ok = False
             else:
                 ok = True
+            logger.debug("background compile: step shape %s %s in %.1fs", shape, "ready" if ok else "failed",
+                         time.monotonic() - started)
             with self._lock:
                 if ok:
                     self._ready(shape)
@@ -89,13 +93,26 @@ class BackgroundCompile:
             thread.join(None if deadline is None else max(deadline - time.monotonic(), 0))
         return not any(thread.is_alive() for thread in self._threads)
 
-    def stop(self) -> None:
-        """Drop the shapes not started and wait for those being compiled."""
+    def stop(self, timeout: float | None = None) -> bool:
+        """Drop the shapes not started and wait up to ``timeout`` seconds (None: as long as it takes) for those
+        being compiled; returns whether none is still compiling."""
         self._stopped.set()
         with self._lock:
             self.pending -= len(self._queue)
             self._queue.clear()
+        deadline = None if timeout is None else time.monotonic() + timeout
         current = threading.current_thread()
         for thread in self._threads:
             if thread is not current:
-                thread.join()
+                thread.join(None if deadline is None else max(deadline - time.monotonic(), 0))
+        return not self.compiling()
+
+    def compiling(self) -> int:
+        """How many of its threads are still working (stopped or not)."""
+        current = threading.current_thread()
+        return sum(thread.is_alive() and thread is not current for thread in self._threads)
+
+
+def still_compiling() -> int:
+    """How many background-compile threads (of any engine in this process) are still working."""
+    return sum(compile_.compiling() for compile_ in list(_live))

@@ -62,6 +62,9 @@ from sharding.mesh import make_mesh
 from sharding.rules import cache_heads
 
 logger = logging.getLogger(__name__)
+# How long ``close`` waits for the step shapes being compiled in the background: a stopping server should not
+# wait for compiles whose results it will not use (the interpreter's exit still waits, unless the server ends it).
+CLOSE_WAIT_S = 5.0
 
 
 def _use_compilation_cache(config: EngineConfig) -> None:
@@ -764,10 +767,12 @@ class Executor:
         self.runner.follow()
 
     def close(self) -> None:
-        """Stop compiling shapes in the background (the one being compiled finishes) and release the follower
-        processes of a multi-process run."""
-        if self._later is not None:
-            self._later.stop()
+        """Stop compiling shapes in the background (waiting a few seconds, ``CLOSE_WAIT_S``, for those being
+        compiled; the interpreter's exit waits for the rest) and release the follower processes of a
+        multi-process run."""
+        if self._later is not None and not self._later.stop(CLOSE_WAIT_S):
+            logger.info("%d step shape(s) still compiling in the background; not waiting for them",
+                        self._later.compiling())
         self.runner.close()
 
     @property
@@ -830,13 +835,21 @@ class Executor:
         quick). Smaller shapes first, a decode and a prefill shape in turn: they are the most padded meanwhile.
         None on a multi-process run (the followers compile what the leader runs) or with speculation (its
         drafter's steps have shapes of their own)."""
-        if not self.config.compile_in_background or jax.process_count() > 1 or self.spec is not None:
+        if not self.compiles_in_background or jax.process_count() > 1 or self.spec is not None:
             return []
         first = {max((s for s in shapes if s[0] == decode), key=lambda s: s[1]) for decode in (False, True)}
         later = [s for s in shapes if s not in first and s not in held]
         rank = {s: i for kind in (False, True) for i, s in enumerate(sorted(
             (s for s in shapes if s[0] == kind), key=lambda s: s[1]))}
         return sorted(later, key=lambda s: (rank[s], not s[0]))
+
+    @property
+    def compiles_in_background(self) -> bool:
+        """``compile_in_background``, with None ("auto") resolved: on, except on a GPU. XLA's GPU compiler picks
+        kernels by timing candidates on the device, so compiling beside serving slows both (docs/benchmarks.md,
+        "GPU: the check kit on an NVIDIA H200, fourth run")."""
+        setting = self.config.compile_in_background
+        return setting if setting is not None else self.runner.sample_device.platform != "gpu"
 
     def _compile_later(self, ready: list, later: list, store) -> None:
         """Serve with the ``ready`` shapes while ``later`` compile on background threads (half the cores: the

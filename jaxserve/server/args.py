@@ -86,9 +86,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters (PEFT folders) served from the start, each selected by its NAME in the "
                         "'model' field (needs --enable-lora; more can be loaded with POST /v1/load_lora_adapter)")
-    notes = {"max_waiting_requests": f"default: {WAITING_PER_SEQ} x --max-num-seqs per data replica; 0: no limit"}
-    # A server reports ready once every request can run; the other shapes compile while it serves.
-    add_engine_args_with_demo_shapes(p, skip=("warmup",), notes=notes, defaults={"compile_in_background": True})
+    notes = {"max_waiting_requests": f"default: {WAITING_PER_SEQ} x --max-num-seqs per data replica; 0: no limit",
+             "compile_in_background": "default: on, except on a GPU, where XLA's compiler times candidate kernels "
+                                      "on the GPU that serves"}
+    # A server reports ready once every request can run; the other shapes compile while it serves (off a GPU).
+    add_engine_args_with_demo_shapes(p, skip=("warmup",), notes=notes, defaults={"compile_in_background": None})
 
 
 def _add_disagg_args(d: argparse._ArgumentGroup) -> None:

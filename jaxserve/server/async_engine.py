@@ -42,6 +42,7 @@ from jaxserve.text.prompt_tokenizer import PromptTokenizer, token_bytes
 from jaxserve.text.request_checks import RequestChecks
 
 logger = logging.getLogger(__name__)
+STATS_REFRESH_S = 1.0  # how often an idle engine refreshes its stats while step shapes compile in the background
 
 
 @dataclasses.dataclass
@@ -377,7 +378,10 @@ class AsyncEngine:
             raise
 
     def _take(self, block: bool) -> list:
-        return take_all(self._intake, block)
+        # While step shapes compile in the background, an idle engine still wakes every second, so its stats
+        # (the pending-shapes gauge) stay current.
+        pending = (self._stats or {}).get("step_shapes_pending", 0)
+        return take_all(self._intake, block, timeout=STATS_REFRESH_S if pending else None)
 
     def _run(self, engine) -> None:
         while True:
