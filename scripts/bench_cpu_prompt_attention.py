@@ -4,7 +4,8 @@
         [--heads 9/3/64] [--dtype float32]
 
 A layout ``NxL`` is N prompts of L tokens with no cached context; ``NxL+C`` gives each C tokens of context
-before its chunk. The chunk path (``ragged_paged_attention_chunks``) takes the step's own rows densely and
+before its chunk; groups joined by ``&`` make one step (``1x60+200&3x150``: a prompt's last 60 tokens after 200
+in an earlier step, and three new prompts); ``--bucket 512`` pads the rows as the engine's step shapes do. The chunk path (``ragged_paged_attention_chunks``) takes the step's own rows densely and
 walks the context; the rows path (``ragged_paged_attention_rows``) sends every row through the native kernel
 (``native.py``), which reads each row's keys from the pages in place. Prints microseconds per call (one layer),
 the median of ``--iters`` calls, and the largest difference between the two results.
@@ -28,28 +29,33 @@ from pallas_kernels.ragged_paged_attention import (
 )
 
 
-def build(layout: str, heads: tuple[int, int, int], dtype, page_size: int, rng):
-    """(q, k, v, k_pages, v_pages, md) of one step: the pages hold every row's K/V (context and chunk)."""
-    count, rest = layout.split("x")
-    q_len, _, ctx = rest.partition("+")
-    count, q_len, ctx = int(count), int(q_len), int(ctx or 0)
+def build(layout: str, heads: tuple[int, int, int], dtype, page_size: int, rng, bucket: int = 0):
+    """(q, k, v, k_pages, v_pages, md) of one step: the pages hold every row's K/V (context and chunk). ``layout``
+    is one or more ``NxL[+C]`` groups joined by ``&`` (a step mixing them); ``bucket`` pads the rows to that many,
+    as the engine's step shapes do."""
+    seqs = []  # (q_len, ctx) per sequence
+    for group in layout.split("&"):
+        count, rest = group.split("x")
+        q_len, _, ctx = rest.partition("+")
+        seqs += [(int(q_len), int(ctx or 0))] * int(count)
     hq, hkv, d = heads
-    kv_len = ctx + q_len
-    per_seq = -(-kv_len // page_size)
-    num_pages = count * per_seq + 1
-    tokens = count * q_len
+    per_seq = max(-(-(ctx + q_len) // page_size) for q_len, ctx in seqs)
+    num_pages = len(seqs) * per_seq + 1
+    tokens = sum(q_len for q_len, _ in seqs)
+    rows = max(tokens, bucket)
     k_pages = jnp.asarray(rng.standard_normal((hkv, num_pages, page_size, d)), dtype)
     v_pages = jnp.asarray(rng.standard_normal((hkv, num_pages, page_size, d)), dtype)
-    tables = np.arange(count * per_seq, dtype=np.int32).reshape(count, per_seq) + 1
+    tables = np.arange(len(seqs) * per_seq, dtype=np.int32).reshape(len(seqs), per_seq) + 1
     # This step's rows are the last q_len positions of each sequence's pages.
-    pos = ctx + np.arange(q_len)
-    page = tables[:, pos // page_size]  # [count, q_len]
-    slot = np.broadcast_to(pos % page_size, page.shape)
-    k = k_pages[:, page.reshape(-1), slot.reshape(-1)].swapaxes(0, 1)  # [T, hkv, d]
-    v = v_pages[:, page.reshape(-1), slot.reshape(-1)].swapaxes(0, 1)
-    q = jnp.asarray(rng.standard_normal((tokens, hq, d)), dtype)
-    md = AttentionMetadata(jnp.asarray(np.arange(count + 1) * q_len, jnp.int32),
-                           jnp.full((count,), kv_len, jnp.int32), jnp.asarray(tables), jnp.asarray([count], jnp.int32))
+    page = np.concatenate([tables[i, (ctx + np.arange(q_len)) // page_size] for i, (q_len, ctx) in enumerate(seqs)])
+    slot = np.concatenate([(ctx + np.arange(q_len)) % page_size for q_len, ctx in seqs])
+    pad = rows - tokens
+    k = jnp.pad(k_pages[:, page, slot].swapaxes(0, 1), ((0, pad), (0, 0), (0, 0)))  # [T, hkv, d]
+    v = jnp.pad(v_pages[:, page, slot].swapaxes(0, 1), ((0, pad), (0, 0), (0, 0)))
+    q = jnp.asarray(rng.standard_normal((rows, hq, d)), dtype)
+    cu = np.concatenate([[0], np.cumsum([q_len for q_len, _ in seqs])])
+    md = AttentionMetadata(jnp.asarray(cu, jnp.int32), jnp.asarray([c + n for n, c in seqs], jnp.int32),
+                           jnp.asarray(tables), jnp.asarray([len(seqs)], jnp.int32))
     return q, k, v, k_pages, v_pages, md
 
 
@@ -70,6 +76,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=9)
+    p.add_argument("--bucket", type=int, default=0, help="pad each step's rows to this many (the engine's bucket)")
     args = p.parse_args()
     if not native.active():
         raise SystemExit("the native CPU attention kernel is not available here")
@@ -79,11 +86,11 @@ def main() -> None:
     rows = jax.jit(lambda q, k, v, kp, vp, md: ragged_paged_attention_rows(q, kp, vp, md, **kw))
     rng = np.random.default_rng(0)
     for layout in args.layouts.split(","):
-        case = build(layout, heads, jnp.dtype(args.dtype), args.page_size, rng)
+        case = build(layout, heads, jnp.dtype(args.dtype), args.page_size, rng, args.bucket)
         t_chunks, a = timed(chunks, *case, iters=args.iters)
         t_rows, b = timed(rows, *case, iters=args.iters)
         diff = float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-        print(f"{layout:>12} {args.dtype}: chunks {1e6 * t_chunks:9.0f} us, native rows {1e6 * t_rows:9.0f} us "
+        print(f"{layout:>20} {args.dtype}: chunks {1e6 * t_chunks:9.0f} us, native rows {1e6 * t_rows:9.0f} us "
               f"({t_chunks / t_rows:.2f}x), max diff {diff:.2e}", flush=True)
 
 

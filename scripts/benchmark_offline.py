@@ -14,7 +14,8 @@ time, start-up time (load + compile), roofline bounds, decode probes (step time 
 bandwidth bound, and host overhead: how much of a step the device waits for the host), and the peers' output
 tokens/s with ratios. Peers run in their own processes (vLLM with its own Python) and are never dependencies.
 
-``--profile`` runs the workload a second time under ``jax.profiler`` and splits each step's op time by layer kind
+``--profile`` runs the workload again under ``jax.profiler`` (fresh prompts of the same lengths, so none is in the
+prefix cache, as in the timed run) and splits each step's op time by layer kind
 (embedding, norms, attention, MLP, LM head, the greedy sampler, the rest: ``jaxserve.tools.step_profile``), per
 step kind and per layer; the timed run is never the profiled one.
 
@@ -389,9 +390,11 @@ def run_dtype(args, peers: list[str]) -> None:
               f"bandwidth bound {1e3 * bw_bound:.2f} ms ({bw_bound / r['step_s']:.0%} achieved), roofline "
               f"{1e3 * c.bound_seconds(peak_flops, peak_bw):.2f} ms")
 
-    if args.profile:
+    if args.profile:  # fresh prompts of the same lengths: the timed run's are in the prefix cache now
+        rng = np.random.default_rng(args.seed + 1)
+        fresh = dict(w, prompts=[rng.integers(3, cfg.vocab_size, len(p)).tolist() for p in w["prompts"]])
         with tempfile.TemporaryDirectory() as tmp:
-            print_profile(profile_workload(engine, w, tmp), cfg.num_layers)
+            print_profile(profile_workload(engine, fresh, tmp), cfg.num_layers)
     engine.close()  # its memory back before the peers run
     del engine
     with tempfile.TemporaryDirectory() as tmp:

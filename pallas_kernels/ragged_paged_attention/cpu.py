@@ -16,7 +16,7 @@ shape of the computation differs, chosen from measurements of XLA:CPU (2-core x8
       triangle;
   (b) each sequence's cached context (the ``kv_len - q_len`` tokens before its chunk): a chunk of several rows
       walks its pages 256 keys at a time up to its context's end (online softmax, so a wide page table costs
-      nothing past it), in a loop over only the sequences that have context; sequences with a single row
+      nothing past it), 64 of its rows at a time (a 25-row chunk in a 512-row step once took all 512), in a loop over only the sequences that have context; sequences with a single row
       (decodes carried in a prompt step) walk their pages together, as in the decode path. Decodes therefore
       ride in the prompt step instead of a call of their own (their matmuls join the chunk's: a step of 478
       prompt rows and 34 decodes took ~250 ms against ~275 ms as two calls, ~100M model).
@@ -45,12 +45,18 @@ _SCORE_BUDGET_BYTES = 256 * 1024 * 1024  # bound on one block's scores in the in
 _ROW_KEYS = 64  # keys per step of the decode walk
 _LONG_WALK = 4  # whole steps from which the decode walk takes its last partial step whole (see _walk)
 _CONTEXT_KEYS = 256  # keys per step of a prompt chunk's walk over its cached context
+_CONTEXT_ROWS = 64  # query rows per block of that walk: a short chunk pays for this many rows, not the step's
 # Relative costs of a prompt step's two paths where the native kernel runs, in nanoseconds for SmolLM-135M's
-# heads (9 query, 3 KV, head_dim 64), fp32, measured on a 2-core AMD EPYC (scripts/bench_cpu_prompt_attention.py):
-# the native rows path ~170 per (row, visible key) pair; the chunk path ~24 per square of the step's rows (its
-# dense in-chunk spans) plus ~32 per pair of a row and a key of its cached context (the context walk). Only
-# their ratios matter: both scale alike with the heads.
-_ROWS_NS_PER_PAIR, _CHUNK_NS_PER_ROW_SQUARED, _CHUNK_NS_PER_CONTEXT_PAIR = 170.0, 24.0, 32.0
+# heads (9 query, 3 KV, head_dim 64), fp32, measured on a 2-core Intel Xeon (AVX-512) with
+# scripts/bench_cpu_prompt_attention.py --bucket 512: the native rows path ~200 per (row, visible key) pair; the
+# chunk path ~31 per square of the step's rows (its dense in-chunk spans), ~40 per pair of a chunk row (rounded
+# up to a block of _CONTEXT_ROWS) and a key of its cached context, and single rows over their context at the
+# rows path's rate (they go through the native kernel there too). Only the ratios matter: all scale alike with
+# the heads. In the engine's steps (the deep narrow benchmark's 13 prompt steps, replayed) the chunk path also
+# paid ~2 ms more whenever some sequence had context (its context part: the single rows' walk, the padded parts,
+# the merge), which the last constant adds.
+_ROWS_NS_PER_PAIR, _CHUNK_NS_PER_ROW_SQUARED, _CHUNK_NS_PER_CONTEXT_PAIR = 200.0, 31.0, 40.0
+_CHUNK_NS_WITH_CONTEXT = 2.0e6
 
 
 def _cap(scores: jax.Array, soft_cap: float | None) -> jax.Array:
@@ -338,9 +344,14 @@ def rows_are_cheaper(md: AttentionMetadata, num_tokens: int, sliding_window: int
     seen = q_lens * context + own
     if sliding_window is not None:  # at most the window per row
         seen = jnp.minimum(seen, q_lens * sliding_window)
+        context = jnp.minimum(context, sliding_window)
     rows_cost = _ROWS_NS_PER_PAIR * jnp.sum(seen)
-    chunk_cost = _CHUNK_NS_PER_ROW_SQUARED * float(num_tokens) ** 2 + _CHUNK_NS_PER_CONTEXT_PAIR * jnp.sum(
-        q_lens * context)
+    single = q_lens == 1
+    blocked = jnp.ceil(q_lens / _CONTEXT_ROWS) * _CONTEXT_ROWS  # a chunk's context walk goes a block at a time
+    chunk_cost = (_CHUNK_NS_PER_ROW_SQUARED * float(num_tokens) ** 2
+                  + _ROWS_NS_PER_PAIR * jnp.sum(jnp.where(single, context, 0.0))
+                  + _CHUNK_NS_PER_CONTEXT_PAIR * jnp.sum(jnp.where(single, 0.0, blocked * context))
+                  + jnp.where(jnp.any(context > 0), _CHUNK_NS_WITH_CONTEXT, 0.0))
     return rows_cost < chunk_cost
 
 
@@ -358,7 +369,7 @@ def _context_part(qh, k_pages, v_pages, md: AttentionMetadata, *, sm_scale, slid
     page_size = k_pages.shape[2]
     tile_pages = max(1, min(page_indices.shape[1], _CONTEXT_KEYS // page_size))
     tile = tile_pages * page_size
-    block = max(1, min(t, _SCORE_BUDGET_BYTES // (3 * 4 * num_kv_heads * group * tile)))
+    block = max(1, min(t, _CONTEXT_ROWS, _SCORE_BUDGET_BYTES // (3 * 4 * num_kv_heads * group * tile)))
     slot = jnp.arange(kv_lens.shape[0], dtype=jnp.int32)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     context = jnp.where(slot < num_seqs[0], kv_lens - q_lens, 0)
