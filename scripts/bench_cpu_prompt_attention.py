@@ -9,6 +9,11 @@ in an earlier step, and three new prompts); ``--bucket 512`` pads the rows as th
 walks the context; the rows path (``ragged_paged_attention_rows``) sends every row through the native kernel
 (``native.py``), which reads each row's keys from the pages in place. Prints microseconds per call (one layer),
 the median of ``--iters`` calls, and the largest difference between the two results.
+
+``--steps-from MODEL`` takes the layouts from the engine instead: it runs the deep narrow benchmark's workload
+(``benchmark_offline.py``'s: 48 prompts of 16-256 tokens, 64 tokens each, 512-token steps) on MODEL, records
+every prompt step's metadata (page tables included), and times each step's attention three ways: as the engine
+runs it (``pages_hold_rows``: the cost model picks a path), the chunk path, the rows path; then the totals.
 """
 
 from __future__ import annotations
@@ -77,9 +82,13 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=9)
     p.add_argument("--bucket", type=int, default=0, help="pad each step's rows to this many (the engine's bucket)")
+    p.add_argument("--steps-from", default=None, metavar="MODEL", help="time the prompt steps of the deep narrow "
+                   "benchmark's workload on MODEL instead of --layouts")
     args = p.parse_args()
     if not native.active():
         raise SystemExit("the native CPU attention kernel is not available here")
+    if args.steps_from:
+        return engine_steps(args)
     heads = tuple(int(x) for x in args.heads.split("/"))
     kw = dict(sm_scale=heads[2] ** -0.5)
     chunks = jax.jit(lambda q, k, v, kp, vp, md: ragged_paged_attention_chunks(q, k, v, kp, vp, md, **kw))
@@ -92,6 +101,64 @@ def main() -> None:
         diff = float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
         print(f"{layout:>20} {args.dtype}: chunks {1e6 * t_chunks:9.0f} us, native rows {1e6 * t_rows:9.0f} us "
               f"({t_chunks / t_rows:.2f}x), max diff {diff:.2e}", flush=True)
+
+
+def engine_steps(args) -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import benchmark_offline
+
+    from jaxserve.config.engine import EngineConfig
+    from jaxserve.engine.engine import Engine
+    from jaxserve.executor.batch import StepKind
+
+    engine = Engine(EngineConfig(model=args.steps_from, dtype=args.dtype, max_num_seqs=48,
+                                 max_num_batched_tokens=512, max_model_len=320, warmup=False,
+                                 compilation_cache_dir=None))
+    cfg = engine.model_config
+    w = benchmark_offline.workload(argparse.Namespace(seed=0, prompt_len="16:256", num_requests=48, output_len=64),
+                                   cfg.vocab_size)
+    runner, steps = engine.executor.runner, []
+    real = runner.run
+
+    def record(kind, batch, *a, **k):
+        if kind == StepKind.PREFILL:
+            steps.append((batch.token_ids.shape[0], jax.tree.map(np.array, batch.md)))
+        return real(kind, batch, *a, **k)
+
+    runner.run = record
+    benchmark_offline.run_jaxserve(engine, w)
+    runner.run = real
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    rng = np.random.default_rng(0)
+    pages = 1 + max(int(md.page_indices.max()) for _, md in steps)
+    dtype = jnp.dtype(args.dtype)
+    kp = jnp.asarray(rng.standard_normal((hkv, pages, engine.executor.config.page_size, d)), dtype)
+    vp = jnp.asarray(rng.standard_normal(kp.shape), dtype)
+    kw = dict(sm_scale=d ** -0.5)
+    paths = {
+        "engine": jax.jit(lambda q, k, v, md: ragged_paged_attention_chunks(q, k, v, kp, vp, md,
+                                                                             pages_hold_rows=True, **kw)),
+        "chunks": jax.jit(lambda q, k, v, md: ragged_paged_attention_chunks(q, k, v, kp, vp, md, **kw)),
+        "rows": jax.jit(lambda q, k, v, md: ragged_paged_attention_rows(q, kp, vp, md, **kw)),
+    }
+    totals = dict.fromkeys(paths, 0.0)
+    for tokens, md in steps:
+        md = AttentionMetadata(jnp.asarray(md.cu_q_lens.reshape(-1)), jnp.asarray(md.kv_lens.reshape(-1)),
+                               jnp.asarray(md.page_indices.reshape(md.page_indices.shape[-2:])),
+                               jnp.asarray(md.num_seqs.reshape(-1)))  # one replica's
+        q = jnp.asarray(rng.standard_normal((tokens, hq, d)), dtype)
+        k = jnp.asarray(rng.standard_normal((tokens, hkv, d)), dtype)
+        times = {name: timed(fn, q, k, k, md, iters=args.iters)[0] for name, fn in paths.items()}
+        for name, t in times.items():
+            totals[name] += t
+        q_lens = np.diff(np.asarray(md.cu_q_lens))[: int(md.num_seqs[0])]
+        print(f"step of {tokens} rows, {len(q_lens)} sequences ({int(np.sum(q_lens == 1))} single rows): "
+              + ", ".join(f"{name} {1e3 * t:6.2f} ms" for name, t in times.items()), flush=True)
+    print(f"one layer over the {len(steps)} prompt steps: "
+          + ", ".join(f"{name} {1e3 * t:.1f} ms" for name, t in totals.items()))
 
 
 if __name__ == "__main__":
