@@ -332,21 +332,30 @@ def test_build_validates():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_argmax_matches_jnp_argmax_with_ties_infinities_and_nan(dtype):
+@pytest.mark.parametrize("size", [1000, 1024, 200])  # padded to whole blocks, whole blocks, too few for blocks
+@pytest.mark.parametrize("nan", [True, False])  # a batch with NaNs takes the exact path, one without the blocks
+def test_argmax_matches_jnp_argmax_with_ties_infinities_and_nan(dtype, size, nan):
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((9, 1000)).astype(np.float32)
-    x[1, [3, 700]] = 50.0  # a tie: the first one wins
+    x = rng.standard_normal((12, size)).astype(np.float32)
+    x[1, [3, size - 100]] = 50.0  # a tie across blocks: the first one wins
     x[2, :] = -np.inf  # nothing finite: index 0
     x[3, [10, 20]] = np.inf
-    x[4, [400, 30]] = np.nan  # a NaN anywhere wins over any number; the first NaN
-    x[5, 999] = 99.0  # the last position
+    x[5, size - 1] = 99.0  # the last position
     x[6, :] = 0.0
-    x[7, 0] = np.nan
+    x[8, [130, 129]] = 60.0  # a tie within a block
+    x[10, :] = -1.0
+    x[10, [7, 150]] = [-0.0, 0.0]  # -0.0 and +0.0 tie: the first one
+    if nan:
+        x[4, [size - 150, 30]] = np.nan  # a NaN anywhere wins over any number; the first NaN
+        x[7, 0] = np.nan
+        x[9, [5, 140]] = [np.inf, np.nan]  # a NaN after an infinity, in a later block
     x = jnp.asarray(x, dtype)
     got = jax.jit(argmax)(x)
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(x, axis=-1)))
-    np.testing.assert_array_equal(np.asarray(got)[1:6], [3, 0, 10, 30, 999])
+    np.testing.assert_array_equal(np.asarray(got)[[1, 2, 3, 5, 8, 10]], [3, 0, 10, size - 1, 129, 7])
+    if nan:
+        np.testing.assert_array_equal(np.asarray(got)[[4, 7, 9]], [30, 0, 140])
 
 
 def test_many_banned_ids_fold_into_the_token_mask():
