@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gpu_check import LLAMA_1B, TINY_LLAMA, free_port  # noqa: E402
+from gpu_check import LLAMA_1B, TINY_LLAMA, free_port, shapes_pending  # noqa: E402
 
 PRESETS = {  # config, server flags, benchmark defaults
     "llama-1b": (LLAMA_1B, ["--max-num-seqs", "32", "--max-num-batched-tokens", "512", "--max-model-len", "1024"],
@@ -45,7 +44,6 @@ PRESETS = {  # config, server flags, benchmark defaults
     "tiny": (TINY_LLAMA, ["--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--max-model-len", "256"],
              {"num_requests": 24, "prompt_len": "16:96", "output_len": 16, "max_concurrency": 8}),
 }
-PENDING = re.compile(r"^jaxserve_step_shapes_pending(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
 
 
 def _get(url: str, timeout: float = 2.0):
@@ -80,9 +78,7 @@ class Server:
         raise RuntimeError(f"server not ready after {timeout:.0f}s")
 
     def pending(self) -> int | None:
-        r = _get(f"http://127.0.0.1:{self.http}/metrics")
-        m = PENDING.search(r.text) if r is not None and r.status_code == 200 else None
-        return None if m is None else int(float(m.group(1)))
+        return shapes_pending(self.http)
 
     def wait_compiled(self, timeout: float) -> float | None:
         while time.monotonic() - self.start < timeout:

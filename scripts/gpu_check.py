@@ -462,10 +462,10 @@ def section_serving(rec: Recorder, ctx: Context) -> bool:
         rec.line(f"- ready (model drawn, the step shapes it needs compiled) after **{ready:.1f} s**")
         # With background compilation (the server's default off a GPU) the benchmark waits for every shape, so
         # it measures the steady state.
-        pending = _shapes_pending(http)
+        pending = shapes_pending(http)
         while pending and rec.remaining() > 60 and server.poll() is None:
             time.sleep(0.5)
-            pending = _shapes_pending(http)
+            pending = shapes_pending(http)
         compiled = time.monotonic() - start
         rec.figure("server_all_shapes_s", compiled if pending == 0 else None)
         rec.line(f"- every step shape compiled after **{compiled:.1f} s**" if pending == 0 else
@@ -508,7 +508,7 @@ def section_serving(rec: Recorder, ctx: Context) -> bool:
             rec.line(f"\nits log ends:\n\n```\n{_tail(log_path.read_text(), 3000)}\n```")
 
 
-def _shapes_pending(http: int) -> int | None:
+def shapes_pending(http: int) -> int | None:
     """The server's ``jaxserve_step_shapes_pending`` gauge (None if it cannot be read)."""
     import httpx
 
