@@ -84,6 +84,38 @@ def test_native_rows_many_lengths():
     assert_matches_reference(out, batch, sm_scale=0.3)
 
 
+@pytest.mark.parametrize("page_size, head_dim, dtype, window, soft_cap", [
+    (16, 64, "float32", None, None),
+    (32, 128, "bfloat16", 21, None),
+    (16, 64, "float32", 13, 4.0),
+])
+def test_prompt_rows_in_tiles_match_reference(page_size, head_dim, dtype, window, soft_cap):
+    """Prompt chunks longer than a tile of rows (8), over cached context and from nothing, beside decode rows, with
+    pages of 16 and 32 keys (blocks of 16 keys, a page's unused tail NaN): each row keeps its own visible range
+    and softmax inside a tile (a window starts rows at different keys). Then the same rows split over two threads,
+    whose boundary falls inside a tile: the same floats."""
+    q_lens, kv_lens = [20, 1, 9, 0, 1, 37], [20, 45, 70, 16, 33, 50]
+    batch, _, _ = build_batch(np.random.default_rng(11), q_lens, kv_lens, num_kv_heads=3, group=3, head_dim=head_dim,
+                              page_size=page_size, dtype=dtype)
+    out, called = rows_program(batch, sm_scale=0.2, sliding_window=window, soft_cap=soft_cap)
+    assert called
+    assert_matches_reference(out, batch, sm_scale=0.2, sliding_window=window, soft_cap=soft_cap)
+
+    args = device_args(batch)
+    md, rows = args["md"], sum(q_lens)
+    row_seq = np.repeat(np.arange(len(q_lens), dtype=np.int32), q_lens)
+    last = np.concatenate([np.arange(kv - q, kv, dtype=np.int32) for q, kv in zip(q_lens, kv_lens)])
+
+    def run(threads):  # 68 rows in 8 chunks (two threads): chunk edges inside the 20- and 37-row chunks' tiles
+        fn = jax.jit(lambda q, k, v: native.attend(q, k, v, md.page_indices, row_seq, np.zeros(rows, np.int32), last,
+                                                   sm_scale=0.2, soft_cap=None, threads=threads))
+        return [np.asarray(x) for x in fn(args["q"][:rows], args["k_pages"], args["v_pages"])]
+
+    one, two = run(1), run(2)
+    np.testing.assert_array_equal(one[0], two[0])
+    np.testing.assert_array_equal(one[1], two[1])
+
+
 def test_rows_split_over_threads_give_the_same_result():
     """The kernel's rows split over XLA's intra-op pool (``threads=2``, and 0: the whole pool, the default the
     engine uses): the same floats as one thread."""

@@ -48,14 +48,15 @@ _CONTEXT_KEYS = 256  # keys per step of a prompt chunk's walk over its cached co
 _CONTEXT_ROWS = 64  # query rows per block of that walk: a short chunk pays for this many rows, not the step's
 # Relative costs of a prompt step's two paths where the native kernel runs, in nanoseconds for SmolLM-135M's
 # heads (9 query, 3 KV, head_dim 64), fp32, measured on a 2-core Intel Xeon (AVX-512) with
-# scripts/bench_cpu_prompt_attention.py --bucket 512: the native rows path ~200 per (row, visible key) pair; the
-# chunk path ~31 per square of the step's rows (its dense in-chunk spans), ~40 per pair of a chunk row (rounded
-# up to a block of _CONTEXT_ROWS) and a key of its cached context, and single rows over their context at the
-# rows path's rate (they go through the native kernel there too). Only the ratios matter: all scale alike with
-# the heads. In the engine's steps (the deep narrow benchmark's 13 prompt steps, replayed) the chunk path also
-# paid ~2 ms more whenever some sequence had context (its context part: the single rows' walk, the padded parts,
-# the merge), which the last constant adds.
-_ROWS_NS_PER_PAIR, _CHUNK_NS_PER_ROW_SQUARED, _CHUNK_NS_PER_CONTEXT_PAIR = 200.0, 31.0, 40.0
+# scripts/bench_cpu_prompt_attention.py --bucket 512: the native rows path ~55 per (row, visible key) pair (its
+# tiles of consecutive rows read each block of keys once; 50-58 for prompts of 256-512 rows and for a 512-row
+# chunk over 1,536 cached keys); the chunk path ~31 per square of the step's rows (its dense in-chunk spans), ~40
+# per pair of a chunk row (rounded up to a block of _CONTEXT_ROWS) and a key of its cached context, and single
+# rows over their context at the rows path's rate (they go through the native kernel there too). Only the ratios
+# matter: all scale alike with the heads. In the engine's steps (the deep narrow benchmark's 13 prompt steps,
+# replayed) the chunk path also paid ~2 ms more whenever some sequence had context (its context part: the single
+# rows' walk, the padded parts, the merge), which the last constant adds.
+_ROWS_NS_PER_PAIR, _CHUNK_NS_PER_ROW_SQUARED, _CHUNK_NS_PER_CONTEXT_PAIR = 55.0, 31.0, 40.0
 _CHUNK_NS_WITH_CONTEXT = 2.0e6
 
 
