@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ compiler 
 DTYPES = (jnp.float32, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("m, k, n", [(1, 5, 3), (8, 64, 32), (9, 17, 33), (13, 100, 70), (48, 576, 192), (3, 1, 40)])
+@pytest.mark.parametrize("m, k, n", [(1, 5, 3), (8, 64, 32), (9, 17, 33), (13, 100, 70), (48, 576, 192), (3, 1, 40),
+                                     (9, 4096, 100)])  # the last: two packing passes, one thread
 @pytest.mark.parametrize("transposed", [False, True])
 def test_dense_matches_the_reference(m, k, n, transposed):
     rng = np.random.default_rng(m * 1000 + k + n)

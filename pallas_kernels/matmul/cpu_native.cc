@@ -54,33 +54,45 @@ struct Call {
   float* out;            // f32[m, n]
 };
 
-// Columns [c0, c0 + width) of the weight as f32[k][kPanel], zero past ``width``.
+// Panels [p0, p1) of the weight (columns [p0 * kPanel, p1 * kPanel)) as f32[p1 - p0][k][kPanel], zero past the
+// weight's last column. A [k, n] weight is read a row at a time across all of these panels' columns: a
+// contiguous run per row (a panel alone is 128 bytes a row, each row another page, which the prefetchers do not
+// follow). A transposed [n, k] weight: rows c0.. of it, each read front to back (one stream per row), written
+// across.
 template <typename W>
-void pack(const Call& call, int64_t c0, int64_t width, float* panel) {
+void pack(const Call& call, int64_t p0, int64_t p1, float* panels) {
   const W* w = static_cast<const W*>(call.w);
-  const int64_t k = call.k, n = call.n;
+  const int64_t k = call.k, n = call.n, c0 = p0 * kPanel, cols = std::min(n, p1 * kPanel) - c0;
   if (!call.transposed) {
-    constexpr int64_t kAhead = 16;  // rows: each is another page, so the prefetchers do not run ahead
-    for (int64_t i = 0; i < std::min(k, kAhead); ++i) __builtin_prefetch(w + i * n + c0);
+    constexpr int64_t kAhead = 8;  // rows
+    const int64_t bytes = cols * static_cast<int64_t>(sizeof(W));
     for (int64_t i = 0; i < k; ++i) {
       const W* row = w + i * n + c0;
       if (i + kAhead < k) {
-        __builtin_prefetch(row + kAhead * n);
-        __builtin_prefetch(reinterpret_cast<const char*>(row + kAhead * n) + 64);
+        const char* ahead = reinterpret_cast<const char*>(row + kAhead * n);
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(ahead + b);
       }
-      float* dst = panel + i * kPanel;
-      for (int64_t j = 0; j < width; ++j) dst[j] = widen<W>(row[j]);
-      for (int64_t j = width; j < kPanel; ++j) dst[j] = 0.0f;
+      for (int64_t p = 0; p < p1 - p0; ++p) {
+        float* dst = panels + (p * k + i) * kPanel;
+        const W* src = row + p * kPanel;
+        const int64_t width = std::min(kPanel, cols - p * kPanel);
+        for (int64_t j = 0; j < width; ++j) dst[j] = widen<W>(src[j]);
+        for (int64_t j = width; j < kPanel; ++j) dst[j] = 0.0f;
+      }
     }
-  } else {  // rows c0.. of the [n, k] weight, each read front to back (one stream per row), written across
-    if (width < kPanel) std::memset(panel, 0, sizeof(float) * k * kPanel);
-    const W* rows = w + c0 * k;
-    constexpr int64_t kStep = 16;
-    for (int64_t i0 = 0; i0 < k; i0 += kStep) {
-      const int64_t i1 = std::min(k, i0 + kStep);
-      for (int64_t j = 0; j < width; ++j) {
-        const W* row = rows + j * k;
-        for (int64_t i = i0; i < i1; ++i) panel[i * kPanel + j] = widen<W>(row[i]);
+  } else {
+    for (int64_t p = 0; p < p1 - p0; ++p) {
+      float* panel = panels + p * k * kPanel;
+      const int64_t width = std::min(kPanel, cols - p * kPanel);
+      if (width < kPanel) std::memset(panel, 0, sizeof(float) * k * kPanel);
+      const W* rows = w + (c0 + p * kPanel) * k;
+      constexpr int64_t kStep = 16;
+      for (int64_t i0 = 0; i0 < k; i0 += kStep) {
+        const int64_t i1 = std::min(k, i0 + kStep);
+        for (int64_t j = 0; j < width; ++j) {
+          const W* row = rows + j * k;
+          for (int64_t i = i0; i < i1; ++i) panel[i * kPanel + j] = widen<W>(row[i]);
+        }
       }
     }
   }
@@ -153,15 +165,24 @@ float* panel_buffer(int64_t floats) {
   return buffer.data;
 }
 
+// Packed bytes per pass of ``panels`` (a core's L2 holds them while its rows go through them).
+constexpr int64_t kPassBytes = 1024 * 1024;
+
 template <typename W>
 void panels(const Call& call, int64_t p0, int64_t p1) {
-  float* panel = panel_buffer(call.k * kPanel);
-  for (int64_t p = p0; p < p1; ++p) {
-    const int64_t c0 = p * kPanel, width = std::min(kPanel, call.n - c0);
-    pack<W>(call, c0, width, panel);
-    for (int64_t r0 = 0; r0 < call.m; r0 += kRows) {
-      const int64_t rows = std::min(kRows, call.m - r0);
-      kBlocks[rows](call, panel, r0, c0, width);
+  const int64_t panel_floats = call.k * kPanel;
+  const int64_t per_pass = std::max<int64_t>(1, kPassBytes / (panel_floats * static_cast<int64_t>(sizeof(float))));
+  float* buffer = panel_buffer(panel_floats * std::min(per_pass, p1 - p0));
+  for (int64_t q0 = p0; q0 < p1; q0 += per_pass) {
+    const int64_t q1 = std::min(p1, q0 + per_pass);
+    pack<W>(call, q0, q1, buffer);
+    for (int64_t p = q0; p < q1; ++p) {
+      const float* panel = buffer + (p - q0) * panel_floats;
+      const int64_t c0 = p * kPanel, width = std::min(kPanel, call.n - c0);
+      for (int64_t r0 = 0; r0 < call.m; r0 += kRows) {
+        const int64_t rows = std::min(kRows, call.m - r0);
+        kBlocks[rows](call, panel, r0, c0, width);
+      }
     }
   }
 }
