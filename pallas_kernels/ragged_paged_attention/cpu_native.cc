@@ -253,13 +253,27 @@ struct Call {
   float *out, *lse;
 };
 
+// Prefetches the first page of every KV head of row ``r``'s keys (a row whose slot is out of range: nothing), so
+// that the next row's or tile's reads are in flight while the current one computes.
+template <typename T>
+inline void prefetch_row(const Call& c, int64_t r) {
+  const Shape& s = c.s;
+  const RowKeys row = row_keys(s, c.row_seq, c.first, c.last, r);
+  if (row.seq < 0 || row.seq >= s.slots) return;
+  for (int64_t h = 0; h < s.kv_heads; ++h) {
+    prefetch_page(s, static_cast<const T*>(c.k_pages), static_cast<const T*>(c.v_pages),
+                  c.tables + row.seq * s.table_width, h, row.lo, row.hi);
+  }
+}
+
 #if defined(__AVX512F__)
-// The same walk for float and bf16 pages with a head_dim of whole vectors (16 floats), in AVX-512 intrinsics.
-// The scalar form above spends most of its time on one horizontal sum per key and query head and on an
-// accumulator row loaded and stored for every key. Here a query head's scores for up to 16 keys are 16 vectors
-// of partial products folded into one vector of sums by a tree of shuffles (about 2 per key, not 4), and a query
-// head's accumulator stays in registers over a page's keys. Keys outside [first, last] are still never read.
-// Only the order of the terms of a score's dot product differs from the scalar form.
+// The same walk for float and bf16 pages with a head_dim of whole vectors (16 floats), in AVX-512 intrinsics, in
+// tiles of consecutive rows of one sequence (attend_tile). The scalar form above spends most of its time on one
+// horizontal sum per key and query head and on an accumulator row loaded and stored for every key, and reads a
+// prompt's keys again for every row. Here a query head's scores for up to 16 keys are 16 vectors of partial
+// products folded into one vector of sums by a tree of shuffles (about 2 per key, not 4), and a (row, query head)'s
+// accumulator stays in registers over a block of 16 keys. Keys outside [first, last] are still never read. Only
+// the order of the terms of a score's dot product differs from the scalar form.
 
 // 16 keys' bf16 or f32 values [d0, d0 + 16) as f32.
 template <typename T>
@@ -334,10 +348,10 @@ ffi::Error attend_tile(const Call& c, int64_t r0, int64_t r1, TileScratch& scrat
   const T* k_pages = static_cast<const T*>(c.k_pages);
   const T* v_pages = static_cast<const T*>(c.v_pages);
   int64_t row_lo[kTileRows], row_hi[kTileRows], first = std::numeric_limits<int64_t>::max(), last = -1;
-  int32_t seq = -1;
+  const int32_t seq = c.row_seq[r0];  // every row of a tile reads this slot (attend_tiles)
   for (int64_t r = 0; r < rows; ++r) {
     const RowKeys keys = row_keys(s, c.row_seq, c.first, c.last, r0 + r);
-    seq = keys.seq, row_lo[r] = keys.lo, row_hi[r] = keys.hi;
+    row_lo[r] = keys.lo, row_hi[r] = keys.hi;
     if (keys.lo <= keys.hi) first = std::min(first, keys.lo), last = std::max(last, keys.hi);
   }
   if (seq < 0 || seq >= s.slots) return ffi::Error::InvalidArgument("row sequence slot out of range");
@@ -433,16 +447,7 @@ ffi::Error attend_tiles(const Call& c, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1;) {
     int64_t end = r + 1;
     while (end < r1 && end - r < kTileRows && c.row_seq[end] == c.row_seq[r]) ++end;
-    // The next tile's first pages load during this one.
-    if (end < r1) {
-      const RowKeys next = row_keys(s, c.row_seq, c.first, c.last, end);
-      if (next.seq >= 0 && next.seq < s.slots) {
-        for (int64_t h = 0; h < s.kv_heads; ++h) {
-          prefetch_page(s, static_cast<const T*>(c.k_pages), static_cast<const T*>(c.v_pages),
-                        c.tables + next.seq * s.table_width, h, next.lo, next.hi);
-        }
-      }
-    }
+    if (end < r1) prefetch_row<T>(c, end);  // the next tile's first pages load during this one
     ffi::Error error = attend_tile<T, kHeadDim>(c, r, end, scratch);
     if (error.failure()) return error;
     r = end;
@@ -469,15 +474,7 @@ ffi::Error attend_rows(const Call& c, int64_t r0, int64_t r1) {
     const RowKeys row = row_keys(s, c.row_seq, c.first, c.last, r);
     if (row.seq < 0 || row.seq >= s.slots) return ffi::Error::InvalidArgument("row sequence slot out of range");
     const int32_t* table = c.tables + row.seq * s.table_width;
-    // The next row's first pages load during this row's walk.
-    if (r + 1 < r1) {
-      const RowKeys next = row_keys(s, c.row_seq, c.first, c.last, r + 1);
-      if (next.seq >= 0 && next.seq < s.slots) {
-        for (int64_t h = 0; h < s.kv_heads; ++h) {
-          prefetch_page(s, k_pages, v_pages, c.tables + next.seq * s.table_width, h, next.lo, next.hi);
-        }
-      }
-    }
+    if (r + 1 < r1) prefetch_row<T>(c, r + 1);  // the next row's first pages load during this row's walk
     const int64_t at = r * s.q_heads;
     ffi::Error error = attend_heads<T, kHeadDim>(s, c.q + at * d_count, k_pages, v_pages, c.k_scales, c.v_scales,
                                                  table, row.lo, row.hi, c.sm_scale, c.soft_cap, scratch,
