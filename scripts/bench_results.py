@@ -7,10 +7,11 @@ A results file holds one area's current figures (docs/benchmarks/results/AREA.js
                   "unit": "tok/s", "command": "python scripts/benchmark_offline.py ...", "machine": "...",
                   "commit": "6548d67", "date": "2026-11-28"}, ...]}
 
-A script given ``--results-json PATH`` writes its figures there as well as printing them, under the area the file's name
-gives; records whose name is already in the file are replaced in place, the others are appended, so the next run of a command updates the figures it made
-and keeps the area's others. ``--results-label TEXT`` puts TEXT in front of each name, to tell workloads of one area
-apart (e.g. "deep narrow" and "wide"). ``tests/test_results_page.py`` checks every file against FIELDS and every
+A script given ``--results-json PATH`` writes its figures there as well as printing them, under the area the
+file's name gives; records whose name is already in the file are replaced in place, the others are appended, so
+the next run of a command updates the figures it made and keeps the area's others. ``--results-label TEXT`` puts
+TEXT in front of each name, to tell workloads of one area apart (e.g. "deep narrow" and "wide"). The recorded
+command leaves ``--results-json`` out. ``tests/test_results_page.py`` checks every file against FIELDS and every
 figure the README and docs/benchmarks.md quote against these records.
 """
 
@@ -55,6 +56,19 @@ def machine(device: str = "") -> str:
     return f"{device}, {host}" if device else host
 
 
+def command() -> str:
+    """This run's command line, less ``--results-json PATH`` (where the figures go is not part of what they are)."""
+    argv = list(sys.argv)
+    for i, arg in enumerate(argv):
+        if arg == "--results-json":
+            del argv[i:i + 2]
+            break
+        if arg.startswith("--results-json="):
+            del argv[i]
+            break
+    return shlex.join(["python", *argv])
+
+
 def commit() -> str:
     """The checkout's short commit, with "+changes" when its tracked files differ from it."""
     def git(*args: str) -> str:
@@ -81,7 +95,7 @@ class Results:
         self.records.append({
             "area": self.area, "name": f"{self.label}, {name}" if self.label else name,
             "value": round(float(value), 4), "unit": unit,
-            "command": shlex.join(["python", *sys.argv]), "machine": machine(self.device), "commit": commit(),
+            "command": command(), "machine": machine(self.device), "commit": commit(),
             "date": datetime.date.today().isoformat(), **extra})
 
     def save(self) -> None:

@@ -1052,6 +1052,10 @@ def save_results(results: list[Result], args: argparse.Namespace) -> None:
     if serving.get("output_tok_s") is not None:
         out.add("serving, Llama-3.2-1B shape: output tok/s", serving["output_tok_s"], "tok/s")
         out.add("serving, Llama-3.2-1B shape: TTFT p50", serving["ttft_ms"]["p50"], "ms")
+    for shape, kernels in figs.get("attention", {}).get("shapes", {}).items():
+        for kernel, f in kernels.items():
+            if "gb_s" in f:
+                out.add(f"attention, {shape}, {kernel}: K/V read rate", f["gb_s"], "GB/s")
     out.save()
 
 

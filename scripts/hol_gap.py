@@ -122,8 +122,8 @@ def main() -> None:
     figures = bench_results.Results(args)
     for name in dict.fromkeys(r["post"] for r in results):
         chars = max(r["chars"] for r in results if r["post"] == name)
-        figures.add(f"{name} post ({chars:,} characters): largest stream gap during it",
-                    max(r["max_gap_ms"] for r in results if r["post"] == name), "ms")
+        gap = max(r["max_gap_ms"] for r in results if r["post"] == name)
+        figures.add(f"{name} post ({chars:,} characters): largest stream gap during it", gap, "ms")
     figures.save()
     if args.json:
         print(json.dumps(report))

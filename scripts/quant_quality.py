@@ -9,7 +9,7 @@ chunks of ``--chunk`` tokens, so later chunks read their context back from the K
 modes), and takes the next-token distribution at every position. Each mode is compared twice:
 
 - against **fp32 transformers** (the model's Hugging Face class on PyTorch CPU, the whole sequence at once): what
-  a user comparing with the original checkpoint sees, and what the targets in docs/benchmarks.md are stated
+  a user comparing with the original checkpoint sees, and what the targets in docs/benchmarks/quantization.md are stated
   against; the unquantized engine's own distance from it is reported as the mode ``none``;
 - against the **unquantized engine** (same code path, same ``--dtype``): the quantization's own effect.
 
@@ -402,7 +402,8 @@ def main() -> None:
                 f"| {r['flips_in_ties'] * 100:.0f}%")
             print(f"| {Path(model).name} | {mode} | {r['hf']['top1'] * 100:.2f}% | {r['hf']['kl']:.5f} | {engine} |",
                   flush=True)
-            figures.add(f"{Path(model).name} {mode}: top-1 agreement with fp32 transformers", r["hf"]["top1"] * 100, "%")
+            figures.add(f"{Path(model).name} {mode}: top-1 agreement with fp32 transformers", r["hf"]["top1"] * 100,
+                        "%")
             figures.add(f"{Path(model).name} {mode}: KL against fp32 transformers", r["hf"]["kl"], "nats")
     print("\nfp32 transformers on the workload:\n\n| model | mean top-1 probability | top-1/top-2 logit gap: "
           "5% / 10% / 25% / 50% quantiles |\n| --- | --- | --- |")
