@@ -32,6 +32,7 @@ from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention_chunks,
     ragged_paged_attention_rows,
 )
+from scripts import bench_results
 
 
 def build(layout: str, heads: tuple[int, int, int], dtype, page_size: int, rng, bucket: int = 0):
@@ -84,6 +85,7 @@ def main() -> None:
     p.add_argument("--bucket", type=int, default=0, help="pad each step's rows to this many (the engine's bucket)")
     p.add_argument("--steps-from", default=None, metavar="MODEL", help="time the prompt steps of the deep narrow "
                    "benchmark's workload on MODEL instead of --layouts")
+    bench_results.add_arguments(p)
     args = p.parse_args()
     if not native.active():
         raise SystemExit("the native CPU attention kernel is not available here")
@@ -159,6 +161,10 @@ def engine_steps(args) -> None:
               + ", ".join(f"{name} {1e3 * t:6.2f} ms" for name, t in times.items()), flush=True)
     print(f"one layer over the {len(steps)} prompt steps: "
           + ", ".join(f"{name} {1e3 * t:.1f} ms" for name, t in totals.items()))
+    figures = bench_results.Results(args)
+    for name, t in totals.items():
+        figures.add(f"the deep narrow workload's {len(steps)} prompt steps, one layer each: {name} path", 1e3 * t, "ms")
+    figures.save()
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python scripts/bench_host.py [--concurrency 1,64,256] [--workloads decode,mixed] [--features off,on]
         [--async-scheduling both|on|off] [--repeats 1] [--compare vllm [--vllm-python PY]] [--model DIR]
-        [--phases] [--profile OUT.pstats] [--device-probe KV_LEN] [--json OUT.json]
+        [--phases] [--profile OUT.pstats] [--device-probe KV_LEN] [--json OUT.json] [--results-json AREA.json]
 
 The model (written once to ``--model``, default /tmp/jaxserve-host-model-hd32): Llama-shaped, 1 layer, hidden
 64, 4 heads of dim 32 (vLLM's CPU attention has no head_dim 16), vocab 512, fp32, random weights, the byte tokenizer. Workloads, at each concurrency c (max_num_seqs):
@@ -64,6 +64,7 @@ from jaxserve.engine.engine import Engine  # noqa: E402
 from jaxserve.executor.batch import StepKind  # noqa: E402
 from jaxserve.models.demo import DEMO_CONFIG, byte_tokenizer, write_random_checkpoint  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
+from scripts import bench_results  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 # head_dim 32 (not 64 / 4 = 16): vLLM's CPU attention has no kernel for head_dim 16.
@@ -262,7 +263,9 @@ def main() -> None:
     p.add_argument("--profile", type=Path, default=None,
                    help="cProfile jaxserve's runs (not engine start-up, not vLLM) into this pstats file and print "
                         "the top functions")
+    bench_results.add_arguments(p)
     args = p.parse_args()
+    figures = bench_results.Results(args)
     model = make_model(args.model)
     profile = cProfile.Profile() if args.profile else None
     print(f"# {_commit()}, jax {jax.__version__}, {platform.processor() or platform.machine()}, "
@@ -288,6 +291,7 @@ def main() -> None:
             w = workload(kind, c)
             for feat in [x == "on" for x in args.features.split(",")]:
                 label = f"c={c:<3} {kind:<6} features={'on ' if feat else 'off'}"
+                name = f"c={c} {kind}, features {'on' if feat else 'off'}"
                 for rep in range(args.repeats):
                     tps = {}
                     for a in modes:
@@ -302,6 +306,10 @@ def main() -> None:
                               f"process cpu {r['process_cpu_us']:5.0f})  device idle gap "
                               f"(host on the critical path) mean {r['gap_us']:7.0f} us (median "
                               f"{r['gap_median_us']:.0f})  load {_load()}", flush=True)
+                        run = f"{name}, async {'on' if a else 'off'}"
+                        figures.add(f"{run}: jaxserve output tok/s", tps[a], "tok/s")
+                        figures.add(f"{run}: engine-thread CPU per step", r["host_cpu_us"], "µs")
+                        figures.add(f"{run}: device idle gap, median", r["gap_median_us"], "µs")
                         if r["phases_cpu_us"]:
                             print("    engine-thread CPU us/step by phase: " + ", ".join(
                                 f"{k} {v:.0f}" for k, v in r["phases_cpu_us"].items()), flush=True)
@@ -313,11 +321,15 @@ def main() -> None:
                             ratios = ", ".join(f"async {'on' if a else 'off'} {t / vt:.2f}x" for a, t in tps.items())
                             print(f"{label} vllm     : {vt:9.0f} out tok/s (start-up {v['startup_seconds']:.0f}s); "
                                   f"jaxserve / vllm: {ratios}  load {_load()}", flush=True)
+                            figures.add(f"{name}: vLLM-CPU output tok/s", vt, "tok/s")
+                            for a, t in tps.items():
+                                figures.add(f"{name}, async {'on' if a else 'off'}: jaxserve / vLLM-CPU", t / vt, "x")
         if args.device_probe:
             device_probe(next(iter(engines.values())), probe_batches, args.device_probe, c)
         del engines
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
+    figures.save()
     if profile is not None:
         profile.dump_stats(args.profile)
         pstats.Stats(str(args.profile)).sort_stats("tottime").print_stats(25)

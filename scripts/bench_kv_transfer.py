@@ -23,6 +23,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE = "/bench.KV/Get"
+sys.path.insert(0, str(ROOT))
+
+from scripts import bench_results  # noqa: E402
 
 
 def serve(port_file: str) -> None:
@@ -71,7 +74,9 @@ def main() -> int:
     p.add_argument("--sizes-mib", default="1,16,64")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--serve", help=argparse.SUPPRESS)
+    bench_results.add_arguments(p)
     args = p.parse_args()
+    figures = bench_results.Results(args)
     if args.serve:
         serve(args.serve)
         return 0
@@ -125,6 +130,10 @@ def main() -> int:
             j, g = statistics.median(times["jax"]), statistics.median(times["grpc"])
             print(f"| {mib:g} MiB | {j:.4f} ({nbytes / j / 1e9:.2f}) | {g:.4f} ({nbytes / g / 1e9:.2f}) | "
                   f"{g / j:.2f}x |", flush=True)
+            figures.add(f"{mib:g} MiB: JAX transfer server", j * 1e3, "ms")
+            figures.add(f"{mib:g} MiB: gRPC byte stream", g * 1e3, "ms")
+            figures.add(f"{mib:g} MiB: gRPC byte stream / JAX transfer server", g / j, "x")
+        figures.save()
     finally:
         proc.kill()
         proc.wait()

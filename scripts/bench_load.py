@@ -1,7 +1,7 @@
 """Time the two checkpoint load paths (Hugging Face safetensors, orbax) on a random Llama-shaped model.
 
     python scripts/bench_load.py [--hidden 768 --layers 8 --heads 12 --kv-heads 4 --mlp 2048 --vocab 32000]
-        [--dtype float32] [--repeats 3] [--workdir DIR]
+        [--dtype float32] [--repeats 3] [--workdir DIR] [--results-json AREA.json]
 
 The default shape is ~100M parameters. Times are from a call to ``load_model`` until every array is on device
 (``block_until_ready``); files are read once beforehand, so the OS page cache is warm for both paths.
@@ -23,6 +23,7 @@ from flax import nnx  # noqa: E402
 
 from jaxserve.models.demo import DEMO_CONFIG, write_random_checkpoint  # noqa: E402
 from jaxserve.models.loader import load_model, save_orbax  # noqa: E402
+from scripts import bench_results  # noqa: E402
 
 
 def timed_load(path: Path, dtype: str) -> float:
@@ -43,7 +44,9 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workdir", type=Path, default=None)
+    bench_results.add_arguments(p)
     args = p.parse_args()
+    figures = bench_results.Results(args)
 
     cfg = dict(DEMO_CONFIG, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
                num_key_value_heads=args.kv_heads, intermediate_size=args.mlp, vocab_size=args.vocab,
@@ -61,6 +64,9 @@ def main() -> None:
         times = [timed_load(path, args.dtype) for _ in range(args.repeats)]
         print(f"{name:12s} median {statistics.median(times):.2f}s  ({', '.join(f'{t:.2f}' for t in times)}) "
               f"= {size / statistics.median(times):.0f} MiB/s")
+        figures.add(f"{name}: median load", statistics.median(times), "s")
+        figures.add(f"{name}: load rate", size / statistics.median(times), "MiB/s")
+    figures.save()
 
 
 if __name__ == "__main__":

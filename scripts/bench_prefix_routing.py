@@ -30,6 +30,9 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from scripts import bench_results  # noqa: E402
 
 
 def free_port() -> int:
@@ -133,7 +136,9 @@ def main() -> int:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--page-size", type=int, default=16)
+    bench_results.add_arguments(p)
     args = p.parse_args()
+    figures = bench_results.Results(args)
     tmp = Path(tempfile.mkdtemp(prefix="bench-prefix-"))
     servers, pubs = [], []
     model_args = ["--model", args.model] if args.model else []
@@ -177,6 +182,10 @@ def main() -> int:
         print("| --- | --- | --- | --- | --- | --- | --- |")
         for r in rows:
             print(f"| {r[0]} | {r[1]:.1%} | {r[2]:.3f} | {r[3]:.3f} | {r[4]:.3f} | {r[5]} | {r[6]:.1f} |")
+            run = f"{args.systems} system prompts, {args.conversations} conversations, {r[0]} routing"
+            figures.add(f"{run}: prefix-cache hit rate", 100 * r[1], "%")
+            figures.add(f"{run}: TTFT mean", r[2], "s")
+        figures.save()
     finally:
         for s in servers:
             s.stop()

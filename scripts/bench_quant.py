@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 from benchmark_offline import probe_decode, run_jaxserve  # noqa: E402
 from jaxserve.engine.engine import Engine  # noqa: E402
 from jaxserve.config.engine import EngineConfig  # noqa: E402
+from scripts import bench_results  # noqa: E402
 
 CONFIGS = {
     "fp32": dict(dtype="float32"),
@@ -65,7 +66,9 @@ def main() -> None:
     p.add_argument("--prompt-len", default="16:128")
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--show-hlo", action="store_true")
+    bench_results.add_arguments(p)
     args = p.parse_args()
+    figures = bench_results.Results(args)
     if args.show_hlo:
         show_hlo()
     names = args.configs.split(",")
@@ -105,6 +108,12 @@ def main() -> None:
         ratio = f"{base / s:.2f}x" if base else "-"
         print(f"| {name} | {s * 1e3:.2f} | {ratio} | {float(np.median(tok_s[name])):.1f} "
               f"| {float(np.median(cpu_s[name])):.2f} |")
+        figures.add(f"{name}: batch-1 decode step", s * 1e3, "ms")
+        if base:
+            figures.add(f"{name}: batch-1 decode step, bf16 / it", base / s, "x")
+        figures.add(f"{name}: offline output tok/s", float(np.median(tok_s[name])), "tok/s")
+        figures.add(f"{name}: offline CPU seconds", float(np.median(cpu_s[name])), "s")
+    figures.save()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxserve.executor.sampler import SamplingTensors, sample
 from jaxserve.sampling_params import SamplingParams
+from scripts import bench_results
 
 
 def main() -> None:
@@ -21,7 +22,9 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=32)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--repeats", type=int, default=30)
+    bench_results.add_arguments(p)
     args = p.parse_args()
+    figures = bench_results.Results(args)
     s, v = args.slots, args.vocab
     logits = jax.device_put(np.random.default_rng(0).normal(size=(s, v)).astype(np.float32))
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=i) for i in range(s)]
@@ -43,6 +46,7 @@ def main() -> None:
     base = np.median(times["no mask, no bias inputs"])
     for name, ts in times.items():
         print(f"{name}: median {np.median(ts) * 1e3:.2f} ms ({np.median(ts) / base:.2f}x)")
+        figures.add(f"sampler step, {name}", np.median(ts) * 1e3, "ms")
 
     import sys
 
@@ -68,6 +72,8 @@ def main() -> None:
         m.consume_token(token)
     print(f"mask fill, JSON schema, {len(tok)}-token vocabulary: median {np.median(fills) * 1e6:.0f} us over "
           f"{len(fills)} steps")
+    figures.add("llguidance mask fill per step, small JSON schema", np.median(fills) * 1e6, "µs")
+    figures.save()
 
 
 if __name__ == "__main__":

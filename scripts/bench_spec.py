@@ -29,6 +29,7 @@ from jaxserve.config.engine import EngineConfig  # noqa: E402
 from jaxserve.engine.engine import Engine  # noqa: E402
 from jaxserve.models.demo import DEMO_CONFIG, byte_tokenizer, write_random_checkpoint  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
+from scripts import bench_results  # noqa: E402
 
 
 def run(engine: Engine, prompts: list[list[int]], output_len: int) -> tuple[float, int, list[list[int]]]:
@@ -72,7 +73,7 @@ def make_skip_models(work: Path, layers: int) -> tuple[Path, Path]:
     return target, draft
 
 
-def skip_workload(args) -> None:
+def skip_workload(args, figures: bench_results.Results) -> None:
     target, draft = make_skip_models(Path(args.work), args.skip_layers)
     base = dict(model=str(target), max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
                 skip_tokenizer_init=True, compilation_cache_dir=args.cache)
@@ -95,6 +96,8 @@ def skip_workload(args) -> None:
     a, b = np.median(rates["none"]), np.median(rates["draft"])
     print(f"skip: none {a:.1f} tok/s, draft {b:.1f} tok/s (median of {args.rounds}) -> {b / a:.2f}x; outputs "
           f"identical: {outs['none'] == outs['draft']}", flush=True)
+    figures.add(f"skip, {args.skip_layers}-layer target, draft k={args.k}: speculative / none, ratio of medians",
+                b / a, "x")
 
 
 def main() -> None:
@@ -110,10 +113,13 @@ def main() -> None:
     p.add_argument("--cache", default=None, help="compilation cache directory (start-up only)")
     p.add_argument("--only", default="skip,copy,large")
     p.add_argument("--skip-layers", type=int, default=24, help="layers of the skip target (the draft has 2)")
+    bench_results.add_arguments(p)
     args = p.parse_args()
+    figures = bench_results.Results(args)
     if "skip" in args.only:
-        skip_workload(args)
+        skip_workload(args, figures)
     if "copy" not in args.only and "large" not in args.only:
+        figures.save()
         return
     base = dict(model=args.model, max_model_len=512, max_num_seqs=args.large_batch, max_num_batched_tokens=512,
                 compilation_cache_dir=args.cache, num_pages=args.large_batch * 32 + 64)
@@ -153,6 +159,8 @@ def main() -> None:
         a, b = np.median(results[(name, "none")]), np.median(results[(name, "ngram")])
         print(f"{name}: none {a:.1f} tok/s, ngram {b:.1f} tok/s (median of {args.rounds}) -> {b / a:.2f}x; "
               f"outputs identical: {same}")
+        figures.add(f"{name}, n-gram k={args.k}: speculative / none, ratio of medians", b / a, "x")
+    figures.save()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Time from ``python -m jaxserve.serve`` to its ready line, with a cold and then a warm compilation cache.
 
-    python scripts/bench_startup.py [-- serve flags...]     e.g.  -- --model PATH --max-num-seqs 32
+    python scripts/bench_startup.py [--results-json AREA.json] [-- serve flags...]     e.g.  -- --model PATH
 
 Each run starts the server on free ports with a fresh compilation-cache directory for the cold run (the same
 one again for the warm run), waits for the "jaxserve ready" line, then stops it with SIGTERM. With no serve
@@ -11,6 +11,7 @@ to compile (misses), so the warm run shows the cache in use.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -20,6 +21,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts import bench_results  # noqa: E402
 
 
 def time_to_ready(serve_args: list[str], cache_dir: str, timeout: float = 1200) -> tuple[float, str]:
@@ -47,7 +51,11 @@ def time_to_ready(serve_args: list[str], cache_dir: str, timeout: float = 1200) 
 
 
 def main() -> None:
-    serve_args = sys.argv[sys.argv.index("--") + 1 :] if "--" in sys.argv else []
+    split = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
+    serve_args = sys.argv[split + 1 :]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_results.add_arguments(p)
+    figures = bench_results.Results(p.parse_args(sys.argv[1:split]))
     with tempfile.TemporaryDirectory(prefix="jaxserve-xla-") as cache:
         cold, cold_warmup = time_to_ready(serve_args, cache)
         warm, warm_warmup = time_to_ready(serve_args, cache)
@@ -55,6 +63,9 @@ def main() -> None:
           f"compilation cache")
     print(f"  cold warm-up: {cold_warmup}")
     print(f"  warm warm-up: {warm_warmup}")
+    figures.add("cold start to ready", cold, "s")
+    figures.add("warm start to ready", warm, "s")
+    figures.save()
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from flax import nnx  # noqa: E402
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.executor.compile_counter import CompileCounter  # noqa: E402
 from jaxserve.models.demo import DEMO_CONFIG, byte_tokenizer, write_random_checkpoint  # noqa: E402
+from scripts import bench_results  # noqa: E402
 from jaxserve.models.loader import hf_name  # noqa: E402
 
 OPTIONS = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, page_size=16,
@@ -69,7 +70,9 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--workdir", type=Path, default=None)
+    bench_results.add_arguments(p)
     args = p.parse_args()
+    figures = bench_results.Results(args)
 
     cfg = dict(DEMO_CONFIG, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
                num_key_value_heads=args.kv_heads, intermediate_size=args.mlp, vocab_size=args.vocab,
@@ -124,6 +127,7 @@ def main() -> None:
         answer(llm)
         print(f"  sleep(level={level}) {slept * 1000:.0f}ms: {asleep:.0f} MiB; wake_up {woke * 1000:.0f}ms: "
               f"{live():.0f} MiB")
+        figures.add(f"sleep(level={level})", slept * 1000, "ms")
 
     def restart(first_answer: bool):
         start = time.perf_counter()
@@ -137,7 +141,9 @@ def main() -> None:
     for name, times in results.items():
         print(f"{name:18s} median {statistics.median(times) * 1000:9.1f}ms  "
               f"({', '.join(f'{t * 1000:.1f}' for t in times)})")
+        figures.add(f"{name}: median", statistics.median(times) * 1000, "ms")
     print(f"compilations during the pushes: {pushed_compiles}")
+    figures.save()
 
 
 if __name__ == "__main__":

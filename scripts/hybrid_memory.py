@@ -11,6 +11,7 @@ import argparse
 
 from jaxserve.executor.kv_cache import bytes_per_token
 from jaxserve.models.config import ModelConfig
+from scripts import bench_results
 
 # Qwen3-Next-80B-A3B's config.json shape (the published checkpoint's; no weights are read).
 QWEN3_NEXT_80B = dict(
@@ -35,7 +36,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 32768])
+    bench_results.add_arguments(p)
     args = p.parse_args()
+    figures = bench_results.Results(args)
     hybrid = ModelConfig.from_hf_dict(QWEN3_NEXT_80B)
     full = ModelConfig.from_hf_dict({**QWEN3_NEXT_80B, "layer_types": ["full_attention"] * 48})
     print(f"{hybrid.architecture}: {hybrid.num_attention_layers} full-attention layers, "
@@ -48,6 +51,8 @@ def main() -> None:
     for n in args.lengths:
         h, f = per_sequence(hybrid, n, args.page_size), per_sequence(full, n, args.page_size)
         print(f"| {n:,} | {h / 2**20:,.1f} MiB | {f / 2**20:,.1f} MiB | {h / f:.2f} |")
+        figures.add(f"Qwen3-Next-80B-A3B, {n:,} tokens: hybrid (pages + state) / all full attention", h / f, "x")
+    figures.save()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scripts import bench_results  # noqa: E402
+
 COLUMNS = ["mesh", "devices", "requests", "output_tokens", "wall_s", "output_tok_s", "total_tok_s", "ttft_mean_ms",
            "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p50_ms", "warmup_s", "tokens_sha"]
 
@@ -144,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cpu-devices", type=int, default=8, help="emulated devices per run when on CPU")
     parser.add_argument("--out", default="mesh_sweep_results", help="folder for sweep.md / .csv / .png")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: run one mesh, print JSON
+    bench_results.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.model is None:
         from jaxserve.models.demo import demo_model_path
@@ -195,6 +198,10 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         print("matplotlib is not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
     print(markdown(rows, header))
+    figures = bench_results.Results(args)
+    for row in rows:
+        figures.add(f"{row['mesh']}: output tok/s", row["output_tok_s"], "tok/s")
+    figures.save()
     print(f"wrote {out / 'sweep.md'}, {out / 'sweep.csv'}, {out / 'sweep.png'}", file=sys.stderr)
 
 

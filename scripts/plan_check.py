@@ -27,6 +27,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts import bench_results  # noqa: E402
 
 
 def run_json(cmd: list[str], env: dict) -> dict:
@@ -56,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=18500)
     p.add_argument("--out-dir", type=Path, default=None)
+    bench_results.add_arguments(p)
     args = p.parse_args(argv)
+    figures = bench_results.Results(args)
     out = args.out_dir or Path(tempfile.mkdtemp(prefix="plan-check-"))
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -98,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             pred, real = s[f"{key}_p50_ms"], m[f"{key}_ms"]["p50"]
             err = (pred - real) / real
             worst = max(worst, abs(err))
+            figures.add(f"rate {s['rate']:g}: {key.upper()} p50 error, predicted against measured", 100 * err, "%")
             cells.append(f"{pred:.0f} / {real:.0f} ({err:+.0%})" if key == "ttft" else
                          f"{pred:.1f} / {real:.1f} ({err:+.0%})")
         cells += [f"{s['ttft_p99_ms']:.0f} / {m['ttft_ms']['p99']:.0f}",
@@ -111,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines)
     (out / "check.md").write_text(text + "\n")
     print(text)
+    figures.save()
     return 0
 
 

@@ -9,7 +9,7 @@ chunks of ``--chunk`` tokens, so later chunks read their context back from the K
 modes), and takes the next-token distribution at every position. Each mode is compared twice:
 
 - against **fp32 transformers** (the model's Hugging Face class on PyTorch CPU, the whole sequence at once): what
-  a user comparing with the original checkpoint sees, and what the targets in docs/benchmarks.md are stated
+  a user comparing with the original checkpoint sees, and what the targets in docs/benchmarks/quantization.md are stated
   against; the unquantized engine's own distance from it is reported as the mode ``none``;
 - against the **unquantized engine** (same code path, same ``--dtype``): the quantization's own effect.
 
@@ -51,6 +51,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxserve.executor.kv_cache import CacheConfig, init_kv_cache, kv_storage_dtype  # noqa: E402
+from scripts import bench_results  # noqa: E402
 from jaxserve.models.attention import AttentionBackend, ShardedAttention  # noqa: E402
 from jaxserve.models.decoder import forward  # noqa: E402
 from jaxserve.models.loader import load_model  # noqa: E402
@@ -363,7 +364,9 @@ def main() -> None:
     p.add_argument("--len", type=int, default=96)
     p.add_argument("--chunk", type=int, default=16)
     p.add_argument("--dtype", default="float32")
+    bench_results.add_arguments(p)
     args = p.parse_args()
+    figures = bench_results.Results(args)
     if args.train_steps and args.text_steps:
         p.error("give --train-steps (Markov) or --text-steps (natural text), not both")
     modes = args.modes.split(",")
@@ -399,11 +402,15 @@ def main() -> None:
                 f"| {r['flips_in_ties'] * 100:.0f}%")
             print(f"| {Path(model).name} | {mode} | {r['hf']['top1'] * 100:.2f}% | {r['hf']['kl']:.5f} | {engine} |",
                   flush=True)
+            figures.add(f"{Path(model).name} {mode}: top-1 agreement with fp32 transformers", r["hf"]["top1"] * 100,
+                        "%")
+            figures.add(f"{Path(model).name} {mode}: KL against fp32 transformers", r["hf"]["kl"], "nats")
     print("\nfp32 transformers on the workload:\n\n| model | mean top-1 probability | top-1/top-2 logit gap: "
           "5% / 10% / 25% / 50% quantiles |\n| --- | --- | --- |")
     for name, r in confidence.items():
         print(f"| {name} | {r['p_top1']:.3f} | {r['gap_q5']:.3f} / {r['gap_q10']:.3f} / {r['gap_q25']:.3f} / "
               f"{r['gap_q50']:.3f} |")
+    figures.save()
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scripts import bench_results  # noqa: E402
+
 LLAMA_1B = {  # Llama-3.2-1B's shape (no weights are needed)
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
     "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -102,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # child: one sequence size
+    bench_results.add_arguments(parser)
     args = parser.parse_args(argv)
     hf = json.loads((Path(args.model) / "config.json").read_text()) if args.model else LLAMA_1B
 
@@ -122,10 +125,14 @@ def main(argv: list[str] | None = None) -> None:
     print("| sequence | parameters | KV cache | all arguments | temporaries | peak | peak vs sequence=1 |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     base = rows[0]["peak_mib"]
+    figures = bench_results.Results(args)
     for r in rows:
         print(f"| {r['sequence']} | {r['params_mib']:.0f} MiB | {r['kv_cache_mib']:.0f} MiB | "
               f"{r['arguments_mib']:.0f} MiB | {r['temp_mib']:.0f} MiB | {r['peak_mib']:.0f} MiB | "
               f"{r['peak_mib'] / base:.2f} |")
+        figures.add(f"{args.prompt_len}-token prompt, tensor={args.tensor}, sequence={r['sequence']}: peak per device "
+                    f"vs sequence={sizes[0]}", r["peak_mib"] / base, "x")
+    figures.save()
 
 
 if __name__ == "__main__":

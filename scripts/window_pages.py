@@ -19,6 +19,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.scheduler import Scheduler
 from jaxserve.scheduler.sequence import Sequence
 from jaxserve.scheduler.window_pool import window_pages_needed
+from scripts import bench_results
 
 
 def run(prompt_len: int, output_len: int, page_size: int, chunk: int, *, window: int | None = None,
@@ -55,7 +56,9 @@ def main(argv=None) -> None:
     p.add_argument("--windows", default="4096,1024", help="all-windowed models' windows to run")
     p.add_argument("--interleaved", default="34:5:1024,26:4:512",
                    help="LAYERS:GLOBAL_LAYERS:WINDOW shapes of interleaved models (Gemma 3 4B, 1B)")
+    bench_results.add_arguments(p)
     args = p.parse_args(argv)
+    figures = bench_results.Results(args)
     a = (args.prompt_len, args.output_len, args.page_size, args.max_num_batched_tokens)
     print(f"prompt {args.prompt_len} + output {args.output_len} tokens, page size {args.page_size}, prefill chunks "
           f"of {args.max_num_batched_tokens}\n")
@@ -77,6 +80,9 @@ def main(argv=None) -> None:
         after = r["last"][0] * global_layers + r["last"][1] * (layers - global_layers)
         print(f"| {layers} layers ({global_layers} global), window {window} | {r['most'][1]} / {r['last'][1]} | "
               f"{before} | {after} | {before / after:.1f}x |")
+        figures.add(f"{layers} layers ({global_layers} global), window {window}: page-layers held at the last step, "
+                    "one pool / windowed pool", before / after, "x")
+    figures.save()
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ barriers), infers and checks its register layouts, tilings and swizzles (what th
 model), and embeds it in the ``mosaic_gpu_v2`` custom call; only Mosaic's compile to machine code is left for a
 real GPU. The cases cover every serving shape (decode, large-batch decode, prefill, a mixed step with a window and
 a soft cap, and one with gpt-oss's attention sinks), head sizes at the extremes and in between, 16-bit and 8-bit
-pools; the script's full sweep (7 head sizes x 5 pools x 4 shapes) is recorded in docs/benchmarks.md. (XLA's GPU
+pools; the script's full sweep (7 head sizes x 5 pools x 4 shapes) is recorded in
+docs/benchmarks/gpu-compile-only.md. (XLA's GPU
 compiler also compiles the program around the custom call for the described H100, about 40 s per shape, which these
 tests leave out.)
 """

@@ -308,17 +308,17 @@ def test_capacity_counts_8_bit_pages_and_their_scales(models):
 
 TARGETS = {"w_int8": 0.97, "kv_int8": 0.98, "w_fp8": 0.93, "kv_fp8": 0.93}
 ALL_MODES = tuple(TARGETS)
-# The families and modes whose targets hold, on the tiny models trained on a peaked Markov chain (docs/benchmarks.md,
-# "Quality — teacher-forced agreement", trained models): every family in every mode (gpt-oss, added later, is not
-# measured there yet). The random models' misses on near-ties of nearly flat distributions are reported there,
-# not tested.
+# The families and modes whose targets hold, on the tiny models trained on a peaked Markov chain
+# (docs/benchmarks/quantization.md, "Quality — teacher-forced agreement", trained models): every family in every
+# mode (gpt-oss, added later, is not measured there yet). The random models' misses on near-ties of nearly flat
+# distributions are reported there, not tested.
 HOLDS = {family: ALL_MODES for family in FAMILIES if family != "gpt_oss"}
 # Tested here (each family costs a training run and five compiles): the random models' misses, one family per kind
 # of layer: llama (llama3 rope), gemma3 (Gemma norms, and q/k norms: qwen3's), qwen2_moe (routed top-2 experts,
 # mixtral's kind, beside a shared expert); llama_mha_bias is llama's layer. The others reach every target in
-# docs/benchmarks.md as well.
+# docs/benchmarks/quantization.md as well.
 TESTED = ("llama", "gemma3", "qwen2_moe")
-TRAIN_STEPS = 200  # as in docs/benchmarks.md: quant_quality.py --train-steps 200
+TRAIN_STEPS = 200  # as in docs/benchmarks/quantization.md: quant_quality.py --train-steps 200
 
 
 @pytest.fixture(scope="module")

@@ -846,7 +846,7 @@ class Executor:
     @property
     def compiles_in_background(self) -> bool:
         """``compile_in_background``, with None ("auto") resolved: on, except on a GPU. XLA's GPU compiler picks
-        kernels by timing candidates on the device, so compiling beside serving slows both (docs/benchmarks.md,
+        kernels by timing candidates on the device, so compiling beside serving slows both (docs/benchmarks/gpu-kit.md,
         "GPU: the check kit on an NVIDIA H200, fourth run")."""
         setting = self.config.compile_in_background
         return setting if setting is not None else self.runner.sample_device.platform != "gpu"

@@ -31,7 +31,7 @@ def decode_floor(platform: str) -> int:
     At one row XLA's GPU compiler sees every row reduction as a reduction to a scalar: each RMSNorm becomes two
     kernels (the sum of squares, then the scaling) where at two rows it is one normalization fusion, and each
     product whose output it pads to two rows anyway gets a padding kernel before it. A second row costs the
-    weight-bound products nothing (docs/benchmarks.md, "batch-1 decode in a two-row bucket")."""
+    weight-bound products nothing (docs/benchmarks/gpu-kit.md, "batch-1 decode in a two-row bucket")."""
     return 2 if platform in ("gpu", "cuda") else 1
 
 

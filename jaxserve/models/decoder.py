@@ -223,7 +223,7 @@ class MLP(nnx.Module):
     def fuse_gate_up(self) -> None:
         """Replace the gate and up Linears by one dt[C, 2, I] weight on the same devices (sharded over I as they
         were); ``can_fuse`` must hold. One product reads both: on an H200 the seven products of a Llama-8B layer
-        took 172 us fused (Q/K/V and gate/up) against 235 us at one row (docs/benchmarks.md)."""
+        took 172 us fused (Q/K/V and gate/up) against 235 us at one row (docs/benchmarks/gpu-kit.md)."""
         _join_in_place(self, "gate_up_proj", 0, 0)
 
     def __call__(self, x, layout: StepLayout | None = None, lora=None):  # dt[R * T, C] -> dt[R * T, C]

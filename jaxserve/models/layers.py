@@ -86,11 +86,11 @@ def matmul_f32(x: jax.Array, weight: jax.Array, scale: jax.Array | None = None, 
     (AVX-512 bf16): XLA:CPU runs a bf16 x bf16 -> fp32 matmul on them (~2x fp32's rate on such a host) but a
     bf16 -> bf16 one several times slower; and its one-row bf16 matmul is ~10x slower than a two-row one, so a
     single 16-bit row is padded to two. On an AVX2-only CPU no XLA option makes bf16 faster than fp32
-    (docs/benchmarks.md, "Quiet machine, weights as the engine holds them").
+    (docs/benchmarks/cpu-offline.md, "Quiet machine, weights as the engine holds them").
     """
     if transposed and (scale is not None or weight.dtype == jnp.float32 or not _native_products.get()):
         # XLA's product with a transposed f32 weight is level with the kernel's or faster; with a bf16 one
-        # the kernel is 2.5x faster (docs/benchmarks.md, "The products alone")
+        # the kernel is 2.5x faster (docs/benchmarks/cpu-offline.md, "The products alone")
         with native_products(False):
             return matmul_f32(x, weight.T, scale)
     if scale is not None:

@@ -2,7 +2,7 @@
 
 XLA:CPU runs a product of a few dozen rows, a decode step's, on one thread: on a 2-core AVX-512 machine
 ~100 GFLOP/s for SmolLM-135M's MLP at 48 rows, where a blocked kernel on both cores reaches ~150, and its tied
-LM head (a transposed [vocab, hidden] weight) at ~65 (docs/benchmarks.md). The kernel splits the product's
+LM head (a transposed [vocab, hidden] weight) at ~65 (docs/benchmarks/cpu-offline.md). The kernel splits the product's
 columns over the calling thread and XLA's intra-op pool, packs each 32-column panel of the weight (bf16 widened,
 a transposed weight turned) into a buffer that stays in cache while every row goes through it, and accumulates
 in f32, one fused multiply-add per term in k order: the sum a plain loop computes, whatever the threads.

@@ -107,7 +107,7 @@ def attend(
     (0, the default: every thread of the pool; 1: the calling thread alone). One walk is bound by how many
     random reads it keeps in flight, not by the memory's bandwidth, so more walks at once read faster: on 2
     cores the host-bound case's decode steps run 1.2x faster with both, and the decode-only host benchmark does
-    not drop (docs/benchmarks.md, "The native attention over both cores").
+    not drop (docs/benchmarks/host-overhead.md, "The native attention over both cores").
 
     Returns:
       (out f32[R, num_q_heads, head_dim]: the softmax-weighted values, zeros for a row that sees nothing;
