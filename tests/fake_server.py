@@ -18,7 +18,7 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.grpc_api import GrpcServer
 from jaxserve.server.limits import RequestLimits
-from jaxserve.server.openai_api import OpenAIServer
+from jaxserve.server.openai.server import OpenAIServer
 
 MODEL = "fake"
 

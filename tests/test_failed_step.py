@@ -17,7 +17,7 @@ from jaxserve.disagg.factory import make_engine
 from jaxserve.executor.executor import Executor
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.metrics import ServerMetrics
-from jaxserve.server.openai_api import OpenAIServer
+from jaxserve.server.openai.server import OpenAIServer
 from tiny import build_tiny_model, train_tokenizer
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -18,7 +18,7 @@ from jaxserve.executor.compile_counter import CompileCounter
 from jaxserve.server.args import parse_args
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.metrics import ServerMetrics
-from jaxserve.server.openai_api import OpenAIServer
+from jaxserve.server.openai.server import OpenAIServer
 from tests.tiny import build_tiny_model, hf_greedy, hf_model
 
 OPTIONS = dict(page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=48, warmup=False,

@@ -277,7 +277,7 @@ def test_request_switch_and_prometheus_counters(spec):
     from pydantic import ValidationError
 
     from jaxserve.server.metrics import _EngineStatsCollector
-    from jaxserve.server.openai_protocol import CompletionRequest
+    from jaxserve.server.openai.protocol import CompletionRequest
 
     assert CompletionRequest(prompt="hi", speculative=False).sampling_params().speculative is False
     assert CompletionRequest(prompt="hi").sampling_params().speculative is True

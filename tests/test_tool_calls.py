@@ -7,7 +7,7 @@ import jsonschema
 import pytest
 
 from jaxserve.server.intake import RequestError
-from jaxserve.server.tool_calls import (ToolCallStream, check_tools, forced_calls, forced_schema, make_parser,
+from jaxserve.server.openai.tool_calls import (ToolCallStream, check_tools, forced_calls, forced_schema, make_parser,
                                         template_message)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

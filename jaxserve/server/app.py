@@ -25,7 +25,7 @@ import uvicorn
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.grpc_api import GrpcServer
 from jaxserve.server.metrics import ServerMetrics
-from jaxserve.server.openai_api import OpenAIServer
+from jaxserve.server.openai.server import OpenAIServer
 
 logger = logging.getLogger("jaxserve.serve")
 

@@ -9,7 +9,7 @@ import os
 from jaxserve.config.args import ArgumentParser, add_engine_args, engine_config_from_args
 from jaxserve.config.engine import EngineConfig
 from jaxserve.server.limits import RequestLimits
-from jaxserve.server.tool_calls import TOOL_CALL_PARSERS
+from jaxserve.server.openai.tool_calls import TOOL_CALL_PARSERS
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.default is not dataclasses.MISSING}
 DEMO_MODEL_NAME = "jaxserve-demo"

@@ -26,6 +26,7 @@ from jaxserve.engine.request_stream import (
 )
 from jaxserve.outputs import RequestDelta, RequestOutput, TokenRecord
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.openai.streaming import error_body
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class RequestError(Exception):
         self.reason = reason  # label of jaxserve_requests_rejected_total
 
     def to_openai(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+        return error_body(self.message, self.type, self.status, self.param)
 
 
 def internal_error(e: BaseException | None, what: str = "request") -> RequestError:

@@ -47,8 +47,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from jaxserve.server import prefix_index
-from jaxserve.server.asgi import wait_disconnect
 from jaxserve.server.metrics import CONTENT_TYPE
+from jaxserve.server.openai.streaming import DONE, EventStream, error_body, sse, until_disconnect
 
 logger = logging.getLogger("jaxserve.server.router")
 
@@ -216,45 +216,7 @@ class Pool:
 
 
 def _error_body(message: str, status: int) -> dict:
-    kind = "service_unavailable" if status == 503 else "internal_error"
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
-
-
-class _Relay(Response):
-    """The decode server's streamed response, chunk by chunk; if the server fails mid-stream, an ``error`` event
-    and ``[DONE]`` end it. The upstream response is closed however this ends (a client that goes away included),
-    which aborts the request there."""
-
-    def __init__(self, router: "Router", backend: Backend, upstream: httpx.Response, api_use):
-        super().__init__(status_code=upstream.status_code)
-        self.router, self.backend, self.upstream, self.api_use = router, backend, upstream, api_use
-
-    async def __call__(self, scope, receive, send) -> None:
-        headers = [(k.encode(), v.encode()) for k, v in self.upstream.headers.items()
-                   if k.lower() in ("content-type", "cache-control", "x-accel-buffering")]
-
-        async def relay():
-            await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
-            try:
-                async for chunk in self.upstream.aiter_raw():
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                self.router.pool.requests.labels(self.backend.name, "http", "ok").inc()
-            except httpx.TransportError as e:
-                message = self.router.failed(self.backend, _reason(e), "http")
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": f"data: {json.dumps(_error_body(message, 500))}\n\ndata: [DONE]\n\n".encode()})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        relayer = asyncio.ensure_future(relay())
-        watcher = asyncio.ensure_future(wait_disconnect(receive))
-        try:
-            await asyncio.wait({relayer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (relayer, watcher):
-                task.cancel()
-            await asyncio.gather(relayer, watcher, return_exceptions=True)
-            await self.upstream.aclose()
-            self.api_use.__exit__(None, None, None)
+    return error_body(message, "service_unavailable" if status == 503 else "internal_error", status)
 
 
 class Router:
@@ -299,9 +261,8 @@ class Router:
         async for chunk in request.stream():
             size += len(chunk)
             if size > self.max_body_bytes:
-                return JSONResponse({"error": {"message": f"the request body is over the limit of "
-                                               f"{self.max_body_bytes} bytes", "type": "invalid_request_error",
-                                               "param": None, "code": 400}}, status_code=400)
+                return JSONResponse(error_body(f"the request body is over the limit of {self.max_body_bytes} bytes",
+                                               "invalid_request_error", 400), status_code=400)
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -326,13 +287,14 @@ class Router:
             try:
                 req = self.client.build_request(request.method, b.http + request.url.path,
                                                 params=request.query_params, headers=headers, content=body)
-                upstream = await self._until_disconnect(request, self.client.send(req, stream=True))
+                upstream = await until_disconnect(request.receive, self.client.send(req, stream=True),
+                                                  discard=lambda late: late.aclose())
                 if upstream is None:  # the client went away first
                     return Response(status_code=499)
                 if upstream.headers.get("content-type", "").startswith("text/event-stream"):
                     handed_off = True
-                    return _Relay(self, b, upstream, use)  # it closes ``upstream`` and releases ``use``
-                content = await self._until_disconnect(request, upstream.aread())
+                    return self._relay(b, upstream, use)  # it closes ``upstream`` and releases ``use``
+                content = await until_disconnect(request.receive, upstream.aread())
                 if content is None:
                     return Response(status_code=499)
                 self.pool.requests.labels(b.name, "http", "ok" if upstream.status_code < 400 else "refused").inc()
@@ -364,6 +326,26 @@ class Router:
                     if upstream is not None:
                         await upstream.aclose()
                     use.__exit__(None, None, None)
+
+    def _relay(self, b: Backend, upstream: httpx.Response, use) -> EventStream:
+        """The decode server's streamed response, chunk by chunk; if the server fails mid-stream, an ``error``
+        event and ``[DONE]`` end it. The upstream response is closed however this ends (a client that goes away
+        included), which aborts the request there, and ``use`` (the request in flight there) released."""
+        async def chunks():
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+                self.pool.requests.labels(b.name, "http", "ok").inc()
+            except httpx.TransportError as e:
+                yield sse(_error_body(self.failed(b, _reason(e), "http"), 500)) + DONE
+
+        async def close():
+            await upstream.aclose()
+            use.__exit__(None, None, None)
+
+        headers = [(k.encode(), v.encode()) for k, v in upstream.headers.items()
+                   if k.lower() in ("content-type", "cache-control", "x-accel-buffering")]
+        return EventStream(chunks(), close, status_code=upstream.status_code, headers=headers)
 
     async def _cached_pages(self, path: str, body: bytes):
         """``name -> leading pages of this request's prompt that process holds``, or None (not a generation
@@ -398,23 +380,6 @@ class Router:
                 continue_final_message=bool(req.get("continue_final_message")), tools=req.get("tools"),
                 chat_template_kwargs=req.get("chat_template_kwargs"))
         return None
-
-    @staticmethod
-    async def _until_disconnect(request: Request, work):
-        task = asyncio.ensure_future(work)
-        watcher = asyncio.ensure_future(wait_disconnect(request.receive))
-        try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
-        if not task.done():
-            task.cancel()
-            result = (await asyncio.gather(task, return_exceptions=True))[0]
-            if isinstance(result, httpx.Response):
-                await result.aclose()
-            return None
-        return task.result()
 
     # gRPC ----------------------------------------------------------------------------------------------------
     def grpc_server(self, max_message_bytes: int) -> grpc.aio.Server:

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.server.intake import RequestError, invalid, make_sampling_params
 from jaxserve.server.limits import JSON_MAX_DEPTH
-from jaxserve.server.tool_calls import check_tools, forced_schema, template_message
+from jaxserve.server.openai.tool_calls import check_tools, forced_schema, template_message
 from jaxserve.text.prompt_tokenizer import first_invalid_char
 
 logger = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ class CompletionRequest(_SamplingFields):
         """The request's ``SamplingParams``; ``defaults`` (the checkpoint's) fill the fields it leaves unset.
 
         ``best_of`` > n samples ``best_of`` outputs and keeps the n of highest cumulative logprob
-        (``openai_api._best``); ``echo`` with ``logprobs`` asks for the prompt's logprobs too; ``max_tokens`` 0 (with
+        (``completions.best``); ``echo`` with ``logprobs`` asks for the prompt's logprobs too; ``max_tokens`` 0 (with
         ``echo``) returns the prompt alone (one token is generated and dropped)."""
         self._check_common()
         if self.suffix:

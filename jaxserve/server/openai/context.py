@@ -1,0 +1,154 @@
+"""What the endpoint modules share: the engine and the served names, the API key check, the request body read
+within its limit, the ``model`` field resolved to the base model or an adapter, admitting a request's prompts
+and collecting their outputs, and the ``usage`` of an answer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from jaxserve.engine.request_stream import RequestStream
+from jaxserve.lora_request import LoRARequest
+from jaxserve.outputs import RequestDelta, RequestOutput
+from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.server.intake import api_key_ok, check_model, invalid, unauthenticated, usage_counts
+from jaxserve.server.limits import RequestLimits
+from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.openai.errors import engine_errors
+from jaxserve.server.openai.protocol import decode_json
+from jaxserve.server.openai.streaming import until_disconnect
+
+
+def json_body(model) -> dict:
+    """``openapi_extra`` declaring a JSON request body of ``model``'s schema (the handlers read the raw body)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+class APIContext:
+    """The server's state as every endpoint module sees it."""
+
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str], *,
+                 api_key: str | None = None, max_body_bytes: int = 4 * 2**20, limits: RequestLimits | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self.names = served_model_names
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.limits = limits or RequestLimits()
+        self.created = int(time.time())
+
+    def router(self, prefix: str = "") -> APIRouter:
+        """A router whose routes need the API key (when the server has one)."""
+        return APIRouter(prefix=prefix, dependencies=[Depends(self._authorize)])
+
+    async def _authorize(self, request: Request) -> None:
+        if not api_key_ok(request.headers.get("authorization"), self.api_key):
+            raise unauthenticated()
+
+    async def read_json(self, request: Request) -> Any:
+        """The request's JSON body (``protocol.decode_json``'s checks), refused past ``max_body_bytes``."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise invalid(f"the request body has {declared} bytes, over the limit of {self.max_body_bytes}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise invalid(f"the request body is over the limit of {self.max_body_bytes} bytes")
+            chunks.append(chunk)
+        return decode_json(b"".join(chunks))
+
+    @property
+    def generation_defaults(self) -> dict:
+        """The checkpoint's sampling defaults (``--generation-config``), for the fields a request leaves unset."""
+        return self.engine.info.get("generation_defaults") or {}
+
+    def model_name(self, requested: str | None) -> str:
+        return requested or self.names[0]
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The adapter the ``model`` field names (None: the base model); 400 naming ``model`` if it is neither a
+        served name nor a loaded adapter."""
+        if model is None or model in self.names:
+            return None
+        lora = self.engine.loras.get(model)
+        if lora is None:
+            check_model(model, self.names + list(self.engine.loras))
+        return lora
+
+    async def start(self, prompts: list, params, messages=None, add_generation_prompt=True,
+                    **prompt_options) -> list[RequestStream]:
+        """Admit every prompt of the request, or none (the admitted ones are aborted if one fails).
+        ``prompt_options``: ``template_options`` of a chat, ``add_special_tokens`` of a text prompt, the
+        ``lora_request`` of an adapter the ``model`` field named."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                with engine_errors(prefix=f"prompt[{i}]: " if len(prompts) > 1 else ""):
+                    streams.append(await self.engine.add_request(prompt, params, messages=messages,
+                                                                 add_generation_prompt=add_generation_prompt,
+                                                                 **prompt_options))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        return streams
+
+    async def finals(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput] | None:
+        """Each stream's final output; None (the requests aborted) if the client goes away first."""
+        return await until_disconnect(request.receive, _final_outputs(streams),
+                                      on_disconnect=lambda: [s.abort() for s in streams])
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput | RequestDelta]]:
+    """(prompt index, output) from several streams as they arrive."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, s: RequestStream):
+        try:
+            async for out in s:
+                q.put_nowait((k, out))
+        except Exception as e:  # noqa: BLE001 - re-raised in the consumer
+            q.put_nowait((k, e))
+        q.put_nowait((k, None))
+
+    tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            k, out = await q.get()
+            if out is None:
+                remaining -= 1
+            elif isinstance(out, Exception):
+                raise out
+            else:
+                yield k, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for k, out in merged(streams):
+        if out.finished:
+            finals[k] = out
+    return finals  # type: ignore[return-value]
+
+
+def usage(outs: list[RequestOutput]) -> dict[str, Any]:
+    """OpenAI's ``usage`` of the outputs together (``cached_tokens``: prompt tokens the prefix cache held)."""
+    counts = [usage_counts(o) for o in outs]
+    prompt = sum(c["prompt_tokens"] for c in counts)
+    completion = sum(c["completion_tokens"] for c in counts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c["cached_tokens"] for c in counts)}}
