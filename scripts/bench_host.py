@@ -145,14 +145,13 @@ class Phases:
     that make up a step (``--phases``). Wrapping costs ~1 µs per call, a few per step."""
 
     def __init__(self, engine: Engine):
-        from jaxserve.engine import async_scheduling
         ex = engine.executor
         self.cpu: dict[str, float] = {}
         self._undo = []
         for obj, name, label in [(engine.scheduler, "schedule", "schedule"), (ex, "make_batch", "launch: batch"),
                                  (ex, "_sample_step", "launch: sampling"), (ex.runner, "run", "launch: step call"),
                                  (ex, "launch", "launch (all)"), (ex, "fetch", "fetch"),
-                                 (async_scheduling, "commit", "commit"), (async_scheduling, "resolve", "resolve"),
+                                 (engine.scheduler, "commit", "commit"), (engine.scheduler, "resolve", "resolve"),
                                  (engine, "_collect", "outputs"), (engine, "_mark_scheduled", "queue stamps"),
                                  (engine, "step", "step (all)")]:
             self._wrap(obj, name, label)

@@ -18,7 +18,6 @@ import time
 from collections.abc import Sequence as Seq
 
 from jaxserve.config.engine import EngineConfig
-from jaxserve.engine import async_scheduling
 from jaxserve.engine.generation_config import load_generation_defaults
 from jaxserve.engine.kv_events import make_publisher
 from jaxserve.engine.request_stream import EngineSleeping
@@ -29,7 +28,7 @@ from jaxserve.outputs import CompletionDelta, CompletionOutput, RequestDelta, Re
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.protocol import RequestScheduler, StepScheduler
 from jaxserve.scheduler.replicas import ReplicatedScheduler
-from jaxserve.scheduler.scheduler import UpdateResult
+from jaxserve.scheduler.plan import UpdateResult
 from jaxserve.scheduler.sequence import Sequence
 from jaxserve.scheduler.step_result import StepFailed, StepResult
 from jaxserve.text.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
@@ -119,14 +118,13 @@ class Engine:
         self.model_path = model_path
         self.model_config = self.executor.model_config
         self.max_model_len = self.executor.max_model_len
-        self.scheduler = ReplicatedScheduler(self.executor.scheduler_config, self.executor.num_replicas)
         self.spec = None
         if config.speculative_config is not None:
             from jaxserve.spec_decode.planner import SpecPlanner
 
             self.spec = SpecPlanner(config.speculative_config, self.max_model_len)
-            for replica in self.scheduler.replicas:
-                replica.spec = self.spec
+        self.scheduler = ReplicatedScheduler(self.executor.scheduler_config, self.executor.num_replicas,
+                                             spec=self.spec)
         self.grammars = (GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
                          if self.tokenizer is not None else None)
         self.structured = StructuredOutputs(self.grammars)
@@ -224,7 +222,7 @@ class Engine:
         self._loud += self._requests[request_id].loud
         self.stats_counters["prompt_tokens"] += len(ids)
         if params.structured_outputs is not None or params.prompt_logprobs is not None:
-            self._sync_requests += 1  # steps run synchronously while it is live (jaxserve/engine/async_scheduling.py)
+            self._sync_requests += 1  # steps run synchronously while it is live (``_step_async``)
         return request_id
 
     def tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
@@ -269,7 +267,7 @@ class Engine:
         """Run one scheduled batch; returns an output for each request that produced tokens or finished.
 
         With async scheduling (``EngineConfig.async_scheduling``) the batch is launched and the outputs are
-        those of the batch launched by the previous call, read while this one runs (``engine/async_scheduling.py``).
+        those of the batch launched by the previous call, read while this one runs (``_step_async``).
 
         A step that fails ends the requests in it (reason "error", ``RequestOutput.error`` saying why) and
         returns their pages; every other request carries on.
@@ -325,6 +323,33 @@ class Engine:
         return self._async and not self._sync_requests
 
     def _step_async(self) -> list[RequestOutput]:
+        """Async scheduling: step N+1 is scheduled, built and launched before step N's tokens reach the host.
+
+        1. ``schedule()`` plans step N+1. A sequence whose step-N token is still on the device looks like any
+           decoding sequence: ``commit`` appended a placeholder for it, ``-1 - i`` where ``i`` is its row in step
+           N (``jaxserve.scheduler.plan.placeholder``).
+        2. The executor launches N+1 with step N's sampled ids (still on the device) as an input: the step
+           replaces each negative token id by that row of them (``runner.jit_step``). Nothing waits for the device.
+        3. ``scheduler.commit(N+1)``: each entry's ``num_computed_tokens`` advances and sampled entries get a
+           placeholder.
+        4. ``scheduler.resolve(N)``: the host reads step N's tokens (waiting only if N is still running, while N+1
+           is queued behind it), the scheduler fills the placeholders, checks stops and registers full pages with
+           the prefix cache, and the engine detokenizes and publishes. All of this overlaps step N+1 on the device.
+
+        A sequence that finishes at step N (stop token, stop string, max_tokens, abort) was already in step N+1:
+        the token N+1 computes for it is never read, its placeholder is dropped (``Sequence.drop_placeholder``)
+        and its pages go back as they would have. Pages freed while a step that writes them is in flight are safe
+        to hand out again: steps run on the device in launch order, so a later step's writes come after the
+        earlier step's.
+
+        Exactness: every per-step input the host builds depends only on what the scheduler knows before step N's
+        tokens (token counts for ``min_tokens`` bans and the seeded draw's counter, page tables, positions);
+        penalties read device-resident counts that the sampler updates itself. Two features need the previous
+        token on the host before the next step can be built, and a step with a live request using them runs
+        synchronously (the in-flight step is resolved first): structured output (the next allowed-token mask
+        follows the grammar state after the token) and prompt logprobs (scored rows are collected on the host).
+        Multi-process runs, whose followers receive whole batches, always run synchronously.
+        """
         plan = self.scheduler.schedule()
         self.executor.release(plan.preempted, finished=False)
         if plan.is_empty:
@@ -338,7 +363,7 @@ class Engine:
         except StepFailed as e:
             outputs = self._resolve() if prev is not None else []
             return outputs + self._fail_step(plan, e)
-        async_scheduling.commit(self.scheduler, plan)
+        self.scheduler.commit(plan)
         self.stats_counters["steps"] += 1
         self._pending = (plan, launched)
         if prev is None:
@@ -356,7 +381,7 @@ class Engine:
             return self._fail_step(plan, e)
         if result.prompt_logprobs:
             self._record_prompt_logprobs(plan, result.prompt_logprobs)
-        update, tokens = async_scheduling.resolve(self.scheduler, plan, result.token_ids)
+        update, tokens = self.scheduler.resolve(plan, result.token_ids)
         outputs = self._collect(update.finished, update.updated, _logprobs(plan, result), tokens=tokens)
         # As in the synchronous step: a finished sequence's penalty row returns now (the step in flight that may
         # still carry it updated the row before any later step can hand the row to another sequence).
