@@ -21,6 +21,7 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.generation_config import load_generation_defaults
 from jaxserve.engine.kv_events import make_publisher
 from jaxserve.engine.request_stream import EngineSleeping
+from jaxserve.engine.step_failure import end_failed_step
 from jaxserve.lora_request import LoRARequest
 from jaxserve.models.checkpoint import resolve_model_path
 from jaxserve.models.config import ModelConfig
@@ -410,13 +411,11 @@ class Engine:
 
     def _fail_step(self, plan, error: StepFailed, scheduler: StepScheduler | None = None, executor=None,
                    kind: str | None = None) -> list[RequestOutput]:
-        """End the requests of a failed step's ``plan`` (reason "error"); if the failure took the KV cache, every
-        other sequence of ``scheduler`` (the engine's by default) recomputes its KV on ``executor``."""
-        affected = list(dict.fromkeys(e.seq.request_id for e in plan.scheduled))
-        logger.error("a %s failed; its requests %s finish with reason 'error'",
-                     "step" if kind is None else f"{kind} step", ", ".join(affected), exc_info=error)
-        message = f"the step running this request failed: {error}"
-        outputs = [out for rid in affected if (out := self.abort_request(rid, "error", error=message)) is not None]
+        """End the requests of a failed step's ``plan`` (``step_failure``: reason "error"); if the failure took
+        the KV cache, every other sequence of ``scheduler`` (the engine's by default) recomputes its KV on
+        ``executor``."""
+        outputs = end_failed_step(lambda rid, message: self.abort_request(rid, "error", error=message), plan.seqs,
+                                  error, what="step" if kind is None else f"{kind} step")
         if error.cache_lost:  # every other sequence's KV went with the cache: recompute it from its tokens
             scheduler = self.scheduler if scheduler is None else scheduler
             executor = self.executor if executor is None else executor
