@@ -276,8 +276,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 e = engines[a, feat] = Engine(EngineConfig(
                     model=str(model), max_num_seqs=c, max_num_batched_tokens=max(512, c), max_model_len=MAX_MODEL_LEN,
-                    async_scheduling=a, skip_tokenizer_init=not feat))
-                e.final_outputs_only = True
+                    async_scheduling=a, skip_tokenizer_init=not feat), final_outputs_only=True)
                 print(f"# concurrency {c}, async_scheduling={a}, tokenizer={feat}: engine ready in "
                       f"{time.perf_counter() - t0:.1f}s", flush=True)
             return engines[a, feat]

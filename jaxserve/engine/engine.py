@@ -76,7 +76,9 @@ class Engine:
     # Request bookkeeping; steps run on it when it is also a ``StepScheduler`` (colocated), else on each stage's.
     scheduler: RequestScheduler
 
-    def __init__(self, config: EngineConfig, *, executor_factory=None):
+    def __init__(self, config: EngineConfig, *, executor_factory=None, final_outputs_only: bool = False):
+        """``executor_factory``: builds the device side (default: ``Executor``); ``final_outputs_only``: ``step``
+        returns the outputs of finished requests only (the offline API reads nothing else)."""
         self.config = config
         if config.model is None:
             from jaxserve.models.demo import demo_model_path
@@ -142,8 +144,7 @@ class Engine:
         self._unstamped: set[str] = set()  # live requests not scheduled yet (``_mark_scheduled``)
         self._no_first_token: set[str] = set()  # live requests with no token yet (their first_token_time)
         self._loud = 0  # live requests with ``_Request.loud``
-        # True: ``step`` returns outputs of finished requests only (the offline API reads nothing else).
-        self.final_outputs_only = False
+        self.final_outputs_only = final_outputs_only
         # KV-cache events (--kv-events-config): the publisher, and the page pools it announces (set on the first
         # ``publish_kv_events``, once a subclass has built its stages)
         self.kv_events = make_publisher(config.kv_events_config)
@@ -677,10 +678,10 @@ class Engine:
         if self._kv_event_pools is None:
             self._kv_event_pools = self.kv_event_pools()
             for pool in self._kv_event_pools:
-                pool.events = []
+                pool.record_events()
         for rank, pool in enumerate(self._kv_event_pools):
-            if pool.events:
-                events, pool.events = pool.events, []
+            events = pool.take_events()
+            if events:
                 self.kv_events.publish(events, rank)
 
     # Introspection ------------------------------------------------------------------------------------------
