@@ -42,8 +42,8 @@ class LLM:
         start = time.perf_counter()
         config = EngineConfig(model=model, **engine_options)
         logger.info("loading %s", model if model is not None else "the built-in demo model")
-        self.engine = make_engine(config)
-        self.engine.final_outputs_only = True  # generate returns whole completions: no per-step outputs to build
+        # generate returns whole completions: no per-step outputs to build
+        self.engine = make_engine(config, final_outputs_only=True)
         self.tokenizer = self.engine.tokenizer  # None with skip_tokenizer_init=True
         self.model_config = self.engine.model_config
         logger.info("ready in %.1fs", time.perf_counter() - start)

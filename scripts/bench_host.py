@@ -146,14 +146,13 @@ class Phases:
     that make up a step (``--phases``). Wrapping costs ~1 µs per call, a few per step."""
 
     def __init__(self, engine: Engine):
-        from jaxserve.engine import async_scheduling
         ex = engine.executor
         self.cpu: dict[str, float] = {}
         self._undo = []
         for obj, name, label in [(engine.scheduler, "schedule", "schedule"), (ex, "make_batch", "launch: batch"),
                                  (ex, "_sample_step", "launch: sampling"), (ex.runner, "run", "launch: step call"),
                                  (ex, "launch", "launch (all)"), (ex, "fetch", "fetch"),
-                                 (async_scheduling, "commit", "commit"), (async_scheduling, "resolve", "resolve"),
+                                 (engine.scheduler, "commit", "commit"), (engine.scheduler, "resolve", "resolve"),
                                  (engine, "_collect", "outputs"), (engine, "_mark_scheduled", "queue stamps"),
                                  (engine, "step", "step (all)")]:
             self._wrap(obj, name, label)
@@ -280,8 +279,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 e = engines[a, feat] = Engine(EngineConfig(
                     model=str(model), max_num_seqs=c, max_num_batched_tokens=max(512, c), max_model_len=MAX_MODEL_LEN,
-                    async_scheduling=a, skip_tokenizer_init=not feat))
-                e.final_outputs_only = True
+                    async_scheduling=a, skip_tokenizer_init=not feat), final_outputs_only=True)
                 print(f"# concurrency {c}, async_scheduling={a}, tokenizer={feat}: engine ready in "
                       f"{time.perf_counter() - t0:.1f}s", flush=True)
             return engines[a, feat]

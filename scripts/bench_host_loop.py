@@ -21,7 +21,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxserve.config.scheduler import SchedulerConfig  # noqa: E402
-from jaxserve.engine import async_scheduling  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.scheduler.replicas import ReplicatedScheduler  # noqa: E402
 from jaxserve.scheduler.sequence import Sequence  # noqa: E402
@@ -43,13 +42,13 @@ def run(concurrency: int, output_len: int, skip: int = 6) -> dict[str, float]:
         c1 = time.thread_time()
         if plan.is_empty:
             if pending is not None:
-                async_scheduling.resolve(sched, *pending)
+                sched.resolve(*pending)
                 pending = None
             continue
-        async_scheduling.commit(sched, plan)
+        sched.commit(plan)
         c2 = time.thread_time()
         if pending is not None:
-            async_scheduling.resolve(sched, *pending)
+            sched.resolve(*pending)
         c3 = time.thread_time()
         if steps >= skip:
             cpu["schedule"] += c1 - c0

@@ -117,18 +117,18 @@ class FakeEngine:
     def has_unfinished(self):
         return bool(self.requests)
 
-    def _out(self, req, reason, new):
+    def _out(self, req, reason, new, error=None):
         text = "".join(f"<{t}>" for t in req.tokens)
         c = CompletionOutput(0, text, list(req.tokens), reason, None, None, "".join(f"<{t}>" for t in new), new)
         m = RequestMetrics(0.0, 0.0, 0.0, 1.0 if reason else None)
-        return RequestOutput(req.rid, None, req.ids, [c], reason is not None, m)
+        return RequestOutput(req.rid, None, req.ids, [c], reason is not None, m, error)
 
-    def abort_request(self, rid, reason="abort"):
+    def abort_request(self, rid, reason="abort", *, error=None):
         req = self.requests.pop(rid, None)
         if req is not None:
             self.pages_used -= self._pages(req)
         self.scheduler.running = [_Seq(r) for r in self.requests]
-        return None if req is None else self._out(req, reason, [])
+        return None if req is None else self._out(req, reason, [], error)
 
     def step(self):
         self.step_thread = threading.current_thread()

@@ -11,7 +11,8 @@ from test_scheduler import VOCAB, FakeModel, abort, make_config, seq
 from jaxserve.executor.batch import StepBatch
 from jaxserve.executor.decode_rows import DecodeRows
 from jaxserve.executor.shapes import bucket
-from jaxserve.scheduler.scheduler import ScheduledSequence, Scheduler
+from jaxserve.scheduler.plan import ScheduledSequence
+from jaxserve.scheduler.scheduler import Scheduler
 
 
 def both(rows: DecodeRows, entries, max_seqs: int, pages: int):

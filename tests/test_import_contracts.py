@@ -1,6 +1,6 @@
 """The import contracts in pyproject.toml (import-linter): the layer order of ``jaxserve``'s packages, host
-packages without jax, offline tools off the serving path, a router without the engine, kernels and meshes free
-of ``jaxserve``.
+packages without jax, the host loop and its driver thread without asyncio, offline tools off the serving path, a
+router without the engine, kernels and meshes free of ``jaxserve``.
 
 The contracts are checked on this tree, and each is shown to catch a break: a copy of the tree with one
 offending import planted must fail it, naming the contract.
@@ -49,6 +49,7 @@ PLANTED = [
     ("jaxserve/server/openai/streaming.py", "from jaxserve.server import intake", "The router runs no engine"),
     ("pallas_kernels/metadata.py", "import jaxserve.outputs", "Kernels and meshes import nothing from jaxserve"),
     ("pallas_kernels/quantized_pages.py", "import sharding.rules", "Kernels import no mesh code"),
+    ("jaxserve/engine/driver.py", "import asyncio", "The host loop and its driver thread import no asyncio"),
 ]
 
 

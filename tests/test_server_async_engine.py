@@ -59,9 +59,9 @@ def test_idle_loop_blocks_instead_of_spinning():
         steps = fake.steps
         await asyncio.sleep(0.3)
         assert fake.steps == steps  # nothing to do: no steps, the thread waits on the intake queue
-        assert ae._thread.is_alive()
+        assert ae.driver.thread.is_alive()
         await ae.stop()
-        assert not ae._thread.is_alive()
+        assert not ae.driver.thread.is_alive()
 
     run(main())
 
@@ -274,8 +274,8 @@ def test_engine_thread_ends_quietly_when_its_event_loop_closes_first():
             return ae  # the loop closes with the request still running and the engine never stopped
 
         ae = run(main())
-        ae._thread.join(10)
-        assert not ae._thread.is_alive()
+        ae.driver.thread.join(10)
+        assert not ae.driver.thread.is_alive()
         assert errors == []
     finally:
         threading.excepthook = hook

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from test_scheduler import VOCAB, FakeModel, abort, extend, fingerprint, make_config, reference, sample, seq
 
-from jaxserve.engine import async_scheduling
 from jaxserve.scheduler.replicas import ReplicatedScheduler
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.scheduler import Scheduler
@@ -87,15 +86,15 @@ def test_async_commit_and_resolve_reproduce_plain_generation(seed, caching):
         plan = sched.schedule()
         if plan.is_empty:
             if pending is not None:
-                async_scheduling.resolve(sched, *pending)
+                sched.resolve(*pending)
                 pending = None
             else:
                 sched.update(plan, [])
             continue
         sampled = run_fake(model, plan.scheduled, None if pending is None else pending[1])
-        async_scheduling.commit(sched, plan)
+        sched.commit(plan)
         if pending is not None:
-            update, tokens = async_scheduling.resolve(sched, *pending)
+            update, tokens = sched.resolve(*pending)
             row = {e.seq.seq_id: r for r, e in enumerate(pending[0].scheduled)}
             assert tokens == [int(pending[1][row[s.seq_id]]) for s in update.updated]
         pending = (plan, np.array(sampled, np.int32))
@@ -294,7 +293,7 @@ def test_async_decode_runs_equal_the_per_sequence_loop(seed, caching):
         sync = rng.random() < (0.7 if sync else 0.05)
         if sync and pending is not None:
             for sched in (bulk, loop):
-                async_scheduling.resolve(sched, *pending[sched is loop])
+                sched.resolve(*pending[sched is loop])
             pending = None
         for _ in range(rng.choice([0, 0, 1])):
             if pending_requests:
@@ -318,17 +317,17 @@ def test_async_decode_runs_equal_the_per_sequence_loop(seed, caching):
                 loop.update(b, tokens)
             elif pending is not None:
                 for sched in (bulk, loop):
-                    async_scheduling.resolve(sched, *pending[sched is loop])
+                    sched.resolve(*pending[sched is loop])
                 pending = None
             else:
                 bulk.update(a, [])
                 loop.update(b, [])
             continue
         sampled = np.array(run_fake(model, a.scheduled, None if pending is None else pending[0][1]), np.int32)
-        async_scheduling.commit(bulk, a)
-        async_scheduling.commit(loop, b)
+        bulk.commit(a)
+        loop.commit(b)
         if pending is not None:
-            got = [async_scheduling.resolve(sched, *pending[sched is loop]) for sched in (bulk, loop)]
+            got = [sched.resolve(*pending[sched is loop]) for sched in (bulk, loop)]
             assert [([s.request_id for s in u.updated], t, [s.request_id for s in u.finished]) for u, t in got][0] \
                 == [([s.request_id for s in u.updated], t, [s.request_id for s in u.finished]) for u, t in got][1]
         pending = ((a, sampled), (b, sampled))

@@ -83,8 +83,8 @@ class EngineConfig:
     prefill_mesh: str | None = None
     decode_mesh: str | None = None
     max_pending_transfers: int = 8  # prefilled sequences waiting for the decode side before prefill pauses
-    # Launch step N+1 before step N's tokens reach the host (jaxserve/engine/async_scheduling.py); steps that need the
-    # host's view of the previous token (structured output, prompt logprobs) run synchronously.
+    # Launch step N+1 before step N's tokens reach the host (``Engine._step_async``); steps that need the host's
+    # view of the previous token (structured output, prompt logprobs) run synchronously.
     async_scheduling: bool = True
     quantization: str | None = None  # weights quantized at load: "int8" or "fp8" (None: as the checkpoint is)
     quantize_lm_head: bool = False  # quantize the LM head and embeddings too

@@ -13,10 +13,12 @@ A cancelled call aborts its request and frees its pages. The decode side is ``ja
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import logging
 import queue
 import threading
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -39,13 +41,15 @@ class PrefillEngine(Engine):
 
     steps_async = False  # a sequence leaves once its first token is on the host, before any further step
 
-    def __init__(self, config: EngineConfig, **kwargs):
+    def __init__(self, config: EngineConfig, *, transfer: Callable[[], object | None] | None = None, **kwargs):
+        """``transfer``: starts the transfer server (a ``JaxTransfer``, or None for none) once the engine is built;
+        the other options are the ``Engine``'s."""
         if config.speculative_config is not None:
             raise ValueError("speculative_config: speculation verifies decodes, which run on the decode side; start "
                              "the prefill process without --speculative-config")
         super().__init__(config, **kwargs)
         self.reader = PageReader(self.executor.runner)
-        self.transfer = None  # a JaxTransfer, set by the server
+        self.transfer = None if transfer is None else transfer()  # a JaxTransfer, or None: pages go as bytes
         self._pulled: set[str] = set()  # request ids whose pages the decode side pulls through it
         self.stats_counters.update(kv_transfer_offers=0)
 
@@ -102,8 +106,8 @@ class PrefillServer:
 
         from jaxserve.disagg import kv_transfer as kvt
         self.config = config
-        self.engine = (engine_factory or PrefillEngine)(config)
-        self.engine.transfer = kvt.start(kv_transfer, host)
+        self.engine = (engine_factory or PrefillEngine)(config,
+                                                        transfer=functools.partial(kvt.start, kv_transfer, host))
         self.stats = self.engine.stats()  # the engine's latest, refreshed by its thread after each iteration
         self._intake: queue.Queue = queue.Queue()
         self._streams: dict[str, queue.Queue] = {}

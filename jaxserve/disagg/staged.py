@@ -132,7 +132,7 @@ class StagedEngine(Engine):
 class DisaggregatedEngine(StagedEngine):
     """An ``Engine`` whose prompts run on a prefill mesh and whose decodes run on a decode mesh (module doc)."""
 
-    def __init__(self, config: EngineConfig, *, executor_factory=None):
+    def __init__(self, config: EngineConfig, *, executor_factory=None, final_outputs_only: bool = False):
         if config.prefill_mesh is None or config.decode_mesh is None:
             raise ValueError("a disaggregated engine needs prefill_mesh and decode_mesh")
         devices = jax.devices()
@@ -152,7 +152,7 @@ class DisaggregatedEngine(StagedEngine):
         prefill_config = dataclasses.replace(base, mesh=config.prefill_mesh, speculative_config=None)
         factory = executor_factory or Executor
         super().__init__(decode_config, executor_factory=functools.partial(
-            factory, devices=devices[n_prefill:n_prefill + n_decode]))
+            factory, devices=devices[n_prefill:n_prefill + n_decode]), final_outputs_only=final_outputs_only)
         self.config = config
         self.prefill_executor = factory(prefill_config, model_path=self.executor.model_path,
                                         eos_token_ids=self.eos_token_ids, devices=devices[:n_prefill],

@@ -18,10 +18,10 @@ import time
 from collections.abc import Sequence as Seq
 
 from jaxserve.config.engine import EngineConfig
-from jaxserve.engine import async_scheduling
 from jaxserve.engine.generation_config import load_generation_defaults
 from jaxserve.engine.kv_events import make_publisher
 from jaxserve.engine.request_stream import EngineSleeping
+from jaxserve.engine.step_failure import end_failed_step
 from jaxserve.lora_request import LoRARequest
 from jaxserve.models.checkpoint import resolve_model_path
 from jaxserve.models.config import ModelConfig
@@ -29,7 +29,7 @@ from jaxserve.outputs import CompletionDelta, CompletionOutput, RequestDelta, Re
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.protocol import RequestScheduler, StepScheduler
 from jaxserve.scheduler.replicas import ReplicatedScheduler
-from jaxserve.scheduler.scheduler import UpdateResult
+from jaxserve.scheduler.plan import UpdateResult
 from jaxserve.scheduler.sequence import Sequence
 from jaxserve.scheduler.step_result import StepFailed, StepResult
 from jaxserve.text.detokenizer import IncrementalDetokenizer, NoTextDetokenizer
@@ -76,7 +76,9 @@ class Engine:
     # Request bookkeeping; steps run on it when it is also a ``StepScheduler`` (colocated), else on each stage's.
     scheduler: RequestScheduler
 
-    def __init__(self, config: EngineConfig, *, executor_factory=None):
+    def __init__(self, config: EngineConfig, *, executor_factory=None, final_outputs_only: bool = False):
+        """``executor_factory``: builds the device side (default: ``Executor``); ``final_outputs_only``: ``step``
+        returns the outputs of finished requests only (the offline API reads nothing else)."""
         self.config = config
         if config.model is None:
             from jaxserve.models.demo import demo_model_path
@@ -119,14 +121,13 @@ class Engine:
         self.model_path = model_path
         self.model_config = self.executor.model_config
         self.max_model_len = self.executor.max_model_len
-        self.scheduler = ReplicatedScheduler(self.executor.scheduler_config, self.executor.num_replicas)
         self.spec = None
         if config.speculative_config is not None:
             from jaxserve.spec_decode.planner import SpecPlanner
 
             self.spec = SpecPlanner(config.speculative_config, self.max_model_len)
-            for replica in self.scheduler.replicas:
-                replica.spec = self.spec
+        self.scheduler = ReplicatedScheduler(self.executor.scheduler_config, self.executor.num_replicas,
+                                             spec=self.spec)
         self.grammars = (GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
                          if self.tokenizer is not None else None)
         self.structured = StructuredOutputs(self.grammars)
@@ -143,8 +144,7 @@ class Engine:
         self._unstamped: set[str] = set()  # live requests not scheduled yet (``_mark_scheduled``)
         self._no_first_token: set[str] = set()  # live requests with no token yet (their first_token_time)
         self._loud = 0  # live requests with ``_Request.loud``
-        # True: ``step`` returns outputs of finished requests only (the offline API reads nothing else).
-        self.final_outputs_only = False
+        self.final_outputs_only = final_outputs_only
         # KV-cache events (--kv-events-config): the publisher, and the page pools it announces (set on the first
         # ``publish_kv_events``, once a subclass has built its stages)
         self.kv_events = make_publisher(config.kv_events_config)
@@ -224,7 +224,7 @@ class Engine:
         self._loud += self._requests[request_id].loud
         self.stats_counters["prompt_tokens"] += len(ids)
         if params.structured_outputs is not None or params.prompt_logprobs is not None:
-            self._sync_requests += 1  # steps run synchronously while it is live (jaxserve/engine/async_scheduling.py)
+            self._sync_requests += 1  # steps run synchronously while it is live (``_step_async``)
         return request_id
 
     def tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
@@ -269,7 +269,7 @@ class Engine:
         """Run one scheduled batch; returns an output for each request that produced tokens or finished.
 
         With async scheduling (``EngineConfig.async_scheduling``) the batch is launched and the outputs are
-        those of the batch launched by the previous call, read while this one runs (``engine/async_scheduling.py``).
+        those of the batch launched by the previous call, read while this one runs (``_step_async``).
 
         A step that fails ends the requests in it (reason "error", ``RequestOutput.error`` saying why) and
         returns their pages; every other request carries on.
@@ -325,6 +325,33 @@ class Engine:
         return self._async and not self._sync_requests
 
     def _step_async(self) -> list[RequestOutput]:
+        """Async scheduling: step N+1 is scheduled, built and launched before step N's tokens reach the host.
+
+        1. ``schedule()`` plans step N+1. A sequence whose step-N token is still on the device looks like any
+           decoding sequence: ``commit`` appended a placeholder for it, ``-1 - i`` where ``i`` is its row in step
+           N (``jaxserve.scheduler.plan.placeholder``).
+        2. The executor launches N+1 with step N's sampled ids (still on the device) as an input: the step
+           replaces each negative token id by that row of them (``runner.jit_step``). Nothing waits for the device.
+        3. ``scheduler.commit(N+1)``: each entry's ``num_computed_tokens`` advances and sampled entries get a
+           placeholder.
+        4. ``scheduler.resolve(N)``: the host reads step N's tokens (waiting only if N is still running, while N+1
+           is queued behind it), the scheduler fills the placeholders, checks stops and registers full pages with
+           the prefix cache, and the engine detokenizes and publishes. All of this overlaps step N+1 on the device.
+
+        A sequence that finishes at step N (stop token, stop string, max_tokens, abort) was already in step N+1:
+        the token N+1 computes for it is never read, its placeholder is dropped (``Sequence.drop_placeholder``)
+        and its pages go back as they would have. Pages freed while a step that writes them is in flight are safe
+        to hand out again: steps run on the device in launch order, so a later step's writes come after the
+        earlier step's.
+
+        Exactness: every per-step input the host builds depends only on what the scheduler knows before step N's
+        tokens (token counts for ``min_tokens`` bans and the seeded draw's counter, page tables, positions);
+        penalties read device-resident counts that the sampler updates itself. Two features need the previous
+        token on the host before the next step can be built, and a step with a live request using them runs
+        synchronously (the in-flight step is resolved first): structured output (the next allowed-token mask
+        follows the grammar state after the token) and prompt logprobs (scored rows are collected on the host).
+        Multi-process runs, whose followers receive whole batches, always run synchronously.
+        """
         plan = self.scheduler.schedule()
         self.executor.release(plan.preempted, finished=False)
         if plan.is_empty:
@@ -338,7 +365,7 @@ class Engine:
         except StepFailed as e:
             outputs = self._resolve() if prev is not None else []
             return outputs + self._fail_step(plan, e)
-        async_scheduling.commit(self.scheduler, plan)
+        self.scheduler.commit(plan)
         self.stats_counters["steps"] += 1
         self._pending = (plan, launched)
         if prev is None:
@@ -356,7 +383,7 @@ class Engine:
             return self._fail_step(plan, e)
         if result.prompt_logprobs:
             self._record_prompt_logprobs(plan, result.prompt_logprobs)
-        update, tokens = async_scheduling.resolve(self.scheduler, plan, result.token_ids)
+        update, tokens = self.scheduler.resolve(plan, result.token_ids)
         outputs = self._collect(update.finished, update.updated, _logprobs(plan, result), tokens=tokens)
         # As in the synchronous step: a finished sequence's penalty row returns now (the step in flight that may
         # still carry it updated the row before any later step can hand the row to another sequence).
@@ -385,13 +412,11 @@ class Engine:
 
     def _fail_step(self, plan, error: StepFailed, scheduler: StepScheduler | None = None, executor=None,
                    kind: str | None = None) -> list[RequestOutput]:
-        """End the requests of a failed step's ``plan`` (reason "error"); if the failure took the KV cache, every
-        other sequence of ``scheduler`` (the engine's by default) recomputes its KV on ``executor``."""
-        affected = list(dict.fromkeys(e.seq.request_id for e in plan.scheduled))
-        logger.error("a %s failed; its requests %s finish with reason 'error'",
-                     "step" if kind is None else f"{kind} step", ", ".join(affected), exc_info=error)
-        message = f"the step running this request failed: {error}"
-        outputs = [out for rid in affected if (out := self.abort_request(rid, "error", error=message)) is not None]
+        """End the requests of a failed step's ``plan`` (``step_failure``: reason "error"); if the failure took
+        the KV cache, every other sequence of ``scheduler`` (the engine's by default) recomputes its KV on
+        ``executor``."""
+        outputs = end_failed_step(lambda rid, message: self.abort_request(rid, "error", error=message), plan.seqs,
+                                  error, what="step" if kind is None else f"{kind} step")
         if error.cache_lost:  # every other sequence's KV went with the cache: recompute it from its tokens
             scheduler = self.scheduler if scheduler is None else scheduler
             executor = self.executor if executor is None else executor
@@ -653,10 +678,10 @@ class Engine:
         if self._kv_event_pools is None:
             self._kv_event_pools = self.kv_event_pools()
             for pool in self._kv_event_pools:
-                pool.events = []
+                pool.record_events()
         for rank, pool in enumerate(self._kv_event_pools):
-            if pool.events:
-                events, pool.events = pool.events, []
+            events = pool.take_events()
+            if events:
                 self.kv_events.publish(events, rank)
 
     # Introspection ------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 ``take_all``, which drains an engine thread's intake queue.
 
 These stand on their own (asyncio and the outputs only): the servers and their tests use them without the
-engine thread that feeds them (``jaxserve.server.async_engine``).
+engine thread that feeds them (``jaxserve.engine.driver``, bridged to asyncio by ``jaxserve.server.async_engine``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import queue
 
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import RequestDelta, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -42,6 +42,9 @@ class RequestStream:
     seen in this request's logprobs to its text decoded on its own (filled before the output is delivered).
     ``abort()`` finishes the request with reason "abort" and frees its pages before the engine's next step
     (``engine`` is what it asks: anything with ``abort(request_id)``, the ``AsyncEngine`` when serving).
+
+    The producer (the asyncio bridge, on the stream's event loop) calls ``accept`` or ``refuse`` once, then
+    ``put`` each output, or ``fail`` to end the stream with an error.
     """
 
     def __init__(self, engine, request_id: str, params: SamplingParams):
@@ -63,10 +66,45 @@ class RequestStream:
         if not self._done:
             self._engine.abort(self.request_id)
 
+    # The producer's side ------------------------------------------------------------------------------------
+    async def wait_accepted(self) -> None:
+        """Return once the engine has accepted the request; raise what refused it. Cancelling the wait leaves
+        the answer to come unread (the caller aborts the request)."""
+        try:
+            await asyncio.shield(self._accepted)
+        except asyncio.CancelledError:
+            self._accepted.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise
+
+    def accept(self, prompt_token_ids: list[int]) -> None:
+        """The engine has queued the request, with these prompt token ids."""
+        self.prompt_token_ids = prompt_token_ids
+        _settle(self._accepted, None)
+
+    def refuse(self, error: BaseException) -> None:
+        """The engine did not take the request: ``wait_accepted`` raises ``error``; the stream yields nothing."""
+        self._done = True
+        _settle(self._accepted, error)
+
+    def put(self, item: RequestOutput | RequestDelta | BaseException, token_texts: dict[int, str] | None = None,
+            token_bytes: dict[int, bytes] | None = None) -> None:
+        """The next output (or an error that ends the stream), with the texts and raw bytes of the tokens its
+        logprobs show."""
+        if token_texts:
+            self.token_texts.update(token_texts)
+            self.token_bytes.update(token_bytes or {})
+        self._queue.put_nowait(item)
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with ``error``, whether or not the request was accepted yet."""
+        _settle(self._accepted, error)
+        self._queue.put_nowait(error)
+
+    # The consumer's side ------------------------------------------------------------------------------------
     def __aiter__(self):
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> RequestOutput | RequestDelta:
         if self._done:
             raise StopAsyncIteration
         item = await self._queue.get()
@@ -76,6 +114,14 @@ class RequestStream:
         if item.finished:
             self._done = True
         return item
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if not future.done():
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(None)
 
 
 def take_all(q: queue.Queue, block: bool, timeout: float | None = None) -> list:

@@ -102,9 +102,21 @@ class BlockManager:
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found cached
         self.num_evictions = 0
-        # When a list: every page entering or leaving the cache is announced here, in order
-        # (jaxserve/scheduler/kv_events.py); the engine takes them after each step.
+        # When a list (``record_events``): every page entering or leaving the cache is announced here, in order
+        # (jaxserve/scheduler/kv_events.py); the engine takes them after each step (``take_events``).
         self.events: list[KVCacheEvent] | None = None
+
+    def record_events(self) -> None:
+        """From now on, announce every page entering or leaving the prefix cache (``take_events``)."""
+        if self.events is None:
+            self.events = []
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events announced since the last call (``record_events``), oldest first."""
+        events = self.events or []
+        if events:
+            self.events = []
+        return events
 
     def _t(self, seq: Sequence) -> list[int]:
         return getattr(seq, self.table)

@@ -1,6 +1,7 @@
 """What the engine needs of its scheduler(s), as protocols: ``ReplicatedScheduler`` implements both, and
 disaggregation's stage objects (``jaxserve.disagg``), which route each sequence to the stage holding it, implement
-``RequestScheduler``.
+``RequestScheduler``. And what a scheduler needs of the speculation planner it is built with (``DraftPlanner``,
+implemented by ``jaxserve.spec_decode.planner.SpecPlanner``).
 
 The engine keeps a request's bookkeeping (add, look up, finish, count) through ``Engine.scheduler``, a
 ``RequestScheduler``; a step plans, records and recovers through a ``StepScheduler``: the engine's own scheduler
@@ -12,9 +13,25 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import Protocol
 
-from jaxserve.scheduler.replicas import ReplicatedPlan
-from jaxserve.scheduler.scheduler import UpdateResult
+from jaxserve.scheduler.plan import ReplicatedPlan, UpdateResult
 from jaxserve.scheduler.sequence import Sequence
+
+
+class DraftPlanner(Protocol):
+    """Draft tokens for decodes to verify (a ``Scheduler`` asks while it plans a step, and reports what each
+    verified run kept)."""
+
+    def active(self, num_decodes: int) -> bool:
+        """Whether a step with ``num_decodes`` decodes proposes at all."""
+        ...
+
+    def propose(self, seq: Sequence, budget: int) -> list[int]:
+        """The draft tokens to verify after ``seq``'s last token this step (at most ``budget``)."""
+        ...
+
+    def record(self, proposed: int, accepted: int, emitted: int) -> None:
+        """A verified run: ``proposed`` drafts, ``accepted`` of them kept, ``emitted`` tokens appended."""
+        ...
 
 
 class RequestScheduler(Protocol):
@@ -66,6 +83,15 @@ class StepScheduler(RequestScheduler, Protocol):
         ...
 
     def update(self, plan: ReplicatedPlan, sampled_token_ids: Seq) -> UpdateResult:
+        """Record a step whose tokens are on the host (a synchronous step)."""
+        ...
+
+    def commit(self, plan: ReplicatedPlan) -> None:
+        """Record a launched step before its tokens are known (async scheduling)."""
+        ...
+
+    def resolve(self, plan: ReplicatedPlan, token_ids) -> tuple[UpdateResult, list[int]]:
+        """Fill in a committed step's tokens; the update and each updated sequence's token."""
         ...
 
     def drop_cache(self) -> list[Sequence]:

@@ -11,62 +11,28 @@ Host-only: no jax import.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Sequence as Seq
 
+import numpy as np
+
 from jaxserve.config.scheduler import SchedulerConfig
-from jaxserve.scheduler.scheduler import ScheduledSequence, Scheduler, SchedulerOutput, UpdateResult
+from jaxserve.scheduler.plan import ReplicatedPlan, UpdateResult
+from jaxserve.scheduler.protocol import DraftPlanner
+from jaxserve.scheduler.scheduler import Scheduler
 from jaxserve.scheduler.sequence import Sequence
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplicatedPlan:
-    """One step's plans, one per replica; ``scheduled`` lists them replica by replica."""
-
-    plans: tuple[SchedulerOutput, ...]
-
-    # Cached: the host loop reads these several times a step, and a plan never changes.
-    @functools.cached_property
-    def scheduled(self) -> tuple[ScheduledSequence, ...]:
-        return self.plans[0].scheduled if len(self.plans) == 1 else tuple(e for p in self.plans for e in p.scheduled)
-
-    @functools.cached_property
-    def replicas(self) -> list[int]:
-        """The replica of each entry of ``scheduled``."""
-        return [r for r, p in enumerate(self.plans) for _ in range(p.num_entries)]
-
-    @property
-    def num_entries(self) -> int:
-        return sum(p.num_entries for p in self.plans)
-
-    @functools.cached_property
-    def seqs(self) -> list[Sequence]:
-        """The sequence of each entry of ``scheduled`` (without building the entries of decode runs)."""
-        return [seq for p in self.plans for seq in p.seqs]
-
-    @property
-    def preempted(self) -> tuple[Sequence, ...]:
-        return tuple(s for p in self.plans for s in p.preempted)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(p.num_batched_tokens for p in self.plans)
-
-    @property
-    def is_empty(self) -> bool:
-        return all(p.is_empty for p in self.plans)
 
 
 class ReplicatedScheduler:
     """The ``Scheduler`` interface over ``num_replicas`` schedulers of ``config`` each (limits per replica): the
     engine's ``StepScheduler`` (``jaxserve.scheduler.protocol``)."""
 
-    def __init__(self, config: SchedulerConfig, num_replicas: int = 1, *, bulk_decodes: bool = True):
+    def __init__(self, config: SchedulerConfig, num_replicas: int = 1, *, spec: DraftPlanner | None = None,
+                 bulk_decodes: bool = True):
+        """``spec``: the speculation planner every replica proposes drafts with (None: no speculation)."""
         if num_replicas < 1:
             raise ValueError(f"num_replicas={num_replicas} must be >= 1")
         self.config = config
-        self.replicas = [Scheduler(config, bulk_decodes=bulk_decodes) for _ in range(num_replicas)]
+        self.replicas = [Scheduler(config, spec=spec, bulk_decodes=bulk_decodes) for _ in range(num_replicas)]
         self._replica_of: dict[str, int] = {}  # live request id -> replica
 
     @property
@@ -188,3 +154,30 @@ class ReplicatedScheduler:
         for seq in finished:
             self._forget(seq.request_id)
         return UpdateResult(updated, finished)
+
+    def commit(self, plan: ReplicatedPlan) -> None:
+        """Record a launched step before its tokens are known (``Scheduler.commit`` on each replica, its entries'
+        rows counted across the replicas, as the step lays them out)."""
+        row = 0
+        for replica, p in zip(self.replicas, plan.plans, strict=True):
+            replica.commit(p, row)
+            row += p.num_entries
+
+    def resolve(self, plan: ReplicatedPlan, token_ids) -> tuple[UpdateResult, list[int]]:
+        """Fill in a committed step's tokens, one per entry of ``plan.scheduled`` (``Scheduler.resolve`` on each
+        replica). Returns the update and the token each updated sequence got."""
+        token_ids = np.asarray(token_ids)
+        updated: list[Sequence] = []
+        finished: list[Sequence] = []
+        tokens: list[int] = []
+        row = 0
+        for replica, p in zip(self.replicas, plan.plans, strict=True):
+            n = p.num_entries
+            result, mine = replica.resolve(p, token_ids[row : row + n], row)
+            row += n
+            updated += result.updated
+            finished += result.finished
+            tokens += mine
+        for seq in finished:
+            self._forget(seq.request_id)
+        return UpdateResult(updated, finished), tokens

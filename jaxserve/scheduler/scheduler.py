@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import operator
 from collections import deque
 from collections.abc import Sequence as Seq
@@ -12,108 +10,15 @@ import numpy as np
 
 from jaxserve.config.scheduler import SchedulerConfig
 from jaxserve.scheduler.block_manager import BlockManager, PageHolder
+from jaxserve.scheduler.plan import DecodeRun, ScheduledSequence, SchedulerOutput, UpdateResult, placeholder
+from jaxserve.scheduler.protocol import DraftPlanner
 from jaxserve.scheduler.sequence import Sequence, SequenceStatus
 from jaxserve.scheduler.slot_state import DecodeSlots, StopSlots
 from jaxserve.scheduler.state_pool import StateBlockManager
 from jaxserve.scheduler.window_pool import WindowedBlockManager
 from jaxserve.text.request_checks import check_fits
 
-__all__ = ["DecodeRun", "ScheduledSequence", "Scheduler", "SchedulerOutput", "UpdateResult"]
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledSequence:
-    """One sequence's share of a step: KV for ``token_ids`` is written at ``kv_len - len(token_ids) ..``."""
-
-    seq: Sequence
-    token_ids: list[int]  # a prompt (or recompute) chunk, or the one token to decode
-    kv_len: int  # tokens in the cache after this step
-    page_table: list[int]  # snapshot of seq.page_table, covering kv_len tokens
-    needs_sample: bool  # the step reaches the end of the sequence's tokens, so its last row's logits are sampled
-    local_page_table: list[int] = dataclasses.field(default_factory=list)  # the windowed layers' pool, if any
-    num_proposed: int = 0  # speculation: the last this-many token_ids are draft tokens the step verifies
-    table_version: int = -1  # seq.table_version of the snapshot (-1: not known); the executor reuses rows by it
-
-    @classmethod
-    def decode(cls, seq: Sequence, token: int, kv_len: int, page_table: list[int], table_version: int):
-        """A decode entry (one token, sampled), built without the frozen dataclass's per-field ``__setattr__``:
-        the scheduler makes one per running sequence per step."""
-        entry = object.__new__(cls)
-        entry.__dict__.update(seq=seq, token_ids=[token], kv_len=kv_len, page_table=page_table, needs_sample=True,
-                              local_page_table=[], num_proposed=0, table_version=table_version)
-        return entry
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_computed_before(self) -> int:
-        return self.kv_len - len(self.token_ids)
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeRun:
-    """Plain decodes planned in bulk, as arrays: sequence ``seqs[i]`` (slot ``slots[i]`` of its scheduler's
-    ``DecodeSlots``) feeds ``tokens[i]`` and has ``kv_lens[i]`` tokens of KV after the step, in the pages
-    ``pages[i, :num_pages[i]]`` (zeros past them; ``versions[i]`` the table's ``table_version``). Each decodes
-    one token, sampled. The arrays are copies taken when the step was planned."""
-
-    seqs: list[Sequence]
-    slots: np.ndarray  # i64[n]
-    tokens: np.ndarray  # i64[n]
-    kv_lens: np.ndarray  # i64[n]
-    pages: np.ndarray  # i32[n, P]
-    num_pages: np.ndarray  # i64[n]
-    versions: np.ndarray  # i64[n]
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    def entries(self) -> list[ScheduledSequence]:
-        """The run as one ``ScheduledSequence`` per sequence, as the one-by-one planner makes them."""
-        pages, widths = self.pages.tolist(), self.num_pages.tolist()
-        return [ScheduledSequence.decode(seq, token, kv, row[:w], version) for seq, token, kv, row, w, version in
-                zip(self.seqs, self.tokens.tolist(), self.kv_lens.tolist(), pages, widths, self.versions.tolist())]
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerOutput:
-    """One step's plan: ``run`` (plain decodes planned in bulk, if any) then ``entries`` run in this order
-    (``scheduled`` lists both as entries); ``preempted`` lost their pages this step."""
-
-    entries: tuple[ScheduledSequence, ...]
-    preempted: tuple[Sequence, ...]
-    num_batched_tokens: int
-    run: DecodeRun | None = None
-
-    # Cached: built only when a reader needs entries for the run's sequences (the decode fast paths read ``run``).
-    @functools.cached_property
-    def scheduled(self) -> tuple[ScheduledSequence, ...]:
-        return self.entries if self.run is None else (*self.run.entries(), *self.entries)
-
-    @property
-    def num_entries(self) -> int:
-        return len(self.entries) + (0 if self.run is None else len(self.run))
-
-    @property
-    def seqs(self) -> list[Sequence]:
-        """Each entry's sequence, in order."""
-        head = [] if self.run is None else list(self.run.seqs)
-        return head + [e.seq for e in self.entries]
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.num_entries
-
-
-@dataclasses.dataclass(frozen=True)
-class UpdateResult:
-    """``updated``: sequences that got a token this step (finished ones included); ``finished``: every
-    sequence that finished since the previous update, except through ``abort``/``finish`` calls."""
-
-    updated: list[Sequence]
-    finished: list[Sequence]
+__all__ = ["Scheduler"]
 
 
 class Scheduler:
@@ -130,10 +35,12 @@ class Scheduler:
     prompt's last, partial page into a page of their own, so no page is ever written by two sequences.
     """
 
-    def __init__(self, config: SchedulerConfig, *, bulk_decodes: bool = True):
-        """``bulk_decodes``: plan plain decodes in bulk, as a ``DecodeRun`` (False: one by one, the reference the
+    def __init__(self, config: SchedulerConfig, *, spec: DraftPlanner | None = None, bulk_decodes: bool = True):
+        """``spec``: the speculation planner that proposes draft tokens for decodes (None: no speculation).
+        ``bulk_decodes``: plan plain decodes in bulk, as a ``DecodeRun`` (False: one by one, the reference the
         bulk planner must equal)."""
         self.config = config
+        self.spec = spec
         self.bulk_decodes = bulk_decodes
         if config.state_slots:
             self.block_manager = StateBlockManager(config.num_pages, config.state_slots, config.page_size)
@@ -151,7 +58,6 @@ class Scheduler:
         self._requests: dict[str, list[Sequence]] = {}  # live request id -> its sequences
         self._finished_in_schedule: list[Sequence] = []
         self.num_preemptions = 0
-        self.spec = None  # a jaxserve.spec_decode.planner.SpecPlanner when the engine speculates
         self.stops = StopSlots(config.max_model_len)  # live sequences' stop state, for vectorised stop checks
         self.slots = DecodeSlots(config.pages_per_seq)  # running sequences' tokens, positions, page tables
         # Running sequences changed other than in bulk since their slot was last written: rewritten at the next
@@ -532,6 +438,77 @@ class Scheduler:
         if self.spec is not None:
             self.spec.record(entry.num_proposed, accepted, emitted)
 
+    # ---- async scheduling: a step recorded before its tokens are known, then filled in ---------------------
+    def commit(self, plan: SchedulerOutput, first_row: int = 0) -> None:
+        """Record a launched step before its tokens are known: the KV it computes (full pages go to the prefix
+        cache when their tokens are all known), and a placeholder token for each entry it samples
+        (``placeholder(row)``, its row in the step; this plan's first entry is row ``first_row``). A decode run's
+        slots (``DecodeSlots``) advance in bulk."""
+        register, row, run = self.block_manager.register, first_row, plan.run
+        if run is not None:
+            n = len(run)
+            placeholders = placeholder(np.arange(row, row + n, dtype=np.int64))
+            for seq, kv, token, ph in zip(run.seqs, run.kv_lens.tolist(), run.tokens.tolist(), placeholders.tolist()):
+                seq.num_computed_tokens = kv
+                if token >= 0:  # the token fed is known: offer the full pages now (see below)
+                    register(seq)
+                seq.append_token(ph)
+            self.slots.decoded(run.slots, run.kv_lens, placeholders)
+            row += n
+        for entry in plan.entries:
+            seq = entry.seq
+            seq.num_computed_tokens = entry.kv_len
+            if entry.token_ids[-1] >= 0:
+                # Every computed token is known (a prompt chunk, or a decode of a token already read back):
+                # offer the full pages now, before a later schedule releases them behind a window.
+                register(seq)
+            if entry.needs_sample:
+                seq.append_token(placeholder(row))
+            row += 1
+
+    def resolve(self, plan: SchedulerOutput, token_ids, first_row: int = 0
+                ) -> tuple[UpdateResult, list[int]]:
+        """Fill in a committed step's tokens (``token_ids``: one per entry of ``plan.scheduled``; this plan's
+        first entry is row ``first_row`` of the step), as ``update`` records a synchronous step. Returns the
+        update (``updated`` in plan order, finished ones included) and the token each updated sequence got (its
+        last token may already be the next step's placeholder).
+
+        The stop checks run over the whole step at once (``StopSlots.candidates``); the exact per-sequence check
+        runs only for the rows that may stop. A sequence whose filled token is still its last (no later step
+        carries it yet) has its slot rewritten at the next schedule."""
+        finished, self._finished_in_schedule = self._finished_in_schedule, []
+        updated, tokens = [], []
+        token_ids = np.asarray(token_ids)
+        if not plan.num_entries:
+            return UpdateResult(updated, finished), tokens
+        bm, stale = self.block_manager, self._stale
+        running, waiting = SequenceStatus.RUNNING, SequenceStatus.WAITING
+        maybe = self._stop_candidates(plan, token_ids)
+        for i, (seq, kv_len, needs_sample, token) in enumerate(zip(plan.seqs, _kv_lens(plan), _needs_sample(plan),
+                                                                    token_ids.tolist())):
+            status = seq.status
+            if status is not running and status is not waiting:  # finished
+                continue
+            if needs_sample:
+                # Where commit put this step's placeholder; not there any more cannot happen while steps resolve
+                # in order.
+                if not seq.fill_placeholder(kv_len, placeholder(first_row + i), token):
+                    continue
+                updated.append(seq)
+                tokens.append(token)
+                if maybe[i]:
+                    stop = self._check_stop(seq, kv_len + 1)
+                    if stop is not None:
+                        self.finish(seq, *stop)
+                        seq.drop_placeholder()
+                        finished.append(seq)
+                        continue
+                if seq.num_tokens == kv_len + 1:
+                    stale.append(seq)
+            if status is running:  # every computed token is known now: full pages are shared
+                bm.register(seq)
+        return UpdateResult(updated, finished), tokens
+
     # ---- helpers ------------------------------------------------------------------------------------------
     def _stop_candidates(self, output: SchedulerOutput, sampled_token_ids) -> list[bool]:
         """Which entries' sampled tokens may stop their sequences (``StopSlots.candidates``); a sampled entry
@@ -630,6 +607,16 @@ class Scheduler:
 _NO_SLOTS = np.zeros(0, np.int64)
 _NUM_TOKENS, _COMPUTED, _PAGE_TABLE = (operator.attrgetter(a) for a in ("num_tokens", "num_computed_tokens",
                                                                              "page_table"))
+
+
+def _kv_lens(plan: SchedulerOutput) -> list[int]:
+    head = [] if plan.run is None else plan.run.kv_lens.tolist()
+    return head + [e.kv_len for e in plan.entries]
+
+
+def _needs_sample(plan: SchedulerOutput) -> list[bool]:
+    head = [] if plan.run is None else [True] * len(plan.run)
+    return head + [e.needs_sample for e in plan.entries]
 
 
 def _decode_counts(running: list[Sequence]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

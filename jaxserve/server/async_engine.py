@@ -1,85 +1,46 @@
-"""The engine in a thread of its own, driven from asyncio.
-
-``Engine`` is synchronous and not thread-safe, so one thread owns it for its whole life: it builds and warms
-it up, then loops: take commands from a thread-safe intake queue (add already-tokenized prompts, abort),
-run one ``step()`` while any request is unfinished, and hand the outputs back to the asyncio loop with one
-``loop.call_soon_threadsafe`` per iteration. With nothing to do it blocks on the intake queue: no busy-spin.
+"""The engine's driver thread (``jaxserve.engine.driver``) bridged to asyncio.
 
 On the asyncio side each request is a ``RequestStream``: an async iterator of the engine's outputs (a
 ``RequestDelta`` per step with news, then the final ``RequestOutput``) fed by its own ``asyncio.Queue``. Every
 front end (gRPC, HTTP) goes through ``AsyncEngine.add_request``, so all streams share one engine and one batch.
-An exception inside ``step()`` does not end the loop: the requests that were in the batch finish with reason
-``"error"`` and everything else keeps running.
+Prompts are tokenized and checked here, in worker threads, never on the engine thread; the driver's news comes
+back with one ``loop.call_soon_threadsafe`` per engine iteration.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import queue
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxserve.config.engine import EngineConfig
+from jaxserve.engine.driver import EngineDriver
 from jaxserve.engine.request_stream import (
     EngineDraining,
-    EngineFailure,
     EngineNotReady,
     EngineOverloaded,
     EngineSleeping,
     RequestStream,
-    take_all,
 )
 from jaxserve.lora_request import LoRARequest
-from jaxserve.outputs import RequestDelta, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.metrics import ServerMetrics
-from jaxserve.text.prompt_tokenizer import PromptTokenizer, token_bytes
+from jaxserve.text.prompt_tokenizer import PromptTokenizer
 from jaxserve.text.request_checks import RequestChecks
 
 logger = logging.getLogger(__name__)
-STATS_REFRESH_S = 1.0  # how often an idle engine refreshes its stats while step shapes compile in the background
-
-
-@dataclasses.dataclass
-class _Add:
-    request_id: str
-    prompt_ids: list[int]  # already tokenized, off the engine thread
-    params: SamplingParams
-    arrival_time: float
-    lora_request: LoRARequest | None = None
-
-
-@dataclasses.dataclass
-class _Abort:
-    request_id: str | None  # None: every live request
-    reason: str = "abort"
-
-
-@dataclasses.dataclass
-class _Call:
-    fn: Callable[[Any], Any]
-    future: asyncio.Future
-
-
-_STOP = object()
-
-
-class _LoopClosed(Exception):
-    """The event loop that owns the engine closed while the engine thread still ran."""
 
 
 class AsyncEngine:
-    """Owns an ``Engine`` in a dedicated thread; thread-safe entry points for asyncio front ends.
+    """An ``Engine`` in its driver thread (``EngineDriver``), with entry points for asyncio front ends.
 
     Args:
       config: the engine's options; ``config.max_waiting_requests`` bounds the sequences that may wait.
       metrics: where latencies and finish reasons are recorded (optional).
-      engine_factory: builds the engine from ``config`` inside the engine thread (default: ``Engine``).
+      engine_factory: builds the engine from ``config`` inside the engine thread (default: ``make_engine``).
     """
 
     def __init__(self, config: EngineConfig, *, metrics: ServerMetrics | None = None,
@@ -90,12 +51,10 @@ class AsyncEngine:
         self.loras: dict[str, LoRARequest] = {}  # the adapters clients may name in ``model``
         self.metrics = metrics
         self._factory = engine_factory
-        self._intake: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self.driver = EngineDriver(self._build, post=self._to_loop, listener=self, metrics=metrics)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future | None = None
         self._stopped: asyncio.Future | None = None
-        self.engine = None  # touched only by the engine thread once it runs
         self.prompts: PromptTokenizer | None = None  # tokenizes in worker threads, once the engine is ready
         self.checks: RequestChecks | None = None  # the engine's request checks, run here at intake
         self.info: dict[str, Any] = {}
@@ -108,15 +67,11 @@ class AsyncEngine:
         # data > 1, max_num_seqs per replica), read from its stats once it is ready.
         self._sched = {"num_running": 0, "num_waiting": 0, "max_num_running": config.max_num_seqs}
         self._idle: asyncio.Event | None = None
-        # engine-thread state
-        self._stats: dict | None = None
-        self._kv_events: Callable[[], None] | None = None  # the engine's publish_kv_events
-        self._unready: Callable[[], str | None] | None = None  # the engine's unready_reason (thread-safe)
-        self._last_token_time: dict[str, float] = {}
-        self._engine_live: set[str] = set()  # request ids the engine holds
-        self._token_text_cache: dict[int, str] = {}
-        self._token_bytes_cache: dict[int, bytes] = {}
-        self._prompt_texts_sent: set[str] = set()  # requests whose prompt tokens' texts went with an output
+
+    @property
+    def engine(self):
+        """The engine the driver thread owns (None until it is built); touched only by that thread."""
+        return self.driver.engine
 
     # Life cycle ---------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -126,8 +81,7 @@ class AsyncEngine:
         self._stopped = self._loop.create_future()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._thread = threading.Thread(target=self._thread_main, name="jaxserve-engine", daemon=True)
-        self._thread.start()
+        self.driver.start()
 
     async def wait_ready(self) -> None:
         """Return once the engine is warm; raise what its construction raised, if it failed."""
@@ -139,7 +93,7 @@ class AsyncEngine:
 
     def unready_reason(self) -> str | None:
         """Why a warm engine cannot serve now (e.g. a decode process with no prefill server reachable), or None."""
-        return self._unready() if self._unready is not None and self.ready else None
+        return self.driver.unready_reason() if self.ready else None
 
     @property
     def num_live_requests(self) -> int:
@@ -147,10 +101,10 @@ class AsyncEngine:
 
     def stats(self) -> dict | None:
         """The engine's latest ``stats()`` (after its last iteration); None before it is ready."""
-        return self._stats
+        return self.driver.stats
 
     def intake_length(self) -> int:
-        return self._intake.qsize()
+        return self.driver.intake_length()
 
     # LoRA adapters ------------------------------------------------------------------------------------------
     async def load_lora(self, lora_request: LoRARequest) -> None:
@@ -211,11 +165,11 @@ class AsyncEngine:
 
     async def stop(self) -> None:
         """Abort whatever is live, end the engine thread and wait for it."""
-        if self._thread is None or not self._thread.is_alive():
+        if not self.driver.thread.is_alive():
             return
-        self._put(_STOP)
+        self.driver.stop()
         await asyncio.shield(self._stopped)
-        await asyncio.to_thread(self._thread.join, 30)
+        await asyncio.to_thread(self.driver.thread.join, 30)
         if self.prompts is not None:
             self.prompts.close()
 
@@ -267,28 +221,27 @@ class AsyncEngine:
         self._live[rid] = stream
         self._idle.clear()
         self._pending_seqs += params.n
-        self._put(_Add(rid, ids, params, time.monotonic(), lora_request))
+        self.driver.add(rid, ids, params, time.monotonic(), lora_request)
         try:
-            await asyncio.shield(stream._accepted)
+            await stream.wait_accepted()
         except asyncio.CancelledError:
-            stream._accepted.add_done_callback(lambda f: f.cancelled() or f.exception())
             self.abort(rid)  # queued behind the add, so the engine sees it right after
             raise
         return stream
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Finish a live request (reason "abort") before the engine's next step; no-op if it is not live."""
-        self._put(_Abort(request_id, reason))
+        self.driver.abort(request_id, reason)
 
     def abort_all(self) -> None:
-        self._put(_Abort(None))
+        self.driver.abort(None)
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(engine)`` in the engine thread between steps and return its result."""
         if not self.ready:
             raise EngineNotReady("the engine is still starting up (loading and compiling the model)")
         future = self._loop.create_future()
-        self._put(_Call(fn, future))
+        self.driver.call(fn, lambda result, error: self._set_future(future, result, error))
         return await future
 
     async def tokenize(self, text: str) -> tuple[list[int], list[str]]:
@@ -319,53 +272,26 @@ class AsyncEngine:
             raise EngineNotReady("the engine is still starting up (loading and compiling the model)")
         return await self.prompts.decode(ids)
 
-    def _put(self, item) -> None:
-        self._intake.put(item)
-
-    # Engine thread ------------------------------------------------------------------------------------------
-    def _thread_main(self) -> None:
+    # The driver's side: built in its thread, news posted to the event loop ---------------------------------
+    def _build(self):
+        """Build the engine (in the driver thread) and what this side needs of it: the adapters given at start,
+        the request checks and the prompt tokenizer."""
         started = time.monotonic()
-        try:
-            if self._factory is not None:
-                engine = self._factory(self.config)
-            else:
-                from jaxserve.disagg.factory import make_engine
+        if self._factory is not None:
+            engine = self._factory(self.config)
+        else:
+            from jaxserve.disagg.factory import make_engine
 
-                engine = make_engine(self.config)
-            self.engine = engine
-            for lora in self._initial_loras:
-                engine.add_lora(lora)
-                self.loras[lora.lora_name] = lora
-            self.checks = engine.checks
-            self.prompts = PromptTokenizer(engine.tokenizer, int(engine.max_model_len),
-                                           int(engine.model_config.vocab_size), checks=self.checks)
-            self.info = engine.describe()
-            self._stats = engine.stats()
-            self._unready = getattr(engine, "unready_reason", None)
-            self._kv_events = getattr(engine, "publish_kv_events", None)
-            if self._kv_events is not None:
-                self._kv_events()  # from now on the prefix cache's pages are announced
-            _log_ready(self.info, time.monotonic() - started, engine.warmup_summary)
-            self._to_loop(self._deliver, [], [], self._sched_of(self._stats))  # before the first admission check
-        except BaseException as e:  # noqa: BLE001 - reported to the event loop, which exits
-            if isinstance(e, ValueError):  # a bad option or checkpoint: its message says what to change
-                logger.error("the engine failed to start: %s", e)
-            else:
-                logger.exception("the engine failed to start")
-            self._to_loop(self._set_future, self._ready, None, e)
-            self._to_loop(self._set_future, self._stopped, None, None)
-            return
-        self._to_loop(self._set_future, self._ready, None, None)
-        try:
-            self._run(engine)
-            engine.close()  # a multi-host run's followers stop with it
-        except _LoopClosed:
-            logger.warning("the event loop closed without stopping the engine; the engine thread ends")
-        except BaseException:  # noqa: BLE001 - the loop itself catches step errors; this is a bug
-            logger.exception("the engine loop died")
-            self._to_loop(self._fail_all, EngineFailure("the engine loop stopped"))
-        finally:
-            self._to_loop(self._set_future, self._stopped, None, None)
+            engine = make_engine(self.config)
+        for lora in self._initial_loras:
+            engine.add_lora(lora)
+            self.loras[lora.lora_name] = lora
+        self.checks = engine.checks
+        self.prompts = PromptTokenizer(engine.tokenizer, int(engine.max_model_len),
+                                       int(engine.model_config.vocab_size), checks=self.checks)
+        self.info = engine.describe()
+        _log_ready(self.info, time.monotonic() - started, engine.warmup_summary)
+        return engine
 
     def _to_loop(self, fn: Callable, *args) -> bool:
         """Schedule ``fn(*args)`` on the event loop; False if that loop is already closed."""
@@ -377,159 +303,15 @@ class AsyncEngine:
                 return False
             raise
 
-    def _take(self, block: bool) -> list:
-        # While step shapes compile in the background, an idle engine still wakes every second, so its stats
-        # (the pending-shapes gauge) stay current.
-        pending = (self._stats or {}).get("step_shapes_pending", 0)
-        return take_all(self._intake, block, timeout=STATS_REFRESH_S if pending else None)
+    def engine_started(self, error: BaseException | None) -> None:
+        self._set_future(self._ready, None, error)
 
-    def _run(self, engine) -> None:
-        while True:
-            acks: list[tuple[str, list[int] | BaseException]] = []
-            outputs: list[RequestOutput | RequestDelta] = []
-            stop = False
-            for cmd in self._take(block=not engine.has_unfinished()):
-                if cmd is _STOP:
-                    stop = True
-                    cmd = _Abort(None)
-                self._handle(engine, cmd, acks, outputs)
-            if not stop and engine.has_unfinished():
-                outputs.extend(self._step(engine))
-            self._publish(engine, acks, outputs)
-            if stop:
-                return
+    def engine_stopped(self) -> None:
+        self._set_future(self._stopped, None, None)
 
-    def _handle(self, engine, cmd, acks: list, outputs: list) -> None:
-        if isinstance(cmd, _Add):
-            try:
-                ids = list(cmd.prompt_ids)  # tokenized (and templated) and checked once, off this thread
-                lora = {} if cmd.lora_request is None else {"lora_request": cmd.lora_request}
-                engine.add_request(cmd.request_id, ids, cmd.params, arrival_time=cmd.arrival_time, checked=True,
-                                   **lora)
-                self._engine_live.add(cmd.request_id)
-                acks.append((cmd.request_id, ids))
-            except Exception as e:  # noqa: BLE001 - ValueError for bad input; anything else is reported too
-                # EngineNotReady: e.g. no prefill server
-                if not isinstance(e, (ValueError, EngineNotReady, EngineSleeping)):
-                    logger.exception("adding request %s failed", cmd.request_id)
-                    e = EngineFailure(f"internal error: the engine could not add request {cmd.request_id}; the "
-                                      "server log has the details")
-                acks.append((cmd.request_id, e))
-        elif isinstance(cmd, _Abort):
-            ids = [cmd.request_id] if cmd.request_id is not None else list(self._engine_live)
-            for rid in ids:
-                out = self._abort_one(engine, rid, cmd.reason)
-                if out is not None:
-                    outputs.append(out)
-        elif isinstance(cmd, _Call):
-            try:
-                result, error = cmd.fn(engine), None
-            except Exception as e:  # noqa: BLE001 - goes back to the caller
-                result, error = None, e
-            self._to_loop(self._set_future, cmd.future, result, error)
-
-    def _abort_one(self, engine, rid: str, reason: str) -> RequestOutput | BaseException | None:
-        try:
-            return engine.abort_request(rid, reason=reason)
-        except Exception:  # noqa: BLE001
-            logger.exception("aborting request %s failed", rid)
-            return _Failed(rid, EngineFailure(f"internal error: request {rid} could not be finished cleanly; the "
-                                              "server log has the details"))
-
-    def _step(self, engine) -> list:
-        try:
-            return engine.step()
-        except Exception:  # noqa: BLE001 - one bad step must not take the server down
-            logger.exception("engine step failed; the requests in its batch finish with reason 'error'")
-            if self.metrics is not None:
-                self.metrics.step_errors.inc()
-            affected = list(dict.fromkeys(s.request_id for s in engine.scheduler.running))
-            if not affected:  # the failure is not tied to the batch: nothing else can make progress either
-                affected = list(self._engine_live)
-            outs = []
-            for rid in affected:
-                out = self._abort_one(engine, rid, "error")
-                if out is not None:
-                    outs.append(out)
-            return outs
-
-    def _token_bytes(self, engine, token_id: int, text: str) -> bytes:
-        raw = self._token_bytes_cache.get(token_id)
-        if raw is None:
-            raw = self._token_bytes_cache[token_id] = token_bytes(engine.tokenizer, token_id, text)
-        return raw
-
-    def _token_text(self, engine, token_id: int) -> str:
-        text = self._token_text_cache.get(token_id)
-        if text is None and engine.tokenizer is None:  # --skip-tokenizer-init: token ids only
-            return ""
-        if text is None:
-            text = self._token_text_cache[token_id] = engine.tokenizer.decode([token_id])
-        return text
-
-    def _publish(self, engine, acks: list, outputs: list) -> None:
-        now = time.monotonic()
-        if self._kv_events is not None:
-            try:
-                self._kv_events()
-            except Exception:  # noqa: BLE001 - events must never break serving
-                logger.exception("publishing KV-cache events failed")
-        items = []
-        for out in outputs:
-            if isinstance(out, _Failed):
-                items.append((out.request_id, out.error, None))
-                self._last_token_time.pop(out.request_id, None)
-                self._engine_live.discard(out.request_id)
-                self._prompt_texts_sent.discard(out.request_id)
-                continue
-            texts, raw = {}, {}
-            ids: list[int] = []  # the tokens whose texts this output's logprobs show
-            for c in out.outputs:
-                for r in c.delta_records or ():
-                    ids.append(r.id)
-                    ids.extend(t for t, _ in r.top)
-            if out.prompt_records is not None and out.request_id not in self._prompt_texts_sent:
-                self._prompt_texts_sent.add(out.request_id)  # the prompt tokens (echo) and their top-n
-                ids.extend(out.prompt_token_ids)
-                for r in out.prompt_records:
-                    if r is not None:
-                        ids.extend(t for t, _ in r.top)
-            for t in ids:
-                if t not in texts:
-                    texts[t] = self._token_text(engine, t)
-                    raw[t] = self._token_bytes(engine, t, texts[t])
-            if self.metrics is not None:
-                try:
-                    self.metrics.observe_tokens(out, now, self._last_token_time.get(out.request_id))
-                    if out.finished:
-                        self.metrics.observe_finished(out)
-                except Exception:  # noqa: BLE001 - metrics must never break serving
-                    logger.exception("recording metrics failed")
-            if out.finished:
-                self._last_token_time.pop(out.request_id, None)
-                self._engine_live.discard(out.request_id)
-                self._prompt_texts_sent.discard(out.request_id)
-            elif any(c.delta_token_ids for c in out.outputs):
-                self._last_token_time[out.request_id] = now
-            items.append((out.request_id, out, (texts, raw)))
-        try:
-            stats = engine.stats()
-        except Exception:  # noqa: BLE001
-            logger.exception("engine stats failed")
-            stats = self._stats or {}
-        self._stats = stats
-        if not self._to_loop(self._deliver, acks, items, self._sched_of(stats)):
-            raise _LoopClosed
-
-    def _sched_of(self, stats: dict) -> dict:
-        """What the admission check reads of the engine's stats (an engine that does not say how many sequences
-        it may run at once runs ``max_num_seqs``)."""
-        return {"num_running": int(stats.get("num_running", 0)), "num_waiting": int(stats.get("num_waiting", 0)),
-                "max_num_running": int(stats.get("max_num_running", self.config.max_num_seqs))}
-
-    # Event loop side ----------------------------------------------------------------------------------------
-    def _deliver(self, acks: list, items: list, sched: dict) -> None:
-        self._sched = sched
+    def engine_news(self, acks: list, items: list, stats: dict) -> None:
+        """One engine iteration's acks and outputs, handed to their streams."""
+        self._sched = self._sched_of(stats)
         for rid, result in acks:
             stream = self._live.get(rid)
             if stream is None:
@@ -537,31 +319,31 @@ class AsyncEngine:
             self._pending_seqs -= stream.params.n
             if isinstance(result, BaseException):
                 del self._live[rid]
-                stream._done = True
-                self._set_future(stream._accepted, None, result)
+                stream.refuse(result)
             else:
-                stream.prompt_token_ids = result
-                self._set_future(stream._accepted, None, None)
+                stream.accept(result)
         for rid, out, texts in items:
             stream = self._live.get(rid)
             if stream is None:
                 continue
-            if texts and texts[0]:
-                stream.token_texts.update(texts[0])
-                stream.token_bytes.update(texts[1])
-            stream._queue.put_nowait(out)
+            stream.put(out, *(texts or ()))
             if isinstance(out, BaseException) or out.finished:
                 del self._live[rid]
         if not self._live:
             self._idle.set()
 
-    def _fail_all(self, error: BaseException) -> None:
-        for rid, stream in list(self._live.items()):
-            if not stream._accepted.done():
-                self._set_future(stream._accepted, None, error)
-            stream._queue.put_nowait(error)
+    def engine_lost(self, error: BaseException) -> None:
+        """The driver's loop died: every live stream ends with ``error``."""
+        for stream in self._live.values():
+            stream.fail(error)
         self._live.clear()
         self._idle.set()
+
+    def _sched_of(self, stats: dict) -> dict:
+        """What the admission check reads of the engine's stats (an engine that does not say how many sequences
+        it may run at once runs ``max_num_seqs``)."""
+        return {"num_running": int(stats.get("num_running", 0)), "num_waiting": int(stats.get("num_waiting", 0)),
+                "max_num_running": int(stats.get("max_num_running", self.config.max_num_seqs))}
 
     @staticmethod
     def _set_future(future: asyncio.Future, result, error) -> None:
@@ -594,9 +376,3 @@ def _log_ready(info: dict, seconds: float, warm: dict | None) -> None:
         timing = (f"in {seconds:.1f}s: loading {max(seconds - warm['seconds'], 0):.1f}s, warm-up "
                   f"{warm['seconds']:.1f}s ({cache})")
     logger.info("engine ready: %s (%s) on %s %s", info.get("model_path"), info.get("dtype"), devices, timing)
-
-
-@dataclasses.dataclass
-class _Failed:
-    request_id: str
-    error: BaseException

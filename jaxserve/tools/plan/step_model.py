@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxserve.executor.shapes import StepShapes
 from jaxserve.models.config import ModelConfig
-from jaxserve.scheduler.scheduler import SchedulerOutput
+from jaxserve.scheduler.plan import SchedulerOutput
 from jaxserve.tools.chips import CHIPS
 
 
