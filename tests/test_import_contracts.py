@@ -1,5 +1,6 @@
 """The import contracts in pyproject.toml (import-linter): the layer order of ``jaxserve``'s packages, host
-packages without jax, offline tools off the serving path, kernels and meshes free of ``jaxserve``.
+packages without jax, the host side off the executor's runner, offline tools off the serving path, kernels and
+meshes free of ``jaxserve``.
 
 The contracts are checked on this tree, and each is shown to catch a break: a copy of the tree with one
 offending import planted must fail it, naming the contract.
@@ -45,6 +46,7 @@ PLANTED = [
     ("jaxserve/scheduler/page_pool.py", "import jax", "Host packages import no jax"),
     ("jaxserve/text/detokenizer.py", "from jaxserve.executor import sampler", "The layers a request crosses"),
     ("jaxserve/engine/request_stream.py", "from jaxserve.tools import roofline", "Offline tools are never imported"),
+    ("jaxserve/disagg/staged.py", "from jaxserve.executor import runner", "The host side steps the executor"),
     ("pallas_kernels/metadata.py", "import jaxserve.outputs", "Kernels and meshes import nothing from jaxserve"),
     ("pallas_kernels/quantized_pages.py", "import sharding.rules", "Kernels import no mesh code"),
 ]
