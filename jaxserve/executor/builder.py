@@ -117,6 +117,7 @@ class DeviceParts:
     num_spec_tokens: int  # speculation's k (0 without)
     sample_rows: int  # the sampler's slots: one per running sequence, all replicas
     spec_slots: int  # the verifier's slots, all replicas
+    spec_rows: int  # logits rows a step adds per replica for drafts
     adapters: object | None  # ``AdapterSlots`` (``enable_lora``)
     drafter: object | None  # ``DraftProposer`` (speculation with a draft model)
 
@@ -166,7 +167,7 @@ class _Builder:
                             multi_process=jax.process_count() > 1)
         self.parts = DeviceParts(info, self.mesh, runner, self.cache_config, self.cache_dtype, self.shapes,
                                  weights_graphdef, fused, self.num_spec_tokens, self.sample_rows, self.spec_slots,
-                                 adapters, drafter)
+                                 self.spec_rows, adapters, drafter)
 
     def _load_model(self, model_path: str, model_config: ModelConfig | None):
         """The model's weights on the mesh; sets ``model_config`` and ``max_model_len``."""

@@ -75,8 +75,9 @@ class Executor:
         self.info = parts.info
         self.mesh, self.runner, self.drafter, self.adapters = parts.mesh, parts.runner, parts.drafter, parts.adapters
         self.cache_config, self.cache_dtype = parts.cache_config, parts.cache_dtype
-        self.num_spec_tokens, self._sample_rows, self._spec_slots = (parts.num_spec_tokens, parts.sample_rows,
-                                                                     parts.spec_slots)
+        self.num_spec_tokens, self._spec_slots, self._spec_rows = (parts.num_spec_tokens, parts.spec_slots,
+                                                                   parts.spec_rows)
+        self._sample_rows = parts.sample_rows
         self.weights = LiveWeights(config, self.info.model_config, self.mesh, self.runner,
                                    graphdef=parts.weights_graphdef, fused=parts.fused_projections,
                                    cache_dtype=self.cache_dtype, drafter=self.drafter)
