@@ -73,18 +73,16 @@ class Executor:
         parts = builder.build(config, model_path=model_path, devices=devices, model_config=model_config,
                               draft_config=draft_config)
         self.info = parts.info
-        self.mesh, self.runner, self.drafter, self.adapters = parts.mesh, parts.runner, parts.drafter, parts.adapters
+        self.runner, self.drafter, self.adapters = parts.runner, parts.drafter, parts.adapters
         self.cache_config, self.cache_dtype = parts.cache_config, parts.cache_dtype
-        self.num_spec_tokens, self._spec_slots, self._spec_rows = (parts.num_spec_tokens, parts.spec_slots,
-                                                                   parts.spec_rows)
-        self._sample_rows = parts.sample_rows
-        self.weights = LiveWeights(config, self.info.model_config, self.mesh, self.runner,
+        self.num_spec_tokens, self._sample_rows, self._spec_slots, self._spec_rows = (
+            parts.num_spec_tokens, parts.sample_rows, parts.spec_slots, parts.spec_rows)
+        self.weights = LiveWeights(config, self.info.model_config, parts.mesh, self.runner,
                                    graphdef=parts.weights_graphdef, fused=parts.fused_projections,
                                    cache_dtype=self.cache_dtype, drafter=self.drafter)
         self.kv_pages = KVPages(self.runner)
         self.startup = Warmup(self, parts.shapes, start_compiles)
-        self._jit_device_functions()
-        self._init_sequence_state()
+        self._init_sampling()
         self._all_allowed = np.full((self._sample_rows, (self.info.model_config.vocab_size + 31) // 32), -1, np.int32)
         self._decode_rows = DecodeRows()  # decode steps' page-table rows, kept across steps
         self.host_wait_seconds = 0.0  # time the host spent blocked in ``fetch`` (scripts/bench_host.py)
@@ -97,16 +95,14 @@ class Executor:
         """The step shapes a step runs at: the compiled ones (``Warmup.shapes``)."""
         return self.startup.shapes
 
-    def _jit_device_functions(self) -> None:
-        """The sampler, the verifier, prompt-logprob scoring and the penalty rows' reset, jitted."""
+    def _init_sampling(self) -> None:
+        """The sampler, the verifier, prompt-logprob scoring and the penalty rows' reset, jitted; per-sequence
+        device state: penalty rows (row 0: none) and seeds."""
         self._sample = PreparedFunction("sample", jax.jit(
             sample if not self.spec else functools.partial(_sample_first_rows, self._sample_rows)))
         self._verify = jax.jit(verify, static_argnames=("with_logprobs",))
         self._score = PreparedFunction("score", jax.jit(score))
         self._reset_rows = jax.jit(PenaltyState.reset_rows)
-
-    def _init_sequence_state(self) -> None:
-        """Per-sequence device state: penalty rows (row 0: none) and seeds."""
         # Sampling runs on process 0, on one device, over the step's (replicated) logits. The penalty state lives
         # there from the start: the sampler's outputs do, and a differently placed input would recompile.
         self._penalties = jax.device_put(PenaltyState.create(self._sample_rows + 1, self.info.model_config.vocab_size),
