@@ -53,12 +53,12 @@ class LLM:
     def graphdef(self):
         """The model's structure (flax ``nnx.GraphDef``): with ``get_weights``' arrays, ``nnx.merge(graphdef,
         weights)`` is the model; ``jaxserve.models.full_sequence`` runs it over whole sequences for training."""
-        return self.engine.executor.weights_graphdef
+        return self.engine.executor.weights.graphdef
 
     def get_weights(self) -> dict:
         """The weights being served: a nested dict of arrays in the engine's own layout, on its mesh (linear
         weights ``[in, out]``). Train on it and hand the result to ``update_weights``."""
-        return self.engine.executor.get_weights()
+        return self.engine.executor.weights.get()
 
     def update_weights(self, params) -> None:
         """Serve new weights from the next step on, without a restart or a compile, and drop the prefix cache.
@@ -73,7 +73,7 @@ class LLM:
           ValueError: naming the tensor that does not fit; the old weights stay.
         """
         if isinstance(params, (str, os.PathLike)):
-            params = self.engine.executor.read_weights(os.fspath(params))
+            params = self.engine.executor.weights.read(os.fspath(params))
         self.engine.update_weights(params)
 
     # Sleep --------------------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ def main() -> None:
                                             max_model_len=hi + args.output_len + 64, num_pages=256, warmup=False,
                                             compilation_cache_dir=None, enable_prefix_caching=False,
                                             **CONFIGS[name]))
-        print(f"{name}: {engines[name].executor.describe()['kv_bytes_per_token']} KV bytes/token", flush=True)
+        print(f"{name}: {engines[name].executor.info.describe()['kv_bytes_per_token']} KV bytes/token", flush=True)
     rng = np.random.default_rng(0)
     vocab = next(iter(engines.values())).model_config.vocab_size
     prompts = [rng.integers(3, vocab, n).tolist() for n in rng.integers(lo, hi + 1, args.num_requests)]

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     steps(2)  # compile and warm
     wall = min(steps(args.steps) for _ in range(3))
     result = {"device": jax.devices()[0].device_kind, "backend": runner.backend.name,
-              "fused_projections": executor.fused_projections, "batch": args.batch,
+              "fused_projections": executor.weights.fused, "batch": args.batch,
               "rows": batch.shape_fields()[1],  # the decode bucket the batch ran in
               "context": args.context, "xla_flags": os.environ.get("XLA_FLAGS", ""), "step_ms": wall * 1e3,
               "tok_s": args.batch / wall}

@@ -31,7 +31,7 @@ def child(argv: list[str]) -> dict:
     import jax
     import numpy as np
 
-    from jaxserve.executor import executor as executor_module
+    from jaxserve.executor import builder, executor as executor_module
     from jaxserve.executor.batch import StepKind
     from jaxserve.config.args import add_engine_args, engine_config_from_args
     from jaxserve.executor.compile_counter import CompileCounter
@@ -42,7 +42,7 @@ def child(argv: list[str]) -> dict:
     add_engine_args(parser)
     config = engine_config_from_args(parser.parse_args(argv), warmup=False)
     loaded = {}
-    real_load = executor_module.load_model
+    real_load = builder.load_model
 
     def timed_load(*a, **kw):
         s = time.perf_counter()
@@ -51,7 +51,7 @@ def child(argv: list[str]) -> dict:
         loaded["seconds"] = time.perf_counter() - s
         return out
 
-    executor_module.load_model = timed_load
+    builder.load_model = timed_load
     s = time.perf_counter()
     ex = executor_module.Executor(config, model_path=config.model or str(_demo()))
     t_executor = time.perf_counter() - s
@@ -61,7 +61,7 @@ def child(argv: list[str]) -> dict:
     store = ExecutableStore.for_runner(config.compilation_cache_dir, runner)
     for decode, tokens, slots, pages in ex.shapes.all_shapes():
         kind = StepKind.DECODE if decode else StepKind.PREFILL
-        batch = ex._padding_batch(decode, tokens, slots, pages)
+        batch = ex.padding_batch(decode, tokens, slots, pages)
         fn, args = runner._call_args(kind, batch, batch.pack())
         key = (int(kind), batch.shape_fields())
         z = time.perf_counter()

@@ -58,7 +58,7 @@ def test_compiles_what_the_engine_warms_up(monkeypatch):
         return False
 
     monkeypatch.setattr(executor.runner, "prepare", prepare)
-    executor.warmup()
+    executor.startup.run()
     assert executor.shapes == StepShapes(12, 100, -(-600 // 16))  # what aot.run builds from the same options
     # (prepared on a thread pool: in any order) every step at one page width
     assert sorted(seen) == sorted(aot.warmup_shapes(executor.shapes)) and len(seen) == 4 + 5

@@ -22,8 +22,8 @@ from jaxserve.executor import executor as executor_module
 from jaxserve.executor.background_compile import still_compiling
 from jaxserve.executor.batch import StepKind
 from jaxserve.executor.compile_counter import CompileCounter
-from jaxserve.executor.executor import Executor
 from jaxserve.executor.shapes import StepShapes
+from jaxserve.executor.warmup import Warmup
 from jaxserve.server.args import build_parser
 from server_harness import MODEL_NAME, ServerProcess, tiny_model
 from tiny import build_tiny_model, hf_greedy, hf_model, train_tokenizer
@@ -70,7 +70,7 @@ def test_auto_compiles_in_the_background_except_on_a_gpu(setting, platform, expe
     # On a GPU, XLA's compiler times candidate kernels on the device that serves.
     executor = SimpleNamespace(config=SimpleNamespace(compile_in_background=setting),
                                runner=SimpleNamespace(sample_device=SimpleNamespace(platform=platform)))
-    assert Executor.compiles_in_background.fget(executor) is expected
+    assert Warmup(executor, None, None).compiles_in_background is expected
 
 
 @pytest.fixture(scope="module")
@@ -101,15 +101,15 @@ def _serve(engine: Engine) -> dict:
 def gated(monkeypatch):
     """Hold every shape the background compile takes until the test sets the event; count them."""
     gate, taken = threading.Event(), []
-    prepare = Executor._prepare_shape
+    prepare = Warmup._prepare_shape
 
     def held(self, shape, store, state=None):
-        if self.warmed_up:  # the background's shapes (the warm-up's run before it is set)
+        if self.done:  # the background's shapes (the warm-up's run before it is set)
             taken.append(shape)
             assert gate.wait(300)
         return prepare(self, shape, store, state)
 
-    monkeypatch.setattr(Executor, "_prepare_shape", held)
+    monkeypatch.setattr(Warmup, "_prepare_shape", held)
     return gate, taken
 
 
@@ -119,34 +119,34 @@ def test_serving_starts_on_the_largest_shapes_and_moves_to_each_shape_once_compi
     executor = engine.executor
     every = executor.shapes.all_shapes()
     assert [s[1] for s in every if not s[0]] == [16, 32] and [s[1] for s in every if s[0]] == [1, 2, 4]
-    assert executor.warmup_summary["shapes_later"] == 3 == executor.shapes_pending
+    assert executor.startup.summary["shapes_later"] == 3 == executor.startup.pending
     assert executor.shapes.compiled == {(False, 32), (True, 4)}
     assert engine.stats()["step_shapes_pending"] == 3
 
     tokens = _serve(engine)  # while the background holds its first shape
     hf = hf_model(model_dir)
     assert tokens["greedy"] == hf_greedy(hf, PROMPT, 8)
-    assert executor.compilations_after_warmup == 0  # no step compiled: each ran in a compiled shape
+    assert executor.startup.late_compilations == 0  # no step compiled: each ran in a compiled shape
     assert executor.shapes.token_bucket(3) == 32 and executor.shapes.seq_bucket(1) == 4
 
     gate.set()
-    assert executor.wait_for_shapes(timeout=600)
-    assert executor.shapes_pending == 0 and executor.shapes.compiled is None
+    assert executor.startup.wait(timeout=600)
+    assert executor.startup.pending == 0 and executor.shapes.compiled is None
     assert executor.shapes.token_bucket(3) == 16 and executor.shapes.seq_bucket(1) == 1
     # smaller shapes first, a decode and a prefill shape in turn (the order the background threads take them)
-    assert [(s[0], s[1]) for s in executor._shapes_for_later(every, [])] == [(True, 1), (False, 16), (True, 2)]
+    assert [(s[0], s[1]) for s in executor.startup.shapes_for_later(every, [])] == [(True, 1), (False, 16), (True, 2)]
     assert sorted(taken) == sorted(s for s in every if (s[0], s[1]) in {(True, 1), (False, 16), (True, 2)})
     assert sorted(executor.runner.executables) == sorted(executor.runner.step_key(
-        StepKind.DECODE if s[0] else StepKind.PREFILL, executor._padding_batch(*s)) for s in every)
+        StepKind.DECODE if s[0] else StepKind.PREFILL, executor.padding_batch(*s)) for s in every)
     again = _serve(engine)
     assert again["greedy"] == tokens["greedy"]
-    assert executor.compilations_after_warmup == 0
+    assert executor.startup.late_compilations == 0
     engine.close()
 
     # The background's shapes were saved: the next start loads every shape before it is ready.
     warm = Engine(_config(model_dir, str(tmp_path / "cache")))
-    assert warm.executor.shapes_pending == 0 and warm.executor.shapes.compiled is None
-    assert warm.executor.warmup_summary["shapes_later"] == 0 and warm.executor.warmup_summary["compilations"] == 0
+    assert warm.executor.startup.pending == 0 and warm.executor.shapes.compiled is None
+    assert warm.executor.startup.summary["shapes_later"] == 0 and warm.executor.startup.summary["compilations"] == 0
     assert _serve(warm)["greedy"] == tokens["greedy"]
     warm.close()
 
@@ -156,34 +156,34 @@ def test_close_drops_the_shapes_not_started_and_waits_a_bounded_time(model_dir, 
     monkeypatch.setattr(executor_module, "CLOSE_WAIT_S", 1.0)
     engine = Engine(_config(model_dir, None))  # no store: the background compiles through jit's path alike
     executor = engine.executor
-    assert executor.shapes_pending == 3
+    assert executor.startup.pending == 3
     closing = threading.Thread(target=engine.close)
     closing.start()
     closing.join(0.5)
     assert closing.is_alive()  # waiting for the shape being compiled...
     closing.join(30)
     assert not closing.is_alive()  # ...for CLOSE_WAIT_S only
-    assert still_compiling() == 1 and executor.shapes_pending == 1
+    assert still_compiling() == 1 and executor.startup.pending == 1
     gate.set()
-    assert executor.wait_for_shapes(timeout=300) is False  # the shape finished; the two not started were dropped
+    assert executor.startup.wait(timeout=300) is False  # the shape finished; the two not started were dropped
     assert still_compiling() == 0
-    assert len(taken) == 1 and executor.shapes_pending == 0
+    assert len(taken) == 1 and executor.startup.pending == 0
     assert executor.shapes.compiled is not None and len(executor.runner.executables) == 3
 
 
 HELD_SERVER = """
 import itertools, sys, time
-from jaxserve.executor.executor import Executor
+from jaxserve.executor.warmup import Warmup
 
-prepare = Executor._prepare_shape
+prepare = Warmup._prepare_shape
 taken = itertools.count()
 
 def held(self, shape, store, state=None):  # the background's third shape takes an hour to compile
-    if self.warmed_up and next(taken) >= 2:
+    if self.done and next(taken) >= 2:
         time.sleep(3600)
     return prepare(self, shape, store, state)
 
-Executor._prepare_shape = held
+Warmup._prepare_shape = held
 from jaxserve.serve import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -219,13 +219,13 @@ def test_shapes_compiled_while_the_engine_sleeps_serve_once_it_wakes(model_dir, 
     tokens = _serve(engine)
     engine.sleep(2)  # the pool and the weights deleted while the background holds its first shape
     gate.set()
-    assert executor.wait_for_shapes(timeout=600)
+    assert executor.startup.wait(timeout=600)
     engine.wake_up()
     assert executor.shapes.compiled is None
     assert _serve(engine)["greedy"] == tokens["greedy"]
-    assert executor.compilations_after_warmup == 0
+    assert executor.startup.late_compilations == 0
     engine.close()
     # what the background saved serves the next start alike
     warm = Engine(_config(model_dir, str(tmp_path / "cache")))
-    assert warm.executor.warmup_summary["compilations"] == 0 and _serve(warm)["greedy"] == tokens["greedy"]
+    assert warm.executor.startup.summary["compilations"] == 0 and _serve(warm)["greedy"] == tokens["greedy"]
     warm.close()

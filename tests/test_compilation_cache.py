@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config.engine import EngineConfig
-from jaxserve.executor.executor import _use_compilation_cache as use_compilation_cache
+from jaxserve.executor.builder import use_compilation_cache
 
 
 def _programs(path) -> int:
@@ -54,8 +54,8 @@ def test_the_first_engine_of_a_process_leaves_jax_s_cache_as_is(tmp_path):
         logging.basicConfig(level=logging.INFO)
         import jax, jax.numpy as jnp
         from jaxserve.config.engine import EngineConfig
-        from jaxserve.executor.executor import _use_compilation_cache
-        _use_compilation_cache(EngineConfig(compilation_cache_dir={str(tmp_path)!r}))
+        from jaxserve.executor.builder import use_compilation_cache
+        use_compilation_cache(EngineConfig(compilation_cache_dir={str(tmp_path)!r}))
         jax.jit(lambda v: v + 1)(jnp.ones(3)).block_until_ready()
     """)
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(sys.path))

@@ -4,7 +4,7 @@ two-row step, one row elsewhere."""
 import numpy as np
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.executor import executor as executor_module
+from jaxserve.executor import builder
 from jaxserve.executor.shapes import StepShapes, decode_floor
 from tests.tiny import build_tiny_model
 
@@ -31,7 +31,7 @@ def test_one_sequence_in_a_two_row_bucket_decodes_as_in_a_one_row_bucket(tmp_pat
         return llm.engine.executor.shapes, out.token_ids, [r[t].logprob for r, t in zip(out.logprobs, out.token_ids)]
 
     one_row, tokens, logprobs = run()
-    monkeypatch.setattr(executor_module, "decode_floor", lambda platform: 2)  # the GPU's floor, on this CPU
+    monkeypatch.setattr(builder, "decode_floor", lambda platform: 2)  # the GPU's floor, on this CPU
     two_rows, tokens2, logprobs2 = run()
     assert one_row.decode_buckets()[0] == 1 and two_rows.decode_buckets()[0] == 2
     assert tokens2 == tokens

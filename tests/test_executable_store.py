@@ -70,7 +70,7 @@ def _programs(engine: Engine) -> int:
 def first(model_dir, cache_dir):
     """The cold start (every shape compiled and saved) and what it served."""
     engine = _engine(model_dir, cache_dir)
-    summary = engine.executor.warmup_summary
+    summary = engine.executor.startup.summary
     return engine, summary, _serve(engine)
 
 
@@ -85,7 +85,7 @@ def test_warm_start_loads_every_step_and_serves_the_same_tokens(model_dir, cache
 
     compiled = compile_counter.count()
     warm = _engine(model_dir, cache_dir)
-    summary = warm.executor.warmup_summary
+    summary = warm.executor.startup.summary
     assert (summary["executables_loaded"], summary["executables_compiled"]) == (programs, 0)
     # the penalty rows' reset (its row count varies, so it stays jitted) is the one program left to the XLA cache
     assert compile_counter.count() - compiled <= 1
@@ -106,7 +106,7 @@ engine = Engine(EngineConfig(model=model_dir, page_size=4, num_pages=32, max_mod
 engine.add_request("greedy", list(range(3, 43)), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
 while engine.has_unfinished():
     tokens = [o.outputs[0].token_ids for o in engine.step() if o.finished] or None
-print(json.dumps(dict(tokens=tokens[0], **engine.executor.warmup_summary)))
+print(json.dumps(dict(tokens=tokens[0], **engine.executor.startup.summary)))
 """
 
 
@@ -133,7 +133,7 @@ def test_mismatch_or_damaged_file_compiles_instead(model_dir, cache_dir, first, 
     files[0].write_bytes(b"not an executable")
     with caplog.at_level(logging.WARNING, logger="jaxserve.executor.executable_store"):
         damaged = _engine(model_dir, cache_dir)
-    summary = damaged.executor.warmup_summary
+    summary = damaged.executor.startup.summary
     assert (summary["executables_loaded"], summary["executables_compiled"]) == (programs - 1, 1)
     assert any("did not load" in r.getMessage() for r in caplog.records)
     assert _serve(damaged) == (first[2][0], 0)
@@ -141,7 +141,7 @@ def test_mismatch_or_damaged_file_compiles_instead(model_dir, cache_dir, first, 
     # Different code (the source hash is part of every key): nothing loads, every shape compiles.
     monkeypatch.setattr(executable_store, "source_digest", lambda: "some other source")
     changed = _engine(model_dir, cache_dir)
-    summary = changed.executor.warmup_summary
+    summary = changed.executor.startup.summary
     assert (summary["executables_loaded"], summary["executables_compiled"]) == (0, programs)
     assert _serve(changed) == (first[2][0], 0)
 
@@ -156,12 +156,12 @@ def test_a_store_miss_is_compiled_and_stored_though_the_compilation_cache_holds_
     cache_dir = str(tmp_path)
     cold = _engine(model_dir, cache_dir)
     programs = _programs(cold)
-    assert cold.executor.warmup_summary["executables_compiled"] == programs
+    assert cold.executor.startup.summary["executables_compiled"] == programs
     xla_entries = sorted(p.name for p in tmp_path.glob("*-cache"))
     del cold
     monkeypatch.setattr(executable_store, "source_digest", lambda: "an upgrade")
     upgraded = _engine(model_dir, cache_dir)
-    summary = upgraded.executor.warmup_summary
+    summary = upgraded.executor.startup.summary
     assert (summary["executables_loaded"], summary["executables_compiled"]) == (0, programs)
     assert len(list(Path(cache_dir, "executables").glob("*.exe"))) == 2 * programs
     # the compilation cache holds what it held: the store's own compilations leave nothing there
@@ -169,7 +169,7 @@ def test_a_store_miss_is_compiled_and_stored_though_the_compilation_cache_holds_
     del upgraded
     compiled = compile_counter.count()
     again = _engine(model_dir, cache_dir)
-    summary = again.executor.warmup_summary
+    summary = again.executor.startup.summary
     assert (summary["executables_loaded"], summary["executables_compiled"]) == (programs, 0)
     assert compile_counter.count() - compiled <= 1
     assert _serve(again) == (first[2][0], 0)
@@ -185,7 +185,7 @@ def test_a_step_read_from_the_compilation_cache_is_not_stored(model_dir, first, 
     hits = count()
     monkeypatch.setattr(CompileCounter, "thread_cache_hits", lambda self: next(hits))
     engine = _engine(model_dir, str(tmp_path))
-    summary = engine.executor.warmup_summary
+    summary = engine.executor.startup.summary
     assert (summary["executables_loaded"], summary["executables_compiled"]) == (0, _programs(engine))
     assert not list(Path(tmp_path, "executables").glob("*.exe"))
     assert _serve(engine) == (first[2][0], 0)

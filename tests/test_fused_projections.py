@@ -89,7 +89,7 @@ def test_fusing_is_refused_with_lora_and_checked(model_dirs):
     # "auto" fuses on a GPU only: separate weights here, on the CPU.
     auto = LLM(str(model_dirs[0]), **OPTIONS)
     assert "gate_proj" in auto.engine.executor.runner.params["layers"][0]["mlp"]
-    assert not auto.engine.executor.fused_projections
+    assert not auto.engine.executor.weights.fused
 
 
 @pytest.mark.parametrize("mesh", ["tensor=2", "tensor=4"])

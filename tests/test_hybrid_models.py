@@ -134,7 +134,7 @@ def test_speculation_replays_accepted_tokens_from_the_unadvanced_state(engine):
 def test_engine_refuses_what_it_cannot_hold(engine):
     llm, _ = engine
     with pytest.raises(ValueError, match="mesh .* is not supported for Qwen3_5ForCausalLM"):
-        LLM(llm.engine.executor.model_path, dtype="float32", max_model_len=64, warmup=False,
+        LLM(llm.engine.executor.info.model_path, dtype="float32", max_model_len=64, warmup=False,
             compilation_cache_dir=None, mesh="data=2", num_devices=2)
 
 

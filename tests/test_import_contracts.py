@@ -1,6 +1,6 @@
 """The import contracts in pyproject.toml (import-linter): the layer order of ``jaxserve``'s packages, host
-packages without jax, the host loop and its driver thread without asyncio, offline tools off the serving path, a
-router without the engine, kernels and meshes free of ``jaxserve``.
+packages without jax, the host loop and its driver thread without asyncio, the host side off the executor's
+runner, offline tools off the serving path, a router without the engine, kernels and meshes free of ``jaxserve``.
 
 The contracts are checked on this tree, and each is shown to catch a break: a copy of the tree with one
 offending import planted must fail it, naming the contract.
@@ -47,6 +47,7 @@ PLANTED = [
     ("jaxserve/text/detokenizer.py", "from jaxserve.executor import sampler", "The layers a request crosses"),
     ("jaxserve/engine/request_stream.py", "from jaxserve.tools import roofline", "Offline tools are never imported"),
     ("jaxserve/server/openai/streaming.py", "from jaxserve.server import intake", "The router runs no engine"),
+    ("jaxserve/disagg/staged.py", "from jaxserve.executor import runner", "The host side steps the executor"),
     ("pallas_kernels/metadata.py", "import jaxserve.outputs", "Kernels and meshes import nothing from jaxserve"),
     ("pallas_kernels/quantized_pages.py", "import sharding.rules", "Kernels import no mesh code"),
     ("jaxserve/engine/driver.py", "import asyncio", "The host loop and its driver thread import no asyncio"),

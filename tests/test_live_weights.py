@@ -140,7 +140,7 @@ def test_sleep_frees_the_cache_then_the_weights_and_wake_up_restores_them(llm, o
     llm.sleep(level=2)
     assert awake - live_bytes() >= kv + weights
     with pytest.raises(ValueError, match="asleep at level 2"):
-        llm.update_weights(llm.engine.executor._host_weights[0][0])
+        llm.update_weights(llm.engine.executor.weights._host[0][0])
     llm.wake_up()
     assert answers(llm) == expected
 

@@ -113,7 +113,7 @@ def test_an_engines_cpu_steps_call_the_kernel_on_one_device_only(model_dir):
         engine = Engine(EngineConfig(model=str(model_dir), page_size=4, num_pages=16, max_model_len=32, max_num_seqs=2,
                                      max_num_batched_tokens=16, warmup=False, compilation_cache_dir=None, **mesh))
         ex = engine.executor
-        return ex.runner.lower(StepKind.DECODE, ex._padding_batch(True, 2, 2, ex.shapes.step_pages(True, 1))).as_text()
+        return ex.runner.lower(StepKind.DECODE, ex.padding_batch(True, 2, 2, ex.shapes.step_pages(True, 1))).as_text()
 
     assert native.TARGET in step_text()
     assert native.TARGET not in step_text(mesh="tensor=2", num_devices=2)

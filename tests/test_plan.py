@@ -275,7 +275,7 @@ def test_mixed_window_model_is_planned_per_layer(tmp_path):
     path = build_tiny_model("gemma2", tmp_path / "gemma2")
     engine = Engine(EngineConfig(model=str(path), page_size=4, max_model_len=64, max_num_seqs=4,
                                  max_num_batched_tokens=16, num_pages=64, warmup=False, compilation_cache_dir=None))
-    cfg, sc = engine.model_config, engine.executor.scheduler_config
+    cfg, sc = engine.model_config, engine.executor.info.scheduler_config
     planned = simulator.window_fields(cfg.sliding_windows, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
                                  num_pages=64)
     assert (sc.local_window, sc.local_pages) == (planned["local_window"], planned["local_pages"])

@@ -181,12 +181,12 @@ def test_gpu_pool_limit_of_a_bf16_pool_is_its_rows():
 
 def test_engine_refuses_a_gpu_pool_past_32_bit_offsets(tmp_path, monkeypatch):
     """At start-up, before anything is allocated, with the GPU kernels selected (interpreted on a CPU)."""
-    import jaxserve.executor.executor as executor_module
+    import jaxserve.executor.builder as builder
 
     def no_allocation(*args, **kwargs):
         raise AssertionError("the pool was allocated")
 
-    monkeypatch.setattr(executor_module, "ModelRunner", no_allocation)  # the 512 GiB pool, were it not refused
+    monkeypatch.setattr(builder, "ModelRunner", no_allocation)  # the 512 GiB pool, were it not refused
     folder = build_tiny_model("llama", tmp_path / "llama")  # 2 KV heads of head_dim 16
     pages = 2**31 // (2 * 16)  # 2**31 rows of 4-byte elements
     config = EngineConfig(model=str(folder), dtype="float32", page_size=16, num_pages=pages, max_model_len=64,

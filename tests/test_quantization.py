@@ -159,7 +159,7 @@ def test_engine_on_a_data_and_tensor_mesh_gives_one_devices_tokens(models):
                   compilation_cache_dir=None, mesh=mesh, num_devices=4 if mesh else None, page_size=8)
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
         got[mesh] = [o.outputs[0].token_ids for o in outs]
-        assert llm.engine.executor.describe()["kv_bytes_per_token"] == 2 * 2 * 1 * (16 + 4)
+        assert llm.engine.executor.info.describe()["kv_bytes_per_token"] == 2 * 2 * 1 * (16 + 4)
     assert got[None] == got["data=2,tensor=2"]
 
 

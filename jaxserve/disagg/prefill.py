@@ -24,7 +24,6 @@ import jax
 import numpy as np
 
 from jaxserve.config.engine import EngineConfig
-from jaxserve.disagg.pages import PageReader
 from jaxserve.disagg.wire import CHUNK_BYTES, SERVICE, identity, kv_layout, output_header, params_from_json
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.request_stream import take_all
@@ -48,7 +47,7 @@ class PrefillEngine(Engine):
             raise ValueError("speculative_config: speculation verifies decodes, which run on the decode side; start "
                              "the prefill process without --speculative-config")
         super().__init__(config, **kwargs)
-        self.reader = PageReader(self.executor.runner)
+        self.reader = self.executor.kv_pages
         self.transfer = None if transfer is None else transfer()  # a JaxTransfer, or None: pages go as bytes
         self._pulled: set[str] = set()  # request ids whose pages the decode side pulls through it
         self.stats_counters.update(kv_transfer_offers=0)

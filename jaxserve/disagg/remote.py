@@ -31,7 +31,6 @@ import time
 from collections import deque
 
 from jaxserve.config.engine import EngineConfig
-from jaxserve.disagg.pages import PageWriter
 from jaxserve.disagg.staged import StagedEngine
 from jaxserve.disagg.wire import CHUNK_BYTES, METHOD, STATS_METHOD, identity, pages_from_bytes, params_to_json
 from jaxserve.engine.request_stream import EngineNotReady
@@ -315,7 +314,7 @@ class RemotePrefillEngine(StagedEngine):
         self.remote = RemotePrefill(prefill_urls, self, kvt.start(kv_transfer, transfer_host))
         self.decode_scheduler = self.scheduler
         self.scheduler = _RemoteStages(self.remote, self.decode_scheduler)
-        self.writer = PageWriter(self.executor.runner)
+        self.writer = self.executor.kv_pages
         self._landed: deque[_Remote] = deque()  # received, waiting for room on this side
         self._held: list = []  # received before their request's first output (which brings prompt logprobs)
         self.stats_counters.update(kv_transfers=0, kv_transfer_bytes=0, kv_transfer_seconds=0.0,

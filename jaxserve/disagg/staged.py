@@ -29,9 +29,10 @@ from collections import deque
 import jax
 
 from jaxserve.config.engine import EngineConfig
-from jaxserve.disagg.pages import KVMover
 from jaxserve.engine.engine import Engine
 from jaxserve.executor.executor import Executor
+from jaxserve.executor.kv_pages import KVMover
+from jaxserve.executor.protocol import StepExecutor
 from jaxserve.outputs import RequestOutput
 from jaxserve.scheduler.block_manager import PageHolder
 from jaxserve.scheduler.replicas import ReplicatedScheduler
@@ -118,7 +119,7 @@ class StagedEngine(Engine):
 
     steps_async = False  # a stage hands a sequence on only once its tokens are on the host
 
-    def _stage_step(self, scheduler: ReplicatedScheduler, executor: Executor, *, prefill: bool
+    def _stage_step(self, scheduler: ReplicatedScheduler, executor: StepExecutor, *, prefill: bool
                     ) -> list[RequestOutput]:
         outputs, update = self._step_on(scheduler, executor, "prefill" if prefill else "decode")
         if prefill and update is not None:  # prompts done (first token sampled, not finished by it): on to decode
@@ -154,16 +155,15 @@ class DisaggregatedEngine(StagedEngine):
         super().__init__(decode_config, executor_factory=functools.partial(
             factory, devices=devices[n_prefill:n_prefill + n_decode]), final_outputs_only=final_outputs_only)
         self.config = config
-        self.prefill_executor = factory(prefill_config, model_path=self.executor.model_path,
-                                        eos_token_ids=self.eos_token_ids, devices=devices[:n_prefill],
-                                        model_config=self.model_config)
-        self.prefill_executor.token_masks = self.structured.fill_bitmask
-        self.prefill_scheduler = ReplicatedScheduler(self.prefill_executor.scheduler_config,
-                                                     self.prefill_executor.num_replicas)
+        self.prefill_executor: StepExecutor = factory(
+            prefill_config, model_path=self.executor.info.model_path, eos_token_ids=self.eos_token_ids,
+            devices=devices[:n_prefill], model_config=self.model_config, token_masks=self.structured.fill_bitmask)
+        self.prefill_scheduler = ReplicatedScheduler(self.prefill_executor.info.scheduler_config,
+                                                     self.prefill_executor.info.num_replicas)
         self.decode_scheduler = self.scheduler
         self.scheduler = _Stages(self, self.prefill_scheduler, self.decode_scheduler)
         self.handoffs: deque[_Handoff] = deque()  # prefilled, in order: waiting for room, or being copied
-        self.mover = KVMover(self.prefill_executor.runner, self.executor.runner)
+        self.mover = KVMover(self.prefill_executor.kv_pages, self.executor.kv_pages)
         self.stats_counters.update(kv_transfers=0, kv_transfer_bytes=0, kv_transfer_seconds=0.0,
                                    kv_transfer_queue_seconds=0.0, prefill_steps=0, decode_steps=0)
 
@@ -237,13 +237,13 @@ class DisaggregatedEngine(StagedEngine):
 
     def stats(self) -> dict[str, float]:
         s = super().stats()
-        s["num_pages"] = self.executor.cache_config.num_pages
-        s["prefill_num_pages"] = self.prefill_executor.cache_config.num_pages
+        s["num_pages"] = self.executor.info.num_pages
+        s["prefill_num_pages"] = self.prefill_executor.info.num_pages
         s["kv_transfers_pending"] = len(self.handoffs)
         return s
 
     def describe(self) -> dict:
         info = super().describe()
         info["prefill_mesh"], info["decode_mesh"] = self.config.prefill_mesh, self.config.decode_mesh
-        info["prefill_num_pages"] = int(self.prefill_executor.cache_config.num_pages)
+        info["prefill_num_pages"] = int(self.prefill_executor.info.num_pages)
         return info

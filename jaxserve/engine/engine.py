@@ -22,6 +22,7 @@ from jaxserve.engine.generation_config import load_generation_defaults
 from jaxserve.engine.kv_events import make_publisher
 from jaxserve.engine.request_stream import EngineSleeping
 from jaxserve.engine.step_failure import end_failed_step
+from jaxserve.executor.protocol import StepExecutor
 from jaxserve.lora_request import LoRARequest
 from jaxserve.models.checkpoint import resolve_model_path
 from jaxserve.models.config import ModelConfig
@@ -113,32 +114,33 @@ class Engine:
             from jaxserve.executor.executor import Executor  # the device side: loads jax
 
             executor_factory = Executor
-        # Each config.json read once: the executor (and its loader, its draft) take the configs read here.
-        self.executor = executor_factory(config, model_path=str(folder), eos_token_ids=self.eos_token_ids,
-                                         model_config=cfg, draft_config=draft)
+        # Each config.json read once: the executor (and its loader, its draft) take the configs read here. Its
+        # structured-output masks are ``self.structured``'s, built below once the tokenizer is loaded.
+        self.executor: StepExecutor = executor_factory(
+            config, model_path=str(folder), eos_token_ids=self.eos_token_ids, model_config=cfg, draft_config=draft,
+            token_masks=lambda entries, bitmask: self.structured.fill_bitmask(entries, bitmask))
         if tokenizer is not None and self.tokenizer is None:
             self.tokenizer = self._tokenizer_loaded(tokenizer)
         self.model_path = model_path
-        self.model_config = self.executor.model_config
-        self.max_model_len = self.executor.max_model_len
+        self.model_config = self.executor.info.model_config
+        self.max_model_len = self.executor.info.max_model_len
         self.spec = None
         if config.speculative_config is not None:
             from jaxserve.spec_decode.planner import SpecPlanner
 
             self.spec = SpecPlanner(config.speculative_config, self.max_model_len)
-        self.scheduler = ReplicatedScheduler(self.executor.scheduler_config, self.executor.num_replicas,
+        self.scheduler = ReplicatedScheduler(self.executor.info.scheduler_config, self.executor.info.num_replicas,
                                              spec=self.spec)
         self.grammars = (GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
                          if self.tokenizer is not None else None)
         self.structured = StructuredOutputs(self.grammars)
-        self.executor.token_masks = self.structured.fill_bitmask
         self._requests: dict[str, _Request] = {}
         self._counter = itertools.count()
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         # Async scheduling: the launched step whose tokens are not read yet, as (plan, executor's PendingStep).
         # Speculation verifies on the host's view of each sequence (jaxserve/spec_decode/): its steps run synchronously.
         self._async = self.steps_async and config.async_scheduling and config.speculative_config is None and \
-            self.executor.runner.channel is None
+            not self.executor.info.multi_process
         self._pending = None
         self._sync_requests = 0  # live requests whose steps need the host's view of the previous token
         self._unstamped: set[str] = set()  # live requests not scheduled yet (``_mark_scheduled``)
@@ -197,7 +199,7 @@ class Engine:
         do, before the request reaches the engine thread), so it is not run again. ``lora_request``: the LoRA
         adapter it runs with (registered on first use: ``add_lora``).
         """
-        if self.executor.asleep:
+        if self.executor.weights.asleep:
             raise EngineSleeping("the engine is asleep (sleep was called); wake it up first (wake_up, or "
                                  "POST /wake_up)")
         params = params if params is not None else SamplingParams()
@@ -570,8 +572,8 @@ class Engine:
 
     # Live weights -------------------------------------------------------------------------------------------
     def update_weights(self, params) -> None:
-        """Serve new weights from the next step on, with no compile (``Executor.update_weights``: a pytree in the
-        engine's layout or a state dict by Hugging Face names, or ``Executor.read_weights``' state), and forget
+        """Serve new weights from the next step on, with no compile (``LiveWeights.update``: a pytree in the
+        engine's layout or a state dict by Hugging Face names, or ``LiveWeights.read``'s state), and forget
         the prefix cache: no later request reuses KV computed with the old weights. Requests running now go on
         with the KV they have.
 
@@ -579,7 +581,7 @@ class Engine:
           ValueError: the weights do not fit the model (the old ones stay).
         """
         for executor in self.executors():
-            executor.update_weights(params)
+            executor.weights.update(params)
         self._forget_prefixes()
         self.stats_counters["weight_updates"] = self.stats_counters.get("weight_updates", 0) + 1
 
@@ -632,19 +634,19 @@ class Engine:
         if self._pending is not None:  # a launched step of requests that were aborted since: read it back
             self._resolve()
         for executor in self.executors():
-            executor.sleep(level)
+            executor.weights.sleep(level)
         self._forget_prefixes()
 
     def wake_up(self) -> None:
         """The KV cache (and after level 2 the weights) back on the device; requests are served again."""
         for executor in self.executors():
-            executor.wake_up()
+            executor.weights.wake_up()
 
     @property
     def is_sleeping(self) -> bool:
-        return bool(self.executor.asleep)
+        return bool(self.executor.weights.asleep)
 
-    def executors(self) -> list:
+    def executors(self) -> list[StepExecutor]:
         """The executors whose devices this engine uses."""
         return [self.executor]
 
@@ -688,10 +690,10 @@ class Engine:
     def stats(self) -> dict[str, float]:
         s = dict(self.scheduler.stats())
         s.update(self.stats_counters)
-        s["num_pages"] = self.executor.cache_config.num_pages
-        s["compilations_after_warmup"] = self.executor.compilations_after_warmup
-        s["step_shapes_pending"] = self.executor.shapes_pending
-        s["kv_bytes_per_token"] = self.executor.kv_bytes_per_token
+        s["num_pages"] = self.executor.info.num_pages
+        s["compilations_after_warmup"] = self.executor.startup.late_compilations
+        s["step_shapes_pending"] = self.executor.startup.pending
+        s["kv_bytes_per_token"] = self.executor.info.kv_bytes_per_token
         if self.spec is not None:
             s.update(self.spec.counters.stats())
         return s
@@ -699,11 +701,11 @@ class Engine:
     @property
     def warmup_summary(self) -> dict | None:
         """The start-up warm-up's figures (seconds, shapes compiled, compilation-cache hits and misses)."""
-        return self.executor.warmup_summary
+        return self.executor.startup.summary
 
     def describe(self) -> dict:
         """What this engine serves (model, limits, pool, dtype, tokenizer facts), as plain values."""
-        info = dict(self.executor.describe())
+        info = dict(self.executor.info.describe())
         info["model_path"] = str(self.model_path)
         info["max_model_len"] = int(self.max_model_len)
         info["eos_token_ids"] = [int(t) for t in self.eos_token_ids]

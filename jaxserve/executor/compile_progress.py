@@ -5,7 +5,7 @@ used (hits and misses) and, when the executor sets ``stored``, how many executab
 the executable store loaded or had to compile.
 
 The warm-up loop calls ``start(total)`` once, ``tick()`` on what it returns after each compiled shape and
-``finish()`` at the end, which returns the summary: whoever ran the warm-up keeps it (``Executor.warmup_summary``).
+``finish()`` at the end, which returns the summary: whoever ran the warm-up keeps it (``Warmup.summary``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ with its own paged KV pool.
 The draft's pool has exactly the target's page count and is indexed by the target's page tables (same page
 size): a sequence's draft KV lives in the draft pool's copy of the pages its target KV occupies, so pages,
 prefix-cache hits, preemption and rollback need no bookkeeping of their own (the pool is sized from the same
-memory budget: ``Executor._auto_num_pages`` counts both models' bytes per page). Each step, before the target
+memory budget: ``builder.PoolSizing`` counts both models' bytes per page). Each step, before the target
 runs:
 
 1. catch-up: one step of the draft over every entry's tokens the target computes this step (prompt chunks,

@@ -117,8 +117,8 @@ def pool_pages(memory: float, bytes_per_token: float, page_size: int, *, utiliza
                used: float = 0.0, windows: Seq[int | None] = (), local_pages: int = 0,
                extra_bytes_per_token: float = 0.0, max_pages: int | None = None) -> int:
     """KV pages of ``page_size`` tokens that fit in ``memory * utilization - used`` bytes of one device (on the
-    CPU path, of one replica's share): the one sizing rule of the engine (``Executor``), ``capacity``, ``aot``
-    and ``plan``, so all four give the same count for the same model and budget.
+    CPU path, of one replica's share): the one sizing rule (through ``builder.PoolSizing``) of the engine,
+    ``capacity``, ``aot`` and ``plan``, so all four give the same count for the same model and budget.
 
     ``bytes_per_token``: what a token costs on that device (``bytes_per_token`` of its tensor shard). A model
     interleaving windowed and global layers (``windows``) first sets its windowed layers' own pool of

@@ -87,13 +87,13 @@ def part_sharding(name: str, fused):
 @functools.cache
 def joiner(name: str, num_kv_heads: int, head_dim: int, out_sharding):
     """``join_projections`` compiled once per (weight, heads, sharding): every layer and every swap of new
-    weights (``executor.weights.fuse_like``) reuses it."""
+    weights (``executor.live_weights.fuse_like``) reuses it."""
     return jax.jit(lambda *parts: join_projections(name, parts, num_kv_heads, head_dim), out_shardings=out_sharding)
 
 
 @functools.cache
 def splitter(name: str, part_sharding):
-    """``split_projections`` compiled once per (weight, sharding) (``executor.weights.split_fused``)."""
+    """``split_projections`` compiled once per (weight, sharding) (``executor.live_weights.split_fused``)."""
     out = None if part_sharding is None else tuple(part_sharding for _ in FUSED[name])
     return jax.jit(lambda fused: split_projections(name, fused), out_shardings=out)
 

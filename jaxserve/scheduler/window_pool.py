@@ -31,7 +31,7 @@ def global_pool_budget(budget: float, page_bytes: float, windows: Seq[int | None
                        ) -> tuple[float, float]:
     """(memory, bytes per page) left for the global pool of a model with these per-layer ``windows`` once the
     windowed layers' own pool of ``local_pages`` pages is set aside: each pool's pages hold only its own layers'
-    KV (``page_bytes``: a page of every layer's). The engine (``Executor``) and the planner size pools with it."""
+    KV (``page_bytes``: a page of every layer's). The engine (``executor.builder``) and the planner size pools with it."""
     windowed = sum(w is not None for w in windows) / len(windows)
     return budget - local_pages * page_bytes * windowed, page_bytes * (1 - windowed)
 

@@ -148,7 +148,7 @@ class AsyncEngine:
         if not self.ready:
             raise EngineNotReady("the engine is still starting up (loading and compiling the model)")
         executor = self.engine.executor
-        state = await asyncio.to_thread(executor.read_weights, path)
+        state = await asyncio.to_thread(executor.weights.read, path)
         await self.call(lambda engine: engine.update_weights(state))
 
     def begin_drain(self) -> None:

@@ -53,14 +53,13 @@ from jaxserve.config.args import ArgumentParser, add_engine_args, user_error
 from jaxserve.config.engine import GPU_MEMORY_FRACTION
 from jaxserve.executor import platforms
 from jaxserve.executor.batch import MeshBatch, StepKind
+from jaxserve.executor.builder import PoolSizing
 from jaxserve.executor.kv_cache import (
     CACHE_AXES,
     CacheConfig,
     bytes_per_token,
     cache_sharding,
     kv_storage_dtype,
-    local_pool_pages,
-    pool_pages,
     state_arrays,
     state_pool_bytes,
     state_slots_for,
@@ -80,11 +79,10 @@ from jaxserve.tools import gpu_targets
 from jaxserve.tools.chips import DEVICE_KINDS, Chip
 from jaxserve.tools.model_specs import PRESETS, model_config
 from jaxserve.tools.roofline import attention_flops, matmul_flops_per_token
-from pallas_kernels.gpu_addressing import max_pool_pages
 from pallas_kernels.quantized_pages import QuantizedPages
 from sharding.config import MeshConfig
 from sharding.mesh import make_mesh
-from sharding.rules import cache_heads, check_expert_parallel, logical_sharding, model_rules
+from sharding.rules import check_expert_parallel, logical_sharding, model_rules
 
 GiB = 2**30
 DECODE_PROBES = (1, 64, 256)
@@ -453,32 +451,26 @@ def resolve(req: Request) -> Target:
                   platform, gpu[0].memory_bytes * gpu_memory_fraction() if gpu else None)
 
 
+def pool_sizing(t: Target, req: Request) -> PoolSizing:
+    """The engine's pool-sizing rule for a request's model, pool dtype and limits (``builder.PoolSizing``)."""
+    return PoolSizing(t.cfg, t.cache_dtype, req.page_size, req.max_num_seqs, req.max_num_batched_tokens)
+
+
 def engine_pool_pages(t: Target, req: Request, used: float, *, capped: bool = True) -> int:
     """The pages (per replica) the engine's pool gets on one of ``t``'s devices with ``used`` bytes taken
-    (the weights): the engine's own rule, ``kv_cache.pool_pages``, capped at max_num_seqs full-length sequences
-    as the engine caps it; without the cap (``capped=False``), what fits."""
-    pages = pool_pages(t.hbm, bytes_per_token(t.cfg, t.cache_dtype, t.mesh_cfg.tensor), req.page_size,
-                       utilization=req.hbm_utilization, used=used + state_pool_bytes(t.cfg, req.max_num_seqs),
-                       windows=t.cfg.sliding_windows, local_pages=local_pages(t, req),
-                       max_pages=req.max_num_seqs * t.pages_per_seq if capped else None)
+    (the weights): the engine's own rule (``PoolSizing.pages``), capped at max_num_seqs full-length sequences
+    as the engine caps it and, on a GPU, at what the kernels address; without the first cap (``capped=False``),
+    what fits."""
+    pages = pool_sizing(t, req).pages(t.hbm, tensor=t.mesh_cfg.tensor, utilization=req.hbm_utilization, used=used,
+                                      max_pages=req.max_num_seqs * t.pages_per_seq if capped else None)
     limit = gpu_pool_limit(t, req)
     return pages if limit is None else min(pages, limit)
 
 
-def local_pages(t: Target, req: Request, global_pages: int | None = None) -> int:
-    """Pages (per replica) of the windowed layers' own pool, as the engine sizes it; 0 for one pool."""
-    return local_pool_pages(t.cfg.sliding_windows, req.page_size, req.max_num_seqs, req.max_num_batched_tokens,
-                            global_pages=global_pages)
-
-
 def gpu_pool_limit(t: Target, req: Request) -> int | None:
-    """The most pages per replica the GPU kernels address (32-bit indexing of one layer's pool on one device; the
-    engine caps a pool sized from memory there, ``kv_cache.limit_gpu_pool``); None on TPU."""
-    if t.platform != "gpu":
-        return None
-    tensor = t.mesh_cfg.tensor
-    return max_pool_pages(cache_heads(t.cfg.num_kv_heads, tensor) // tensor, req.page_size, t.cfg.head_dim,
-                          jnp.dtype(t.cache_dtype).itemsize)
+    """The most pages per replica the GPU kernels address (``PoolSizing.gpu_page_limit``: the engine caps a pool
+    sized from memory there); None on TPU."""
+    return pool_sizing(t, req).gpu_page_limit(t.mesh_cfg.tensor) if t.platform == "gpu" else None
 
 
 def _probes(t: Target, req: Request) -> tuple[dict, list, int, int, int]:
@@ -501,7 +493,8 @@ def _probes(t: Target, req: Request) -> tuple[dict, list, int, int, int]:
 def _compiler(t: Target, req: Request, layers: int, num_pages: int) -> StepCompiler:
     cfg = t.cfg if layers == t.cfg.num_layers else dataclasses.replace(
         t.cfg, num_layers=layers, sliding_windows=t.cfg.sliding_windows[:layers])
-    local = local_pages(t, req, num_pages // t.mesh_cfg.data) if t.cfg.local_window is not None else 0
+    local = (pool_sizing(t, req).local_pages(num_pages // t.mesh_cfg.data) if t.cfg.local_window is not None
+             else 0)
     return StepCompiler(cfg, t.dtype, t.mesh, page_size=req.page_size, num_pages=num_pages,
                         max_num_seqs=req.max_num_seqs, backend=t.backend, quantization=req.quantization,
                         quantize_lm_head=req.quantize_lm_head, cache_dtype=t.cache_dtype, platform=t.platform,
@@ -556,7 +549,7 @@ def _memory(t: Target, req: Request, full: StepCompiler, figures: dict, sampler:
     weights = full.weight_bytes
     page_bytes = bytes_per_token(t.cfg, t.cache_dtype, t.mesh_cfg.tensor) * req.page_size
     # A windowed pool (the engine's, at full size) is set aside first; a global page then holds the global layers'.
-    local = local_pages(t, req)
+    local = pool_sizing(t, req).local_pages()
     minus_local, page_bytes = global_pool_budget(0.0, page_bytes, t.cfg.sliding_windows, local) if local else (
         0.0, page_bytes)
     step_temp = max(f.temp for f in figures.values())
@@ -667,7 +660,7 @@ def run(req: Request, log=None) -> dict:
     t = resolve(req)
     replicas = t.mesh_cfg.data
     full = _compiler(t, req, t.cfg.num_layers, 2 * replicas)  # for the exact weight bytes only (nothing compiled)
-    # The engine sizes its pool from free HBM after loading the weights (Executor._auto_num_pages).
+    # The engine sizes its pool from free HBM after loading the weights (``builder.PoolSizing``).
     engine_pages = engine_pool_pages(t, req, full.weight_bytes)
     num_pages = req.num_pages // replicas if req.num_pages else engine_pages
     limit = gpu_pool_limit(t, req)

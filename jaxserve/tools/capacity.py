@@ -13,7 +13,7 @@ tensor axis (KV heads replicated when the axis exceeds them), a Mixture-of-Exper
 across the expert axis, and each data replica holds a full copy. For an MoE model it reports total parameters
 (what memory holds) and active ones (what one token's forward pass reads: its top-k experts per layer).
 
-Pages are counted by the engine's own rule (``jaxserve.executor.kv_cache.pool_pages``): for a model interleaving
+Pages are counted by the engine's own rule (``jaxserve.executor.builder.PoolSizing``): for a model interleaving
 windowed and global layers (Gemma 2/3) the windowed layers' own pool, sized from ``--max-num-seqs`` and
 ``--max-num-batched-tokens`` as the engine sizes it, is set aside first.
 """
@@ -24,14 +24,8 @@ import argparse
 
 from jaxserve.config.args import ArgumentParser, user_error
 from jaxserve.config.engine import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
-from jaxserve.executor.kv_cache import (
-    bytes_per_token,
-    kv_storage_dtype,
-    local_pool_pages,
-    pool_pages,
-    state_pool_bytes,
-    state_slots_for,
-)
+from jaxserve.executor.builder import PoolSizing
+from jaxserve.executor.kv_cache import bytes_per_token, kv_storage_dtype, state_slots_for
 from jaxserve.models.config import ModelConfig
 from jaxserve.tools.model_specs import PRESETS, model_config
 from sharding.config import MeshConfig
@@ -69,7 +63,7 @@ def capacity(cfg: ModelConfig, *, hbm_gb: float, dtype: str, page_size: int, mes
              utilization: float, max_model_len: int, quantization: str | None = None, quantize_lm_head: bool = False,
              kv_cache_dtype: str = "auto", max_num_seqs: int = EngineConfig.max_num_seqs,
              max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens) -> dict[str, float]:
-    """The pool the engine would size on a device of ``hbm_gb`` (``kv_cache.pool_pages``, the engine's rule).
+    """The pool the engine would size on a device of ``hbm_gb`` (``builder.PoolSizing``, the engine's rule).
     ``max_num_seqs`` and ``max_num_batched_tokens`` size the windowed layers' own pool of a model interleaving
     windowed and global layers (Gemma 2/3), which comes first; the pages reported are the global pool's."""
     dtype = dtype if dtype != "auto" else cfg.torch_dtype
@@ -79,10 +73,10 @@ def capacity(cfg: ModelConfig, *, hbm_gb: float, dtype: str, page_size: int, mes
     if hbm_gb * 2**30 * utilization - weights <= 0:
         raise ValueError(f"the weights ({weights / 2**30:.1f} GiB per device) do not fit in "
                          f"{hbm_gb} GB at utilization {utilization}")
-    local = local_pool_pages(cfg.sliding_windows, page_size, max_num_seqs, max_num_batched_tokens)
-    states = state_pool_bytes(cfg, max_num_seqs)  # a hybrid's state slots, set aside first as the engine does
-    pages = pool_pages(hbm_gb * 2**30, kv_token_device, page_size, utilization=utilization, used=weights + states,
-                       windows=cfg.sliding_windows, local_pages=local)
+    # A hybrid's state slots and the windowed layers' own pool are set aside first, as the engine does.
+    sizing = PoolSizing(cfg, kv_dtype, page_size, max_num_seqs, max_num_batched_tokens)
+    local = sizing.local_pages()
+    pages = sizing.pages(hbm_gb * 2**30, tensor=mesh.tensor, utilization=utilization, used=weights)
     tokens = pages * page_size * mesh.data
     return {
         "total_params": cfg.num_params,

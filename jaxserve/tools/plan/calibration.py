@@ -42,7 +42,7 @@ def calibrate(engine, *, contexts: Seq[int] = (), decode_steps: int = 8, seed: i
     """
     ex = engine.executor
     shapes = ex.shapes
-    if getattr(ex, "num_replicas", 1) != 1:
+    if ex.info.num_replicas != 1:
         raise ValueError("calibrate runs one engine replica: use a mesh without a data axis")
     limit = engine.max_model_len
     contexts = list(contexts) or sorted({min(limit // 8, 64), min(limit // 2, 512)})

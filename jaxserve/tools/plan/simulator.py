@@ -64,7 +64,7 @@ class EngineShape:
 def window_fields(windows: Seq[int | None], *, page_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                   num_pages: int | None = None) -> dict:
     """``EngineShape`` fields for a model with these per-layer windows, as the engine sets its scheduler up
-    (``Executor``): one window for all layers, or the windowed layers' own pool beside the global one."""
+    (``executor.builder``): one window for all layers, or the windowed layers' own pool beside the global one."""
     windows = tuple(windows)
     given = [w for w in windows if w is not None]
     if not given:

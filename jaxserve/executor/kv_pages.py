@@ -1,7 +1,8 @@
 """Device page movers: a sequence's KV pages out of one runner's pool (``PageReader``), into another's
 (``PageWriter``), or from one to the other device to device (``KVMover``), on any meshes of the same model and KV
-cache dtype. Prefill/decode disaggregation moves pages with them, in one process (``jaxserve.disagg.staged``) and
-across processes (``jaxserve.disagg.prefill``, ``jaxserve.disagg.remote``)."""
+cache dtype. An executor offers its pool to them as ``KVPages`` (``Executor.kv_pages``). Prefill/decode
+disaggregation moves pages with them, in one process (``jaxserve.disagg.staged``) and across processes
+(``jaxserve.disagg.prefill``, ``jaxserve.disagg.remote``)."""
 
 from __future__ import annotations
 
@@ -146,18 +147,40 @@ class PageWriter:
         return moved
 
 
-class KVMover:
-    """Copies a sequence's KV pages from one runner's pool into another's, device to device (``PageReader`` on
-    the source mesh, ``jax.device_put``, ``PageWriter`` on the destination mesh)."""
+class KVPages:
+    """One executor's pool as disaggregation moves it (``jaxserve.executor.protocol.KVPages``): pages read out
+    through a ``PageReader``, written in through a ``PageWriter``, each made on first use."""
 
-    def __init__(self, src, dst):
-        self.reader, self.writer = PageReader(src), PageWriter(dst)
+    def __init__(self, runner):
+        self._runner = runner
+        self._reader: PageReader | None = None
+        self._writer: PageWriter | None = None
+
+    def read(self, replica: int, holder: PageHolder, num_tokens: int):
+        """``PageReader.read`` of this pool."""
+        if self._reader is None:
+            self._reader = PageReader(self._runner)
+        return self._reader.read(replica, holder, num_tokens)
+
+    def write(self, staged, full: list[int], local: list[int], replica: int, seq: Sequence):
+        """``PageWriter.write`` into this pool."""
+        if self._writer is None:
+            self._writer = PageWriter(self._runner)
+        return self._writer.write(staged, full, local, replica, seq)
+
+
+class KVMover:
+    """Copies a sequence's KV pages from one executor's pool into another's, device to device (read on the source
+    mesh, ``jax.device_put``, written on the destination mesh)."""
+
+    def __init__(self, src: KVPages, dst: KVPages):
+        self.src, self.dst = src, dst
 
     def copy(self, src_replica: int, holder: PageHolder, dst_replica: int, seq: Sequence) -> tuple[list, int]:
         """Dispatch the copy of ``holder``'s pages into ``seq``'s (destination) tables; returns the staged arrays
         on the destination mesh (ready once the pages have left the source) and the bytes of KV moved."""
-        staged, full, local, nbytes = self.reader.read(src_replica, holder, seq.num_computed_tokens)
-        moved = self.writer.write(staged, full, local, dst_replica, seq)
+        staged, full, local, nbytes = self.src.read(src_replica, holder, seq.num_computed_tokens)
+        moved = self.dst.write(staged, full, local, dst_replica, seq)
         return list(moved), nbytes
 
 

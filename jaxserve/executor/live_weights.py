@@ -1,8 +1,10 @@
-"""New weights for a running engine: a trainer's pytree (or a state dict by Hugging Face names) checked against the
-parameters the steps were compiled for, and placed exactly as they are, so the swap compiles nothing.
+"""Live weights: new weights for a running engine, and sleep (its device memory given up and taken back).
 
-The compiled steps take the parameters as an argument: any pytree of the same structure, shapes, dtypes and
-shardings runs through the same executables. ``replacement_state`` builds that pytree from what a caller gives.
+A trainer's pytree (or a state dict by Hugging Face names) is checked against the parameters the steps were
+compiled for and placed exactly as they are, so the swap compiles nothing: the compiled steps take the parameters
+as an argument, and any pytree of the same structure, shapes, dtypes and shardings runs through the same
+executables. ``replacement_state`` builds that pytree from what a caller gives; ``LiveWeights`` is the executor's
+object that serves it, reads checkpoints for it, and puts the KV cache (and the weights) to sleep.
 """
 
 from __future__ import annotations
@@ -15,9 +17,101 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.config.engine import EngineConfig
 from jaxserve.models import registry
-from jaxserve.models.decoder import AXES, FUSED, joiner, part_sharding, split_projections, splitter
+from jaxserve.models.checkpoint import resolve_model_path
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.decoder import AXES, FUSED, joiner, part_sharding, split_projections, splitter
+from jaxserve.models.loader import load_model
+
+
+class LiveWeights:
+    """An executor's served weights (``get``, ``read``, ``update``) and its sleep (``sleep``, ``wake_up``), for
+    the target model's runner and a draft model's alike (``jaxserve.executor.protocol.LiveWeights``)."""
+
+    def __init__(self, config: EngineConfig, cfg: ModelConfig, mesh, runner, *, graphdef: nnx.GraphDef,
+                 fused: bool, cache_dtype, drafter=None):
+        """``graphdef``: the weights' structure as callers see them; ``fused``: whether the runner serves fused
+        Q/K/V and gate/up weights (``decoder.fuse_projections``), shown to callers as the ones they were made of."""
+        self.config, self.cfg, self.mesh = config, cfg, mesh
+        self.graphdef, self.fused = graphdef, fused
+        # (runner, the dtype its fresh cache takes) for the target and the draft model
+        self._runners = [(runner, cache_dtype)] + ([(drafter.runner, drafter.cache_dtype)] if drafter else [])
+        self.asleep = 0  # the level of ``sleep`` while asleep
+        self._host = None  # level 2: [(weights on the host, their shardings)] per runner
+
+    @property
+    def _runner(self):
+        return self._runners[0][0]
+
+    def get(self) -> dict:
+        """The parameters as the steps use them, a nested dict of arrays on the mesh (``pure_weights``), with
+        fused projection weights shown as the ones they were made of (``split_fused``)."""
+        params = self._runner.params
+        return pure_weights(split_fused(params) if self.fused else params)
+
+    def read(self, path: str):
+        """A checkpoint folder's weights (same architecture and shapes), loaded onto this executor's mesh in its
+        dtype and quantization, as ``update`` takes them."""
+        try:
+            cfg = ModelConfig.from_pretrained(resolve_model_path(path))
+        except OSError as e:
+            raise ValueError(f"path: {path} is not a checkpoint folder ({e})") from None
+        if cfg.architecture != self.cfg.architecture:
+            raise ValueError(f"path: {path} holds a {cfg.architecture}, the engine serves a {self.cfg.architecture}")
+        model, _, _ = load_model(path, self.config.dtype, self.mesh, self.config.quantization,
+                                 self.config.quantize_lm_head, cfg=cfg)
+        return nnx.state(model)
+
+    def update(self, params) -> None:
+        """Serve ``params`` from the next step on (``replacement_state`` checks and places them): the same
+        structure, shapes, dtypes and shardings as before, so nothing compiles. The steps already launched keep
+        the weights they were launched with.
+
+        Raises:
+          ValueError: naming the tensor that does not fit; the old weights stay.
+        """
+        if self.asleep == 2:
+            raise ValueError("the engine is asleep at level 2 (its weights are off the device); call wake_up first")
+        if jax.process_count() > 1:
+            raise ValueError("update_weights is not supported on a multi-process run")
+        runner = self._runner
+        if not self.fused:
+            runner.params = replacement_state(runner.params, params, self.cfg)
+            return
+        # Checked against the public layout's shapes alone: no split copy of the served weights is made.
+        new = replacement_state(split_fused(runner.params, abstract=True), params, self.cfg)
+        runner.params = fuse_like(new, runner.params)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory of the KV cache (level 1) and of the weights too (level 2: they are copied to
+        the host first and placed back by ``wake_up``). The draft model of speculation sleeps alike. The caller
+        makes sure no sequence holds pages (``Engine.sleep``)."""
+        if level not in (1, 2):
+            raise ValueError(f"level={level} must be 1 (free the KV cache) or 2 (the weights too)")
+        if self.asleep:
+            raise ValueError(f"the engine is already asleep (level {self.asleep}); call wake_up first")
+        self._host = None
+        if level == 2:  # shardings kept with the host copy: wake_up places each leaf as it was
+            self._host = [(jax.device_get(r.params), jax.tree.map(lambda a: a.sharding, r.params))
+                          for r, _ in self._runners]
+        for r, _ in self._runners:
+            for a in jax.tree.leaves((r.kv_cache, r.params) if level == 2 else r.kv_cache):
+                a.delete()
+            r.kv_cache = None
+        self.asleep = level
+
+    def wake_up(self) -> None:
+        """Undo ``sleep``: a zeroed KV cache (and the weights back from the host, after level 2)."""
+        if not self.asleep:
+            return
+        for i, (r, cache_dtype) in enumerate(self._runners):
+            if self._host is not None:
+                host, shardings = self._host[i]
+                r.params = jax.device_put(host, shardings)
+            r.reset_cache(cache_dtype)
+        self._host = None
+        self.asleep = 0
 
 
 def pure_weights(state: nnx.State) -> dict:
