@@ -19,6 +19,8 @@ from jaxserve.models.rope import ROPE_TYPES, RopeConfig
 
 from tiny import build_tiny_model, hf_greedy, hf_model, train_tokenizer
 
+pytestmark = pytest.mark.quick
+
 HEAD_DIM = 16
 ORIGINAL = 32  # the pre-training context of every case below; positions are checked up to 8x past it
 RNG = np.random.default_rng(0)
