@@ -42,7 +42,14 @@ def tiny_model(request) -> Path:
 
 
 def compile_cache(request) -> str:
-    return str(request.config.cache.mkdir("jaxserve_xla"))
+    """The servers' compilation cache: in pytest's cache folder, kept between runs; with the cache plugin off
+    (``-p no:cacheprovider``), one folder for this session's servers."""
+    cache = getattr(request.config, "cache", None)
+    if cache is not None:
+        return str(cache.mkdir("jaxserve_xla"))
+    if "xla" not in _state:
+        _state["xla"] = request.getfixturevalue("tmp_path_factory").mktemp("jaxserve_xla")
+    return str(_state["xla"])
 
 
 def server_env() -> dict[str, str]:

@@ -11,6 +11,8 @@ from jaxserve.scheduler.block_manager import RELEASED, BlockManager, hash_page
 from jaxserve.scheduler.page_pool import OutOfPages
 from jaxserve.scheduler.sequence import Sequence, SequenceStatus
 
+pytestmark = pytest.mark.quick
+
 PS = 4
 
 

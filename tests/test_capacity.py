@@ -8,6 +8,8 @@ from jaxserve.executor.kv_cache import bytes_per_token
 from sharding.config import MeshConfig
 from tiny import build_tiny_model
 
+pytestmark = pytest.mark.quick
+
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):

@@ -5,8 +5,11 @@ from __future__ import annotations
 import logging
 
 import jax
+import pytest
 
 from jaxserve.executor import compile_progress
+
+pytestmark = pytest.mark.quick
 
 
 def test_progress_lines_and_cache_summary(caplog, monkeypatch):

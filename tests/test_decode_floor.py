@@ -2,11 +2,14 @@
 two-row step, one row elsewhere."""
 
 import numpy as np
+import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.executor import builder
 from jaxserve.executor.shapes import StepShapes, decode_floor
 from tests.tiny import build_tiny_model
+
+pytestmark = pytest.mark.quick
 
 OPTIONS = dict(page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=48, warmup=False,
                compilation_cache_dir=None)

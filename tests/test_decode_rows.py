@@ -14,6 +14,8 @@ from jaxserve.executor.shapes import bucket
 from jaxserve.scheduler.plan import ScheduledSequence
 from jaxserve.scheduler.scheduler import Scheduler
 
+pytestmark = pytest.mark.quick
+
 
 def both(rows: DecodeRows, entries, max_seqs: int, pages: int):
     args = ([e.token_ids for e in entries], [e.kv_len for e in entries], [e.page_table for e in entries])

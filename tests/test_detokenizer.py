@@ -8,6 +8,8 @@ from transformers import PreTrainedTokenizerFast
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.text.detokenizer import IncrementalDetokenizer
 
+pytestmark = pytest.mark.quick
+
 SAMPLES = [
     "The quick brown fox jumps over the lazy dog.",
     "Héllo wörld, café naïve façade résumé über straße.",

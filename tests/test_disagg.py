@@ -110,6 +110,7 @@ def test_stages_count_the_running_slots_of_both_sides(disagg):
     assert stages.running == [] and stages.num_running == 0
 
 
+@pytest.mark.quick
 def test_disaggregated_config_is_checked():
     with pytest.raises(ValueError, match="prefill_mesh and decode_mesh go together"):
         EngineConfig(prefill_mesh="tensor=2")
@@ -119,6 +120,7 @@ def test_disaggregated_config_is_checked():
         EngineConfig(prefill_mesh="tensor=2", decode_mesh="tensor=2", mesh="tensor=4")
 
 
+@pytest.mark.quick
 def test_too_many_devices_is_refused(llama):
     with pytest.raises(ValueError, match="need 12 devices; 8 are available"):
         LLM(str(llama), prefill_mesh="tensor=4", decode_mesh="data=2,tensor=4", **SHAPES)

@@ -11,6 +11,8 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.config.scheduler import SchedulerConfig
 from jaxserve.llm import LLM
 
+pytestmark = pytest.mark.quick
+
 # Known once the model and the pool are: set by the executor (windows and the windowed pool from the model).
 DERIVED = {"num_pages", "max_model_len", "attention_window", "local_window", "local_pages", "state_slots"}
 

@@ -9,6 +9,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.quick
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -11,6 +11,8 @@ from pallas_kernels.ragged_paged_attention import AttentionMetadata, BlockSizes,
 from pallas_kernels.ragged_paged_attention.block_sizes import candidates
 from pallas_kernels.ragged_paged_attention import schedule
 
+pytestmark = pytest.mark.quick
+
 # Jitted once per static configuration: eager dispatch of these small graphs is what would be slow.
 q_block_work = jax.jit(schedule.q_block_work, static_argnums=(1, 2))
 q_tiles = jax.jit(schedule.q_tiles, static_argnums=(1, 2))

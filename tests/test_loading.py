@@ -24,6 +24,13 @@ def llama(tmp_path_factory):
     return build_tiny_model("llama", tmp_path_factory.mktemp("llama"), tokenizer=train_tokenizer())
 
 
+@pytest.fixture(scope="module")
+def llama_tokens(llama):
+    """The safetensors checkpoint's greedy tokens for PROMPT, which the other formats must give (one engine)."""
+    llm = LLM(str(llama), page_size=4, max_num_seqs=1, warmup=False, compilation_cache_dir=None)
+    return llm.generate(PROMPT, GREEDY)[0].outputs[0].token_ids
+
+
 def edit_config(folder: Path, **changes) -> None:
     cfg = json.loads((folder / "config.json").read_text())
     cfg.update(changes)
@@ -57,7 +64,7 @@ def test_unsupported_architecture_lists_supported(llama, tmp_path):
         load_model(str(bad))
 
 
-def test_sharded_checkpoint_loads_identically(llama, tmp_path):
+def test_sharded_checkpoint_loads_identically(llama, llama_tokens, tmp_path):
     from transformers import AutoModelForCausalLM
 
     sharded = tmp_path / "sharded"
@@ -65,7 +72,7 @@ def test_sharded_checkpoint_loads_identically(llama, tmp_path):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (sharded / f).write_bytes((llama / f).read_bytes())
     assert (sharded / "model.safetensors.index.json").exists() and len(list(sharded.glob("*.safetensors"))) > 2
-    a = LLM(str(llama), page_size=4, max_num_seqs=1, warmup=False, compilation_cache_dir=None).generate(PROMPT, GREEDY)[0].outputs[0].token_ids
+    a = llama_tokens
     b = LLM(str(sharded), page_size=4, max_num_seqs=1, warmup=False, compilation_cache_dir=None).generate(PROMPT, GREEDY)[0].outputs[0].token_ids
     assert a == b == hf_greedy(hf_model(llama), PROMPT, 12)
 
@@ -115,12 +122,12 @@ def test_bfloat16_checkpoint_auto_dtype(llama, tmp_path):
         load_model(str(folder), dtype="float8")
 
 
-def test_convert_to_orbax_and_load(llama, tmp_path):
+def test_convert_to_orbax_and_load(llama, llama_tokens, tmp_path):
     dst = tmp_path / "orbax"
     subprocess.run([sys.executable, "scripts/convert_checkpoint.py", str(llama), str(dst)], check=True,
                    cwd=Path(__file__).parents[1])
     assert (dst / "params").is_dir() and not list(dst.glob("*.safetensors"))
-    a = LLM(str(llama), page_size=4, max_num_seqs=1, warmup=False, compilation_cache_dir=None).generate(PROMPT, GREEDY)[0].outputs[0].token_ids
+    a = llama_tokens
     llm = LLM(str(dst), page_size=4, max_num_seqs=1, dtype="bfloat16", warmup=False, compilation_cache_dir=None)
     assert llm.engine.executor.runner.params["norm"]["weight"].get_value().dtype == np.dtype("bfloat16")
     b = LLM(str(dst), page_size=4, max_num_seqs=1, warmup=False, compilation_cache_dir=None).generate(PROMPT, GREEDY)[0].outputs[0].token_ids

@@ -26,6 +26,7 @@ def rows_program(batch, **kw):
 
 
 @pytest.mark.parametrize("lengths, group, head_dim, dtype, window, soft_cap", CONFIGS)
+@pytest.mark.quick
 def test_native_rows_match_reference(lengths, group, head_dim, dtype, window, soft_cap):
     """Decode, prompt and mixed batches; GQA groups 1 to 8, fp32 and bf16 pages, windows, soft caps; NaN in every
     page and slot no row may read, NaN padding rows (which must come back as zeros)."""
@@ -61,6 +62,7 @@ def test_native_rows_read_8_bit_pages(lengths, storage, group, window, as_bytes)
 
 
 @pytest.mark.parametrize("storage", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.quick
 def test_kernel_widens_every_8_bit_code_exactly(storage):
     """One key whose value row holds all 256 codes of the format (NaN and infinity included) and a scale of 1: a
     row that sees only it returns that row widened, which must equal ml_dtypes' value of every code bit for bit."""
@@ -137,6 +139,7 @@ def test_rows_split_over_threads_give_the_same_result():
     assert_matches_reference(np.concatenate([one[0], np.zeros_like(args["q"][24:])]), batch, sm_scale=0.3)
 
 
+@pytest.mark.quick
 def test_rows_that_see_nothing_are_zero():
     """``last < first`` inside one page, at a page edge, and ``last = -1``: zeros and a log-sum-exp of -inf, and
     no read of the (NaN) pages."""
@@ -187,6 +190,7 @@ def test_concurrent_builds_share_one_library(tmp_path):
     ctypes.cdll.LoadLibrary(str(paths[0])).JaxserveRowsAttention  # noqa: B018 (a complete library has the symbol)
 
 
+@pytest.mark.quick
 def test_out_of_range_page_is_an_error_not_a_read():
     """A page index outside the pool on a row's visible keys fails the step instead of reading foreign memory."""
     batch, _, _ = build_batch(np.random.default_rng(4), [1], [6])

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from jaxserve.engine.engine import Engine
 from jaxserve.outputs import Logprob, TokenRecord
+
+pytestmark = pytest.mark.quick
 
 
 def test_record_knows_whether_the_chosen_token_is_among_the_top():

@@ -30,6 +30,7 @@ def _bench_serving():
     return module
 
 
+@pytest.mark.quick
 def test_workload_is_the_serving_benchmarks_for_the_same_seed():
     bench = _bench_serving()
     specs = bench.make_workload(40, (16, 256), (32, 64), seed=7)
@@ -40,6 +41,7 @@ def test_workload_is_the_serving_benchmarks_for_the_same_seed():
     np.testing.assert_allclose([r.arrival_s for r in mine], arrivals)
 
 
+@pytest.mark.quick
 def test_a_lone_request_costs_exactly_its_steps():
     [t] = simulate([PlannedRequest(0.0, 100, 5)], Deployment("c", 512), FLAT, ENGINE)
     # One prompt step of 100 tokens padded to the 128-token bucket, then four 10 ms decode steps.
@@ -55,6 +57,7 @@ def test_a_long_prompt_is_chunked_as_the_engine_chunks_it():
     np.testing.assert_allclose(t.token_times, [1.024, 1.034])
 
 
+@pytest.mark.quick
 def test_decodes_ride_in_prompt_steps_and_share_them():
     a, b = simulate([PlannedRequest(0.0, 16, 3), PlannedRequest(0.1, 100, 2)], Deployment("c", 512), FLAT, ENGINE)
     # a: prompt step 16 tokens (16 ms), decode at 26 ms ... b arrives at 0.1 while a's last decode runs? a finishes
@@ -67,6 +70,7 @@ def test_decodes_ride_in_prompt_steps_and_share_them():
     np.testing.assert_allclose(b.token_times, [0.154, 0.164])
 
 
+@pytest.mark.quick
 def test_disaggregated_first_token_comes_from_prefill_and_the_transfer_delays_the_second():
     dep = Deployment("d", 512, prefill=1, decode=1)
     [t] = simulate([PlannedRequest(0.0, 100, 3)], dep, FLAT, ENGINE, kv_bytes_per_token=1000.0,
@@ -76,6 +80,7 @@ def test_disaggregated_first_token_comes_from_prefill_and_the_transfer_delays_th
     np.testing.assert_allclose(t.token_times, [0.128, 0.238, 0.248])
 
 
+@pytest.mark.quick
 def test_disaggregation_keeps_decodes_out_of_prompt_steps():
     """A long prompt arriving mid-decode stalls the colocated decode (its token waits for the prompt step) but
     not the disaggregated one."""
@@ -103,6 +108,7 @@ def test_largest_rate_search_brackets_where_attainment_drops():
     assert run(best * 1.3).attainment < 0.9
 
 
+@pytest.mark.quick
 def test_early_stop_agrees_with_the_full_run_on_an_overloaded_deployment():
     reqs = poisson_workload(400, 30.0, (100, 100), (10, 10), seed=1)
     full = summarize(simulate(reqs, Deployment("c", 512), FLAT, ENGINE), "c", 30, 1, 0.5, 0.05)
@@ -112,6 +118,7 @@ def test_early_stop_agrees_with_the_full_run_on_an_overloaded_deployment():
     assert sum(bool(t.token_times) for t in early) < len(reqs)  # it did stop early
 
 
+@pytest.mark.quick
 def test_roofline_model_is_weight_bound_at_batch_one_and_compute_bound_in_prefill():
     from jaxserve.tools.aot import model_config
 
@@ -123,6 +130,7 @@ def test_roofline_model_is_weight_bound_at_batch_one_and_compute_bound_in_prefil
     assert prefill > 5 * one
 
 
+@pytest.mark.quick
 def test_linear_fit_recovers_known_coefficients():
     rng = np.random.default_rng(0)
     truth = LinearStepModel(decode=(0.002, 1e-4, 2e-6, 0.0), prompt=(0.003, 2e-4, 1e-6, 1e-8))
@@ -138,6 +146,7 @@ def test_linear_fit_recovers_known_coefficients():
     np.testing.assert_allclose(fit.prompt, truth.prompt, rtol=1e-4, atol=1e-12)
 
 
+@pytest.mark.quick
 def test_bad_input_is_refused_naming_the_field(tmp_path):
     with pytest.raises(ValueError, match="--prompt-len"):
         workload.parse_range("0:4", "--prompt-len")
@@ -190,6 +199,7 @@ def test_calibrate_times_the_engines_own_steps(tmp_path):
     assert engine.scheduler.__class__.__name__ == "ReplicatedScheduler"  # the engine's own scheduler is back
 
 
+@pytest.mark.quick
 def test_step_features_follow_the_compiled_shape():
     from jaxserve.sampling_params import SamplingParams
     from jaxserve.scheduler.sequence import Sequence
@@ -213,6 +223,7 @@ def test_step_features_follow_the_compiled_shape():
     assert f.padded_keys == 4 * 64 * 4
 
 
+@pytest.mark.quick
 def test_sliding_window_caps_keys_pairs_and_pages():
     from jaxserve.sampling_params import SamplingParams
     from jaxserve.scheduler.sequence import Sequence
@@ -231,6 +242,7 @@ def test_sliding_window_caps_keys_pairs_and_pages():
     assert sched.block_manager.stats()["pages_released_behind_window"] > 0
 
 
+@pytest.mark.quick
 def test_mixed_window_model_is_planned_per_layer(tmp_path):
     """Gemma-style interleaved windowed and global layers: keys, pairs and transfer bytes are averaged over the
     layers, the global pool holds only the global layers' KV beside the windowed layers' own pool, sized as the

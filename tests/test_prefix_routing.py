@@ -8,6 +8,7 @@ import asyncio
 import json
 import time
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from jaxserve.config.kv_events import KVEventsConfig
@@ -17,6 +18,8 @@ from jaxserve.server import router as rt
 from jaxserve.server.prefix_index import PrefixIndex, prompt_hashes
 
 from server_harness import free_port
+
+pytestmark = pytest.mark.quick
 
 PAGE = 4
 SYSTEM = list(range(100, 112))  # three full pages

@@ -9,6 +9,8 @@ import pytest
 from jaxserve.models.demo import byte_tokenizer
 from jaxserve.text.prompt_tokenizer import MIN_CHARS_PER_TOKEN, PromptTokenizer, chars_per_token_bound, token_bytes
 
+pytestmark = pytest.mark.quick
+
 
 @pytest.fixture(scope="module")
 def tok():

@@ -62,11 +62,13 @@ def hf_tables(cfg: LlamaConfig, positions: list[int]) -> tuple[np.ndarray, np.nd
     return np.stack(cos), np.stack(sin)
 
 
+@pytest.mark.quick
 def test_every_rope_type_is_covered():
     assert {CASES[n][0]["rope_type"] for n in CASES} == set(ROPE_TYPES)
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.quick
 def test_tables_match_transformers_beyond_the_original_context(name):
     positions = [0, 1, 5, ORIGINAL - 2, ORIGINAL - 1, ORIGINAL, ORIGINAL + 1, 2 * ORIGINAL + 3, 4 * ORIGINAL,
                  8 * ORIGINAL - 1]
@@ -80,6 +82,7 @@ def test_tables_match_transformers_beyond_the_original_context(name):
         assert rope.attention_factor != 1.0  # the attention factor is part of what was compared
 
 
+@pytest.mark.quick
 def test_unsupported_rope_type_is_refused_naming_the_supported_ones(tmp_path):
     path = build_tiny_model("llama", tmp_path / "m", tokenizer=train_tokenizer(), num_hidden_layers=1)
     cfg = json.loads((path / "config.json").read_text())

@@ -10,6 +10,8 @@ from jaxserve.executor.sampler import SamplingTensors, argmax, sample
 from jaxserve.sampling_params import sequence_seed
 from jaxserve.sampling_params import SamplingParams as SP
 
+pytestmark = pytest.mark.quick
+
 V = 16
 S = 8  # one slot width for (almost) every test keeps the number of compilations, hence the runtime, low
 EOS = 3

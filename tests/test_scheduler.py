@@ -21,6 +21,8 @@ from jaxserve.scheduler.scheduler import Scheduler
 from jaxserve.scheduler.sequence import Sequence, SequenceStatus
 from jaxserve.scheduler.window_pool import window_pages_needed
 
+pytestmark = pytest.mark.quick
+
 EOS = 0
 VOCAB = 40
 

@@ -16,6 +16,8 @@ from jaxserve.sampling_params import SamplingParams
 
 from fake_engine import FakeEngine
 
+pytestmark = pytest.mark.quick
+
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 20))

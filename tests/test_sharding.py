@@ -199,6 +199,7 @@ def test_window_metadata_splits_attention_rows_exactly():
     ("tensor=0", r"tensor=0 must be an integer >= 1"),
     ("tensor=2,tensor=4", r"names axis 'tensor' twice"),
 ])
+@pytest.mark.quick
 def test_malformed_mesh_specs(spec, message):
     with pytest.raises(ValueError, match=message):
         MeshConfig.parse(spec)
@@ -206,6 +207,7 @@ def test_malformed_mesh_specs(spec, message):
         EngineConfig(mesh=spec)  # refused before any model is loaded
 
 
+@pytest.mark.quick
 def test_mesh_must_use_exactly_the_devices_in_use():
     assert jax.device_count() == 8
     assert make_mesh(None).devices.size == 1 and make_mesh("").devices.size == 1
@@ -232,6 +234,7 @@ def test_meshes_a_model_cannot_use(models, family, mesh, message):
         make_llm(models.path(family), mesh)
 
 
+@pytest.mark.quick
 def test_kv_heads_and_tensor_must_divide_one_another():
     from sharding.rules import check_tensor_parallel
 
@@ -246,6 +249,7 @@ def replica_of(sched: ReplicatedScheduler, request_id: str) -> int | None:
     return next((i for i, r in enumerate(sched.replicas) if r.get_request(request_id)), None)
 
 
+@pytest.mark.quick
 def test_replicated_scheduler_places_and_collects_per_replica():
     sched = ReplicatedScheduler(SchedulerConfig(num_pages=16, page_size=4, max_model_len=32, max_num_seqs=2,
                                                 max_num_batched_tokens=16), 2)

@@ -17,6 +17,7 @@ from jaxserve.scheduler.scheduler import Scheduler
 from jaxserve.scheduler.slot_state import StopSlots
 
 
+@pytest.mark.quick
 def test_candidates_are_exactly_the_rows_that_stop():
     """Random parameters (up to 12 stop ids, so the arrays widen), slots freed and reused, against
     ``Scheduler._check_stop`` on the same sequence, token and length."""
@@ -65,6 +66,7 @@ def run_fake(model: FakeModel, entries, prev) -> list[int]:
 
 
 @pytest.mark.parametrize("seed, caching", [(0, True), (1, False), (2, True)])
+@pytest.mark.quick
 def test_async_commit_and_resolve_reproduce_plain_generation(seed, caching):
     rng = random.Random(seed)
     cfg = make_config(num_pages=12, page_size=4, max_model_len=40, max_num_seqs=6, max_num_batched_tokens=24,
@@ -181,6 +183,7 @@ def plan_key(out):
 
 
 @pytest.mark.parametrize("seed, caching", [(3, True), (4, False)])
+@pytest.mark.quick
 def test_bulk_decode_planning_equals_the_per_sequence_loop(seed, caching):
     """Two schedulers in lockstep on the same random load (joins, page crossings, preemption, aborts), one
     planning plain decodes in bulk, one sequence by sequence: the same plan every step (entries, page tables,
@@ -215,6 +218,7 @@ def test_bulk_decode_planning_equals_the_per_sequence_loop(seed, caching):
     assert bulk.num_preemptions == loop.num_preemptions > 0 and bulk_steps > 20
 
 
+@pytest.mark.quick
 def test_sampling_tensors_are_packed_column_by_column_with_each_slots_values():
     """``SamplingTensors.build`` fills whole columns at once: every slot still carries its own parameters, step,
     penalty row, seed and (before ``min_tokens``) banned ids; padding slots stay neutral."""
@@ -276,6 +280,7 @@ def assert_run_batch(out, pages: int):
 
 
 @pytest.mark.parametrize("seed, caching", [(5, True), (6, False)])
+@pytest.mark.quick
 def test_async_decode_runs_equal_the_per_sequence_loop(seed, caching):
     """Async scheduling with the decodes planned as slot arrays (``DecodeRun``, ``DecodeSlots``) in lockstep with
     the one-by-one planner, through joins, n=2, page crossings, preemption, stops, aborts mid-flight and runs of
@@ -346,6 +351,7 @@ def test_async_decode_runs_equal_the_per_sequence_loop(seed, caching):
     assert len(inner.stops) == 0 and inner.block_manager.num_free_pages == cfg.num_pages
 
 
+@pytest.mark.quick
 def test_decode_batch_from_arrays_rejects_what_does_not_fit():
     from jaxserve.executor.batch import StepBatch
 

@@ -25,6 +25,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
 
 
 # ---- configuration (host only) -------------------------------------------------------------------------------
+@pytest.mark.quick
 def test_config_accepts_vllm_keys_and_refuses_bad_ones():
     c = SpeculativeConfig.parse(json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
                                             "prompt_lookup_min": 2}))
@@ -50,6 +51,7 @@ def test_config_accepts_vllm_keys_and_refuses_bad_ones():
         EngineConfig(speculative_config={"num_speculative_tokens": 3, "foo": 1})
 
 
+@pytest.mark.quick
 def test_ngram_proposes_the_continuation_of_the_latest_match():
     t = np.array([1, 2, 3, 4, 5, 1, 2, 3], np.int32)
     assert propose(t, 4, 1, 4) == [4, 5, 1, 2]
@@ -402,6 +404,7 @@ def test_an_engine_with_a_draft_model_reads_each_config_once(model_dir, small_dr
     assert reads == {Path(model_dir).resolve(): 1, Path(small_draft).resolve(): 1}
 
 
+@pytest.mark.quick
 def test_grpc_speculative_field_reaches_sampling_params():
     from jaxserve.server.protos import jaxserve_pb2 as pb
     from jaxserve.server.grpc_api import sampling_params_from_proto

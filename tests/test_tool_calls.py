@@ -10,6 +10,8 @@ from jaxserve.server.intake import RequestError
 from jaxserve.server.openai.tool_calls import (ToolCallStream, check_tools, forced_calls, forced_schema, make_parser,
                                         template_message)
 
+pytestmark = pytest.mark.quick
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
     "additionalProperties": False}}}

@@ -7,9 +7,12 @@ import threading
 import time
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fake_server import MODEL, FakeServer
+
+pytestmark = pytest.mark.quick
 
 LABELS = {"model_name": MODEL, "engine": "0"}
 
