@@ -11,7 +11,7 @@ A script given ``--results-json PATH`` writes its figures there as well as print
 file's name gives; records whose name is already in the file are replaced in place, the others are appended, so
 the next run of a command updates the figures it made and keeps the area's others. ``--results-label TEXT`` puts
 TEXT in front of each name, to tell workloads of one area apart (e.g. "deep narrow" and "wide"). The recorded
-command leaves ``--results-json`` out. ``tests/test_results_page.py`` checks every file against FIELDS and every
+command leaves ``--results-json`` out. ``tests/scripts/test_results_page.py`` checks every file against FIELDS and every
 figure the README and docs/benchmarks.md quote against these records.
 """
 

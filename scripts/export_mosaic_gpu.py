@@ -8,7 +8,7 @@ Each case is ``jax.export``-ed for the ``cuda`` platform inside a mesh of descri
 (``jaxserve.tools.gpu_targets``; jax's CUDA plugin, from the test extra): Pallas lowers the kernel to a Mosaic GPU
 module for compute capability 9.0 (sm_90a: wgmma, TMA), checks its layouts, tilings and swizzles, and embeds it in
 the ``mosaic_gpu_v2`` custom call. What is left for a real GPU is Mosaic's compile of that module to machine code
-(at load). Exits 1 if any case fails. ``tests/test_mosaic_gpu_export.py`` runs a cover of these cases.
+(at load). Exits 1 if any case fails. ``tests/tools/test_mosaic_gpu_export.py`` runs a cover of these cases.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ Sections:
    module the later sections import is there (so a missing wheel shows up first, not mid-run);
 2. ``parity``: greedy tokens of the engine on the GPU against transformers, llama and qwen3 tiny models: float32
    exact (matmuls at ``highest`` precision), bfloat16 as a teacher-forced top-1 agreement rate;
-3. ``kernels``: tests/test_kernel_gpu.py, tests/test_kernel_schedule.py, tests/test_kernel_mosaic_gpu.py (Hopper)
-   and the sinks cases of tests/test_attention_sinks.py compiled for the GPU;
+3. ``kernels``: tests/kernels/test_kernel_gpu.py, tests/kernels/test_kernel_schedule.py, tests/kernels/test_kernel_mosaic_gpu.py (Hopper)
+   and the sinks cases of tests/kernels/test_attention_sinks.py compiled for the GPU;
 4. ``serving``: ``python -m jaxserve.serve --load-format dummy`` with a Llama-3.2-1B-shaped bf16 model, then
    scripts/benchmark_serving.py against it: throughput, TTFT, ITL, and the time the server took to be ready;
 5. ``model``: a Llama-3.1-8B-shaped bf16 model with random weights drawn on the device: decode at batch 1 against
@@ -34,7 +34,7 @@ Sections:
 
 Targets (recorded, not asserted): batch-1 decode >= 80% of the HBM bound, 2k prefill >= 60% MFU, batch-64 decode
 >= 2x the torch baseline's tokens/s. ``--dry-run`` runs every section's code on CPU with tiny shapes, to check
-the kit itself (tests/test_gpu_check.py).
+the kit itself (tests/scripts/test_gpu_check.py).
 """
 
 from __future__ import annotations
@@ -352,12 +352,12 @@ def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 # 3. Kernel tests --------------------------------------------------------------------------------------------------
-KERNEL_TESTS = ["tests/test_kernel_gpu.py", "tests/test_kernel_schedule.py", "tests/test_kernel_mosaic_gpu.py",
-                "tests/test_attention_sinks.py::test_gpu_kernel_with_sinks",
-                "tests/test_attention_sinks.py::test_mosaic_gpu_kernel_with_sinks"]
+KERNEL_TESTS = ["tests/kernels/test_kernel_gpu.py", "tests/kernels/test_kernel_schedule.py", "tests/kernels/test_kernel_mosaic_gpu.py",
+                "tests/kernels/test_attention_sinks.py::test_gpu_kernel_with_sinks",
+                "tests/kernels/test_attention_sinks.py::test_mosaic_gpu_kernel_with_sinks"]
 # On CPU the kernel tests run in interpret mode, minutes in all: the dry run takes one of them (one kernel call, the
 # unsplit block sizes) to check the plumbing.
-DRY_KERNEL_TESTS = ["tests/test_kernel_gpu.py::test_attention_block_sizes[blocks0]"]
+DRY_KERNEL_TESTS = ["tests/kernels/test_kernel_gpu.py::test_attention_block_sizes[blocks0]"]
 
 
 def section_kernels(rec: Recorder, ctx: Context) -> bool:

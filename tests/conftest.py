@@ -1,6 +1,13 @@
 import os
+import sys
+from pathlib import Path
 
 from xla_flags import xla_flags
+
+# The tests live in folders that mirror the package (tests/engine/, tests/server/, ...) and share helpers across
+# them by module name (``from test_engine import run``), as pytest imports each test module under its own name:
+# every folder is on the path, as this one is.
+sys.path[1:1] = sorted(str(d) for d in Path(__file__).parent.iterdir() if any(d.glob("test_*.py")))
 
 # Before jax is imported anywhere: 8 emulated CPU devices for mesh tests (compiled at LLVM's level 0, see
 # xla_flags.py), CPU only, fp32 matmuls exact.

@@ -7,7 +7,7 @@ step, rewrites only the rows whose sequence or table changed since that array la
 is found with NumPy over two small per-row keys, the sequence id and its ``table_version`` (bumped by the block
 manager on every change of the sequence's page tables), not by flattening every table into a fresh array.
 The row index of a sequence is its position in the step (entry order), as ``StepBatch.build`` lays it out, so
-the result is the same batch, array for array (``tests/test_decode_rows.py`` checks it against
+the result is the same batch, array for array (``tests/executor/test_decode_rows.py`` checks it against
 ``StepBatch.build`` over random runs).
 """
 

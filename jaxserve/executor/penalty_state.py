@@ -74,7 +74,7 @@ class PenaltyState:
         # DeepSeek-V3's 129,280-token vocabulary at 32 sequences (CompileTimeSparseCoreAllocationFailure), and
         # copied the state besides (90 MiB of temporaries for gpt-oss's at 32 sequences, 4 MiB now). The barrier
         # pins that shape: XLA may not fold the write of whole rows back into the scatter. N is 1 in the engine;
-        # the results are the same (tests/test_sampler.py).
+        # the results are the same (tests/executor/test_sampler.py).
         v, n = self.vocab_size, rows.shape[0]
         live = (rows != 0)[:, None]
         # Padding ids (-1) and rows (0) are pointed out of bounds so the scatters drop them.

@@ -2,7 +2,7 @@
 
 Host-only (no jax): ``RopeConfig`` is read from a ``config.json`` and hashed into the compiled steps, which
 build the cos/sin tables from it (``layers.rope_tables``). The frequencies follow transformers'
-``modeling_rope_utils`` (``tests/test_rope.py`` checks each type against it):
+``modeling_rope_utils`` (``tests/models/test_rope.py`` checks each type against it):
 
 - ``default``, ``linear`` (frequencies / factor), ``llama3`` (per-band scaling), ``yarn`` (NTK-by-parts ramp,
   cos and sin times the attention factor): one set of frequencies for every position.

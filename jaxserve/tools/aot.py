@@ -26,7 +26,7 @@ model's shape (``roofline.matmul_flops_per_token``), XLA's bytes-accessed is abs
 ``--buckets probes`` compiles only the shapes the predictions need (and the sampler) instead of every bucket.
 ``--sample-layers`` compiles each shape with 2 and 3 of the model's layers (real per-layer shapes) and
 extrapolates linearly in the layer count. Argument bytes come out exactly as a full compile's and FLOPs to
-1e-4 relative (the matmuls scale exactly, a few scalar ops do not; tests/test_aot.py checks both against a full
+1e-4 relative (the matmuls scale exactly, a few scalar ops do not; tests/tools/test_aot.py checks both against a full
 compile; Llama-3.1-8B decode on v5e:2x4 at full depth: 3,627,588,352 FLOPs compiled, 3,627,587,008
 extrapolated). Temporaries are approximate (there: 37 MiB compiled, 55 MiB extrapolated) and XLA's
 bytes-accessed does not extrapolate (4.3 GB compiled, 9.0 GB extrapolated), so sampled reports leave it out.

@@ -25,7 +25,7 @@ dequantizing each row: ``q . (s_k k) = s_k (q . k)`` and ``sum_j p_j s_vj v_j``.
 
 Interpreted (``interpret=True``, Pallas's Mosaic GPU interpreter on CPU), ``P`` goes to the ``P V`` wgmma through a
 shared-memory tile, since the interpreter takes wgmma operands from shared memory only; that is the one
-difference from the compiled kernel (``tests/test_kernel_mosaic_gpu.py``).
+difference from the compiled kernel (``tests/kernels/test_kernel_mosaic_gpu.py``).
 
 Stray reads. Page-table entries past a sequence are clamped into the pool before their TMA copy, and score
 entries outside the visible range are masked with ``where`` (a NaN in K never reaches the softmax). V rows past

@@ -18,8 +18,8 @@ import pytest
 from tiny import build_tiny_model, train_tokenizer
 from xla_flags import xla_flags
 
-ROOT = Path(__file__).parents[1]
-DRIVER = Path(__file__).with_name("multihost_driver.py")
+ROOT = Path(__file__).parents[2]
+DRIVER = Path(__file__).parents[1] / "multihost_driver.py"
 
 
 def free_port() -> int:

@@ -15,7 +15,7 @@ from jaxserve.tools.plan.simulator import Deployment, EngineShape, max_rate, sim
 from jaxserve.tools.plan.step_model import LinearStepModel, StepFeatures
 from jaxserve.tools.plan.workload import PlannedRequest, poisson_workload
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Decode steps: 10 ms flat. Prompt steps: 1 ms per padded token (the token bucket).
 FLAT = LinearStepModel(decode=(0.01, 0.0, 0.0, 0.0), prompt=(0.0, 0.001, 0.0, 0.0))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "export_mosaic_gpu.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "export_mosaic_gpu.py"
 
 
 @pytest.fixture(scope="module")

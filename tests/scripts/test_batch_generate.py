@@ -13,7 +13,7 @@ import pytest
 
 from tiny import build_tiny_model, hf_greedy, hf_model, train_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # One request at a time, so 60 requests of 12 tokens leave the kill (after 5 results) far from the job's end; longer
 # outputs only add decode steps.
 MAX_TOKENS = 12

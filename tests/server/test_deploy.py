@@ -21,7 +21,7 @@ import yaml
 from server_harness import REPO, free_port, server_env
 
 K8S_VERSION = "1.37.0"
-LWS_SCHEMA = Path(__file__).parent / "data" / "lws-v0.10.0-leaderworkerset-v1.schema.json.gz"
+LWS_SCHEMA = Path(__file__).parents[1] / "data" / "lws-v0.10.0-leaderworkerset-v1.schema.json.gz"
 
 
 def manifests() -> list[tuple[str, dict]]:

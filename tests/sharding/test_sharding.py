@@ -101,7 +101,7 @@ def test_every_mesh_matches_one_device(models, mesh):
 # (2 KV heads over tensor=2, one per shard; their rope and head_dim are per head, the same on every shard); what
 # qwen2 adds, QKV biases and tied embeddings, is split over the same mesh in llama_mha_bias and llama_tied_headdim.
 # qwen3's one KV head replicated over tensor=2 and its q/k norms are gemma3's (and the one KV head
-# llama_tied_headdim's). DeepSeek (MoE with a latent cache): tests/test_mla.py.
+# llama_tied_headdim's). DeepSeek (MoE with a latent cache): tests/models/test_mla.py.
 @pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"mistral", "llama", "qwen2", "qwen3", "gpt_oss",
                                                            *MOE_FAMILIES, *MLA_FAMILIES}))
 def test_every_family_on_all_axes(models, family):

@@ -17,14 +17,14 @@ What the interpreter lacks, and how each gap is covered:
   wgmma gets a fresh accumulator (``pl.run_scoped``) that is added to the rescaled one.
 - register layouts, swizzles and tilings: the interpreter keeps values in their logical layout, so a layout that
   does not lower (or a swizzle Mosaic GPU lacks) only shows when lowering for sm_90a, which
-  ``tests/test_mosaic_gpu_export.py`` does at the serving shapes.
+  ``tests/tools/test_mosaic_gpu_export.py`` does at the serving shapes.
 
 Each distinct call compiles the interpreter's program (~10 s on two cores), so there are two cases: a mixed batch
 (decode rows and prompt chunks) with GQA 1 (MHA), head size 80 (rows that only take a 32-byte swizzle), a window
 and a soft cap on bf16 pages, and a decode batch with GQA 8 and head size 128 on int8 pages with a window. fp8
 pages take the same path as int8 (an 8-bit tile widened in shared memory, per-token scales on the score and
 probability columns) with another element type; head size 16 and the engine's own batches run through the engine
-in ``tests/test_attention_backends.py``. Pages are 8 tokens (the kernel copies whole pages into 8-row
+in ``tests/executor/test_attention_backends.py``. Pages are 8 tokens (the kernel copies whole pages into 8-row
 shared-memory tiles); sequences are long enough that keys span more 64-key blocks than the ring has slots.
 """
 

@@ -12,7 +12,7 @@ from jaxserve.executor.kv_cache import bytes_per_token
 from jaxserve.tools.roofline import decode_cost, matmul_flops_per_token, prefill_cost, weight_bytes
 from tiny import build_tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_roofline_counts(tmp_path):

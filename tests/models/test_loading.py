@@ -125,7 +125,7 @@ def test_bfloat16_checkpoint_auto_dtype(llama, tmp_path):
 def test_convert_to_orbax_and_load(llama, llama_tokens, tmp_path):
     dst = tmp_path / "orbax"
     subprocess.run([sys.executable, "scripts/convert_checkpoint.py", str(llama), str(dst)], check=True,
-                   cwd=Path(__file__).parents[1])
+                   cwd=Path(__file__).parents[2])
     assert (dst / "params").is_dir() and not list(dst.glob("*.safetensors"))
     a = llama_tokens
     llm = LLM(str(dst), page_size=4, max_num_seqs=1, dtype="bfloat16", warmup=False, compilation_cache_dir=None)

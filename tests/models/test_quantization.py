@@ -17,10 +17,10 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.models.loader import load_model
 from tiny import FAMILIES, build_tiny_model, train_tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from quant_quality import TEXT, compare, evaluate, held_out_markov, teacher_forced_logits, text_workload  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from packaging.version import Version
 
 pytestmark = pytest.mark.quick
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

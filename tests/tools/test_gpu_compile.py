@@ -16,7 +16,7 @@ import pytest
 from jaxserve.config.engine import GPU_MEMORY_FRACTION, claim_gpu_memory
 from jaxserve.tools import aot, gpu_targets
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # A config-only folder (no weights, no tokenizer): what aot reads of a checkpoint.
 TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024,

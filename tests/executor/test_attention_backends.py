@@ -13,10 +13,10 @@ from tiny import FAMILIES, MOE_FAMILIES, build_tiny_model, train_tokenizer
 compile_counter = CompileCounter()
 
 # Attention does not depend on the MLP: one Mixture-of-Experts family stands for the three here (its warm-up
-# still proves the routed MLP compiles nothing while serving); tests/test_moe.py covers the others.
+# still proves the routed MLP compiles nothing while serving); tests/models/test_moe.py covers the others.
 # Gemma runs its own backend check below; of the MoE families, Mixtral stands for the grouped block. gpt-oss's
 # window pattern is Gemma's, and its sinks run inside every kernel in test_attention_sinks.py. deepseek_v3 stands
-# for the latent-cache layout (deepseek_v2 shares it; tests/test_mla.py reads latent pages).
+# for the latent-cache layout (deepseek_v2 shares it; tests/models/test_mla.py reads latent pages).
 BACKEND_FAMILIES = [f for f in FAMILIES if not f.startswith("gemma") and f not in ("gpt_oss", "deepseek_v2")
                     and (f not in MOE_FAMILIES or f == "mixtral")]
 

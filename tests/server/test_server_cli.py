@@ -10,7 +10,7 @@ import pytest
 
 from jaxserve.server.args import DEMO_MODEL_NAME, parse_args
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FLAGS = ["--model", "--tokenizer", "--served-model-name", "--dtype", "--max-model-len", "--max-num-seqs",
          "--max-num-batched-tokens", "--page-size", "--num-pages", "--hbm-utilization", "--enable-prefix-caching",
          "--no-enable-prefix-caching", "--max-waiting-requests", "--compilation-cache-dir", "--attention-backend",

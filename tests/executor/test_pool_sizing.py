@@ -23,7 +23,7 @@ from sharding.config import MeshConfig
 from test_aot import _needs_libtpu
 from tiny import build_tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGE, MAX_LEN, SEQS, TOKENS = 4, 64, 16, 32  # the engine's options every count below is taken at
 
 
