@@ -5,6 +5,7 @@ them)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 
@@ -166,8 +167,9 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"SamplingParams.{field}={getattr(self, field)!r} {why}")
 
-    @property
+    @functools.cached_property
     def greedy(self) -> bool:
+        """Temperature 0: the argmax. Computed once (the parameters are frozen); a step reads it per sequence."""
         return self.temperature == 0.0
 
 

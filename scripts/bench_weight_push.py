@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
-from jaxserve.executor.compile_counter import CompileCounter  # noqa: E402
+from jaxserve.executor.runner import CompileCounter  # noqa: E402
 from jaxserve.models.demo import DEMO_CONFIG, byte_tokenizer, write_random_checkpoint  # noqa: E402
 from scripts import bench_results  # noqa: E402
 from jaxserve.models.loader import hf_name  # noqa: E402

@@ -34,7 +34,7 @@ def child(argv: list[str]) -> dict:
     from jaxserve.executor import builder, executor as executor_module
     from jaxserve.executor.batch import StepKind
     from jaxserve.config.args import add_engine_args, engine_config_from_args
-    from jaxserve.executor.compile_counter import CompileCounter
+    from jaxserve.executor.runner import CompileCounter
     from jaxserve.executor.executable_store import ExecutableStore
 
     t_import = time.perf_counter() - t0

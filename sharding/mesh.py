@@ -69,3 +69,15 @@ def place(host, sharding) -> "jax.Array":
     if jax.process_count() == 1:
         return jax.device_put(host, sharding)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def placer(sharding):
+    """``place`` onto ``sharding``, as a function of the host array, decided once: in a single process it is
+    ``jax.device_put`` itself, so a per-step copy runs no code of this module."""
+    import functools
+
+    import jax
+
+    if jax.process_count() == 1:
+        return functools.partial(jax.device_put, device=sharding)
+    return functools.partial(place, sharding=sharding)

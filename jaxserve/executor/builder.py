@@ -27,7 +27,7 @@ from jaxserve.executor.kv_cache import (
 )
 from jaxserve.executor.protocol import ExecutorInfo
 from jaxserve.executor.runner import ModelRunner
-from jaxserve.executor.shapes import StepShapes, bucket, decode_floor
+from jaxserve.executor.batch import StepShapes, bucket, decode_floor
 from jaxserve.models.attention import AttentionBackend
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loader import load_model

@@ -14,7 +14,7 @@ import logging
 import sys
 import time
 
-from jaxserve.executor.compile_counter import CompileCounter
+from jaxserve.executor.runner import CompileCounter
 
 logger = logging.getLogger("jaxserve.compile")
 

@@ -25,11 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.executor.batch import MeshBatch, StepBatch, StepKind
+from jaxserve.executor.batch import MeshBatch, StepBatch, StepKind, StepShapes
 from jaxserve.executor.kv_cache import CacheConfig
 from jaxserve.executor.runner import ModelRunner
 from jaxserve.executor.sampler import GREEDY_EPS, argmax
-from jaxserve.executor.shapes import StepShapes
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loader import load_model
 from jaxserve.spec_decode.planner import static_ok

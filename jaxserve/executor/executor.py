@@ -21,18 +21,15 @@ import numpy as np
 
 from jaxserve.config.engine import EngineConfig
 from jaxserve.executor import builder
-from jaxserve.executor.batch import MeshBatch, StepBatch, StepKind
-from jaxserve.executor.compile_counter import CompileCounter
+from jaxserve.executor.batch import MeshBatch, StepBatch, StepKind, StepShapes
 from jaxserve.executor.decode_rows import DecodeRows
 from jaxserve.executor.kv_pages import KVPages
 from jaxserve.executor.live_weights import LiveWeights
 from jaxserve.executor.penalty_state import PenaltyState
-from jaxserve.executor.prepared import PreparedFunction
 from jaxserve.executor.prompt_logprobs import ScoreRows, score
 from jaxserve.executor.protocol import TokenMasks
-from jaxserve.executor.runner import StepOutput
+from jaxserve.executor.runner import CompileCounter, PreparedFunction, StepOutput
 from jaxserve.executor.sampler import SamplingTensors, sample
-from jaxserve.executor.shapes import StepShapes
 from jaxserve.executor.verify import verify
 from jaxserve.executor.warmup import Warmup
 from jaxserve.models.config import ModelConfig

@@ -1,14 +1,20 @@
-"""The two compiled model calls, prefill and decode, over padded bucket shapes (``jaxserve.executor.shapes``).
+"""The two compiled model calls, prefill and decode, over padded bucket shapes (``jaxserve.executor.batch``).
 
 Each step takes a ``MeshBatch`` (one ``StepBatch`` per data replica, side by side), runs the decoder over it on
 the mesh (writing the new tokens' K/V into the donated cache) and returns the logits of every sequence's last
 new token, replicated on every device, with their argmax. The batch crosses to the device as one packed int32
 array, which is also what process 0 sends its followers on a multi-host run.
+
+Beside them, what makes compiled programs ready and keeps count of them: ``PreparedFunction`` (the sampler's and
+prompt-logprob scoring's jitted functions, run from executables made ready at warm-up, as the steps are) and
+``CompileCounter`` (XLA compilations, so tests and metrics can show serving never compiles).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +23,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.executor.batch import MeshBatch, StepKind
-from jaxserve.executor.compile_counter import CompileCounter
 from jaxserve.executor.executable_store import load_or_compile
 from jaxserve.executor.kv_cache import CacheConfig, init_kv_cache
 from jaxserve.executor.sampler import argmax
@@ -29,7 +34,7 @@ from jaxserve.models.lora import group_rows, token_slots
 from pallas_kernels.ragged_paged_attention import check_values, token_layout
 from sharding import multihost
 from sharding.layout import StepLayout
-from sharding.mesh import place
+from sharding.mesh import placer
 from sharding.rules import model_rules
 
 
@@ -134,6 +139,7 @@ class ModelRunner:
         # Where this process finds its copy of the (replicated) logits: its first device of the mesh.
         self.sample_device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
         replicated = self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._place_replicated = placer(replicated)  # the step's one host-to-device copy
         self._no_prev = jax.device_put(np.zeros(num_logit_rows, np.int32), replicated)
         outs = (StepOutput(replicated, replicated), jax.tree.map(lambda a: a.sharding, self.kv_cache))
         self.num_logit_rows = num_logit_rows
@@ -196,7 +202,7 @@ class ModelRunner:
         if static is None:  # built once per shape: hashing fresh ones would cost every call (jit's static args)
             static = self._static[kind, fields] = step_static_args(kind, batch, self.layouts, self.backend,
                                                                    self.cfg.num_kv_heads)
-        packed = place(payload, self._replicated)
+        packed = self._place_replicated(payload)
         return self._steps[kind], (self.params, packed, self.kv_cache, *static)
 
     def lower(self, kind: StepKind, batch: MeshBatch, state: tuple | None = None):
@@ -285,3 +291,134 @@ class ModelRunner:
             return a.addressable_data(index)  # a single-device array, as the sampler was compiled for
 
         return StepOutput(one(out.logits), one(out.greedy_ids))
+
+# ---- compiled programs made ready at warm-up -----------------------------------------------------------------
+# A jitted device function (the sampler, prompt-logprob scoring) whose calls run executables made ready at
+# warm-up, chosen by the arguments' structure, shapes and dtypes.
+#
+# ``jax.jit`` traces and lowers a function again in every process before it can even look in the persistent
+# compilation cache; for the sampler's variants that is most of a warm start's Python work. ``prepare`` instead
+# loads each variant's executable from the executable store (``jaxserve.executor.executable_store``) when it
+# holds it, else lowers, compiles and saves it there, as the runner does for the steps. A call whose arguments
+# match no prepared variant goes through the jitted function, as before.
+
+
+def signature(args: tuple) -> tuple:
+    """What selects a prepared executable: the arguments' tree structure, and each leaf's shape and dtype."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    return treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves)
+
+
+class PreparedFunction:
+    """``jitted`` (a ``jax.jit`` function of positional arguments), with the executables ``prepare`` made ready.
+
+    ``prepare`` is called from one thread (warm-up); calls may come from any thread after it.
+    """
+
+    def __init__(self, name: str, jitted):
+        self.name = name
+        self.jitted = jitted
+        self.executables: dict[tuple, jax.stages.Compiled] = {}
+
+    def __call__(self, *args):
+        if self.executables:
+            compiled = self.executables.get(signature(args))
+            if compiled is not None:
+                return compiled(*args)
+        return self.jitted(*args)
+
+    def prepare(self, args: tuple, devices: list, store, compiles) -> bool:
+        """Make the executable of ``args`` ready: loaded from ``store`` (an ``ExecutableStore``, or None) onto
+        ``devices`` (where it runs, in order), else lowered, compiled and saved there (``load_or_compile``;
+        ``compiles``: the ``CompileCounter`` it needs). Returns whether it was loaded."""
+        sig = signature(args)
+        treedef, leaves = sig  # the store's key: stable across processes
+        key = self.name, str(treedef), tuple((tuple(shape), str(dtype)) for shape, dtype in leaves)
+        self.executables[sig], loaded = load_or_compile(store, key, devices, lambda: self.jitted.lower(*args),
+                                                        compiles)
+        return loaded
+
+# ---- counting compilations -----------------------------------------------------------------------------------
+# Counts XLA backend compilations, so tests and metrics can show serving never compiles, and the persistent
+# compilation cache's lookups and hits, so start-up can say whether the cache was used.
+#
+# JAX reports compilations as process-wide monitoring events, and a listener cannot be taken back: one listener
+# per process (installed by the first ``CompileCounter``) hands each event to every live counter. The counts
+# belong to the counters: each counts from its creation, so whoever holds one reads what happened since it
+# started, whatever other engines or warm-ups in the process counted meanwhile.
+
+_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": "lookups",
+                 "/jax/compilation_cache/cache_hits": "hits"}
+_lock = threading.Lock()
+# The listener's subscribers (no counts here): counters that are gone stop receiving events.
+_counters: weakref.WeakSet[CompileCounter] = weakref.WeakSet()
+_listening = False
+
+
+def _subscribers() -> list[CompileCounter]:
+    with _lock:
+        return list(_counters)
+
+
+def _listener(event: str, duration: float, **_) -> None:
+    if event == _EVENT:
+        for counter in _subscribers():
+            counter._compiled()
+
+
+def _cache_listener(event: str, **_) -> None:
+    name = _CACHE_EVENTS.get(event)
+    if name is not None:
+        for counter in _subscribers():
+            counter._cache_event(name)
+
+
+def _subscribe(counter: CompileCounter) -> None:
+    global _listening
+    with _lock:
+        if not _listening:
+            jax.monitoring.register_event_duration_secs_listener(_listener)
+            jax.monitoring.register_event_listener(_cache_listener)
+            _listening = True
+        _counters.add(counter)
+
+
+class CompileCounter:
+    """Compilations and persistent-cache lookups and hits in this process since the counter was created."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._count = 0
+        self._cache = {"lookups": 0, "hits": 0}
+        self._thread = threading.local()  # each thread's compilations and cache hits (a compile's events fire on its own thread)
+        _subscribe(self)
+
+    def _compiled(self) -> None:
+        with self._lock:
+            self._count += 1
+        self._thread.compiles = getattr(self._thread, "compiles", 0) + 1
+
+    def _cache_event(self, name: str) -> None:
+        with self._lock:
+            self._cache[name] += 1
+        if name == "hits":
+            self._thread.hits = getattr(self._thread, "hits", 0) + 1
+
+    def count(self) -> int:
+        """Backend compilations since this counter started."""
+        return self._count
+
+    def cache_counts(self) -> dict[str, int]:
+        """Persistent-cache lookups and hits since this counter started."""
+        with self._lock:
+            return dict(self._cache)
+
+    def thread_count(self) -> int:
+        """Backend compilations on the calling thread since this counter started (a step's own, not those of a
+        compile running beside it on another thread)."""
+        return getattr(self._thread, "compiles", 0)
+
+    def thread_cache_hits(self) -> int:
+        """Persistent-cache hits of compilations run on the calling thread since this counter started."""
+        return getattr(self._thread, "hits", 0)

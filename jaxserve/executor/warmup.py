@@ -18,10 +18,9 @@ import numpy as np
 
 from jaxserve.executor import compile_progress
 from jaxserve.executor.background_compile import BackgroundCompile
-from jaxserve.executor.batch import StepKind
-from jaxserve.executor.compile_counter import CompileCounter
+from jaxserve.executor.batch import StepKind, StepShapes
+from jaxserve.executor.runner import CompileCounter
 from jaxserve.executor.executable_store import ExecutableStore
-from jaxserve.executor.shapes import StepShapes
 
 logger = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxserve.config.args import ArgumentParser, add_engine_args, user_error
 from jaxserve.config.engine import GPU_MEMORY_FRACTION
 from jaxserve.executor import platforms
-from jaxserve.executor.batch import MeshBatch, StepKind
+from jaxserve.executor.batch import MeshBatch, StepKind, StepShapes, decode_floor
 from jaxserve.executor.builder import PoolSizing
 from jaxserve.executor.kv_cache import (
     CACHE_AXES,
@@ -68,7 +68,6 @@ from jaxserve.executor.kv_cache import (
 from jaxserve.executor.penalty_state import PenaltyState
 from jaxserve.executor.runner import StepOutput, jit_step, step_layouts, step_static_args
 from jaxserve.executor.sampler import SamplingTensors, sample
-from jaxserve.executor.shapes import StepShapes, decode_floor
 from jaxserve.models.attention import AttentionBackend, latent_value_shape
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.decoder import fuse_projections as decoder_fuse_projections

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from jaxserve import LLM, SamplingParams
 
-from jaxserve.executor.compile_counter import CompileCounter
+from jaxserve.executor.runner import CompileCounter
 from jaxserve.engine.engine import Engine
 from jaxserve.config.engine import EngineConfig
 from tiny import build_tiny_model, hf_greedy, hf_model, train_tokenizer
@@ -309,3 +309,23 @@ def test_compile_after_warmup_is_counted_and_logged(engine, caplog, monkeypatch)
     metrics = ServerMetrics()
     metrics.attach_engine(engine.stats, lambda: 0)
     assert b"jaxserve_compilations_after_warmup_total " in metrics.render()
+
+
+def test_a_decode_step_runs_code_in_few_files(shared_engine):
+    """A steady-state decode step (the greedy path, async scheduling) runs code in at most 11 of the project's
+    files, all in the engine, executor, scheduler and text rooms: the path ``docs/architecture.md`` draws.
+    ``scripts/step_files.py`` lists them."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from step_files import step_files
+
+    runner = shared_engine.executor.runner
+    checks, runner.debug_checks = runner.debug_checks, False  # the fixture's value checks are not the step's
+    try:
+        files = step_files(shared_engine)
+    finally:
+        runner.debug_checks = checks
+    assert len(files) <= 11, files
+    assert {Path(f).parts[1] for f in files} <= {"engine", "executor", "scheduler", "text"}, files

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.executor.compile_counter import CompileCounter
+from jaxserve.executor.runner import CompileCounter
 from jaxserve.models.attention import AttentionBackend
 
 from tiny import FAMILIES, MOE_FAMILIES, build_tiny_model, train_tokenizer

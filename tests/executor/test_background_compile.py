@@ -20,9 +20,8 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.executor import executor as executor_module
 from jaxserve.executor.background_compile import still_compiling
-from jaxserve.executor.batch import StepKind
-from jaxserve.executor.compile_counter import CompileCounter
-from jaxserve.executor.shapes import StepShapes
+from jaxserve.executor.batch import StepKind, StepShapes
+from jaxserve.executor.runner import CompileCounter
 from jaxserve.executor.warmup import Warmup
 from jaxserve.server.args import build_parser
 from server_harness import MODEL_NAME, ServerProcess, tiny_model

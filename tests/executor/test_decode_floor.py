@@ -6,7 +6,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.executor import builder
-from jaxserve.executor.shapes import StepShapes, decode_floor
+from jaxserve.executor.batch import StepShapes, decode_floor
 from tests.tiny import build_tiny_model
 
 pytestmark = pytest.mark.quick

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 from test_scheduler import VOCAB, FakeModel, abort, make_config, seq
 
-from jaxserve.executor.batch import StepBatch
+from jaxserve.executor.batch import StepBatch, bucket
 from jaxserve.executor.decode_rows import DecodeRows
-from jaxserve.executor.shapes import bucket
 from jaxserve.scheduler.plan import ScheduledSequence
 from jaxserve.scheduler.scheduler import Scheduler
 

@@ -20,7 +20,7 @@ from jaxserve import SamplingParams
 from jaxserve.executor import executable_store
 from jaxserve.engine.engine import Engine
 from jaxserve.config.engine import EngineConfig
-from jaxserve.executor.compile_counter import CompileCounter
+from jaxserve.executor.runner import CompileCounter
 from pallas_kernels.ragged_paged_attention import native
 from tiny import build_tiny_model, hf_greedy, hf_model, train_tokenizer
 

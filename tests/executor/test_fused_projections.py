@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.executor.compile_counter import CompileCounter
+from jaxserve.executor.runner import CompileCounter
 from tests.tiny import build_tiny_model, hf_model
 
 OPTIONS = dict(page_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=48, warmup=False,

@@ -12,7 +12,7 @@ import torch
 from flax import nnx
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.executor.compile_counter import CompileCounter
+from jaxserve.executor.runner import CompileCounter
 from jaxserve.models.full_sequence import sequence_logits, token_logprobs
 from jaxserve.models.loader import save_orbax
 from tests.tiny import build_tiny_model, hf_model

@@ -14,7 +14,7 @@ from safetensors.numpy import save_file
 
 from jaxserve import LLM, LoRARequest, SamplingParams
 from jaxserve.config.engine import EngineConfig
-from jaxserve.executor.compile_counter import CompileCounter
+from jaxserve.executor.runner import CompileCounter
 from jaxserve.server.args import parse_args
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.metrics import ServerMetrics

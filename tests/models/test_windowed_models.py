@@ -40,7 +40,7 @@ def test_random_arrivals_with_preemption_and_prefix_hits_match_transformers(fami
 def test_windowed_pool_warms_up_and_serves_without_compiling(tmp_path):
     """The two-table page rows are part of every compiled shape: warm-up compiles them all, serving nothing."""
     from jaxserve import LLM, SamplingParams
-    from jaxserve.executor.compile_counter import CompileCounter
+    from jaxserve.executor.runner import CompileCounter
     path = build_tiny_model("gemma2", tmp_path / "g", tokenizer=train_tokenizer(), sliding_window=5)
     llm = LLM(str(path), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, compilation_cache_dir=None)
     assert llm.engine.executor.runner.local_pool

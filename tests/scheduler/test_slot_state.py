@@ -268,8 +268,7 @@ def assert_run_batch(out, pages: int):
     """A plan that is one decode run: its batch from the slot arrays equals ``StepBatch.build`` of its entries."""
     from test_decode_rows import assert_same
 
-    from jaxserve.executor.batch import StepBatch
-    from jaxserve.executor.shapes import bucket
+    from jaxserve.executor.batch import StepBatch, bucket
 
     run, entries = out.run, out.scheduled
     width = bucket(len(entries), 1, 8)

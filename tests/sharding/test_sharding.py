@@ -16,7 +16,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.config.engine import EngineConfig
 from jaxserve.config.scheduler import SchedulerConfig
 from jaxserve.executor.batch import StepKind
-from jaxserve.executor.compile_counter import CompileCounter
+from jaxserve.executor.runner import CompileCounter
 from jaxserve.models.attention import AttentionBackend, AttentionMetadata, window_metadata
 from jaxserve.scheduler.replicas import ReplicatedScheduler
 from jaxserve.scheduler.sequence import Sequence

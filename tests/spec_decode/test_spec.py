@@ -8,7 +8,7 @@ import pytest
 
 from jaxserve import SamplingParams
 
-from jaxserve.executor.compile_counter import CompileCounter
+from jaxserve.executor.runner import CompileCounter
 from jaxserve.engine.engine import Engine
 from jaxserve.config.args import add_engine_args, engine_config_from_args
 from jaxserve.config.engine import EngineConfig

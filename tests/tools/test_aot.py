@@ -11,9 +11,8 @@ import sys
 import pytest
 
 from jaxserve.config.engine import EngineConfig
-from jaxserve.executor.batch import StepKind
+from jaxserve.executor.batch import StepKind, StepShapes
 from jaxserve.executor.executor import Executor
-from jaxserve.executor.shapes import StepShapes
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.demo import demo_model_path
 from jaxserve.tools import aot

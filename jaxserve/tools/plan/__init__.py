@@ -13,7 +13,7 @@
 The simulator runs the engine's own scheduler (``jaxserve.scheduler.scheduler``: chunked prefill, decodes riding in
 prompt steps, page allocation, preemption) on a simulated clock; only the device is replaced, by a step-time
 model that gives each planned step a duration from the shapes the executor would run (token and slot buckets
-from ``jaxserve.executor.shapes``), the keys attention reads and the query-key pairs of prompt chunks. Deployments:
+from ``jaxserve.executor.batch``), the keys attention reads and the query-key pairs of prompt chunks. Deployments:
 
 - colocated: ``chips / chips_per_instance`` engines, each running prompt chunks of at most C tokens
   (``max_num_batched_tokens`` = C, for every C in ``--chunks``) beside its decodes; requests go to the engine

@@ -18,7 +18,7 @@ import numpy as np
 from jaxserve.config.scheduler import SchedulerConfig
 from jaxserve.executor.kv_cache import local_pool_pages
 from jaxserve.executor.kv_cache import pool_pages as kv_pool_pages
-from jaxserve.executor.shapes import StepShapes
+from jaxserve.executor.batch import StepShapes
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler.scheduler import Scheduler
 from jaxserve.scheduler.sequence import Sequence

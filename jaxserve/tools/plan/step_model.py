@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.executor.shapes import StepShapes
+from jaxserve.executor.batch import StepShapes
 from jaxserve.models.config import ModelConfig
 from jaxserve.scheduler.plan import SchedulerOutput
 from jaxserve.tools.chips import CHIPS
