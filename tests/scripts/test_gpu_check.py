@@ -101,8 +101,9 @@ def test_sections_are_written_as_they_finish_within_the_deadline(kit, tmp_path):
     figures = json.loads((out / "figures.json").read_text())["sections"]
     assert figures["broken"]["figures"] == {"partial": 7}
     assert figures["slow"]["status"] == "timed out" and figures["slow"]["figures"] == {"before_sleep": 42}
-    slow = results[3]
-    assert 2 <= slow.seconds < 10
+    # The deadline stopped it, not its own budget: it was given less than its 30 s (a check on the budgets the
+    # run handed out, not on how long this machine took).
+    assert budgets["slow"] < specs[3].budget
     assert "stopped after" in (out / "04-slow.md").read_text()
     late = (out / "05-late.md").read_text()
     assert "skipped" in late and "needs at least 2 s" in late
