@@ -24,8 +24,8 @@ class KVEventsConfig:
     ``endpoint``: the ZMQ PUB socket (bound when it holds ``*``, ``::``, ``ipc://`` or ``inproc://``, else
     connected, vLLM's rule); unset, it binds ``tcp://<bind_host>:5557``: the events carry the prompts' token ids,
     so no interface is opened that the server's ``--host`` does not name (vLLM's default, ``tcp://*:5557``,
-    every interface, is had by asking for it); ``replay_endpoint``: an optional ROUTER socket serving the last ``buffer_steps`` batches from a
-    sequence number on; ``topic``: the first frame of every message; ``hwm``: the PUB socket's high-water mark;
+    every interface, is had by asking for it); ``replay_endpoint``: an optional ROUTER socket serving the last
+    ``buffer_steps`` batches from a sequence number on; ``topic``: the first frame of every message; ``hwm``: the PUB socket's high-water mark;
     ``max_queue_size``: batches waiting for the publishing thread before new ones are dropped (never blocking a
     step). ``bind_host``: where the unset endpoint binds: the server's ``--host`` (set by the server, not a JSON
     key; 127.0.0.1 for ``LLM``).
