@@ -66,8 +66,8 @@ class ServerTLS:
                 "ssl_cert_reqs": self.cert_reqs}
 
     def grpc_credentials(self):
-        """``grpc.ssl_server_credentials`` of the same files (a client certificate required with CERT_REQUIRED;
-        gRPC has no "optional": CERT_OPTIONAL asks for none)."""
+        """``grpc.ssl_server_credentials`` of the same files: a client certificate required with CERT_REQUIRED,
+        checked against ``ca_certs`` when one is sent otherwise."""
         import grpc
 
         return grpc.ssl_server_credentials(

@@ -20,8 +20,8 @@ def add_tls_args(s: argparse._ArgumentGroup) -> None:
     s.add_argument("--ssl-ca-certs", default=None,
                    help="CA certificates that client certificates are checked against (with --ssl-cert-reqs)")
     s.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), choices=(0, 1, 2),
-                   help="client certificates, as Python's ssl module numbers it: 0 none asked, 1 optional (HTTP; "
-                        "gRPC asks none), 2 required (mutual TLS)")
+                   help="client certificates, as Python's ssl module numbers it: 0 none asked, 1 optional (checked "
+                        "against --ssl-ca-certs when sent), 2 required (mutual TLS)")
 
 
 def add_cluster_args(d: argparse._ArgumentGroup) -> None:
