@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") 
         from jaxserve.disagg.remote import RemotePrefillEngine
 
         args.engine_factory = functools.partial(RemotePrefillEngine, prefill_urls=args.prefill_url.split(","),
-                                                kv_transfer=args.kv_transfer, transfer_host=args.host)
+                                                kv_transfer=args.kv_transfer, transfer_host=args.kv_host,
+                                                security=args.cluster)
     from jaxserve.server.app import serve  # importing it loads grpc
 
     code = asyncio.run(serve(args))

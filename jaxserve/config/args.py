@@ -85,9 +85,10 @@ HELP = {
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
                           "(default: none)",
     "kv_events_config": "publish the prefix cache's pages as vLLM's KV-cache events, as a JSON object with vLLM's "
-                        "keys, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
-                        "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv\"}' "
-                        "(default: none)",
+                        "keys, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                        "\"replay_endpoint\": \"tcp://127.0.0.1:5558\", \"topic\": \"kv\"}'; without an "
+                        "\"endpoint\", the PUB socket binds port 5557 of the server's --host (the events carry "
+                        "prompts' token ids; \"tcp://*:5557\" opens every interface) (default: none)",
     "enable_lora": "serve LoRA adapters (PEFT folders) next to the base model, batched together",
     "max_loras": "LoRA adapters on the device at once and in one step; requests for others wait, and the least "
                  "recently used adapter no running request needs is evicted",

@@ -9,6 +9,11 @@ requires it, ``auto`` uses it where the platform's client starts a transfer serv
 does; TPU and GPU clients depend on the jaxlib build) and otherwise falls back to the gRPC byte stream, ``grpc``
 never uses it.
 
+The transfer server listens on ``--kv-host`` (default 127.0.0.1) and checks no credential of its own: whoever
+reaches its port and names a live offer gets its pages. So offer ids are drawn at random (``secrets``, 63 bits:
+knowing one says nothing of another), and with a cluster secret or cluster TLS (``ClusterSecurity``) this path is
+not used at all (``auto`` moves the pages over the authenticated gRPC stream, ``jax`` is refused).
+
 Arrays cross as single-device arrays (the offer moves them onto the mesh's first device; the decode side's
 ``PageWriter`` spreads them over its own mesh), so the two meshes need not match.
 """
@@ -16,14 +21,17 @@ Arrays cross as single-device arrays (the offer moves them onto the mesh's first
 from __future__ import annotations
 
 import datetime
-import itertools
 import logging
-import random
+import secrets
 import threading
+
+from jaxserve.config.network import ClusterSecurity
 
 logger = logging.getLogger(__name__)
 
 KV_TRANSFERS = ("auto", "jax", "grpc")
+JAX_UNGUARDED = ("--kv-transfer jax: JAX's transfer server checks no cluster secret and has no TLS; with "
+                 "--cluster-secret or --cluster-ssl-certfile use --kv-transfer grpc (or auto)")
 OFFER_TIMEOUT_S = 120.0  # pages offered but not pulled (the decode side went away) are dropped after this
 
 
@@ -37,7 +45,6 @@ class JaxTransfer:
         self.device = jax.devices()[0]
         bind = f"[{host}]:0" if ":" in host else f"{host}:0"
         self.server = transfer.start_transfer_server(self.device.client, bind, [bind])
-        self._ids = itertools.count(random.getrandbits(40) << 20)
         self._connections: dict[str, object] = {}
         self._lock = threading.Lock()
 
@@ -51,7 +58,7 @@ class JaxTransfer:
         from jax.sharding import SingleDeviceSharding
 
         arrays = [jax.device_put(a, SingleDeviceSharding(self.device)) for a in arrays]
-        uuid = next(self._ids)
+        uuid = secrets.randbits(63)  # unguessable: the id is all a puller needs (module doc)
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=OFFER_TIMEOUT_S)
         self.server.await_pull(uuid, arrays, timeout=deadline)
         return {"address": self.address, "uuid": uuid}
@@ -76,12 +83,19 @@ class JaxTransfer:
         return tuple(conn.pull(int(offer["uuid"]), specs))
 
 
-def start(mode: str, host: str) -> JaxTransfer | None:
-    """The transfer server ``--kv-transfer`` asks for: None for ``grpc``, or for ``auto`` where the platform
-    has none (logged); ``jax`` raises ValueError naming the flag where it has none."""
+def start(mode: str, host: str, security: ClusterSecurity | None = None) -> JaxTransfer | None:
+    """The transfer server ``--kv-transfer`` asks for, listening on ``host``: None for ``grpc``, for ``auto``
+    where the platform has none or the cluster is guarded (``security``: a secret or TLS, which this server
+    cannot check; logged); ``jax`` raises ValueError naming the flag in both cases."""
     if mode not in KV_TRANSFERS:
         raise ValueError(f"kv_transfer={mode!r} must be one of {', '.join(KV_TRANSFERS)}")
     if mode == "grpc":
+        return None
+    if security is not None and (security.secret is not None or security.tls):
+        if mode == "jax":
+            raise ValueError(JAX_UNGUARDED)
+        logger.info("KV pages go over the gRPC stream: JAX's transfer server cannot check the cluster secret or "
+                    "TLS")
         return None
     try:
         t = JaxTransfer(host)

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from jaxserve.config.engine import EngineConfig
+from jaxserve.config.network import ClusterSecurity
 from jaxserve.disagg.wire import CHUNK_BYTES, SERVICE, identity, kv_layout, output_header, params_from_json
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.request_stream import take_all
@@ -100,13 +101,17 @@ class PrefillEngine(Engine):
 class PrefillServer:
     """The prefill process's gRPC service around a ``PrefillEngine`` stepped by one thread."""
 
-    def __init__(self, config: EngineConfig, host: str, port: int, engine_factory=None, kv_transfer: str = "auto"):
+    def __init__(self, config: EngineConfig, host: str, port: int, engine_factory=None, kv_transfer: str = "auto",
+                 security: ClusterSecurity | None = None):
+        """``host``/``port``: where the service (and JAX's transfer server) listen; ``security``: the cluster
+        secret every call must carry and the TLS of the port (``--cluster-secret``, ``--cluster-ssl-*``)."""
         import grpc
 
         from jaxserve.disagg import kv_transfer as kvt
         self.config = config
-        self.engine = (engine_factory or PrefillEngine)(config,
-                                                        transfer=functools.partial(kvt.start, kv_transfer, host))
+        security = security or ClusterSecurity()
+        self.engine = (engine_factory or PrefillEngine)(
+            config, transfer=functools.partial(kvt.start, kv_transfer, host, security))
         self.stats = self.engine.stats()  # the engine's latest, refreshed by its thread after each iteration
         self._intake: queue.Queue = queue.Queue()
         self._streams: dict[str, queue.Queue] = {}
@@ -118,11 +123,16 @@ class PrefillServer:
                 lambda _req, _ctx: json.dumps(self.stats).encode(), request_deserializer=identity,
                 response_serializer=identity)})
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=64),
-                                  options=[("grpc.max_send_message_length", 4 * CHUNK_BYTES)])
+                                  options=[("grpc.max_send_message_length", 4 * CHUNK_BYTES)],
+                                  interceptors=security.interceptors())
         self.server.add_generic_rpc_handlers((handler,))
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            self.port = security.bind(self.server, address)
+        except RuntimeError as e:  # recent grpcio raises where older versions returned 0
+            raise OSError(f"cannot listen on {address}: {e}") from None
         if not self.port:
-            raise OSError(f"cannot listen on {host}:{port}")
+            raise OSError(f"cannot listen on {address}")
         self._thread = threading.Thread(target=self._loop, name="prefill-engine", daemon=True)
 
     def start(self) -> None:
@@ -219,10 +229,12 @@ def serve_prefill(args) -> int:
     """``jaxserve serve --role prefill``: the prefill service until SIGTERM/SIGINT."""
     import signal
 
-    server = PrefillServer(args.engine_config, args.host, args.kv_port, kv_transfer=args.kv_transfer)
+    server = PrefillServer(args.engine_config, args.kv_host, args.kv_port, kv_transfer=args.kv_transfer,
+                           security=args.cluster)
     server.start()
     t = server.engine.transfer
-    print(f"jaxserve prefill ready: kv=grpc://{args.host}:{server.port} "
+    host = f"[{args.kv_host}]" if ":" in args.kv_host else args.kv_host
+    print(f"jaxserve prefill ready: kv=grpc{'s' if args.cluster.tls else ''}://{host}:{server.port} "
           f"transfer={'jax://' + t.address if t else 'grpc'} path={server.engine.model_path}", flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -31,6 +31,7 @@ import time
 from collections import deque
 
 from jaxserve.config.engine import EngineConfig
+from jaxserve.config.network import ClusterSecurity
 from jaxserve.disagg.staged import StagedEngine
 from jaxserve.disagg.wire import CHUNK_BYTES, METHOD, STATS_METHOD, identity, pages_from_bytes, params_to_json
 from jaxserve.engine.request_stream import EngineNotReady
@@ -64,15 +65,14 @@ class _Remote:
 
 
 class _Endpoint:
-    def __init__(self, url: str):
-        import grpc
-
+    def __init__(self, url: str, security: ClusterSecurity):
         self.url = url
-        self.channel = grpc.insecure_channel(url, options=[("grpc.max_receive_message_length", 4 * CHUNK_BYTES),
-                                                           *_CHANNEL_OPTIONS])
-        self.run = self.channel.unary_stream(METHOD, request_serializer=identity, response_deserializer=identity)
-        self.stats = self.channel.unary_unary(STATS_METHOD, request_serializer=identity,
-                                              response_deserializer=identity)
+        self.channel = security.channel(url, options=[("grpc.max_receive_message_length", 4 * CHUNK_BYTES),
+                                                      *_CHANNEL_OPTIONS])
+        self.metadata = security.metadata()  # the cluster secret, on every call
+        self._run = self.channel.unary_stream(METHOD, request_serializer=identity, response_deserializer=identity)
+        self._stats = self.channel.unary_unary(STATS_METHOD, request_serializer=identity,
+                                               response_deserializer=identity)
         self.up = False  # the last probe answered (and no call failed since)
         self.last_error = "not probed yet"
 
@@ -80,7 +80,7 @@ class _Endpoint:
         import grpc
 
         try:
-            self.stats(b"", timeout=PROBE_TIMEOUT_S)
+            self._stats(b"", timeout=PROBE_TIMEOUT_S, metadata=self.metadata)
         except grpc.RpcError as e:
             if self.up:
                 logger.warning("prefill server %s is unreachable: %s", self.url, e.code().name)
@@ -90,14 +90,18 @@ class _Endpoint:
             logger.info("prefill server %s is reachable", self.url)
         self.up, self.last_error = True, "ok"
 
+    def run(self, message: bytes):
+        return self._run(message, metadata=self.metadata)
+
 
 class RemotePrefill:
     """The decode process's prefill stage: sequences sent to prefill processes, and their results."""
 
-    def __init__(self, urls: list[str], engine: RemotePrefillEngine, transfer=None):
+    def __init__(self, urls: list[str], engine: RemotePrefillEngine, transfer=None,
+                 security: ClusterSecurity | None = None):
         if not urls:
             raise ValueError("prefill_url: a decode process needs at least one prefill server (HOST:PORT)")
-        self.endpoints = [_Endpoint(u) for u in urls]
+        self.endpoints = [_Endpoint(u, security or ClusterSecurity()) for u in urls]
         self.engine = engine
         self.transfer = transfer  # a JaxTransfer: pages are pulled through it, not sent over the stream
         self.queue: deque[_Remote] = deque()  # not sent yet
@@ -304,14 +308,16 @@ class RemotePrefillEngine(StagedEngine):
     """The decode process's engine: prompts prefilled by prefill processes, decodes run here (module doc)."""
 
     def __init__(self, config: EngineConfig, prefill_urls: list[str], kv_transfer: str = "auto",
-                 transfer_host: str = "127.0.0.1", **kwargs):
+                 transfer_host: str = "127.0.0.1", security: ClusterSecurity | None = None, **kwargs):
+        """``transfer_host``: where JAX's transfer server listens (``--kv-host``); ``security``: the cluster
+        secret and TLS of the calls to the prefill servers (``--cluster-secret``, ``--cluster-ssl-*``)."""
         if config.speculative_config is not None and config.speculative_config.model:
             raise ValueError("speculative_config: a draft model cannot be used by a decode process (it would need "
                              "the prompt's KV in the draft's pool too, which prefill processes do not compute); use "
                              "method 'ngram'")
         super().__init__(config, **kwargs)
         from jaxserve.disagg import kv_transfer as kvt
-        self.remote = RemotePrefill(prefill_urls, self, kvt.start(kv_transfer, transfer_host))
+        self.remote = RemotePrefill(prefill_urls, self, kvt.start(kv_transfer, transfer_host, security), security)
         self.decode_scheduler = self.scheduler
         self.scheduler = _RemoteStages(self.remote, self.decode_scheduler)
         self.writer = self.executor.kv_pages

@@ -31,10 +31,6 @@ logger = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-def _binds(endpoint: str) -> bool:
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
 class ZmqEventPublisher:
     """Publishes ``KVEventBatch`` es on ``config.endpoint`` from a thread of its own (module doc)."""
 
@@ -51,18 +47,22 @@ class ZmqEventPublisher:
         self._pub.set_hwm(config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay = None
+        address, bind = config.publish_address
         try:
-            (self._pub.bind if _binds(config.endpoint) else self._pub.connect)(config.endpoint)
+            if "[" in address or "[" in (config.replay_endpoint or ""):
+                self._pub.setsockopt(zmq.IPV6, 1)
+            (self._pub.bind if bind else self._pub.connect)(address)
             if config.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                if "[" in config.replay_endpoint:
+                    self._replay.setsockopt(zmq.IPV6, 1)
                 self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError as e:
             self._pub.close(0)
             if self._replay is not None:
                 self._replay.close(0)
-            raise ValueError(f"kv_events_config: cannot open {config.endpoint} / {config.replay_endpoint}: {e}") \
-                from None
+            raise ValueError(f"kv_events_config: cannot open {address} / {config.replay_endpoint}: {e}") from None
         self.endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.replay_endpoint = (self._replay.getsockopt(zmq.LAST_ENDPOINT).decode()
                                 if self._replay is not None else None)

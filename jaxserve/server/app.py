@@ -23,6 +23,7 @@ import socket
 import uvicorn
 
 from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.server.connections import uvicorn_config
 from jaxserve.server.grpc_api import GrpcServer
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.openai.server import OpenAIServer
@@ -95,8 +96,9 @@ class _FrontEnds:
 def _open_front_ends(args: argparse.Namespace, engine: AsyncEngine, metrics: ServerMetrics) -> _FrontEnds | None:
     """Both servers bound to their ports; None (logged) when a port cannot be had."""
     names, limits = args.served_model_name, getattr(args, "limits", None)
+    cluster, tls, connections = (getattr(args, name, None) for name in ("cluster", "tls", "connections"))
     grpc_server = GrpcServer(engine, metrics, names, api_key=args.api_key, max_message_bytes=args.max_request_bytes,
-                             limits=limits)
+                             limits=limits, cluster=cluster, tls=tls, connections=connections)
     try:
         grpc_port = grpc_server.bind(args.host, args.grpc_port)
         http_sock = _listen(args.host, args.http_port)
@@ -106,9 +108,8 @@ def _open_front_ends(args: argparse.Namespace, engine: AsyncEngine, metrics: Ser
         return None
     app = OpenAIServer(engine, metrics, names, api_key=args.api_key, max_body_bytes=args.max_request_bytes,
                        limits=limits, enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
-                       tool_call_parser=getattr(args, "tool_call_parser", None)).app()
-    http_server = _UvicornServer(uvicorn.Config(
-        app, lifespan="off", log_config=None, access_log=False, timeout_keep_alive=5, timeout_graceful_shutdown=5))
+                       tool_call_parser=getattr(args, "tool_call_parser", None), cluster=cluster).app()
+    http_server = _UvicornServer(uvicorn_config(app, connections, tls))
     return _FrontEnds(grpc_server, grpc_port, http_server, http_sock, http_sock.getsockname()[1])
 
 
@@ -143,7 +144,8 @@ async def _serve_until_stopped(args: argparse.Namespace, engine: AsyncEngine, me
         serving = engine.unready_reason() is None
         await fronts.grpc.set_serving(serving)
         metrics.ready.set(1 if serving else 0)
-        print(f"jaxserve ready: model={names[0]} http=http://{_url(host, fronts.http_port)} "
+        scheme = "https" if getattr(args, "tls", None) is not None else "http"
+        print(f"jaxserve ready: model={names[0]} http={scheme}://{_url(host, fronts.http_port)} "
               f"grpc={_url(host, fronts.grpc_port)} path={engine.info.get('model_path', '')}", flush=True)
         readiness = asyncio.ensure_future(_follow_readiness(engine, metrics, fronts, serving))
         await asyncio.wait({stopping, http_task}, return_when=asyncio.FIRST_COMPLETED)

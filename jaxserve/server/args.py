@@ -8,6 +8,7 @@ import os
 
 from jaxserve.config.args import ArgumentParser, add_engine_args, engine_config_from_args
 from jaxserve.config.engine import EngineConfig
+from jaxserve.server import network_args
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.openai.tool_calls import TOOL_CALL_PARSERS
 
@@ -68,6 +69,9 @@ def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentPar
     server = p.add_argument_group("server")
     _add_disagg_args(p.add_argument_group("disaggregated serving across processes"))
     _add_server_args(server)
+    network_args.add_tls_args(p.add_argument_group(
+        "TLS of the public API (HTTP and gRPC; vLLM's names)"))
+    network_args.add_connection_args(p.add_argument_group("connections (HTTP and gRPC)"))
     _add_limit_args(p.add_argument_group(
         "per-request limits (each refusal is a 400 / INVALID_ARGUMENT naming its flag)"))
     _add_multihost_args(p.add_argument_group(
@@ -100,6 +104,7 @@ def _add_disagg_args(d: argparse._ArgumentGroup) -> None:
                         "are prefilled by the --prefill-url processes; router: no engine, a front door forwarding "
                         "each request to a live --decode-url server")
     d.add_argument("--kv-port", type=int, default=50061, help="--role prefill: the port of its KV service")
+    network_args.add_cluster_args(d)
     d.add_argument("--prefill-url", default=None,
                    help="--role decode: the prefill processes, HOST:PORT[,HOST:PORT...]")
     d.add_argument("--kv-transfer", choices=("auto", "jax", "grpc"), default="auto",
@@ -121,7 +126,9 @@ def _add_disagg_args(d: argparse._ArgumentGroup) -> None:
 
 
 def _add_server_args(s: argparse._ArgumentGroup) -> None:
-    s.add_argument("--host", default="127.0.0.1", help="address both servers listen on (0.0.0.0: every interface)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address both servers (and KV-cache events without an endpoint of their own) listen on "
+                        "(0.0.0.0: every interface)")
     s.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (0: a free port)")
     s.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: a free port)")
     s.add_argument("--api-key", default=None,
@@ -191,6 +198,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.se
         args.mesh = ",".join(f"{k}={v}" for k, v in sizes.items() if v is not None and v > 1) or None
     if args.api_key is None:
         args.api_key = os.environ.get("JAXSERVE_API_KEY") or None
+    network_args.check(parser, args)
     if args.served_model_name is None:
         args.served_model_name = [args.model if args.model is not None else DEMO_MODEL_NAME]
     fill_demo_shapes(args)
@@ -241,6 +249,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.se
         args.engine_config = engine_config(args)
     except ValueError as e:
         parser.error(str(e))
+    network_args.kv_events_on_host(args)
     try:
         args.limits = RequestLimits(
             max_n=args.max_n, max_prompts_per_request=args.max_prompts_per_request,

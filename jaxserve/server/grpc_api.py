@@ -1,7 +1,9 @@
 """The gRPC front end (grpc.aio): ``jaxserve.v1.JaxServe`` plus the standard health and reflection services.
 
 Health reports NOT_SERVING until the engine is warm and again while draining. With an API key, JaxServe calls
-need metadata ``authorization: Bearer <key>``; health and reflection stay open.
+need metadata ``authorization: Bearer <key>``; with a cluster secret, also ``x-jaxserve-cluster-secret`` (the
+router sends both); health and reflection stay open. TLS (``ServerTLS``), the cap on calls in flight and the
+handshake deadline come from the server's flags (``jaxserve/server/connections.py``).
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from jaxserve.config.network import SECRET_HEADER, ClusterSecurity, ServerTLS
 from jaxserve.engine.request_stream import EngineNotReady
 from jaxserve.outputs import TokenRecord
 from jaxserve.server.async_engine import AsyncEngine
+from jaxserve.server.connections import ConnectionLimits
 from jaxserve.server.intake import (
     FILLER_LOGPROB,
     ChoiceTracker,
@@ -85,20 +89,23 @@ def _token_logprobs(records: list[TokenRecord], texts: dict[int, str]) -> list[p
 
 class JaxServeServicer(pb_grpc.JaxServeServicer):
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str],
-                 api_key: str | None, limits: RequestLimits | None = None):
+                 api_key: str | None, limits: RequestLimits | None = None, cluster: ClusterSecurity | None = None):
         self.engine = engine
         self.metrics = metrics
         self.names = served_model_names
         self.api_key = api_key
         self.limits = limits or RequestLimits()
+        self.cluster = cluster or ClusterSecurity()
 
     async def _refuse(self, context: grpc.aio.ServicerContext, e: RequestError):
         self.metrics.rejected.labels("grpc", e.reason).inc()
         await context.abort(e.code, e.message)
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        if self.api_key:
+        if self.api_key or self.cluster.secret is not None:
             metadata = dict(context.invocation_metadata() or ())
+            if not self.cluster.secret_ok(metadata.get(SECRET_HEADER)):
+                await self._refuse(context, unauthenticated(self.cluster.refusal()))
             if not api_key_ok(metadata.get("authorization"), self.api_key):
                 await self._refuse(context, unauthenticated())
 
@@ -175,10 +182,15 @@ class GrpcServer:
     """The grpc.aio server with JaxServe, health (NOT_SERVING until ``set_serving(True)``) and reflection."""
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str], *,
-                 api_key: str | None = None, max_message_bytes: int = 4 * 2**20, limits: RequestLimits | None = None):
+                 api_key: str | None = None, max_message_bytes: int = 4 * 2**20, limits: RequestLimits | None = None,
+                 cluster: ClusterSecurity | None = None, tls: ServerTLS | None = None,
+                 connections: ConnectionLimits | None = None):
+        connections = connections or ConnectionLimits()
+        self.tls = tls
         self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
-                                               ("grpc.so_reuseport", 0)])
-        servicer = JaxServeServicer(engine, metrics, served_model_names, api_key, limits)
+                                               ("grpc.so_reuseport", 0), *connections.grpc_options()],
+                                      maximum_concurrent_rpcs=connections.max_concurrent_rpcs)
+        servicer = JaxServeServicer(engine, metrics, served_model_names, api_key, limits, cluster)
         handlers = {
             "Generate": grpc.unary_stream_rpc_method_handler(
                 servicer.Generate, request_deserializer=_lenient(pb.GenerateRequest),
@@ -202,7 +214,8 @@ class GrpcServer:
         """Listen on host:port (0 picks a free port); returns the port."""
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
-            bound = self.server.add_insecure_port(address)
+            bound = (self.server.add_secure_port(address, self.tls.grpc_credentials()) if self.tls is not None
+                     else self.server.add_insecure_port(address))
         except RuntimeError as e:  # recent grpcio raises where older versions returned 0
             raise OSError(f"cannot listen for gRPC on {address}: {e}") from None
         if bound == 0:

@@ -61,8 +61,8 @@ def invalid(message: str, param: str | None = None) -> RequestError:
     return RequestError(message, param=param)
 
 
-def unauthenticated() -> RequestError:
-    return RequestError("missing or invalid API key: send 'Authorization: Bearer <key>'", status=401,
+def unauthenticated(message: str = "missing or invalid API key: send 'Authorization: Bearer <key>'") -> RequestError:
+    return RequestError(message, status=401,
                         code=grpc.StatusCode.UNAUTHENTICATED, type="authentication_error", reason="unauthenticated")
 
 

@@ -46,7 +46,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from jaxserve.config.network import ClusterSecurity
 from jaxserve.server import prefix_index
+from jaxserve.server.connections import ConnectionLimits, uvicorn_config
 from jaxserve.server.metrics import CONTENT_TYPE
 from jaxserve.server.openai.streaming import DONE, EventStream, error_body, sse, until_disconnect
 
@@ -89,15 +91,17 @@ class NoBackend(Exception):
 class Backend:
     """One decode process: its addresses, liveness and the router's requests in flight there."""
 
-    def __init__(self, http: str, grpc_target: str):
-        self.http, self.grpc_target = http, grpc_target
+    def __init__(self, http: str, grpc_target: str, cluster: ClusterSecurity | None = None):
+        cluster = cluster or ClusterSecurity()
         self.name = http.removeprefix("http://")
+        self.http = "https://" + self.name if cluster.tls else http  # cluster TLS: the replicas' --ssl-* ports
+        self.grpc_target = grpc_target
         self.live = False
         self.reason = "not probed yet"
         self.in_flight = 0
         self.next_probe = 0.0
         self.backoff = BACKOFF_MIN_S
-        self.channel = grpc.aio.insecure_channel(grpc_target)
+        self.channel = cluster.channel(grpc_target, aio=True)
 
     def method(self, name: str, stream: bool):
         kind = self.channel.unary_stream if stream else self.channel.unary_unary
@@ -107,8 +111,9 @@ class Backend:
 class Pool:
     """The decode processes, their liveness and the router's counters."""
 
-    def __init__(self, urls: list[tuple[str, str]], registry: CollectorRegistry):
-        self.backends = [Backend(h, g) for h, g in urls]
+    def __init__(self, urls: list[tuple[str, str]], registry: CollectorRegistry,
+                 cluster: ClusterSecurity | None = None):
+        self.backends = [Backend(h, g, cluster) for h, g in urls]
         self._rr = itertools.count()
         names = [b.name for b in self.backends]
         self.requests = Counter("jaxserve_router_requests", "Requests forwarded, by decode server, API and outcome "
@@ -223,14 +228,17 @@ class Router:
     """The HTTP app and the gRPC server over a ``Pool``."""
 
     def __init__(self, urls: list[tuple[str, str]], *, max_body_bytes: int = 4 * 2**20,
-                 prefix_index=None, tokenizer=None):
+                 prefix_index=None, tokenizer=None, cluster: ClusterSecurity | None = None):
         self.registry = CollectorRegistry()
-        self.pool = Pool(urls, self.registry)
+        self.cluster = cluster or ClusterSecurity()  # its secret goes with every call to a replica, its TLS too
+        self.pool = Pool(urls, self.registry, self.cluster)
         self.max_body_bytes = max_body_bytes
         self.index = prefix_index  # a PrefixIndex: --routing prefix
         self.tokenizer = tokenizer  # tokenizes text prompts for it (token-id prompts need none)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
-                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                                        headers=dict(self.cluster.metadata()),
+                                        verify=self.cluster.client_ssl_context() or True)
 
     def failed(self, b: Backend, reason: str, api: str) -> str:
         """A forwarded call failed in flight: the server leaves the rotation; the client's error names it."""
@@ -382,12 +390,14 @@ class Router:
         return None
 
     # gRPC ----------------------------------------------------------------------------------------------------
-    def grpc_server(self, max_message_bytes: int) -> grpc.aio.Server:
+    def grpc_server(self, max_message_bytes: int, connections: ConnectionLimits | None = None) -> grpc.aio.Server:
         from grpc_health.v1 import health_pb2_grpc
         from grpc_health.v1._async import HealthServicer
 
+        connections = connections or ConnectionLimits()
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
-                                          ("grpc.so_reuseport", 0)])
+                                          ("grpc.so_reuseport", 0), *connections.grpc_options()],
+                                 maximum_concurrent_rpcs=connections.max_concurrent_rpcs)
         handlers = {
             "Generate": grpc.unary_stream_rpc_method_handler(self._generate),
             "Tokenize": grpc.unary_unary_rpc_method_handler(self._tokenize),
@@ -406,9 +416,9 @@ class Router:
         for service in ("", SERVICE):
             await self.grpc_health.set(service, status)
 
-    @staticmethod
-    def _metadata(context) -> tuple:
-        return tuple((k, v) for k, v in (context.invocation_metadata() or ()) if k in _METADATA)
+    def _metadata(self, context) -> tuple:
+        return tuple((k, v) for k, v in (context.invocation_metadata() or ()) if k in _METADATA) + \
+            self.cluster.metadata()
 
     async def _call(self, name: str, stream: bool, request: bytes, context, cached=None):
         """Yields the decode server's responses to the call (one for a unary method)."""
@@ -543,10 +553,13 @@ async def run_router(args) -> int:
             from jaxserve.text.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(args.tokenizer)
-    router = Router(urls, max_body_bytes=args.max_request_bytes, prefix_index=index, tokenizer=tokenizer)
-    grpc_server = router.grpc_server(args.max_request_bytes)
+    router = Router(urls, max_body_bytes=args.max_request_bytes, prefix_index=index, tokenizer=tokenizer,
+                    cluster=getattr(args, "cluster", None))
+    tls = getattr(args, "tls", None)
+    grpc_server = router.grpc_server(args.max_request_bytes, getattr(args, "connections", None))
     try:
-        grpc_port = grpc_server.add_insecure_port(_url(args.host, args.grpc_port))
+        grpc_port = (grpc_server.add_secure_port(_url(args.host, args.grpc_port), tls.grpc_credentials())
+                     if tls is not None else grpc_server.add_insecure_port(_url(args.host, args.grpc_port)))
         if not grpc_port:
             raise OSError("the gRPC port is taken")
         http_sock = socket.create_server((args.host, args.http_port), reuse_port=False, backlog=2048,
@@ -557,8 +570,7 @@ async def run_router(args) -> int:
                      args.grpc_port, e)
         return 1
     http_port = http_sock.getsockname()[1]
-    http_server = _UvicornServer(uvicorn.Config(router.app(), lifespan="off", log_config=None, access_log=False,
-                                                timeout_keep_alive=5, timeout_graceful_shutdown=5))
+    http_server = _UvicornServer(uvicorn_config(router.app(), getattr(args, "connections", None), tls))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -578,7 +590,8 @@ async def run_router(args) -> int:
     while not router.pool.live() and not stop.is_set() and not http_task.done():
         await asyncio.sleep(0.1)
     if router.pool.live():
-        print(f"jaxserve ready: router http=http://{_url(args.host, http_port)} grpc={_url(args.host, grpc_port)} "
+        print(f"jaxserve ready: router http={'https' if tls else 'http'}://{_url(args.host, http_port)} "
+              f"grpc={_url(args.host, grpc_port)} "
               f"decode={','.join(b.name for b in router.pool.backends)}", flush=True)
         await asyncio.wait({asyncio.ensure_future(stop.wait()), http_task}, return_when=asyncio.FIRST_COMPLETED)
     logger.info("stopping the router")

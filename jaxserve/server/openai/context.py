@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
+from jaxserve.config.network import SECRET_HEADER, ClusterSecurity
 from jaxserve.engine.request_stream import RequestStream
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestDelta, RequestOutput
@@ -33,20 +34,24 @@ class APIContext:
     """The server's state as every endpoint module sees it."""
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str], *,
-                 api_key: str | None = None, max_body_bytes: int = 4 * 2**20, limits: RequestLimits | None = None):
+                 api_key: str | None = None, max_body_bytes: int = 4 * 2**20, limits: RequestLimits | None = None,
+                 cluster: ClusterSecurity | None = None):
         self.engine = engine
         self.metrics = metrics
         self.names = served_model_names
         self.api_key = api_key
+        self.cluster = cluster or ClusterSecurity()  # its secret: required with the API key, never instead
         self.max_body_bytes = max_body_bytes
         self.limits = limits or RequestLimits()
         self.created = int(time.time())
 
     def router(self, prefix: str = "") -> APIRouter:
-        """A router whose routes need the API key (when the server has one)."""
+        """A router whose routes need the API key and the cluster secret (those the server has)."""
         return APIRouter(prefix=prefix, dependencies=[Depends(self._authorize)])
 
     async def _authorize(self, request: Request) -> None:
+        if not self.cluster.secret_ok(request.headers.get(SECRET_HEADER)):
+            raise unauthenticated(self.cluster.refusal())
         if not api_key_ok(request.headers.get("authorization"), self.api_key):
             raise unauthenticated()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from jaxserve.config.network import ClusterSecurity
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics import ServerMetrics
@@ -23,9 +24,10 @@ class OpenAIServer:
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str], *,
                  api_key: str | None = None, max_body_bytes: int = 4 * 2**20, limits: RequestLimits | None = None,
-                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None):
+                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+                 cluster: ClusterSecurity | None = None):
         self.ctx = APIContext(engine, metrics, served_model_names, api_key=api_key, max_body_bytes=max_body_bytes,
-                              limits=limits)
+                              limits=limits, cluster=cluster)
         # In this order on the app: the published schema lists its paths so.
         self.endpoints = [Health(self.ctx), Models(self.ctx), Admin(self.ctx), Completions(self.ctx),
                           ChatCompletions(self.ctx, enable_auto_tool_choice=enable_auto_tool_choice,
