@@ -95,8 +95,10 @@ class _FrontEnds:
 def _open_front_ends(args: argparse.Namespace, engine: AsyncEngine, metrics: ServerMetrics) -> _FrontEnds | None:
     """Both servers bound to their ports; None (logged) when a port cannot be had."""
     names, limits = args.served_model_name, getattr(args, "limits", None)
+    tenants = dict(prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False),
+                   cache_salt_per_api_key=getattr(args, "cache_salt_per_api_key", False))
     grpc_server = GrpcServer(engine, metrics, names, api_key=args.api_key, max_message_bytes=args.max_request_bytes,
-                             limits=limits)
+                             limits=limits, **tenants)
     try:
         grpc_port = grpc_server.bind(args.host, args.grpc_port)
         http_sock = _listen(args.host, args.http_port)
@@ -106,7 +108,8 @@ def _open_front_ends(args: argparse.Namespace, engine: AsyncEngine, metrics: Ser
         return None
     app = OpenAIServer(engine, metrics, names, api_key=args.api_key, max_body_bytes=args.max_request_bytes,
                        limits=limits, enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
-                       tool_call_parser=getattr(args, "tool_call_parser", None)).app()
+                       tool_call_parser=getattr(args, "tool_call_parser", None), admin=getattr(args, "admin", None),
+                       **tenants).app()
     http_server = _UvicornServer(uvicorn.Config(
         app, lifespan="off", log_config=None, access_log=False, timeout_keep_alive=5, timeout_graceful_shutdown=5))
     return _FrontEnds(grpc_server, grpc_port, http_server, http_sock, http_sock.getsockname()[1])

@@ -1,12 +1,17 @@
 """The gRPC front end (grpc.aio): ``jaxserve.v1.JaxServe`` plus the standard health and reflection services.
 
-Health reports NOT_SERVING until the engine is warm and again while draining. With an API key, JaxServe calls
-need metadata ``authorization: Bearer <key>``; health and reflection stay open.
+Health reports NOT_SERVING until the engine is warm and again while draining. With an API key (or several), JaxServe
+calls need metadata ``authorization: Bearer <key>``; health and reflection stay open. The service has no admin
+methods: sleep, weights and adapters are HTTP admin routes only (``openai/admin.py``), so a call to any other
+method name is UNIMPLEMENTED. ``Usage.cached_prompt_tokens`` is reported only with
+``--enable-prompt-tokens-details`` (0 otherwise), and ``--cache-salt-per-api-key`` salts each key's requests as
+on HTTP.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -15,12 +20,12 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxserve.engine.request_stream import EngineNotReady
 from jaxserve.outputs import TokenRecord
+from jaxserve.server.access import api_keys, matching_key, tenant_salt
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.intake import (
     FILLER_LOGPROB,
     ChoiceTracker,
     RequestError,
-    api_key_ok,
     from_engine_error,
     invalid,
     make_sampling_params,
@@ -85,29 +90,38 @@ def _token_logprobs(records: list[TokenRecord], texts: dict[int, str]) -> list[p
 
 class JaxServeServicer(pb_grpc.JaxServeServicer):
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str],
-                 api_key: str | None, limits: RequestLimits | None = None):
+                 api_key: str | Sequence[str] | None, limits: RequestLimits | None = None, *,
+                 prompt_tokens_details: bool = False, cache_salt_per_api_key: bool = False):
         self.engine = engine
         self.metrics = metrics
         self.names = served_model_names
-        self.api_key = api_key
+        self.api_keys = api_keys(api_key)
         self.limits = limits or RequestLimits()
+        self.prompt_tokens_details = prompt_tokens_details
+        self.cache_salt_per_api_key = cache_salt_per_api_key
 
     async def _refuse(self, context: grpc.aio.ServicerContext, e: RequestError):
         self.metrics.rejected.labels("grpc", e.reason).inc()
         await context.abort(e.code, e.message)
 
-    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        if self.api_key:
-            metadata = dict(context.invocation_metadata() or ())
-            if not api_key_ok(metadata.get("authorization"), self.api_key):
-                await self._refuse(context, unauthenticated())
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> str | None:
+        """The caller's API key (None when the server has none); the call is refused without a valid one."""
+        if not self.api_keys:
+            return None
+        metadata = dict(context.invocation_metadata() or ())
+        key = matching_key(metadata.get("authorization"), self.api_keys)
+        if key is None:
+            await self._refuse(context, unauthenticated())
+        return key
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        await self._authorize(context)
+        key = await self._authorize(context)
         try:
             _check_decoded(request)
             rid = request.request_id
             salt = request.cache_salt if request.HasField("cache_salt") else None
+            if self.cache_salt_per_api_key:
+                salt = tenant_salt(key, salt)
             sp = request.sampling_params
             self.limits.check(n=sp.n if sp.HasField("n") else 1, logprobs=sp.logprobs if sp.HasField("logprobs")
                               else None, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids))
@@ -138,7 +152,8 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                         u = usage_counts(out)
                         msg.usage.CopyFrom(pb.Usage(prompt_tokens=u["prompt_tokens"],
                                                     completion_tokens=u["completion_tokens"],
-                                                    cached_prompt_tokens=u["cached_tokens"]))
+                                                    cached_prompt_tokens=u["cached_tokens"]
+                                                    if self.prompt_tokens_details else 0))
                     yield msg
         except Exception as e:  # noqa: BLE001
             await self._refuse(context, from_engine_error(e))
@@ -175,10 +190,14 @@ class GrpcServer:
     """The grpc.aio server with JaxServe, health (NOT_SERVING until ``set_serving(True)``) and reflection."""
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str], *,
-                 api_key: str | None = None, max_message_bytes: int = 4 * 2**20, limits: RequestLimits | None = None):
+                 api_key: str | Sequence[str] | None = None, max_message_bytes: int = 4 * 2**20,
+                 limits: RequestLimits | None = None, prompt_tokens_details: bool = False,
+                 cache_salt_per_api_key: bool = False):
         self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
                                                ("grpc.so_reuseport", 0)])
-        servicer = JaxServeServicer(engine, metrics, served_model_names, api_key, limits)
+        servicer = JaxServeServicer(engine, metrics, served_model_names, api_key, limits,
+                                    prompt_tokens_details=prompt_tokens_details,
+                                    cache_salt_per_api_key=cache_salt_per_api_key)
         handlers = {
             "Generate": grpc.unary_stream_rpc_method_handler(
                 servicer.Generate, request_deserializer=_lenient(pb.GenerateRequest),
