@@ -66,8 +66,24 @@ class _Req:
     tokens: list[int] = dataclasses.field(default_factory=list)
 
 
+class _Weights:
+    """The executor's weight reader for ``AsyncEngine.update_weights``: each read waits while ``hold`` is clear
+    (a test keeps an update running), and the folders read are recorded."""
+
+    def __init__(self):
+        self.hold = threading.Event()
+        self.hold.set()
+        self.reads: list[str] = []
+
+    def read(self, path):
+        self.reads.append(path)
+        self.hold.wait(30)
+        return {"path": path}
+
+
 class FakeEngine:
-    """One token per request per step; ``fail_steps`` makes that many steps raise first."""
+    """One token per request per step; ``fail_steps`` makes that many steps raise first. Adapters are a registry
+    (``add_lora`` reads nothing), weight updates go through ``executor.weights`` (``_Weights``)."""
 
     def __init__(self, config):
         self.max_num_seqs = config.max_num_seqs
@@ -85,6 +101,21 @@ class FakeEngine:
         self.step_delay = 0.0  # seconds each step takes (asleep, as a step waiting on its device frees the GIL)
         self.check_lengths = False  # True: refuse prompt + max_tokens beyond max_model_len, as the engine does
         self.grammars = None  # no structured-output grammars to compile ahead
+        self.executor = type("Executor", (), {})()
+        self.executor.weights = _Weights()
+        self.loras: dict = {}
+        self.weights_from = None  # the folder of the last weights swapped in
+
+    def add_lora(self, lora_request):
+        self.loras[lora_request.lora_name] = lora_request
+        return lora_request.lora_name
+
+    def remove_lora(self, name):
+        if self.loras.pop(name, None) is None:
+            raise ValueError(f"lora_name: no adapter named {name!r} is loaded")
+
+    def update_weights(self, state):
+        self.weights_from = state["path"]
 
     @property
     def checks(self):

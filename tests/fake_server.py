@@ -26,9 +26,12 @@ MODEL = "fake"
 class FakeServer:
     """``http`` (base URL), ``grpc`` (host:port), ``engine`` (the AsyncEngine), ``fake`` (the FakeEngine)."""
 
-    def __init__(self, *, limits: RequestLimits | None = None, **config):
+    def __init__(self, *, limits: RequestLimits | None = None, options: dict | None = None, **config):
+        """``options``: the front ends' own (``api_key``, ``prompt_tokens_details``, ``cache_salt_per_api_key``;
+        ``admin`` goes to HTTP only)."""
         self.config = EngineConfig(warmup=False, **config)
         self.limits = limits
+        self.options = dict(options or {})
         self.fake: FakeEngine | None = None
         self.engine: AsyncEngine | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -49,12 +52,13 @@ class FakeServer:
             metrics = ServerMetrics(MODEL)
             self.engine = AsyncEngine(self.config, metrics=metrics, engine_factory=self._factory)
             metrics.attach_engine(self.engine.stats, self.engine.intake_length)
-            grpc_server = GrpcServer(self.engine, metrics, [MODEL], limits=self.limits)
+            grpc_options = {k: v for k, v in self.options.items() if k != "admin"}
+            grpc_server = GrpcServer(self.engine, metrics, [MODEL], limits=self.limits, **grpc_options)
             grpc_port = grpc_server.bind("127.0.0.1", 0)
             sock = socket.socket()
             sock.bind(("127.0.0.1", 0))
             sock.listen(256)
-            app = OpenAIServer(self.engine, metrics, [MODEL], limits=self.limits).app()
+            app = OpenAIServer(self.engine, metrics, [MODEL], limits=self.limits, **self.options).app()
             http = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
                                                  timeout_keep_alive=5))
             http.install_signal_handlers = lambda: None

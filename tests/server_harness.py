@@ -22,6 +22,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 API_KEY = "test-key-123"
+ADMIN_KEY = "test-admin-key-456"
 MODEL_NAME = "tiny-llama"
 # Small shapes keep the warm-up compile short on CPU.
 SMALL_ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "128", "--page-size", "8"]
@@ -154,10 +155,15 @@ def free_port() -> int:
 
 
 def shared_server(request) -> ServerProcess:
-    """The main server (``--api-key API_KEY``), started on first use and stopped when the session ends."""
+    """The main server (``--api-key API_KEY``), started on first use and stopped when the session ends. Its
+    admin routes are on (``--admin-api-key ADMIN_KEY``, reading anything under the session's temporary folder),
+    and it reports ``prompt_tokens_details``."""
     server = _state.get("server")
     if server is None or server.proc.poll() is not None:
-        server = _state["server"] = start_server(request, "shared", ["--api-key", API_KEY])
+        temp = request.getfixturevalue("tmp_path_factory").getbasetemp()
+        server = _state["server"] = start_server(request, "shared", [
+            "--api-key", API_KEY, "--enable-admin-endpoints", "--admin-api-key", ADMIN_KEY,
+            "--allowed-admin-paths", str(temp), "--enable-prompt-tokens-details"])
         request.config.add_cleanup(server.terminate)
     return server
 

@@ -97,8 +97,10 @@ def _open_front_ends(args: argparse.Namespace, engine: AsyncEngine, metrics: Ser
     """Both servers bound to their ports; None (logged) when a port cannot be had."""
     names, limits = args.served_model_name, getattr(args, "limits", None)
     cluster, tls, connections = (getattr(args, name, None) for name in ("cluster", "tls", "connections"))
+    tenants = dict(prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False),
+                   cache_salt_per_api_key=getattr(args, "cache_salt_per_api_key", False))
     grpc_server = GrpcServer(engine, metrics, names, api_key=args.api_key, max_message_bytes=args.max_request_bytes,
-                             limits=limits, cluster=cluster, tls=tls, connections=connections)
+                             limits=limits, cluster=cluster, tls=tls, connections=connections, **tenants)
     try:
         grpc_port = grpc_server.bind(args.host, args.grpc_port)
         http_sock = _listen(args.host, args.http_port)
@@ -108,7 +110,8 @@ def _open_front_ends(args: argparse.Namespace, engine: AsyncEngine, metrics: Ser
         return None
     app = OpenAIServer(engine, metrics, names, api_key=args.api_key, max_body_bytes=args.max_request_bytes,
                        limits=limits, enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
-                       tool_call_parser=getattr(args, "tool_call_parser", None), cluster=cluster).app()
+                       tool_call_parser=getattr(args, "tool_call_parser", None), admin=getattr(args, "admin", None),
+                       cluster=cluster, **tenants).app()
     http_server = _UvicornServer(uvicorn_config(app, connections, tls))
     return _FrontEnds(grpc_server, grpc_port, http_server, http_sock, http_sock.getsockname()[1])
 

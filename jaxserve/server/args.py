@@ -74,6 +74,9 @@ def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentPar
     network_args.add_connection_args(p.add_argument_group("connections (HTTP and gRPC)"))
     _add_limit_args(p.add_argument_group(
         "per-request limits (each refusal is a 400 / INVALID_ARGUMENT naming its flag)"))
+    _add_admin_args(p.add_argument_group(
+        "admin routes (off by default: sleep, wake_up, is_sleeping, update_weights, load/unload_lora_adapter "
+        "answer 404)"))
     _add_multihost_args(p.add_argument_group(
         "multi-host (every process runs the same command with its own --process-id; process 0 serves, the others "
         "follow its steps)"))
@@ -123,6 +126,12 @@ def _add_disagg_args(d: argparse._ArgumentGroup) -> None:
                         "prompts)")
     d.add_argument("--kv-events-replay-url", default=None,
                    help="--role router --routing prefix: their replay endpoints, same order (optional)")
+    d.add_argument("--router-connect-timeout", type=float, default=5.0,
+                   help="--role router: seconds to connect to a decode server before trying another")
+    d.add_argument("--router-read-timeout", type=float, default=600.0,
+                   help="--role router: seconds a decode server may send nothing (before its answer, or between "
+                        "two chunks of a stream) before the request fails with 504 (gRPC DEADLINE_EXCEEDED); it "
+                        "must cover a whole generation that is not streamed")
 
 
 def _add_server_args(s: argparse._ArgumentGroup) -> None:
@@ -131,10 +140,18 @@ def _add_server_args(s: argparse._ArgumentGroup) -> None:
                         "(0.0.0.0: every interface)")
     s.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (0: a free port)")
     s.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: a free port)")
-    s.add_argument("--api-key", default=None,
+    s.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/* and gRPC metadata 'authorization: Bearer "
-                        "KEY' on JaxServe calls (health, metrics and reflection stay open). Default: "
-                        "$JAXSERVE_API_KEY if set, else no key")
+                        "KEY' on JaxServe calls (health, metrics and reflection stay open); several keys: any of "
+                        "them, each one a tenant (--cache-salt-per-api-key). Default: $JAXSERVE_API_KEY if set, "
+                        "else no key")
+    s.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens (gRPC: Usage.cached_prompt_tokens); off, "
+                        "it is null (0): how much of a prompt was cached tells a client what others sent before")
+    s.add_argument("--cache-salt-per-api-key", action="store_true",
+                   help="with --api-key: each key's requests share prefix-cache pages only with each other (a "
+                        "request's own cache_salt splits its key's pages further), so no tenant can probe "
+                        "another's prompts through the cache")
     s.add_argument("--shutdown-grace-period", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
     s.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
@@ -159,6 +176,29 @@ def _add_limit_args(lim: argparse._ArgumentGroup) -> None:
                      help="longest stop string, in characters")
     lim.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
                      help="most top alternatives per token (logprobs, top_logprobs, prompt_logprobs); at most 20")
+
+
+def _add_admin_args(a: argparse._ArgumentGroup) -> None:
+    from jaxserve.server.access import DEFAULT_MAX_CPU_LORAS
+
+    a.add_argument("--enable-admin-endpoints", action="store_true",
+                   help="serve the admin routes (on a router: forward them). Without it, vLLM's "
+                        "VLLM_SERVER_DEV_MODE=1 opens /sleep, /wake_up, /is_sleeping and /v1/update_weights, and "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true opens /v1/load_lora_adapter and "
+                        "/v1/unload_lora_adapter")
+    a.add_argument("--admin-api-key", default=None,
+                   help="the key admin routes need ('Authorization: Bearer KEY'); an --api-key does not open them, "
+                        "and with --api-key and admin routes on, the server does not start without one. Default: "
+                        "$JAXSERVE_ADMIN_API_KEY if set, else none (admin routes open to whoever reaches the port)")
+    a.add_argument("--allowed-admin-paths", nargs="+", default=None, metavar="DIR",
+                   help="the folders update_weights and load_lora_adapter may read, with everything under them "
+                        "(resolved: '..' and symlinks cannot lead out); any other path is a 400 that does not "
+                        "say whether it exists. Default: the served model's folder (a local --model, or the demo "
+                        "model's) and each --lora-modules adapter's folder")
+    a.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="most LoRA adapters registered at once (--lora-modules included); load_lora_adapter beyond "
+                        f"it is a 409 naming this flag. Default: {DEFAULT_MAX_CPU_LORAS}, or --max-loras or the "
+                        "number of --lora-modules if larger")
 
 
 def _add_multihost_args(mh: argparse._ArgumentGroup) -> None:
@@ -197,7 +237,11 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.se
                              f"must be >= 1")
         args.mesh = ",".join(f"{k}={v}" for k, v in sizes.items() if v is not None and v > 1) or None
     if args.api_key is None:
-        args.api_key = os.environ.get("JAXSERVE_API_KEY") or None
+        args.api_key = [os.environ["JAXSERVE_API_KEY"]] if os.environ.get("JAXSERVE_API_KEY") else None
+    if args.api_key is not None and not all(args.api_key):
+        parser.error("--api-key: a key must not be empty")
+    if args.cache_salt_per_api_key and not args.api_key:
+        parser.error("--cache-salt-per-api-key needs --api-key (the keys are the tenants)")
     network_args.check(parser, args)
     if args.served_model_name is None:
         args.served_model_name = [args.model if args.model is not None else DEMO_MODEL_NAME]
@@ -239,6 +283,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.se
         parser.error("--shutdown-grace-period must be >= 0")
     if args.max_request_bytes < 1024:
         parser.error("--max-request-bytes must be >= 1024")
+    args.admin = _admin_config(parser, args)
+    for name in ("router_connect_timeout", "router_read_timeout"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0 seconds")
     if args.max_waiting_requests is None:
         # Disaggregated in one process: the decode mesh's replicas are where sequences run on after their prompts.
         replicas = _data_replicas(args.decode_mesh if args.prefill_mesh is not None else args.mesh)
@@ -259,6 +307,46 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.se
         name, _, rest = str(e).partition("=")
         parser.error(f"--{name.replace('_', '-')}={rest}")
     return args
+
+
+def _admin_config(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The admin routes' ``AdminConfig`` from the flags and vLLM's environment variables (read here only)."""
+    from jaxserve.server.access import DEFAULT_MAX_CPU_LORAS, AdminConfig
+
+    dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "0")
+    try:
+        dev = bool(int(dev_mode))  # vLLM's reading: an integer, nonzero is on
+    except ValueError:
+        parser.error(f"VLLM_SERVER_DEV_MODE={dev_mode!r} must be an integer (1: on, 0: off)")
+    lora = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
+    admin_key = args.admin_api_key if args.admin_api_key is not None else \
+        os.environ.get("JAXSERVE_ADMIN_API_KEY") or None
+    if args.admin_api_key == "":
+        parser.error("--admin-api-key must not be empty")
+    enabled = args.enable_admin_endpoints or dev or lora
+    if enabled and args.api_key and admin_key is None:
+        parser.error("admin routes are on and --api-key is set, but no --admin-api-key (or JAXSERVE_ADMIN_API_KEY): "
+                     "the API key does not open admin routes")
+    if admin_key is not None and admin_key in (args.api_key or ()):
+        parser.error("--admin-api-key must differ from every --api-key")
+    roots = args.allowed_admin_paths
+    if roots is None:
+        roots = [lora.lora_path for lora in args.lora_requests]
+        if args.model is None:
+            from jaxserve.models.demo import demo_model_folder
+
+            roots.append(str(demo_model_folder()))
+        elif os.path.isdir(args.model):  # not a hub name
+            roots.append(args.model)
+    cap = args.max_cpu_loras
+    if cap is None:
+        cap = max(DEFAULT_MAX_CPU_LORAS, args.max_loras, len(args.lora_requests))
+    elif cap < 1:
+        parser.error("--max-cpu-loras must be >= 1")
+    elif cap < len(args.lora_requests):
+        parser.error(f"--max-cpu-loras={cap} is fewer than the {len(args.lora_requests)} --lora-modules")
+    return AdminConfig(dev_routes=args.enable_admin_endpoints or dev, lora_routes=args.enable_admin_endpoints or lora,
+                       admin_api_key=admin_key, allowed_paths=tuple(roots), max_cpu_loras=cap)
 
 
 def _lora_modules(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list:

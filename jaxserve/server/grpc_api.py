@@ -1,14 +1,19 @@
 """The gRPC front end (grpc.aio): ``jaxserve.v1.JaxServe`` plus the standard health and reflection services.
 
-Health reports NOT_SERVING until the engine is warm and again while draining. With an API key, JaxServe calls
-need metadata ``authorization: Bearer <key>``; with a cluster secret, also ``x-jaxserve-cluster-secret`` (the
+Health reports NOT_SERVING until the engine is warm and again while draining. With an API key (or several), JaxServe
+calls need metadata ``authorization: Bearer <key>``; with a cluster secret, also ``x-jaxserve-cluster-secret`` (the
 router sends both); health and reflection stay open. TLS (``ServerTLS``), the cap on calls in flight and the
-handshake deadline come from the server's flags (``jaxserve/server/connections.py``).
+handshake deadline come from the server's flags (``jaxserve/server/connections.py``). The service has no admin
+methods: sleep, weights and adapters are HTTP admin routes only (``openai/admin.py``), so a call to any other
+method name is UNIMPLEMENTED. ``Usage.cached_prompt_tokens`` is reported only with
+``--enable-prompt-tokens-details`` (0 otherwise), and ``--cache-salt-per-api-key`` salts each key's requests as
+on HTTP.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -18,13 +23,13 @@ from grpc_reflection.v1alpha import reflection
 from jaxserve.config.network import SECRET_HEADER, ClusterSecurity, ServerTLS
 from jaxserve.engine.request_stream import EngineNotReady
 from jaxserve.outputs import TokenRecord
+from jaxserve.server.access import api_keys, matching_key, tenant_salt
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.connections import ConnectionLimits
 from jaxserve.server.intake import (
     FILLER_LOGPROB,
     ChoiceTracker,
     RequestError,
-    api_key_ok,
     from_engine_error,
     invalid,
     make_sampling_params,
@@ -89,32 +94,45 @@ def _token_logprobs(records: list[TokenRecord], texts: dict[int, str]) -> list[p
 
 class JaxServeServicer(pb_grpc.JaxServeServicer):
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str],
-                 api_key: str | None, limits: RequestLimits | None = None, cluster: ClusterSecurity | None = None):
+                 api_key: str | Sequence[str] | None, limits: RequestLimits | None = None,
+                 cluster: ClusterSecurity | None = None, *, prompt_tokens_details: bool = False,
+                 cache_salt_per_api_key: bool = False):
         self.engine = engine
         self.metrics = metrics
         self.names = served_model_names
-        self.api_key = api_key
+        self.api_keys = api_keys(api_key)
         self.limits = limits or RequestLimits()
         self.cluster = cluster or ClusterSecurity()
+        self.prompt_tokens_details = prompt_tokens_details
+        self.cache_salt_per_api_key = cache_salt_per_api_key
 
     async def _refuse(self, context: grpc.aio.ServicerContext, e: RequestError):
         self.metrics.rejected.labels("grpc", e.reason).inc()
         await context.abort(e.code, e.message)
 
-    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        if self.api_key or self.cluster.secret is not None:
-            metadata = dict(context.invocation_metadata() or ())
-            if not self.cluster.secret_ok(metadata.get(SECRET_HEADER)):
-                await self._refuse(context, unauthenticated(self.cluster.refusal()))
-            if not api_key_ok(metadata.get("authorization"), self.api_key):
-                await self._refuse(context, unauthenticated())
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> str | None:
+        """The caller's API key (None when the server has none); the call is refused without a valid one, and
+        without the cluster secret when the server has one (required with the key, never instead of it)."""
+        if not self.api_keys and self.cluster.secret is None:
+            return None
+        metadata = dict(context.invocation_metadata() or ())
+        if not self.cluster.secret_ok(metadata.get(SECRET_HEADER)):
+            await self._refuse(context, unauthenticated(self.cluster.refusal()))
+        if not self.api_keys:
+            return None
+        key = matching_key(metadata.get("authorization"), self.api_keys)
+        if key is None:
+            await self._refuse(context, unauthenticated())
+        return key
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        await self._authorize(context)
+        key = await self._authorize(context)
         try:
             _check_decoded(request)
             rid = request.request_id
             salt = request.cache_salt if request.HasField("cache_salt") else None
+            if self.cache_salt_per_api_key:
+                salt = tenant_salt(key, salt)
             sp = request.sampling_params
             self.limits.check(n=sp.n if sp.HasField("n") else 1, logprobs=sp.logprobs if sp.HasField("logprobs")
                               else None, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids))
@@ -145,7 +163,8 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                         u = usage_counts(out)
                         msg.usage.CopyFrom(pb.Usage(prompt_tokens=u["prompt_tokens"],
                                                     completion_tokens=u["completion_tokens"],
-                                                    cached_prompt_tokens=u["cached_tokens"]))
+                                                    cached_prompt_tokens=u["cached_tokens"]
+                                                    if self.prompt_tokens_details else 0))
                     yield msg
         except Exception as e:  # noqa: BLE001
             await self._refuse(context, from_engine_error(e))
@@ -182,15 +201,18 @@ class GrpcServer:
     """The grpc.aio server with JaxServe, health (NOT_SERVING until ``set_serving(True)``) and reflection."""
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str], *,
-                 api_key: str | None = None, max_message_bytes: int = 4 * 2**20, limits: RequestLimits | None = None,
-                 cluster: ClusterSecurity | None = None, tls: ServerTLS | None = None,
-                 connections: ConnectionLimits | None = None):
+                 api_key: str | Sequence[str] | None = None, max_message_bytes: int = 4 * 2**20,
+                 limits: RequestLimits | None = None, cluster: ClusterSecurity | None = None,
+                 tls: ServerTLS | None = None, connections: ConnectionLimits | None = None,
+                 prompt_tokens_details: bool = False, cache_salt_per_api_key: bool = False):
         connections = connections or ConnectionLimits()
         self.tls = tls
         self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
                                                ("grpc.so_reuseport", 0), *connections.grpc_options()],
                                       maximum_concurrent_rpcs=connections.max_concurrent_rpcs)
-        servicer = JaxServeServicer(engine, metrics, served_model_names, api_key, limits, cluster)
+        servicer = JaxServeServicer(engine, metrics, served_model_names, api_key, limits, cluster,
+                                    prompt_tokens_details=prompt_tokens_details,
+                                    cache_salt_per_api_key=cache_salt_per_api_key)
         handlers = {
             "Generate": grpc.unary_stream_rpc_method_handler(
                 servicer.Generate, request_deserializer=_lenient(pb.GenerateRequest),

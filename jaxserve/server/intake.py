@@ -8,10 +8,11 @@ problem; the front ends only translate it into their wire format.
 from __future__ import annotations
 
 import dataclasses
-import hmac
+import json
 import logging
 import re
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -26,7 +27,10 @@ from jaxserve.engine.request_stream import (
 )
 from jaxserve.outputs import RequestDelta, RequestOutput, TokenRecord
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.access import api_keys, matching_key
+from jaxserve.server.limits import JSON_MAX_DEPTH
 from jaxserve.server.openai.streaming import error_body
+from jaxserve.text.prompt_tokenizer import first_invalid_char
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +73,55 @@ def unauthenticated(message: str = "missing or invalid API key: send 'Authorizat
 def draining() -> RequestError:
     return RequestError("the server is shutting down and accepts no new requests", status=503,
                         code=grpc.StatusCode.UNAVAILABLE, type="service_unavailable", reason="draining")
+
+
+class JSONSyntaxError(RequestError):
+    """JSON text that does not parse (a 400 like every other ``decode_json`` refusal; a caller that may keep such
+    text as a plain string catches only this one)."""
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def decode_json(data: bytes | str, field: str | None = None) -> Any:
+    """JSON from a client, checked so that nothing past this point sees input it cannot handle: no NaN or
+    Infinity, nesting at most ``JSON_MAX_DEPTH`` deep, no string (key or value) that is not valid Unicode.
+
+    ``field`` None: the request body; else a request field that holds JSON text (a schema given as a string,
+    tool-call arguments), held to the same limits as the body it came in (its size is within the body's) and
+    named in the refusal. RequestError (400, INVALID_ARGUMENT) naming the problem otherwise."""
+    what = "the request body" if field is None else f"{field}: the JSON text"
+    try:
+        value = json.loads(data, parse_constant=_no_constant)
+    except RecursionError:
+        raise invalid(f"{what} is nested too deeply (the limit is {JSON_MAX_DEPTH} levels)", field) from None
+    except (UnicodeDecodeError, ValueError) as e:
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise JSONSyntaxError(f"{what} is not valid JSON: {message}", param=field) from None
+    stack = [(value, 1, "")]
+    while stack:
+        v, depth, path = stack.pop()
+        if isinstance(v, str):
+            bad = first_invalid_char(v)
+            if bad is not None:
+                where = path if field is None else f"{field}{'.' + path if path else ''}"
+                raise invalid(f"{where or 'body'}: not valid Unicode text (a lone surrogate at character {bad})",
+                              field or path.split(".")[0].split("[")[0] or None)
+        elif isinstance(v, (dict, list)):
+            if depth > JSON_MAX_DEPTH:
+                raise invalid(f"{what} is nested too deeply (the limit is {JSON_MAX_DEPTH} levels)", field)
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, item in items:
+                if isinstance(k, str):
+                    if first_invalid_char(k) is not None:
+                        raise invalid(f"{path or field or 'body'}: a key is not valid Unicode text (a lone "
+                                      "surrogate)", field)
+                    sub = f"{path}.{k}" if path else k
+                else:
+                    sub = f"{path}[{k}]"
+                stack.append((item, depth + 1, sub))
+    return value
 
 
 _FIELD = re.compile(r"^SamplingParams\.(\w+)=")
@@ -118,14 +171,17 @@ def check_model(name: str | None, served: list[str]) -> None:
                            param="model", reason="invalid")
 
 
-def api_key_ok(authorization: str | None, api_key: str | None) -> bool:
-    """Whether an ``Authorization`` value carries the key (always true when the server has no key)."""
-    if not api_key:
-        return True
-    if not authorization:
-        return False
-    scheme, _, token = authorization.strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+def api_key_ok(authorization: str | None, api_key: str | Sequence[str] | None) -> bool:
+    """Whether an ``Authorization`` value carries the key, or one of the keys (always true when the server has
+    none)."""
+    keys = api_keys(api_key)
+    return not keys or matching_key(authorization, keys) is not None
+
+
+def conflict(message: str, param: str | None = None) -> RequestError:
+    """A request that cannot run while another one does (HTTP 409, gRPC ABORTED)."""
+    return RequestError(message, status=409, code=grpc.StatusCode.ABORTED, type="conflict", param=param,
+                        reason="conflict")
 
 
 # Outputs --------------------------------------------------------------------------------------------------------

@@ -26,6 +26,14 @@ in flight beyond the least loaded (then, and with no page cached anywhere, least
 A process that dies with requests in flight turns them into errors naming it:
 HTTP 500 (or, once a stream has started, an ``error`` event and ``[DONE]``), gRPC UNAVAILABLE. With no live
 process the router answers 503 / UNAVAILABLE ``no decode server is reachable (...)`` with each one's reason.
+
+Checks before work: the router forwards only the public API's routes (``PUBLIC_ROUTES``; the admin routes only
+with ``--enable-admin-endpoints`` or vLLM's variables, as on a server), every other path is a 404 here; with its
+own ``--api-key`` a request without one of the keys is a 401 / UNAUTHENTICATED before its body is read, tokenized
+or rendered through a chat template (an admin route needs ``--admin-api-key`` instead). Calls to a decode process
+have finite timeouts: ``--router-connect-timeout`` to connect, ``--router-read-timeout`` for each wait on it (its
+answer, or the next chunk of a stream); one that stops answering ends the request with 504 (an ``error`` event
+once a stream has started), gRPC DEADLINE_EXCEEDED, naming it.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from starlette.routing import Route
 
 from jaxserve.config.network import ClusterSecurity
 from jaxserve.server import prefix_index
+from jaxserve.server.access import AdminConfig, api_keys, matching_key
 from jaxserve.server.connections import ConnectionLimits, uvicorn_config
 from jaxserve.server.metrics import CONTENT_TYPE
 from jaxserve.server.openai.streaming import DONE, EventStream, error_body, sse, until_disconnect
@@ -60,7 +69,11 @@ BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 8.0
 UNREADY_PROBE_S = 0.2
 PREFIX_LOAD_SLACK = 2  # --routing prefix: requests in flight a cache holder may carry beyond the least loaded
-CONNECT_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 5.0  # --router-connect-timeout
+READ_TIMEOUT_S = 600.0  # --router-read-timeout
+# The OpenAI front end's routes that the router forwards (method, path); the admin routes only when enabled.
+PUBLIC_ROUTES = (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                 ("POST", "/tokenize"), ("POST", "/detokenize"))
 _FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 _METADATA = ("authorization",)
 
@@ -228,17 +241,40 @@ class Router:
     """The HTTP app and the gRPC server over a ``Pool``."""
 
     def __init__(self, urls: list[tuple[str, str]], *, max_body_bytes: int = 4 * 2**20,
-                 prefix_index=None, tokenizer=None, cluster: ClusterSecurity | None = None):
+                 prefix_index=None, tokenizer=None, cluster: ClusterSecurity | None = None, api_key=None,
+                 admin: AdminConfig | None = None, connect_timeout: float = CONNECT_TIMEOUT_S,
+                 read_timeout: float = READ_TIMEOUT_S):
         self.registry = CollectorRegistry()
         self.cluster = cluster or ClusterSecurity()  # its secret goes with every call to a replica, its TLS too
         self.pool = Pool(urls, self.registry, self.cluster)
         self.max_body_bytes = max_body_bytes
         self.index = prefix_index  # a PrefixIndex: --routing prefix
         self.tokenizer = tokenizer  # tokenizes text prompts for it (token-id prompts need none)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
+        self.api_keys = api_keys(api_key)  # the router's own --api-key
+        self.admin = admin or AdminConfig()
+        self.read_timeout = read_timeout
+        # read: each wait for bytes from the decode server (a stream's next chunk, or a whole unstreamed answer);
+        # the cluster secret goes with every call, as a default header
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
                                         headers=dict(self.cluster.metadata()),
                                         verify=self.cluster.client_ssl_context() or True)
+
+    def _outgoing_headers(self, incoming) -> dict[str, str]:
+        """The headers of a call to a decode server (HTTP), or its metadata (gRPC), from the client's: the one
+        place they are built."""
+        return {k.lower(): v for k, v in incoming if k.lower() in _FORWARDED_HEADERS}
+
+    def _refusal(self, method: str, path: str, authorization: str | None) -> tuple[int, str] | None:
+        """(status, message) if the router refuses the call before doing anything for it, else None."""
+        admin = (method, path) in self.admin.routes()
+        if not admin and (method, path) not in PUBLIC_ROUTES:
+            return 404, f"no route {method} {path}"
+        if admin and not self.admin.authorized(authorization):
+            return 401, "missing or invalid admin key: send 'Authorization: Bearer <admin key>'"
+        if not admin and self.api_keys and matching_key(authorization, self.api_keys) is None:
+            return 401, "missing or invalid API key: send 'Authorization: Bearer <key>'"
+        return None
 
     def failed(self, b: Backend, reason: str, api: str) -> str:
         """A forwarded call failed in flight: the server leaves the rotation; the client's error names it."""
@@ -252,7 +288,7 @@ class Router:
             Route("/health", self.health, methods=["GET"]),
             Route("/live", lambda request: JSONResponse({"status": "live"}), methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
-            Route("/{path:path}", self.forward, methods=["GET", "POST"]),
+            Route("/{path:path}", self.forward, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
         ])
 
     async def health(self, request: Request) -> Response:
@@ -275,10 +311,16 @@ class Router:
         return b"".join(chunks)
 
     async def forward(self, request: Request) -> Response:
+        refused = self._refusal(request.method, request.url.path, request.headers.get("authorization"))
+        if refused is not None:
+            status, message = refused
+            kind = "authentication_error" if status == 401 else "invalid_request_error"
+            return JSONResponse(error_body(message, kind, status), status_code=status,
+                                headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
         body = await self._body(request)
         if isinstance(body, Response):
             return body
-        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
+        headers = self._outgoing_headers(request.headers.items())
         tried: set[str] = set()
         overloaded = None  # the last 429 answer: passed on if no process admits the request
         cached = await self._cached_pages(request.url.path, body) if self.index is not None else None
@@ -321,6 +363,10 @@ class Router:
                 self.pool.set_dead(b, _reason(e))
                 self.pool.failovers.labels(b.name).inc()
                 tried.add(b.name)
+            except httpx.TimeoutException as e:  # connected, then it stopped answering
+                message = self.failed(b, f"nothing for {self.read_timeout:g}s (--router-read-timeout): "
+                                         f"{_reason(e)}", "http")
+                return JSONResponse(error_body(message, "timeout", 504), status_code=504)
             except httpx.RemoteProtocolError as e:
                 if upstream is not None:
                     return JSONResponse(_error_body(self.failed(b, _reason(e), "http"), 500), status_code=500)
@@ -344,6 +390,9 @@ class Router:
                 async for chunk in upstream.aiter_raw():
                     yield chunk
                 self.pool.requests.labels(b.name, "http", "ok").inc()
+            except httpx.TimeoutException as e:
+                reason = f"nothing for {self.read_timeout:g}s (--router-read-timeout): {_reason(e)}"
+                yield sse(error_body(self.failed(b, reason, "http"), "timeout", 504)) + DONE
             except httpx.TransportError as e:
                 yield sse(_error_body(self.failed(b, _reason(e), "http"), 500)) + DONE
 
@@ -417,8 +466,16 @@ class Router:
             await self.grpc_health.set(service, status)
 
     def _metadata(self, context) -> tuple:
-        return tuple((k, v) for k, v in (context.invocation_metadata() or ()) if k in _METADATA) + \
-            self.cluster.metadata()
+        return tuple((k, v) for k, v in self._outgoing_headers(context.invocation_metadata() or ()).items()
+                     if k in _METADATA) + self.cluster.metadata()
+
+    async def _check_grpc(self, context) -> None:
+        """The router's API key, before anything is done for the call."""
+        if self.api_keys:
+            metadata = dict(context.invocation_metadata() or ())
+            if matching_key(metadata.get("authorization"), self.api_keys) is None:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                    "missing or invalid API key: send metadata 'authorization: Bearer <key>'")
 
     async def _call(self, name: str, stream: bool, request: bytes, context, cached=None):
         """Yields the decode server's responses to the call (one for a unary method)."""
@@ -436,13 +493,19 @@ class Router:
                 call = b.method(name, stream)(request, metadata=self._metadata(context))
                 try:
                     if stream:
-                        async for msg in call:
+                        while True:  # each message within the read timeout
+                            msg = await asyncio.wait_for(call.read(), self.read_timeout)
+                            if msg is grpc.aio.EOF:
+                                break
                             received = True
                             yield msg
                     else:
-                        yield await call
+                        yield await asyncio.wait_for(call, self.read_timeout)
                     self.pool.requests.labels(b.name, "grpc", "ok").inc()
                     return
+                except TimeoutError:
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self.failed(
+                        b, f"nothing for {self.read_timeout:g}s (--router-read-timeout)", "grpc"))
                 except grpc.aio.AioRpcError as e:
                     code, details = e.code(), e.details() or ""
                     if code == grpc.StatusCode.UNAVAILABLE and not received and _never_connected(details):
@@ -468,6 +531,7 @@ class Router:
                     call.cancel()  # no-op once done; on the client's cancellation it aborts the request there
 
     async def _generate(self, request: bytes, context):
+        await self._check_grpc(context)  # before the prompt is tokenized for routing
         async for msg in self._call("Generate", True, request, context, await self._grpc_cached_pages(request)):
             yield msg
 
@@ -493,9 +557,11 @@ class Router:
         return lambda name: self.index.longest_prefix(name, hashes)
 
     async def _tokenize(self, request: bytes, context):
+        await self._check_grpc(context)
         return [m async for m in self._call("Tokenize", False, request, context)][0]
 
     async def _model_info(self, request: bytes, context):
+        await self._check_grpc(context)
         return [m async for m in self._call("GetModelInfo", False, request, context)][0]
 
     async def aclose(self) -> None:
@@ -554,7 +620,9 @@ async def run_router(args) -> int:
 
             tokenizer = load_tokenizer(args.tokenizer)
     router = Router(urls, max_body_bytes=args.max_request_bytes, prefix_index=index, tokenizer=tokenizer,
-                    cluster=getattr(args, "cluster", None))
+                    cluster=getattr(args, "cluster", None), api_key=args.api_key, admin=getattr(args, "admin", None),
+                    connect_timeout=getattr(args, "router_connect_timeout", CONNECT_TIMEOUT_S),
+                    read_timeout=getattr(args, "router_read_timeout", READ_TIMEOUT_S))
     tls = getattr(args, "tls", None)
     grpc_server = router.grpc_server(args.max_request_bytes, getattr(args, "connections", None))
     try:

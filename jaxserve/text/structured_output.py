@@ -61,6 +61,8 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
                 schema = json.loads(params.json)
             except ValueError as e:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            except RecursionError:
+                raise ValueError("structured_outputs.json is nested too deeply") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("structured_outputs.json must be a JSON schema (an object)")
             if params.disable_additional_properties and isinstance(schema, dict):

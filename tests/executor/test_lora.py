@@ -4,6 +4,7 @@ adapter is loaded or swapped, the least recently used one evicted, and prefix ca
 
 import asyncio
 import json
+import os
 
 import httpx
 import numpy as np
@@ -15,6 +16,7 @@ from safetensors.numpy import save_file
 from jaxserve import LLM, LoRARequest, SamplingParams
 from jaxserve.config.engine import EngineConfig
 from jaxserve.executor.runner import CompileCounter
+from jaxserve.server.access import AdminConfig
 from jaxserve.server.args import parse_args
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.metrics import ServerMetrics
@@ -144,7 +146,8 @@ def test_the_openai_model_field_selects_an_adapter_and_adapters_load_at_run_time
                              engine_factory=lambda config: llm.engine, lora_modules=[requests["attn"]])
         engine.start()
         await engine.wait_ready()
-        app = OpenAIServer(engine, engine.metrics, ["tiny"]).app()
+        admin = AdminConfig(lora_routes=True, allowed_paths=(os.path.dirname(requests["mlp"].lora_path),))
+        app = OpenAIServer(engine, engine.metrics, ["tiny"], admin=admin).app()
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
                                          timeout=120) as http:

@@ -20,7 +20,11 @@ FLAGS = ["--model", "--tokenizer", "--served-model-name", "--dtype", "--max-mode
          # vLLM's names and options
          "--port", "--block-size", "--gpu-memory-utilization", "--tensor-parallel-size", "--data-parallel-size",
          "--trust-remote-code", "--revision", "--download-dir", "--generation-config", "--chat-template",
-         "--skip-tokenizer-init", "--enable-auto-tool-choice", "--tool-call-parser"]
+         "--skip-tokenizer-init", "--enable-auto-tool-choice", "--tool-call-parser", "--enable-prompt-tokens-details",
+         "--enable-admin-endpoints", "--max-cpu-loras",
+         # jaxserve's safety options
+         "--cache-salt-per-api-key", "--admin-api-key", "--allowed-admin-paths", "--router-connect-timeout",
+         "--router-read-timeout"]
 
 
 def test_help_documents_every_flag():
@@ -57,7 +61,7 @@ def test_defaults_and_engine_config(monkeypatch):
     monkeypatch.setenv("JAXSERVE_API_KEY", "from-env")
     args = parse_args(["--model", "some/model", "--max-num-seqs", "4", "--no-enable-prefix-caching",
                        "--max-waiting-requests", "7", "--page-size", "8", "--compilation-cache-dir", ""])
-    assert args.served_model_name == ["some/model"] and args.api_key == "from-env"
+    assert args.served_model_name == ["some/model"] and args.api_key == ["from-env"]  # --api-key takes several
     cfg = args.engine_config
     assert (cfg.max_num_seqs, cfg.enable_prefix_caching, cfg.max_waiting_requests, cfg.page_size) == (4, False, 7, 8)
     assert cfg.compilation_cache_dir is None

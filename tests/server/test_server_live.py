@@ -6,9 +6,10 @@ import json
 import httpx
 import pytest
 
-from server_harness import API_KEY, MAX_MODEL_LEN, MODEL_NAME, shared_server, tiny_model
+from server_harness import ADMIN_KEY, API_KEY, MAX_MODEL_LEN, MODEL_NAME, shared_server, tiny_model
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}  # the admin routes need the admin key
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
 
 
@@ -83,14 +84,14 @@ def test_tokenize_fields_as_vllm_answers_them(http):
 def test_sleep_refuses_requests_with_503_until_wake_up(http):
     body = {"prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
     before = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
-    assert http.post("/sleep", params={"level": 3}).status_code == 400
+    assert http.post("/sleep", params={"level": 3}, headers=ADMIN).status_code == 400
     for level in (1, 2):
-        assert http.post("/sleep", params={"level": level}).status_code == 200
-        assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+        assert http.post("/sleep", params={"level": level}, headers=ADMIN).status_code == 200
+        assert http.get("/is_sleeping", headers=ADMIN).json() == {"is_sleeping": True}
         r = http.post("/v1/completions", json=body)
         assert r.status_code == 503 and "asleep" in r.json()["error"]["message"]
-        assert http.post("/wake_up").status_code == 200
-        assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+        assert http.post("/wake_up", headers=ADMIN).status_code == 200
+        assert http.get("/is_sleeping", headers=ADMIN).json() == {"is_sleeping": False}
         assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == before
 
 
@@ -100,11 +101,11 @@ def test_update_weights_from_a_folder(request, http, tmp_path):
     body = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "return_token_ids": True}
     before = http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
     other = build_tiny_model("llama", tmp_path / "other", seed=1)  # same shapes and tokenizer, other weights
-    r = http.post("/v1/update_weights", json={"path": str(other)})
+    r = http.post("/v1/update_weights", json={"path": str(other)}, headers=ADMIN)
     assert r.status_code == 200 and r.json()["status"] == "ok"
     assert http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] != before
-    assert http.post("/v1/update_weights", json={"path": str(tiny_model(request))}).status_code == 200
+    assert http.post("/v1/update_weights", json={"path": str(tiny_model(request))}, headers=ADMIN).status_code == 200
     assert http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == before
     for bad in ({}, {"path": 3}, {"path": "/no/such/folder"}, {"path": str(tmp_path)}):
-        r = http.post("/v1/update_weights", json=bad)
+        r = http.post("/v1/update_weights", json=bad, headers=ADMIN)
         assert r.status_code == 400 and r.json()["error"]["param"] == "path", r.text

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from jaxserve.server.intake import ChoiceTracker, invalid
-from jaxserve.server.openai.context import APIContext, json_body, usage
+from jaxserve.server.openai.context import APIContext, json_body
 from jaxserve.server.openai.errors import in_band, raise_if_failed
 from jaxserve.server.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from jaxserve.server.openai.protocol import ChatCompletionRequest, parse
@@ -45,6 +45,7 @@ class ChatCompletions:
                          logprobs_field="top_logprobs")
         if req.prompt_logprobs is not None:
             ctx.limits.check(logprobs=req.prompt_logprobs, logprobs_field="prompt_logprobs")
+        req.cache_salt = ctx.cache_salt(request, req.cache_salt)
         params = req.sampling_params(ctx.generation_defaults)
         tools, schema, forced_name = req.tool_schema()
         forced = schema is not None
@@ -90,7 +91,7 @@ class ChatCompletions:
                 choice["token_ids"] = list(c.token_ids)
             choices.append(choice)
         body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-                "usage": usage([out])}
+                "usage": ctx.usage([out])}
         if req.return_token_ids:
             body["prompt_token_ids"] = list(out.prompt_token_ids)
         if req.prompt_logprobs is not None:
@@ -150,4 +151,4 @@ class ChatCompletions:
                     choice["token_ids"] = list(ev.token_ids)
                 yield chunk(choice)
         if include_usage and final is not None:
-            yield {**base, "choices": [], "usage": usage([final])}
+            yield {**base, "choices": [], "usage": self.ctx.usage([final])}

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from jaxserve.outputs import RequestOutput, TokenRecord
 from jaxserve.server.intake import ChoiceTracker
-from jaxserve.server.openai.context import APIContext, json_body, merged, usage
+from jaxserve.server.openai.context import APIContext, json_body, merged
 from jaxserve.server.openai.errors import in_band, raise_if_failed
 from jaxserve.server.openai.logprobs import completion_logprobs, echo_logprobs, vllm_prompt_logprobs
 from jaxserve.server.openai.protocol import CompletionRequest, parse
@@ -42,6 +42,7 @@ class Completions:
                          stop_token_ids=req.stop_token_ids, num_prompts=num_prompts)
         if req.prompt_logprobs is not None:
             ctx.limits.check(logprobs=req.prompt_logprobs, logprobs_field="prompt_logprobs")
+        req.cache_salt = ctx.cache_salt(request, req.cache_salt)
         params = req.sampling_params(ctx.generation_defaults)
         prompts = req.prompts()
         streams = await ctx.start(prompts, params, add_special_tokens=req.add_special_tokens, lora_request=lora)
@@ -82,7 +83,7 @@ class Completions:
                     choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_token_ids, out.prompt_records,
                                                                      stream.token_texts)
                 choices.append(choice)
-        total = usage(finals)
+        total = ctx.usage(finals)
         if req.prompt_only:
             total["total_tokens"] -= total["completion_tokens"]
             total["completion_tokens"] = 0
@@ -132,7 +133,7 @@ class Completions:
                     chunk["usage"] = None
                 yield chunk
         if include_usage:
-            total = usage([f for f in finals if f is not None])
+            total = self.ctx.usage([f for f in finals if f is not None])
             if prompt_only:
                 total["total_tokens"] -= total["completion_tokens"]
                 total["completion_tokens"] = 0

@@ -1,12 +1,12 @@
-"""What the endpoint modules share: the engine and the served names, the API key check, the request body read
-within its limit, the ``model`` field resolved to the base model or an adapter, admitting a request's prompts
-and collecting their outputs, and the ``usage`` of an answer."""
+"""What the endpoint modules share: the engine and the served names, the API key check (and the tenant each key
+is), the request body read within its limit, the ``model`` field resolved to the base model or an adapter,
+admitting a request's prompts and collecting their outputs, and the ``usage`` of an answer."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -16,11 +16,11 @@ from jaxserve.engine.request_stream import RequestStream
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestDelta, RequestOutput
 from jaxserve.server.async_engine import AsyncEngine
-from jaxserve.server.intake import api_key_ok, check_model, invalid, unauthenticated, usage_counts
+from jaxserve.server.access import AdminConfig, api_keys, matching_key, tenant_salt
+from jaxserve.server.intake import check_model, decode_json, invalid, unauthenticated, usage_counts
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.openai.errors import engine_errors
-from jaxserve.server.openai.protocol import decode_json
 from jaxserve.server.openai.streaming import until_disconnect
 
 
@@ -31,18 +31,27 @@ def json_body(model) -> dict:
 
 
 class APIContext:
-    """The server's state as every endpoint module sees it."""
+    """The server's state as every endpoint module sees it.
+
+    ``api_key``: one key or several (each one a tenant); ``prompt_tokens_details``: report
+    ``usage.prompt_tokens_details.cached_tokens`` (``--enable-prompt-tokens-details``); ``cache_salt_per_api_key``:
+    each key's requests share prefix-cache pages only with each other; ``admin``: the admin routes served."""
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str], *,
-                 api_key: str | None = None, max_body_bytes: int = 4 * 2**20, limits: RequestLimits | None = None,
+                 api_key: str | Sequence[str] | None = None, max_body_bytes: int = 4 * 2**20,
+                 limits: RequestLimits | None = None, prompt_tokens_details: bool = False,
+                 cache_salt_per_api_key: bool = False, admin: AdminConfig | None = None,
                  cluster: ClusterSecurity | None = None):
         self.engine = engine
         self.metrics = metrics
         self.names = served_model_names
-        self.api_key = api_key
+        self.api_keys = api_keys(api_key)
         self.cluster = cluster or ClusterSecurity()  # its secret: required with the API key, never instead
         self.max_body_bytes = max_body_bytes
         self.limits = limits or RequestLimits()
+        self.prompt_tokens_details = prompt_tokens_details
+        self.cache_salt_per_api_key = cache_salt_per_api_key
+        self.admin = admin or AdminConfig()
         self.created = int(time.time())
 
     def router(self, prefix: str = "") -> APIRouter:
@@ -52,11 +61,25 @@ class APIContext:
     async def _authorize(self, request: Request) -> None:
         if not self.cluster.secret_ok(request.headers.get(SECRET_HEADER)):
             raise unauthenticated(self.cluster.refusal())
-        if not api_key_ok(request.headers.get("authorization"), self.api_key):
-            raise unauthenticated()
+        if self.api_keys:
+            key = matching_key(request.headers.get("authorization"), self.api_keys)
+            if key is None:
+                raise unauthenticated()
+            request.state.api_key = key
 
+    def cache_salt(self, request: Request, salt: str | None) -> str | None:
+        """The prefix-cache salt a request runs with: its own ``cache_salt``, after its API key's with
+        ``--cache-salt-per-api-key``."""
+        if not self.cache_salt_per_api_key:
+            return salt
+        return tenant_salt(getattr(request.state, "api_key", None), salt)
+
+    def usage(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        """OpenAI's ``usage`` of the outputs together; ``prompt_tokens_details`` (the prompt tokens the prefix
+        cache held) only with ``--enable-prompt-tokens-details``, else null, as vLLM answers."""
+        return usage(outs, self.prompt_tokens_details)
     async def read_json(self, request: Request) -> Any:
-        """The request's JSON body (``protocol.decode_json``'s checks), refused past ``max_body_bytes``."""
+        """The request's JSON body (``intake.decode_json``'s checks), refused past ``max_body_bytes``."""
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise invalid(f"the request body has {declared} bytes, over the limit of {self.max_body_bytes}")
@@ -150,10 +173,13 @@ async def _final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
     return finals  # type: ignore[return-value]
 
 
-def usage(outs: list[RequestOutput]) -> dict[str, Any]:
-    """OpenAI's ``usage`` of the outputs together (``cached_tokens``: prompt tokens the prefix cache held)."""
+def usage(outs: list[RequestOutput], details: bool = False) -> dict[str, Any]:
+    """OpenAI's ``usage`` of the outputs together; with ``details``, ``prompt_tokens_details.cached_tokens``
+    (prompt tokens the prefix cache held), else ``prompt_tokens_details`` null: how much of a prompt was cached
+    tells whoever sent it that someone sent the same prefix before."""
     counts = [usage_counts(o) for o in outs]
     prompt = sum(c["prompt_tokens"] for c in counts)
     completion = sum(c["completion_tokens"] for c in counts)
+    cached = {"cached_tokens": sum(c["cached_tokens"] for c in counts)} if details else None
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(c["cached_tokens"] for c in counts)}}
+            "prompt_tokens_details": cached}

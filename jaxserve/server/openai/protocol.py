@@ -2,57 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
 
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
-from jaxserve.server.intake import RequestError, invalid, make_sampling_params
-from jaxserve.server.limits import JSON_MAX_DEPTH
+from jaxserve.server.intake import RequestError, decode_json, invalid, make_sampling_params
 from jaxserve.server.openai.tool_calls import check_tools, forced_schema, template_message
-from jaxserve.text.prompt_tokenizer import first_invalid_char
 
 logger = logging.getLogger(__name__)
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def decode_json(body: bytes) -> Any:
-    """A request body as JSON, checked so that nothing past this point sees input it cannot handle: no NaN or
-    Infinity, nesting at most ``JSON_MAX_DEPTH`` deep, no string (key or value) that is not valid Unicode.
-    RequestError (400) naming the problem otherwise."""
-    try:
-        value = json.loads(body, parse_constant=_no_constant)
-    except RecursionError:
-        raise invalid(f"the request body is nested too deeply (the limit is {JSON_MAX_DEPTH} levels)") from None
-    except (UnicodeDecodeError, ValueError) as e:
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise invalid(f"the request body is not valid JSON: {message}") from None
-    stack = [(value, 1, "")]
-    while stack:
-        v, depth, path = stack.pop()
-        if isinstance(v, str):
-            bad = first_invalid_char(v)
-            if bad is not None:
-                raise invalid(f"{path or 'body'}: not valid Unicode text (a lone surrogate at character {bad})",
-                              path.split(".")[0].split("[")[0] or None)
-        elif isinstance(v, (dict, list)):
-            if depth > JSON_MAX_DEPTH:
-                raise invalid(f"the request body is nested too deeply (the limit is {JSON_MAX_DEPTH} levels)")
-            items = v.items() if isinstance(v, dict) else enumerate(v)
-            for k, item in items:
-                if isinstance(k, str):
-                    if first_invalid_char(k) is not None:
-                        raise invalid(f"{path or 'body'}: a key is not valid Unicode text (a lone surrogate)")
-                    sub = f"{path}.{k}" if path else k
-                else:
-                    sub = f"{path}[{k}]"
-                stack.append((item, depth + 1, sub))
-    return value
 
 
 # Fields of vLLM's structured_outputs that tune a constraint given by any of the fields (response_format too).
@@ -118,6 +77,8 @@ class _SamplingFields(_Body):
             elif kind == "json_schema":
                 spec = rf.get("json_schema")
                 schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
+                if isinstance(schema, str):  # JSON text: the body's limits, as if it had come as an object
+                    schema = decode_json(schema, "response_format")
                 if not isinstance(schema, dict):
                     raise invalid("response_format.json_schema.schema must be a JSON schema object",
                                   "response_format")
@@ -128,11 +89,15 @@ class _SamplingFields(_Body):
         options: dict[str, Any] = {}
         if self.structured_outputs is not None:
             so = {k: v for k, v in self.structured_outputs.items() if v is not None}
+            if isinstance(so.get("json"), str):
+                so["json"] = decode_json(so["json"], "structured_outputs")
             options = {k: so.pop(k) for k in _CONSTRAINT_OPTIONS if k in so}
             if so:  # anything but options names the constraint (or is an unknown field, refused below)
                 found.append(("structured_outputs", so))
         for name in ("json", "regex", "choice", "grammar"):
             value = getattr(self, f"guided_{name}")
+            if name == "json" and isinstance(value, str):
+                value = decode_json(value, "guided_json")
             if value is not None:
                 found.append((f"guided_{name}", {name: value}))
         if self.guided_whitespace_pattern is not None:

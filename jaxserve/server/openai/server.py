@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from fastapi import FastAPI
 
 from jaxserve.config.network import ClusterSecurity
+from jaxserve.server.access import AdminConfig
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics import ServerMetrics
@@ -23,11 +26,14 @@ class OpenAIServer:
     """Builds the FastAPI app over an ``AsyncEngine``."""
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str], *,
-                 api_key: str | None = None, max_body_bytes: int = 4 * 2**20, limits: RequestLimits | None = None,
-                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+                 api_key: str | Sequence[str] | None = None, max_body_bytes: int = 4 * 2**20,
+                 limits: RequestLimits | None = None, enable_auto_tool_choice: bool = False,
+                 tool_call_parser: str | None = None, prompt_tokens_details: bool = False,
+                 cache_salt_per_api_key: bool = False, admin: AdminConfig | None = None,
                  cluster: ClusterSecurity | None = None):
         self.ctx = APIContext(engine, metrics, served_model_names, api_key=api_key, max_body_bytes=max_body_bytes,
-                              limits=limits, cluster=cluster)
+                              limits=limits, prompt_tokens_details=prompt_tokens_details,
+                              cache_salt_per_api_key=cache_salt_per_api_key, admin=admin, cluster=cluster)
         # In this order on the app: the published schema lists its paths so.
         self.endpoints = [Health(self.ctx), Models(self.ctx), Admin(self.ctx), Completions(self.ctx),
                           ChatCompletions(self.ctx, enable_auto_tool_choice=enable_auto_tool_choice,

@@ -20,7 +20,7 @@ import re
 import uuid
 from typing import Any
 
-from jaxserve.server.intake import invalid
+from jaxserve.server.intake import JSONSyntaxError, decode_json, invalid
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
@@ -78,7 +78,7 @@ class HermesParser(ToolParser):
         for body in self._pattern.findall(text):
             try:
                 call = _call(json.loads(body))
-            except ValueError:
+            except (ValueError, RecursionError):
                 call = None
             if call is None:
                 return text, []  # not well-formed: the text stays content, as vLLM does
@@ -98,7 +98,7 @@ class Llama3JsonParser(ToolParser):
         while i < len(body):
             try:
                 obj, end = decoder.raw_decode(body, i)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return text, []
             call = _call(obj, "parameters")
             if call is None:
@@ -123,7 +123,7 @@ class MistralParser(ToolParser):
             return text, []
         try:
             items = json.loads(text[i + len(self.start_marker):].strip())
-        except ValueError:
+        except (ValueError, RecursionError):
             return text, []
         items = items if isinstance(items, list) else [items]
         calls = [_call(obj) for obj in items]
@@ -154,6 +154,8 @@ def check_tools(tools: list[Any] | None) -> list[dict]:
             raise invalid(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
                           "...}}}", "tools")
         params = fn.get("parameters", {"type": "object"})
+        if isinstance(params, str):  # JSON text: the body's limits
+            params = decode_json(params, "tools")
         if not isinstance(params, dict):
             raise invalid(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
         out.append({"type": "function", "function": {**fn, "parameters": params}})
@@ -191,7 +193,7 @@ def forced_calls(text: str, forced_name: str | None) -> list[ToolCall]:
         return [ToolCall(forced_name, text.strip())]
     try:
         items = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return []  # cut short (max_tokens): no complete call
     return [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
 
@@ -206,10 +208,10 @@ def template_message(message: dict) -> dict:
     for call in calls:
         fn = dict(call.get("function") or {})
         if isinstance(fn.get("arguments"), str):
-            try:
-                fn["arguments"] = json.loads(fn["arguments"])
-            except ValueError:
-                pass
+            try:  # the body's limits: a template walks what this returns
+                fn["arguments"] = decode_json(fn["arguments"], "messages")
+            except JSONSyntaxError:
+                pass  # not JSON: the template gets the text
         fixed.append({**call, "function": fn})
     return {**message, "tool_calls": fixed}
 
