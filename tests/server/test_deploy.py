@@ -111,3 +111,100 @@ def test_multi_host_start_up_from_the_leaderworkerset_environment():
         assert p.returncode == 0, err[-2000:]
         outs.append(out.split())
     assert outs == [["0", "2", "True"], ["1", "2", "False"]]
+
+
+def workloads() -> list[tuple[str, dict, dict]]:
+    """(file, workload, pod template) for every pod the manifests run."""
+    return [(name, doc, t) for name, doc in manifests() for t in pod_templates(doc)]
+
+
+def test_every_pod_is_hardened():
+    """No root, no privilege escalation, no capabilities, the runtime's seccomp filter, a read-only root filesystem
+    with writable volumes only where mounted, requests and limits, an image pinned to a version, and keys from a
+    Secret (never on the command line)."""
+    from jaxserve.server.args import parse_args
+
+    pods = workloads()
+    assert len(pods) == 5
+    for name, doc, template in pods:
+        spec = template["spec"]
+        where = f"{name}: {doc['kind']} {doc['metadata']['name']}"
+        pod = spec.get("securityContext", {})
+        assert pod.get("runAsNonRoot") is True and pod.get("runAsUser", 0) > 0, where
+        assert pod.get("seccompProfile") == {"type": "RuntimeDefault"}, where
+        writable = {v["name"] for v in spec.get("volumes", []) if "emptyDir" in v}
+        for c in spec["containers"]:
+            sc = c.get("securityContext", {})
+            assert sc.get("allowPrivilegeEscalation") is False, where
+            assert sc.get("readOnlyRootFilesystem") is True, where
+            assert sc.get("capabilities", {}).get("drop") == ["ALL"], where
+            for mount in c.get("volumeMounts", []):
+                assert mount.get("readOnly") or mount["name"] in writable, (where, mount)
+            assert any(m["mountPath"] == "/tmp" for m in c.get("volumeMounts", [])), where
+            for kind in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c.get("resources", {}).get(kind, {})), (where, kind)
+            image = c["image"]
+            assert re.fullmatch(r"[\w./-]+:\d+\.\d+\.\d+", image), (where, image)
+            env = {e["name"]: e for e in c.get("env", [])}
+            assert "secretKeyRef" in env["JAXSERVE_API_KEY"]["valueFrom"], where
+            args = [expand(a, LWS_ENV) for a in c["args"]]
+            assert not any(a.startswith(("--api-key", "--admin-api-key", "--cluster-secret")) for a in args), where
+            assert not any(a.startswith("--enable-admin-endpoints") for a in args), where
+            parsed = parse_args(args)
+            assert not parsed.enable_admin_endpoints, where
+
+
+def test_a_network_policy_guards_every_pod_and_port():
+    """Every pod is selected by a NetworkPolicy whose every rule names who may connect (no rule open to all), and
+    every port a container opens is admitted by some rule: the API only to a gateway or the router, KV-cache events
+    and the jax.distributed coordinator only to the pool's own pods."""
+    docs = manifests()
+    policies = [d for _, d in docs if d["kind"] == "NetworkPolicy"]
+    for name, doc, template in workloads():
+        labels = template["metadata"]["labels"]
+        mine = [p for p in policies
+                if all(labels.get(k) == v for k, v in p["spec"]["podSelector"]["matchLabels"].items())]
+        assert mine, f"{name}: no NetworkPolicy selects {labels}"
+        admitted: dict[int, list[dict]] = {}
+        for policy in mine:
+            assert policy["spec"]["policyTypes"] == ["Ingress"], name
+            for rule in policy["spec"]["ingress"]:
+                assert rule.get("from") and rule.get("ports"), (name, rule)  # no rule admits everyone
+                for peer in rule["from"]:
+                    assert set(peer) == {"podSelector"} and peer["podSelector"]["matchLabels"], (name, peer)
+                for port in rule["ports"]:
+                    admitted.setdefault(port["port"], []).extend(rule["from"])
+        for c in template["spec"]["containers"]:
+            for port in c.get("ports", []):
+                assert port["containerPort"] in admitted, (name, port)
+                peers = [p["podSelector"]["matchLabels"] for p in admitted[port["containerPort"]]]
+                if port["name"] in ("kv-events", "kv-replay", "coordinator"):
+                    # the pool's own pods: the router, or the group itself; never the gateway's label
+                    assert all("jaxserve.io/api-client" not in p for p in peers), (name, port, peers)
+
+
+def test_hardening_checks_catch_a_weakened_manifest(monkeypatch):
+    """The two checks above fail when a manifest drops a guard: root allowed, an image on :latest, a policy rule
+    open to everyone."""
+    import copy
+
+    original = manifests()
+
+    def weakened(change):
+        docs = copy.deepcopy(original)
+        change(docs)
+        monkeypatch.setattr(sys.modules[__name__], "manifests", lambda: docs)
+
+    def first_pod(docs):
+        return next(t for _, d in docs for t in pod_templates(d))
+
+    for change in (lambda docs: first_pod(docs)["spec"]["securityContext"].pop("runAsNonRoot"),
+                   lambda docs: first_pod(docs)["spec"]["containers"][0].update(image="jaxserve:latest"),
+                   lambda docs: first_pod(docs)["spec"]["containers"][0]["securityContext"].update(
+                       readOnlyRootFilesystem=False)):
+        weakened(change)
+        with pytest.raises(AssertionError):
+            test_every_pod_is_hardened()
+    weakened(lambda docs: next(d for _, d in docs if d["kind"] == "NetworkPolicy")["spec"]["ingress"][0].pop("from"))
+    with pytest.raises(AssertionError):
+        test_a_network_policy_guards_every_pod_and_port()
