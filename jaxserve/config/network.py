@@ -113,11 +113,6 @@ class ClusterSecurity:
     def tls(self) -> bool:
         return self.certfile is not None
 
-    @property
-    def guarded(self) -> bool:
-        """Whether a peer must prove anything (a secret, or a certificate signed by ``ca_certs``)."""
-        return self.secret is not None or self.ca_certs is not None
-
     def secret_ok(self, presented: str | None) -> bool:
         """Whether a caller's ``SECRET_HEADER`` value is the secret (always true without one)."""
         if self.secret is None:

@@ -12,7 +12,6 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -27,7 +26,6 @@ from jaxserve.engine.request_stream import (
 )
 from jaxserve.outputs import RequestDelta, RequestOutput, TokenRecord
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server.access import api_keys, matching_key
 from jaxserve.server.limits import JSON_MAX_DEPTH
 from jaxserve.server.openai.streaming import error_body
 from jaxserve.text.prompt_tokenizer import first_invalid_char
@@ -169,13 +167,6 @@ def check_model(name: str | None, served: list[str]) -> None:
     if name is not None and name not in served:
         raise RequestError(f"the model {name!r} does not exist; this server serves {', '.join(map(repr, served))}",
                            param="model", reason="invalid")
-
-
-def api_key_ok(authorization: str | None, api_key: str | Sequence[str] | None) -> bool:
-    """Whether an ``Authorization`` value carries the key, or one of the keys (always true when the server has
-    none)."""
-    keys = api_keys(api_key)
-    return not keys or matching_key(authorization, keys) is not None
 
 
 def conflict(message: str, param: str | None = None) -> RequestError:
