@@ -58,7 +58,7 @@ def child(argv: list[str]) -> dict:
     compile_counter = CompileCounter()
     rows = []
     runner = ex.runner
-    store = ExecutableStore.for_runner(config.compilation_cache_dir, runner)
+    store = ExecutableStore.for_runner(config, runner)
     for decode, tokens, slots, pages in ex.shapes.all_shapes():
         kind = StepKind.DECODE if decode else StepKind.PREFILL
         batch = ex.padding_batch(decode, tokens, slots, pages)

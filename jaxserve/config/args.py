@@ -43,6 +43,10 @@ HELP = {
                                     "room for others (0: no cap)",
     "max_waiting_requests": "queued requests beyond which new ones are refused as overloaded (default: no limit)",
     "compilation_cache_dir": "directory of the persistent XLA compilation cache ('' to disable)",
+    "compilation_cache_key_file": "file holding the key that signs the compilation cache's executables, kept "
+                                  "outside the cache folder, mode 600 (default: the key in "
+                                  "$JAXSERVE_COMPILATION_CACHE_KEY, else ~/.config/jaxserve/compilation-cache.key, "
+                                  "made on first use)",
     "attention_backend": "ragged paged attention implementation: auto, reference, pallas_tpu, pallas_gpu (Triton) "
                          "or pallas_mosaic_gpu (Hopper, bf16/f16 models, page_size a multiple of 8)",
     "mesh": "device mesh, e.g. 'tensor=4', 'data=2,tensor=4' or (MoE) 'expert=4,tensor=2'; its axes must multiply "

@@ -62,6 +62,7 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0  # cap on one prompt's chunk per step (0: off)
     max_waiting_requests: int | None = None  # the server answers "overloaded" past this many queued requests
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
+    compilation_cache_key_file: str | None = None  # the caches' signing key (executor/signed_cache.py)
     attention_backend: str = "auto"
     mesh: str | None = None  # "data=2,tensor=4": must use every device, or exactly num_devices of them
     num_devices: int | None = None  # use only the first N devices (single process); None: all when mesh is set

@@ -14,7 +14,7 @@ from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 
 from jaxserve.config.engine import EngineConfig
-from jaxserve.executor import platforms
+from jaxserve.executor import platforms, signed_cache
 from jaxserve.executor.kv_cache import (
     CacheConfig,
     bytes_per_token,
@@ -42,21 +42,24 @@ logger = logging.getLogger(__name__)
 
 
 def use_compilation_cache(config: EngineConfig) -> None:
-    """JAX's compilation cache is process-wide: each engine sets it to its own option, on or off.
+    """JAX's compilation cache is process-wide: each engine sets it to its own option, on or off, signed with its
+    own key (``signed_cache``: with no usable key the cache stays off).
 
     JAX decides once per process whether the cache is used, and opens its directory once: the first compilation
-    fixes both, and later changes of the options alone are ignored. An engine whose option differs from one set
-    before it (by an earlier engine, or the caller) therefore resets JAX's cache too, so its compilations go where
-    its option says. JAX's untouched defaults (on, no directory) have opened nothing and need no reset."""
+    fixes both, and later changes of the options alone are ignored. An engine whose option or key differs from
+    one set before it (by an earlier engine, or the caller) therefore resets JAX's cache too, so its compilations
+    go where its option says. JAX's untouched defaults (on, no directory) have opened nothing and need no reset."""
+    signer = signed_cache.signer_for(config.compilation_cache_dir, config.compilation_cache_key_file)
     before = (jax.config.jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir)
-    jax.config.update("jax_enable_compilation_cache", bool(config.compilation_cache_dir))
-    if config.compilation_cache_dir:
+    jax.config.update("jax_enable_compilation_cache", signer is not None)
+    if signer is not None:
         jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
         # Every program, however quick to compile: one left out (jax's default skips those under a second) is
         # compiled again at every start, and a warm start should compile nothing.
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    new_key = signed_cache.use(signer)
     after = (jax.config.jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir)
-    if before not in ((True, None), after):
+    if before != (True, None) and (before != after or new_key):
         compilation_cache.reset_cache()
 
 

@@ -25,8 +25,10 @@ first step, "Function ... not found"), so it could not be stored. After any chan
 program's HLO alone (an upgrade), that cache would answer every miss, nothing would be stored, and every later
 start would trace and lower every program again.
 
-Loading an executable runs code from the file (pickle): the store lives in the engine's own compilation-cache
-directory (``<compilation_cache_dir>/executables``) and must not be shared with untrusted writers.
+Loading an executable runs code from the file (pickle): every file is signed (``signed_cache``, with a key kept
+outside the compilation-cache directory that holds the store, ``<compilation_cache_dir>/executables``) and its
+signature checked before it is unpickled; a file that fails is a miss, logged once, compiled and written over.
+With no signing key there is no store.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import jax
 from jax.experimental import serialize_executable
 from jax.extend.mlir import ir
 
+from jaxserve.executor.signed_cache import Signer, signer_for
 from pallas_kernels.matmul import native as native_dense
 from pallas_kernels.ragged_paged_attention import native
 
@@ -176,19 +179,23 @@ class ExecutableStore:
     shape).
     """
 
-    def __init__(self, directory: str | os.PathLike, fingerprint: str):
+    KIND = "executable"
+
+    def __init__(self, directory: str | os.PathLike, fingerprint: str, signer: Signer):
         self.directory = Path(directory)
         self.fingerprint = fingerprint
+        self.signer = signer
         self.hits = 0
         self.misses = 0
 
     @classmethod
-    def for_runner(cls, compilation_cache_dir: str | None, runner) -> "ExecutableStore | None":
-        """The store of a runner's steps under a compilation-cache directory; None without one, or on a
-        multi-process run (each process would need the same files)."""
-        if not compilation_cache_dir or jax.process_count() > 1:
+    def for_runner(cls, config, runner) -> "ExecutableStore | None":
+        """The store of a runner's steps under an ``EngineConfig``'s compilation-cache directory, signed with its
+        key; None without either, or on a multi-process run (each process would need the same files)."""
+        signer = signer_for(config.compilation_cache_dir, config.compilation_cache_key_file)
+        if signer is None or jax.process_count() > 1:
             return None
-        return cls(Path(compilation_cache_dir) / SUBDIR, runner_fingerprint(runner))
+        return cls(Path(config.compilation_cache_dir) / SUBDIR, runner_fingerprint(runner), signer)
 
     def path(self, step_key: tuple) -> Path:
         digest = hashlib.sha256(f"{self.fingerprint}\n{step_key!r}".encode()).hexdigest()
@@ -202,8 +209,13 @@ class ExecutableStore:
         """The stored executable of ``step_key`` loaded onto ``devices`` (the mesh's, in its order), or None."""
         path = self.path(step_key)
         try:
-            with open(path, "rb") as f:
-                payload, in_tree, out_tree = pickle.load(f)
+            body = self.signer.verify(self.KIND, path.name, path.read_bytes())
+            if body is None:
+                logger.warning("executable store: %s failed its signature check; compiling the step instead",
+                               path.name)
+                self.misses += 1
+                return None
+            payload, in_tree, out_tree = pickle.loads(body)
             compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
                                                                  backend=devices[0].client,
                                                                  execution_devices=list(devices))
@@ -226,8 +238,9 @@ class ExecutableStore:
             self.directory.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=".exe")
             try:
+                body = pickle.dumps((payload, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
                 with os.fdopen(fd, "wb") as f:
-                    pickle.dump((payload, in_tree, out_tree), f, protocol=pickle.HIGHEST_PROTOCOL)
+                    f.write(self.signer.sign(self.KIND, path.name, body))
                 os.replace(tmp, path)
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)

@@ -48,7 +48,7 @@ class Warmup:
         ex, start = self._executor, time.perf_counter()
         runner = ex.runner
         shapes = self.shapes.all_shapes()
-        store = (ExecutableStore.for_runner(ex.config.compilation_cache_dir, runner)
+        store = (ExecutableStore.for_runner(ex.config, runner)
                  if ex.adapters is None else None)  # (the store's programs take no adapters)
         held = [shape for shape in shapes if store is not None and store.holds(runner.step_key(
             StepKind.DECODE if shape[0] else StepKind.PREFILL, ex.padding_batch(*shape)))]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -123,19 +124,37 @@ def test_warm_start_in_a_fresh_process_finds_the_native_attention(model_dir, cac
     assert warm["tokens"] == first[2][0]["greedy"]
 
 
-def test_mismatch_or_damaged_file_compiles_instead(model_dir, cache_dir, first, monkeypatch, caplog):
+class _RunsCode:
+    """Unpickling it makes a file: the proof that a forged store file ran."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_mismatch_or_damaged_file_compiles_instead(model_dir, cache_dir, first, monkeypatch, caplog, tmp_path):
     engine = first[0]
     programs = _programs(engine)
-    # Damage one stored file: it is reported, compiled again and saved over.
-    store = executable_store.ExecutableStore.for_runner(cache_dir, engine.executor.runner)
+    # Damage one stored file and put a pickle that runs code in another's place (what anyone who can write the
+    # cache folder could do): neither is unpickled; each is reported once, compiled again and saved over.
+    store = executable_store.ExecutableStore.for_runner(engine.executor.config, engine.executor.runner)
     files = sorted(store.directory.glob("*.exe"))
     assert len(files) == programs
+    assert all(path.read_bytes().startswith(b"jaxserve-signed-1\n") for path in files)
     files[0].write_bytes(b"not an executable")
+    ran = tmp_path / "the forged file ran"
+    files[1].write_bytes(pickle.dumps(_RunsCode(str(ran))))
     with caplog.at_level(logging.WARNING, logger="jaxserve.executor.executable_store"):
         damaged = _engine(model_dir, cache_dir)
     summary = damaged.executor.startup.summary
-    assert (summary["executables_loaded"], summary["executables_compiled"]) == (programs - 1, 1)
-    assert any("did not load" in r.getMessage() for r in caplog.records)
+    assert (summary["executables_loaded"], summary["executables_compiled"]) == (programs - 2, 2)
+    assert not ran.exists()
+    assert sorted(r.getMessage() for r in caplog.records if "signature" in r.getMessage()) == sorted(
+        f"executable store: {path.name} failed its signature check; compiling the step instead"
+        for path in files[:2])
+    assert all(path.read_bytes().startswith(b"jaxserve-signed-1\n") for path in files[:2])
     assert _serve(damaged) == (first[2][0], 0)
     del damaged
     # Different code (the source hash is part of every key): nothing loads, every shape compiles.
