@@ -20,6 +20,7 @@ from jaxserve.config.engine import (
     QUANTIZATIONS,
     EngineConfig,
 )
+from jaxserve.config.scheduler import PREFIX_CACHING_HASH_ALGOS
 
 HELP = {
     "model": "Hugging Face folder, orbax folder from scripts/convert_checkpoint.py, or hub id "
@@ -38,6 +39,9 @@ HELP = {
     "max_num_seqs": "sequences processed together in one step",
     "max_num_batched_tokens": "tokens per step (prompt chunks plus decodes); longer prompts are chunked",
     "enable_prefix_caching": "reuse the KV pages of repeated prompt prefixes",
+    "prefix_caching_hash_algo": "block hash of the prefix cache's pages, as vLLM computes it: sha256 (of the "
+                                "pickle), sha256_cbor (of canonical CBOR: what llm-d's scorer and Dynamo expect), "
+                                "xxhash or xxhash_cbor; the KV events announce these hashes",
     "enable_chunked_prefill": "split long prompts across steps so running sequences keep decoding",
     "long_prefill_token_threshold": "most prompt tokens one sequence may take in a step, so a long prompt leaves "
                                     "room for others (0: no cap)",
@@ -116,7 +120,7 @@ def user_error(prog: str, message: object) -> int:
 
 
 
-CHOICES = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "logprobs_mode": LOGPROBS_MODES,
+CHOICES = {"prefix_caching_hash_algo": PREFIX_CACHING_HASH_ALGOS, "dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "logprobs_mode": LOGPROBS_MODES,
            "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES, "load_format": LOAD_FORMATS,
            "fuse_projections": FUSE_PROJECTIONS}
 

@@ -58,6 +58,7 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"  # vLLM's block hash (jaxserve/scheduler/block_hash.py): its choices
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # cap on one prompt's chunk per step (0: off)
     max_waiting_requests: int | None = None  # the server answers "overloaded" past this many queued requests
@@ -184,6 +185,7 @@ class EngineConfig:
             num_pages=num_pages, page_size=self.page_size, max_model_len=max_model_len,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_caching=self.enable_prefix_caching, enable_chunked_prefill=self.enable_chunked_prefill,
+            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_loras=self.max_loras if self.enable_lora else 0,
         )

@@ -10,6 +10,10 @@ def pages_per_seq(max_model_len: int, page_size: int) -> int:
     return -(-max_model_len // page_size)
 
 
+# vLLM's --prefix-caching-hash-algo choices (jaxserve/scheduler/block_hash.py); the first is its default
+PREFIX_CACHING_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """Batch and KV-cache limits of continuous batching.
@@ -25,6 +29,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"  # the page keys: vLLM's block hash (jaxserve/scheduler/block_hash.py)
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     # Every layer attends to at most this many tokens back (a model whose layers are all windowed): pages
@@ -50,6 +55,9 @@ class SchedulerConfig:
         for field in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"SchedulerConfig.{field}={getattr(self, field)!r} must be a bool")
+        if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo={self.prefix_caching_hash_algo!r} must be one of "
+                             f"{', '.join(PREFIX_CACHING_HASH_ALGOS)}")
         t = self.long_prefill_token_threshold
         if not isinstance(t, int) or isinstance(t, bool) or t < 0:
             raise ValueError(f"SchedulerConfig.long_prefill_token_threshold={t!r} must be an integer >= 0")

@@ -209,9 +209,11 @@ class Engine:
         text, ids = self.tokenize(prompt)
         if not checked:
             self.checks.request(ids, params)
-        adapter = None if lora_request is None else self.add_lora(lora_request)
+        adapter = None if lora_request is None else self.executor.adapters.registered[self.add_lora(lora_request)]
         seq = Sequence(request_id, ids, params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
-                       request_index=next(self._counter), adapter=adapter)
+                       request_index=next(self._counter), adapter=None if adapter is None else adapter.name,
+                       adapter_id=None if adapter is None else adapter.id,
+                       adapter_path="" if adapter is None else adapter.path)
         seqs = self.scheduler.add(seq)
         self.structured.add(seqs)
         detoks = [IncrementalDetokenizer.for_request(self.tokenizer, ids, params) for _ in seqs]

@@ -3,42 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
-import numpy as np
-
-from jaxserve.scheduler.kv_events import BlockRemoved, BlockStored, KVCacheEvent, external_hash
+from jaxserve.scheduler import block_hash
+from jaxserve.scheduler.block_hash import BlockHasher
+from jaxserve.scheduler.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from jaxserve.scheduler.page_pool import OutOfPages, PagePool
 from jaxserve.scheduler.sequence import Sequence, SequenceStatus
-
-
-def hash_page(parent: bytes | None, token_ids: Seq[int]) -> bytes:
-    """Key of a full page: its tokens and, through ``parent`` (the previous page's key), every token before it.
-
-    blake2b over fixed-width little-endian token ids, so keys agree across processes and machines (Python's
-    ``hash`` is salted per process).
-    """
-    h = hashlib.blake2b(parent or b"", digest_size=16)
-    h.update(np.asarray(token_ids, dtype="<i8").tobytes())
-    return h.digest()
-
-
-def salt_key(cache_salt: str | None, *, adapter: str | None = None, epoch: int = 0) -> bytes | None:
-    """The parent key of a sequence's first page: None without a salt, adapter or weights epoch, else one derived
-    from them, so the chain of every page (and so every cache hit) is private to the requests that share the
-    salt, run the same LoRA ``adapter`` and ran after the same weight update (``epoch``)."""
-    if adapter is None and not epoch:
-        if cache_salt is None:
-            return None
-        return hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=16,
-                               person=b"jaxserve-salt").digest()
-    h = hashlib.blake2b(digest_size=16, person=b"jaxserve-key")
-    for part in (cache_salt, adapter):
-        h.update(b"\0" if part is None else b"\1" + part.encode("utf-8", "surrogatepass") + b"\0")
-    h.update(int(epoch).to_bytes(8, "little"))
-    return h.digest()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -70,7 +42,9 @@ class BlockManager:
         is evicted (least recently released first) to make room.
 
     A page is registered in the cache once it is full and its KV has been computed (``register``); it is
-    keyed by ``hash_page`` chained over all pages before it, so a hit means the whole prefix matches.
+    keyed by vLLM's block hash (``hasher``, ``jaxserve/scheduler/block_hash.py``) chained over all pages before
+    it, so a hit means the whole prefix (and the salt and adapter) matches, and the keys it announces are the
+    ones vLLM would.
     Sequences only ever write at or after ``num_computed_tokens``, which always lies past their shared pages,
     so shared pages are never written.
 
@@ -80,7 +54,8 @@ class BlockManager:
     """
 
     def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True,
-                 attention_window: int | None = None, table: str = "page_table"):
+                 attention_window: int | None = None, table: str = "page_table",
+                 hasher: BlockHasher | None = None):
         if page_size < 1:
             raise ValueError(f"page_size={page_size} must be >= 1")
         if attention_window is not None and attention_window < 1:
@@ -89,13 +64,14 @@ class BlockManager:
         self.attention_window = attention_window
         self.table = table  # the Sequence attribute holding this manager's page table (a second pool: its own)
         self.enable_prefix_caching = enable_prefix_caching
+        self.hasher = hasher if hasher is not None else BlockHasher()
+        self.int_hashes = block_hash.int_hashes()  # how events announce keys (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
         self.pool = PagePool(num_pages)
         self._refcount = [0] * num_pages
         self._hash_of: list[bytes | None] = [None] * num_pages
         self._page_of: dict[bytes, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest release first
         self._holders: dict[int, Sequence] = {}  # seq_id -> sequence holding a page table
-        self.epoch = 0  # weight updates so far (``forget_prefixes``): part of every page's key
         self._num_registered: dict[int, int] = {}  # seq_id -> leading pages already offered to the cache
         self._num_released: dict[int, int] = {}  # seq_id -> leading pages released behind the window
         self.num_released_pages = 0  # pages released behind the window, over the manager's life
@@ -152,14 +128,20 @@ class BlockManager:
         return cdiv(num_tokens, self.page_size)
 
     # ---- lookup and allocation ----------------------------------------------------------------------------
+    def _extra_keys(self, seq: Sequence, page: int) -> block_hash.ExtraKeys:
+        lora = None if seq.adapter is None else (seq.adapter, seq.adapter_path)
+        return block_hash.extra_keys(page == 0, seq.sampling_params.cache_salt, lora)
+
     def _hashes(self, seq: Sequence, num_pages: int) -> list[bytes]:
         hashes, ps = seq.page_hashes, self.page_size
         while len(hashes) < num_pages:
             i = len(hashes)
-            parent = hashes[-1] if hashes else salt_key(seq.sampling_params.cache_salt, adapter=seq.adapter,
-                                                        epoch=self.epoch)
-            hashes.append(hash_page(parent, seq.token_ids(i * ps, (i + 1) * ps)))
+            hashes.append(self.hasher.page(hashes[-1] if hashes else None, seq.token_ids(i * ps, (i + 1) * ps),
+                                           self._extra_keys(seq, i)))
         return hashes
+
+    def _external(self, key: bytes) -> int | bytes:
+        return block_hash.external(key, self.int_hashes)
 
     def match_prefix(self, seq: Sequence, share_with: Sequence | None = None) -> list[int]:
         """Pages holding already-computed KV for a leading part of ``seq``'s tokens; changes nothing.
@@ -255,9 +237,9 @@ class BlockManager:
         if self.events is not None:
             last = self.events[-1] if self.events else None
             if isinstance(last, BlockRemoved):
-                last.block_hashes.append(external_hash(key))
+                last.block_hashes.append(self._external(key))
             else:
-                self.events.append(BlockRemoved([external_hash(key)]))
+                self.events.append(BlockRemoved([self._external(key)]))
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; its registered pages stay cached until evicted, the rest return to the pool."""
@@ -347,23 +329,30 @@ class BlockManager:
                 if self.events is not None:
                     ps = self.page_size
                     tokens = seq.token_ids(i * ps, (i + 1) * ps)
+                    keys = block_hash.event_extra_keys(self._extra_keys(seq, i))
                     if run is not None:
-                        run.block_hashes.append(external_hash(h))
+                        run.block_hashes.append(self._external(h))
                         run.token_ids.extend(tokens)
+                        run.extra_keys.append(keys)
                     else:
-                        run = BlockStored([external_hash(h)], external_hash(hashes[i - 1]) if i else None,
-                                          list(tokens), ps)
+                        run = BlockStored([self._external(h)], self._external(hashes[i - 1]) if i else None,
+                                          list(tokens), ps, lora_id=seq.adapter_id, lora_name=seq.adapter,
+                                          extra_keys=[keys])
                         self.events.append(run)
             else:
                 run = None
         self._num_registered[seq.seq_id] = end
 
     def forget_prefixes(self) -> None:
-        """New weights: no page computed before now is ever matched again (the key chain of every later sequence
-        starts from a new ``epoch``); the cached pages nobody references go back to the pool now, the others as
-        their sequences finish."""
-        self.epoch += 1
+        """New weights: no page computed before now is ever matched again. Every registered page leaves the
+        cache (announced removed): those nobody references go back to the pool now, the others as their
+        sequences finish; and the running sequences, whose KV mixes old and new weights, register no more. The
+        keys stay vLLM's (as vLLM, which resets its prefix cache on new weights)."""
         self.reset_prefix_cache()
+        for page, key in enumerate(self._hash_of):
+            if key is not None:
+                self._forget(page)
+        self._num_registered.clear()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached page nobody references (e.g. after new weights are loaded)."""

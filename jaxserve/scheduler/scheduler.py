@@ -9,6 +9,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 
 from jaxserve.config.scheduler import SchedulerConfig
+from jaxserve.scheduler.block_hash import BlockHasher
 from jaxserve.scheduler.block_manager import BlockManager, PageHolder
 from jaxserve.scheduler.plan import DecodeRun, ScheduledSequence, SchedulerOutput, UpdateResult, placeholder
 from jaxserve.scheduler.protocol import DraftPlanner
@@ -42,16 +43,17 @@ class Scheduler:
         self.config = config
         self.spec = spec
         self.bulk_decodes = bulk_decodes
+        hasher = BlockHasher(config.prefix_caching_hash_algo)
         if config.state_slots:
             self.block_manager = StateBlockManager(config.num_pages, config.state_slots, config.page_size)
         elif config.local_pages:
             self.block_manager = WindowedBlockManager(
                 config.num_pages, config.local_pages, config.page_size, window=config.local_window,
-                enable_prefix_caching=config.enable_prefix_caching)
+                enable_prefix_caching=config.enable_prefix_caching, hasher=hasher)
         else:
             self.block_manager = BlockManager(
                 config.num_pages, config.page_size, enable_prefix_caching=config.enable_prefix_caching,
-                attention_window=config.attention_window,
+                attention_window=config.attention_window, hasher=hasher,
             )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preemption takes from the end

@@ -60,6 +60,8 @@ class Sequence:
         index: int = 0,
         request_index: int = 0,
         adapter: str | None = None,
+        adapter_id: int | None = None,
+        adapter_path: str = "",
     ):
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
@@ -82,9 +84,11 @@ class Sequence:
         self.page_table: list[int] = []
         self.local_page_table: list[int] = []  # the windowed layers' own pool, for models that interleave them
         self.table_version = 0  # bumped whenever page_table or local_page_table changes (executor/decode_rows.py)
-        # chained hash of each full page; depends on tokens, cache_salt, adapter and the weights' epoch only
+        # vLLM's chained block hash of each full page (jaxserve/scheduler/block_hash.py): tokens, cache_salt, adapter
         self.page_hashes: list[bytes] = []
         self.adapter = adapter  # the LoRA adapter it runs with (None: the base model); part of its pages' keys
+        self.adapter_id = adapter_id  # its lora_int_id, and its folder (in the keys, as vLLM's)
+        self.adapter_path = adapter_path
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix reused at the latest admission
         self.num_preemptions = 0
@@ -177,6 +181,8 @@ class Sequence:
             index=index,
             request_index=self.request_index,
             adapter=self.adapter,
+            adapter_id=self.adapter_id,
+            adapter_path=self.adapter_path,
         )
         sib.leader = self
         return sib

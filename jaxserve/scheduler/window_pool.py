@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
+from jaxserve.scheduler.block_hash import BlockHasher
 from jaxserve.scheduler.block_manager import BlockManager
 from jaxserve.scheduler.page_pool import OutOfPages
 from jaxserve.scheduler.sequence import Sequence
@@ -40,10 +41,11 @@ class WindowedBlockManager:
     (``Sequence.local_page_table``), releasing pages behind ``window``. Counts and statistics are ``full``'s."""
 
     def __init__(self, num_pages: int, num_window_pages: int, page_size: int, *, window: int,
-                 enable_prefix_caching: bool = True):
-        self.full = BlockManager(num_pages, page_size, enable_prefix_caching=enable_prefix_caching)
+                 enable_prefix_caching: bool = True, hasher: BlockHasher | None = None):
+        # (one hasher for both: a sequence's page keys are computed once, in ``Sequence.page_hashes``)
+        self.full = BlockManager(num_pages, page_size, enable_prefix_caching=enable_prefix_caching, hasher=hasher)
         self.windowed = BlockManager(num_window_pages, page_size, enable_prefix_caching=enable_prefix_caching,
-                                     attention_window=window, table="local_page_table")
+                                     attention_window=window, table="local_page_table", hasher=self.full.hasher)
         self.page_size = page_size
         self._window_prefix: dict[int, list[int]] = {}  # seq_id -> windowed-pool pages of its last prefix match
         self._last_match = -1  # the seq_id match_prefix last answered for (can_allocate follows it)

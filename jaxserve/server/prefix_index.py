@@ -2,9 +2,12 @@
 ``--routing prefix``: a subscriber per replica keeps the set of page hashes it announced, and ``longest_prefix``
 says how many leading pages of a prompt a replica holds.
 
-A prompt's page hashes are computed here as the engine computes its page keys (``hash_page`` chained over
-``page_size`` tokens, seeded by the request's ``cache_salt``), then taken in the events' integer form
-(``external_hash``). The page size is the one the replicas announce (``block_size`` of their events).
+A prompt's page hashes are computed here as the engine (and vLLM) computes its page keys: vLLM's block hash
+(``jaxserve/scheduler/block_hash.py``, the replicas' ``--prefix-caching-hash-algo`` and ``PYTHONHASHSEED``)
+chained over ``page_size`` tokens with the request's ``cache_salt`` on the first page, then taken in the form the
+events announce (the low 64 bits, or whole digests with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``). The page
+size is the one the replicas announce (``block_size`` of their events). Requests for a LoRA adapter are not
+matched: vLLM's keys hold the adapter's folder, which the events do not carry.
 
 Each subscriber follows the sequence numbers: on the first batch it sees and on any gap it asks the replica's
 replay socket for what it missed (from 0 the first time, so a router that starts after a replica still learns
@@ -18,8 +21,8 @@ import logging
 
 import msgpack
 
-from jaxserve.scheduler.block_manager import hash_page, salt_key
-from jaxserve.scheduler.kv_events import external_hash
+from jaxserve.scheduler import block_hash
+from jaxserve.scheduler.block_hash import BlockHasher
 
 logger = logging.getLogger(__name__)
 
@@ -30,20 +33,21 @@ class ReplicaCache:
     """The page hashes one replica announced, applied in order."""
 
     def __init__(self):
-        self.hashes: set[int] = set()
+        self.hashes: set[int | bytes] = set()
         self.page_size: int | None = None
         self.next_seq = 0  # the sequence number expected next
         self.synced = False  # caught up through replay (or nothing to catch up on)
 
     def apply(self, payload: bytes) -> None:
-        _ts, events, _rank = msgpack.unpackb(payload, raw=False)
+        _ts, events, *_rank = msgpack.unpackb(payload, raw=False)
         for e in events:
-            if e[0] == "BlockStored":
-                self.hashes.update(e[1])
-                self.page_size = e[4]
-            elif e[0] == "BlockRemoved":
-                self.hashes.difference_update(e[1])
-            elif e[0] == "AllBlocksCleared":
+            kind = e.get("type") if isinstance(e, dict) else None
+            if kind == "BlockStored":
+                self.hashes.update(e["block_hashes"])
+                self.page_size = e["block_size"]
+            elif kind == "BlockRemoved":
+                self.hashes.difference_update(e["block_hashes"])
+            elif kind == "AllBlocksCleared":
                 self.hashes.clear()
 
     def take(self, seq: int, payload: bytes) -> None:
@@ -56,21 +60,20 @@ class ReplicaCache:
             self.next_seq = seq + 1
 
 
-def prompt_hashes(token_ids: list[int], page_size: int, cache_salt: str | None = None) -> list[int]:
-    """The event-form hashes of a prompt's full pages (only pages another request could have cached)."""
-    out, parent = [], salt_key(cache_salt)
-    for i in range(len(token_ids) // page_size):
-        parent = hash_page(parent, token_ids[i * page_size:(i + 1) * page_size])
-        out.append(external_hash(parent))
-    return out
-
-
 class PrefixIndex:
     """One ``ReplicaCache`` per replica, fed by a subscriber task per replica (``run``)."""
 
-    def __init__(self, endpoints: dict[str, str], replay: dict[str, str | None], topic: str = ""):
+    def __init__(self, endpoints: dict[str, str], replay: dict[str, str | None], topic: str = "",
+                 hasher: BlockHasher | None = None):
         self.endpoints, self.replay, self.topic = endpoints, replay, topic.encode()
         self.caches = {name: ReplicaCache() for name in endpoints}
+        self.hasher = hasher if hasher is not None else BlockHasher()
+        self.int_hashes = block_hash.int_hashes()
+
+    def prompt_hashes(self, token_ids: list[int], page_size: int, cache_salt: str | None = None) -> list:
+        """The event-form hashes of a prompt's full pages (only pages another request could have cached)."""
+        return [block_hash.external(h, self.int_hashes)
+                for h in self.hasher.chain(token_ids, page_size, cache_salt)]
 
     @property
     def page_size(self) -> int | None:

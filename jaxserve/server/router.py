@@ -55,6 +55,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from jaxserve.config.network import ClusterSecurity
+from jaxserve.scheduler.block_hash import DEFAULT_HASH_ALGO, BlockHasher
 from jaxserve.server import prefix_index
 from jaxserve.server.access import AdminConfig, api_keys, matching_key
 from jaxserve.server.connections import ConnectionLimits, uvicorn_config
@@ -417,7 +418,8 @@ class Router:
             return None
         if not ids:
             return None
-        hashes = prefix_index.prompt_hashes(ids, page_size, req.get("cache_salt"))
+        salt = req.get("cache_salt")
+        hashes = self.index.prompt_hashes(ids, page_size, salt if isinstance(salt, str) else None)
         return lambda name: self.index.longest_prefix(name, hashes)
 
     async def _prompt_ids(self, req: dict) -> list[int] | None:
@@ -552,8 +554,8 @@ class Router:
             ids = await asyncio.to_thread(self.tokenizer.encode, req.text)
         else:
             return None
-        hashes = prefix_index.prompt_hashes(ids, self.index.page_size,
-                                            req.cache_salt if req.HasField("cache_salt") else None)
+        hashes = self.index.prompt_hashes(ids, self.index.page_size,
+                                          req.cache_salt if req.HasField("cache_salt") else None)
         return lambda name: self.index.longest_prefix(name, hashes)
 
     async def _tokenize(self, request: bytes, context):
@@ -614,7 +616,9 @@ async def run_router(args) -> int:
         names = [h.removeprefix("http://") for h, _ in urls]
         pubs = args.kv_events_url.split(",")
         replays = args.kv_events_replay_url.split(",") if args.kv_events_replay_url else [None] * len(names)
-        index = prefix_index.PrefixIndex(dict(zip(names, pubs)), dict(zip(names, replays)))
+        engine_config = getattr(args, "engine_config", None)  # --prefix-caching-hash-algo: the replicas' choice
+        hasher = BlockHasher(getattr(engine_config, "prefix_caching_hash_algo", DEFAULT_HASH_ALGO))
+        index = prefix_index.PrefixIndex(dict(zip(names, pubs)), dict(zip(names, replays)), hasher=hasher)
         if args.tokenizer:
             from jaxserve.text.tokenizer import load_tokenizer
 

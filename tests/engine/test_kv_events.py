@@ -1,20 +1,22 @@
-"""KV-cache events in vLLM's format (jaxserve/engine/kv_events.py): a subscriber decodes them with a plain msgpack
-decoder, checks each batch against the documented schema, and replays them into a picture of the cache that must
-match the engine's own; a late subscriber catches up through the replay socket."""
+"""KV-cache events in vLLM's format (jaxserve/engine/kv_events.py): a subscriber decodes every batch with vLLM's
+own ``KVEventBatch`` definition (tests/vllm_kv_events.py, written from vLLM's field list), recomputes every
+announced block hash from its tokens with hashlib and cbor2 as vLLM's ``sha256_cbor`` does, and replays the
+events into a picture of the cache that must match the engine's own; a late subscriber catches up through the
+replay socket."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 
-import msgpack
+import cbor2
 import pytest
 import zmq
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config.kv_events import KVEventsConfig
-from jaxserve.scheduler.block_manager import hash_page
-from jaxserve.scheduler.kv_events import external_hash
 
+import vllm_kv_events as vllm
 from server_harness import free_port
 from tiny import build_tiny_model
 
@@ -22,25 +24,26 @@ PAGE = 4
 TOPIC = b"kv@test"
 
 
-def check_batch(batch) -> list:
-    """vLLM's KVEventBatch as msgspec encodes it (array_like, tagged): [ts, events, data_parallel_rank]."""
-    assert isinstance(batch, list) and len(batch) == 3, batch
-    ts, events, rank = batch
-    assert isinstance(ts, float) and abs(ts - time.time()) < 600 and rank == 0
-    for e in events:
-        tag = e[0]
-        if tag == "BlockStored":
-            _, hashes, parent, tokens, block_size, lora_id, medium = e
-            assert block_size == PAGE and len(tokens) == len(hashes) * PAGE and hashes
-            assert all(isinstance(h, int) and 0 <= h < 2**64 for h in hashes)
-            assert parent is None or isinstance(parent, int)
-            assert all(isinstance(t, int) for t in tokens) and lora_id is None and medium == "GPU"
-        elif tag == "BlockRemoved":
-            _, hashes, medium = e
-            assert hashes and all(isinstance(h, int) for h in hashes) and medium == "GPU"
-        else:
-            assert e == ["AllBlocksCleared"], e
-    return events
+def check_batch(payload: bytes) -> list:
+    """One message decoded as vLLM's subscribers decode it (a mismatch raises), with what jaxserve sends."""
+    batch = vllm.decoder.decode(payload)
+    assert abs(batch.ts - time.time()) < 600 and batch.data_parallel_rank == 0
+    for e in batch.events:
+        if isinstance(e, vllm.BlockStored):
+            assert e.block_size == PAGE and len(e.token_ids) == len(e.block_hashes) * PAGE and e.block_hashes
+            assert all(isinstance(h, bytes) and len(h) == 32 for h in e.block_hashes)  # whole digests (env 0)
+            assert e.lora_id is None and e.lora_name is None and e.medium == "GPU" and e.group_idx == 0
+            assert e.extra_keys == [None] * len(e.block_hashes)
+        elif isinstance(e, vllm.BlockRemoved):
+            assert e.block_hashes and e.medium == "GPU" and e.group_idx == 0
+    return batch.events
+
+
+def sha256_cbor(value) -> bytes:
+    return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
+
+
+NONE_HASH = sha256_cbor("vllm-none-hash")  # the first block's parent without PYTHONHASHSEED
 
 
 def test_config_keys_are_vllms_and_bad_ones_are_named():
@@ -53,11 +56,13 @@ def test_config_keys_are_vllms_and_bad_ones_are_named():
             KVEventsConfig.parse(bad)
 
 
-def test_every_page_is_announced_once_in_order_and_replay_catches_up(tmp_path):
+def test_every_page_is_announced_once_in_order_and_replay_catches_up(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")  # whole digests: each chain can be recomputed
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     endpoint, replay_port = f"ipc://{tmp_path}/kv-events", free_port()  # ipc: bound by the publisher (vLLM's rule)
     llm = LLM(str(build_tiny_model("llama", tmp_path / "m")), page_size=PAGE, num_pages=14, max_num_seqs=2,
               max_num_batched_tokens=32, max_model_len=48, warmup=False, compilation_cache_dir=None,
-              kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
+              prefix_caching_hash_algo="sha256_cbor", kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
                                 "endpoint": endpoint,
                                 "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "topic": TOPIC.decode()})
     ctx = zmq.Context.instance()
@@ -104,32 +109,32 @@ def test_every_page_is_announced_once_in_order_and_replay_catches_up(tmp_path):
         dealer.close(0)
         assert [s for s, _ in replayed] == list(range(len(replayed)))
         assert [p for s, p in replayed if s >= seqs[0]] == live  # the same bytes the live subscriber got
-        batches = [check_batch(msgpack.unpackb(p, raw=False)) for _, p in replayed]
-        assert batches[0] == [["AllBlocksCleared"]]  # a starting publisher: nothing cached
+        batches = [check_batch(p) for _, p in replayed]
+        assert batches[0] == [vllm.AllBlocksCleared()]  # a starting publisher: nothing cached
 
-        # Replayed in order, the events give exactly the engine's cache; nothing is stored or removed twice.
-        cached: dict[int, int | None] = {}  # hash -> parent
+        # Replayed in order, the events give exactly the engine's cache; nothing is stored or removed twice; and
+        # every hash is vLLM's sha256_cbor of (parent, tokens, None), chained from the seed's digest.
+        cached: dict[bytes, bytes | None] = {}  # hash -> parent
         stored = removed = 0
         for events in batches:
             for e in events:
-                if e[0] == "AllBlocksCleared":
+                if isinstance(e, vllm.AllBlocksCleared):
                     cached.clear()
-                elif e[0] == "BlockStored":
-                    parent = e[2]
-                    for j, h in enumerate(e[1]):
+                elif isinstance(e, vllm.BlockStored):
+                    parent = e.parent_block_hash
+                    for j, h in enumerate(e.block_hashes):
                         assert h not in cached, "a page announced twice"
-                        tokens = e[3][j * PAGE:(j + 1) * PAGE]
-                        if parent is None:  # a first page: its key is computable from its tokens alone
-                            assert h == external_hash(hash_page(None, tokens))
+                        tokens = tuple(e.token_ids[j * PAGE:(j + 1) * PAGE])
+                        assert h == sha256_cbor((parent or NONE_HASH, tokens, None))
                         cached[h] = parent
                         parent = h
                         stored += 1
                 else:
-                    for h in e[1]:
+                    for h in e.block_hashes:
                         assert h in cached, "a page removed that was never stored"
                         del cached[h]
                         removed += 1
-        assert set(cached) == {external_hash(k) for k in bm._page_of}
+        assert set(cached) == set(bm._page_of)
         assert removed >= bm.num_evictions and stored == len(cached) + removed
     finally:
         sub.close(0)

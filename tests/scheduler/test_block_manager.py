@@ -1,13 +1,10 @@
 """BlockManager: page accounting, prefix-cache hits, divergence inside a page, LRU eviction, refcounts."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler.block_manager import RELEASED, BlockManager, hash_page
+from jaxserve.scheduler.block_hash import BlockHasher, external
+from jaxserve.scheduler.block_manager import RELEASED, BlockManager
 from jaxserve.scheduler.page_pool import OutOfPages
 from jaxserve.scheduler.sequence import Sequence, SequenceStatus
 
@@ -241,14 +238,47 @@ def test_check_invariants_catches_corruption():
         bm.check_invariants()
 
 
-def test_hash_is_stable_across_processes():
-    here = hash_page(hash_page(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex()
-    code = "from jaxserve.scheduler.block_manager import hash_page as h; print(h(h(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex())"
-    env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=os.getcwd())
-    there = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert there.stdout.strip() == here
-    assert hash_page(None, [1, 2, 3, 4]) != hash_page(None, [1, 2, 3, 5])
-    assert hash_page(b"x" * 16, [1, 2, 3, 4]) != hash_page(b"y" * 16, [1, 2, 3, 4])
+def test_page_keys_are_vllms_block_hashes_and_events_announce_them(monkeypatch):
+    """The keys are vLLM's chain (tests/scheduler/test_block_hash.py holds the vectors); an adapter's pages carry
+    its name, id and (untagged) extra keys, the salt only on the first page."""
+    bm = BlockManager(32, PS, hasher=BlockHasher("sha256_cbor"))
+    bm.record_events()
+    prompt = list(range(13))  # three full pages
+    seq = Sequence("a", prompt, SamplingParams(cache_salt="t"), adapter="sql", adapter_id=3, adapter_path="/a/sql")
+    run_prefill(bm, seq)
+    chain = BlockHasher("sha256_cbor").chain(prompt, PS, cache_salt="t", lora=("sql", "/a/sql"))
+    assert seq.page_hashes == chain and set(bm._page_of) == set(chain)
+    [event] = bm.take_events()
+    assert event.block_hashes == [external(h) for h in chain] and event.parent_block_hash is None
+    assert (event.lora_id, event.lora_name) == (3, "sql")
+    assert event.extra_keys == [("sql", "t"), ("sql",), ("sql",)]
+    assert event.to_wire()["extra_keys"] == [["sql", "t"], ["sql"], ["sql"]]
+
+
+def test_new_weights_forget_every_page_and_running_sequences_register_no_more():
+    """After new weights no page computed before is matched: not the idle cached ones, not those a running
+    sequence still holds, and not the pages that sequence fills later (their KV attends to old-weight KV)."""
+    bm = BlockManager(32, PS)
+    bm.record_events()
+    prompt = list(range(9))
+    run_prefill(bm, seq_of(prompt, "done"))
+    bm.free(bm._holders[next(iter(bm._holders))])
+    running = seq_of(prompt + [50, 51, 52, 53], "running")
+    assert len(run_prefill(bm, running)) == 2
+    bm.take_events()
+    bm.forget_prefixes()
+    [removed] = bm.take_events()
+    assert sorted(removed.block_hashes) == sorted(external(h) for h in running.page_hashes[:3])
+    assert bm.num_cached_pages == 0 and not bm._page_of
+    bm.grow(running, running.num_tokens + 3)
+    for token in (60, 61, 62):
+        running.append_token(token)
+    running.num_computed_tokens = running.num_tokens
+    bm.register(running)
+    assert not bm._page_of and bm.take_events() == []
+    assert run_prefill(bm, seq_of(prompt, "after")) == []  # computed afresh, with the new weights
+    bm.free(running)
+    bm.check_invariants()
 
 
 def test_cache_salt_keeps_prefix_pages_private_to_its_tenant():

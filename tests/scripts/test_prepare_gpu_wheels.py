@@ -95,9 +95,10 @@ def test_the_real_roots_and_image(wheels):
     roots = {canonicalize_name(Requirement(r).name) for r in wheels.project_requirements()}
     assert {"fastapi", "uvicorn", "grpcio-health-checking", "grpcio-reflection", "llguidance", "jax"} <= roots
     missing = sorted(n for n in roots if n not in wheels.GPU_IMAGE)
-    # starlette: a root of its own since its floor (under fastapi) is past CVE-2025-54121
-    assert missing == ["fastapi", "grpcio-health-checking", "grpcio-reflection", "llguidance", "pyzmq", "starlette",
-                       "uvicorn"]
+    # starlette: a root of its own since its floor (under fastapi) is past CVE-2025-54121; cbor2 and xxhash: vLLM's
+    # block hashes
+    assert missing == ["cbor2", "fastapi", "grpcio-health-checking", "grpcio-reflection", "llguidance", "pyzmq",
+                       "starlette", "uvicorn", "xxhash"]
     target = wheels.pip_target(35)
     assert "manylinux_2_31_x86_64" in target and "manylinux_2_17_x86_64" in target and "manylinux_2_36_x86_64" \
         not in target

@@ -15,7 +15,8 @@ from jaxserve.config.kv_events import KVEventsConfig
 from jaxserve.engine.kv_events import ZmqEventPublisher
 from jaxserve.scheduler.kv_events import BlockRemoved, BlockStored
 from jaxserve.server import router as rt
-from jaxserve.server.prefix_index import PrefixIndex, prompt_hashes
+from jaxserve.scheduler.block_hash import BlockHasher, external
+from jaxserve.server.prefix_index import PrefixIndex
 
 from server_harness import free_port
 
@@ -30,6 +31,14 @@ def publisher(port: int, replay: int) -> ZmqEventPublisher:
                                             endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay}"))
 
 
+HASHER = BlockHasher("sha256_cbor")  # the replicas' --prefix-caching-hash-algo
+
+
+def prompt_hashes(ids: list[int], page_size: int) -> list[int]:
+    """What a replica announces for a prompt's pages (the engine's own keys: tests/scheduler/test_block_hash.py)."""
+    return [external(h) for h in HASHER.chain(ids, page_size)]
+
+
 def stored(ids: list[int]) -> BlockStored:
     return BlockStored(prompt_hashes(ids, PAGE), None, list(ids[:len(ids) // PAGE * PAGE]), PAGE)
 
@@ -42,7 +51,9 @@ def test_index_follows_events_and_the_pool_prefers_the_holder_within_the_bound()
 
         async def scenario():
             index = PrefixIndex({n: f"tcp://127.0.0.1:{p}" for n, (p, _) in ports.items()},
-                                {n: f"tcp://127.0.0.1:{r}" for n, (_, r) in ports.items()})
+                                {n: f"tcp://127.0.0.1:{r}" for n, (_, r) in ports.items()},
+                                hasher=BlockHasher("sha256_cbor"))
+            assert index.prompt_hashes(SYSTEM, PAGE) == prompt_hashes(SYSTEM, PAGE)
             task = asyncio.ensure_future(index.run())
 
             async def until(cond, what):
