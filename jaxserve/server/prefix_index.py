@@ -11,7 +11,9 @@ matched: vLLM's keys hold the adapter's folder, which the events do not carry.
 
 Each subscriber follows the sequence numbers: on the first batch it sees and on any gap it asks the replica's
 replay socket for what it missed (from 0 the first time, so a router that starts after a replica still learns
-its whole cache, as far as the replica's replay buffer reaches).
+its whole cache, as far as the replica's replay buffer reaches). When the buffer no longer reaches back to the
+first missed batch, or no replay answers, it says so in the log and follows from the oldest batch it can get
+(before, it waited for the missing one forever and learned nothing more of that replica).
 """
 
 from __future__ import annotations
@@ -118,6 +120,10 @@ class PrefixIndex:
                     cache.synced = True
                     if seq < cache.next_seq:
                         continue  # the replay brought it
+                    if seq > cache.next_seq:  # not replayed (no answer): follow from here rather than wait forever
+                        logger.warning("KV events of %s: batches %d-%d could not be replayed; following from %d "
+                                       "(what they announced is unknown)", name, cache.next_seq, seq - 1, seq)
+                        cache.next_seq = seq
                 cache.take(seq, payload)
         finally:
             watcher.cancel()
@@ -162,6 +168,12 @@ class PrefixIndex:
                 _, seq, payload = await sock.recv_multipart()
                 if seq == END_SEQ:
                     return
-                cache.take(int.from_bytes(seq, "big"), payload)
+                seq = int.from_bytes(seq, "big")
+                if seq > cache.next_seq:  # the replica's replay buffer no longer reaches back that far
+                    logger.warning("KV events of %s: the replay buffer starts at batch %d, after %d; following from "
+                                   "there (what batches %d-%d announced is unknown)", name, seq, cache.next_seq,
+                                   cache.next_seq, seq - 1)
+                    cache.next_seq = seq
+                cache.take(seq, payload)
         finally:
             sock.close(0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import pytest
@@ -126,3 +127,37 @@ def test_index_follows_events_and_the_pool_prefers_the_holder_within_the_bound()
     finally:
         for p in pubs.values():
             p.close()
+
+
+def test_a_router_joining_after_the_replay_buffer_wrapped_follows_from_its_oldest_batch(caplog):
+    """The replica's buffer keeps only its last batches: a router that starts later asks from 0, gets the oldest
+    buffered one instead, says so, and follows from there (it used to wait for batch 0 forever)."""
+    port, replay = free_port(), free_port()
+    pub = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}",
+                                           replay_endpoint=f"tcp://*:{replay}", buffer_steps=2))
+    try:
+        for i in range(5):  # batches 1-5 after the start's clear (0): the buffer keeps the last two
+            pub.publish([stored([40 + i] * PAGE)])
+        time.sleep(0.2)
+
+        async def scenario():
+            index = PrefixIndex({"a:1": f"tcp://127.0.0.1:{port}"}, {"a:1": f"tcp://127.0.0.1:{replay}"},
+                                hasher=BlockHasher("sha256_cbor"))
+            task = asyncio.ensure_future(index.run())
+            try:
+                for _ in range(60):
+                    pub.publish([stored([90] * PAGE)])
+                    await asyncio.sleep(0.05)
+                    if index.longest_prefix("a:1", prompt_hashes([90] * PAGE, PAGE)) == 1:
+                        break
+                assert index.longest_prefix("a:1", prompt_hashes([90] * PAGE, PAGE)) == 1, "live batches applied"
+                assert index.longest_prefix("a:1", prompt_hashes([40] * PAGE, PAGE)) == 0  # batch 1: gone
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+        with caplog.at_level(logging.WARNING, logger="jaxserve.server.prefix_index"):
+            asyncio.run(scenario())
+        assert any("replay buffer starts at batch" in r.getMessage() for r in caplog.records)
+    finally:
+        pub.close()

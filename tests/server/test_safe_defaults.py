@@ -293,6 +293,9 @@ class _CountingTokenizer:
 class _Index:
     page_size = 4
 
+    def prompt_hashes(self, token_ids, page_size, cache_salt=None):
+        return []
+
     def longest_prefix(self, name, hashes):
         return 0
 
