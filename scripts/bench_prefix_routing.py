@@ -136,6 +136,8 @@ def main() -> int:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--prefix-caching-hash-algo", default="sha256_cbor",
+                   help="the servers' and the router's block hash (default: what llm-d's scorer expects)")
     bench_results.add_arguments(p)
     args = p.parse_args()
     figures = bench_results.Results(args)
@@ -150,6 +152,7 @@ def main() -> int:
                    "replay_endpoint": pubs[-1][1].replace("127.0.0.1", "*")}
             servers.append(Proc([*model_args, "--http-port", "0", "--grpc-port", "0", "--page-size",
                                  str(args.page_size), "--kv-events-config", json.dumps(cfg),
+                                 "--prefix-caching-hash-algo", args.prefix_caching_hash_algo,
                                  "--log-level", "warning"], tmp / f"server{i}.log"))
         addrs = [s.wait_ready() for s in servers]
         model = httpx.get(addrs[0][0] + "/v1/models", timeout=10).json()["data"][0]["id"]
@@ -159,7 +162,8 @@ def main() -> int:
             extra = ["--kv-events-url", ",".join(u for u, _ in pubs), "--kv-events-replay-url",
                      ",".join(r for _, r in pubs)] if routing == "prefix" else []
             router = Proc(["--role", "router", "--decode-url", decode_url, "--routing", routing, "--http-port", "0",
-                           "--grpc-port", "0", *extra], tmp / f"router-{routing}.log")
+                           "--grpc-port", "0", "--prefix-caching-hash-algo", args.prefix_caching_hash_algo,
+                           *extra], tmp / f"router-{routing}.log")
             try:
                 http, _ = router.wait_ready()
                 time.sleep(1.0)  # the router's index catches up with the servers' events
