@@ -155,10 +155,11 @@ def read_deadlines(limits: ConnectionLimits, base: type | None = None) -> type:
 
 
 def uvicorn_config(app, limits: ConnectionLimits | None = None, tls: ServerTLS | None = None,
-                   http: type | None = None) -> uvicorn.Config:
+                   http: type | None = None, grace_s: float = 5) -> uvicorn.Config:
     """The front end's uvicorn configuration (our own logging and signals; no lifespan): the connection cap,
-    the read deadlines, TLS when given."""
+    the read deadlines, TLS when given, and ``grace_s``: how long open requests may finish once it is told to
+    stop (after that uvicorn cancels them)."""
     limits = limits or ConnectionLimits()
     return uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, timeout_keep_alive=KEEP_ALIVE_S,
-                          timeout_graceful_shutdown=5, limit_concurrency=limits.max_connections,
+                          timeout_graceful_shutdown=grace_s, limit_concurrency=limits.max_connections,
                           http=read_deadlines(limits, http), **(tls.uvicorn_options() if tls else {}))

@@ -642,7 +642,9 @@ async def run_router(args) -> int:
                      args.grpc_port, e)
         return 1
     http_port = http_sock.getsockname()[1]
-    http_server = _UvicornServer(uvicorn_config(router.app(), getattr(args, "connections", None), tls))
+    # On SIGTERM, in-flight requests have the whole --shutdown-grace-period to finish (uvicorn's own 5 s cut them)
+    http_server = _UvicornServer(uvicorn_config(router.app(), getattr(args, "connections", None), tls,
+                                                grace_s=args.shutdown_grace_period))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -666,11 +668,10 @@ async def run_router(args) -> int:
               f"grpc={_url(args.host, grpc_port)} "
               f"decode={','.join(b.name for b in router.pool.backends)}", flush=True)
         await asyncio.wait({asyncio.ensure_future(stop.wait()), http_task}, return_when=asyncio.FIRST_COMPLETED)
-    logger.info("stopping the router")
-    await grpc_server.stop(grace=args.shutdown_grace_period)
-    http_server.should_exit = True
+    logger.info("stopping the router: in-flight requests have %.0f s to finish", args.shutdown_grace_period)
+    http_server.should_exit = True  # both front ends drain at once, each within the grace period
     with contextlib.suppress(Exception):
-        await http_task
+        await asyncio.gather(grpc_server.stop(grace=args.shutdown_grace_period), http_task)
     tasks = [t for t in (probe_task, health_task, index_task) if t is not None]
     for task in tasks:
         task.cancel()

@@ -145,3 +145,38 @@ def test_rolling_restart_of_every_decode_process_under_load_loses_no_request(tmp
         for d in decodes + successors:
             d.stop()
         log.close()
+
+
+def test_sigterm_to_the_router_lets_in_flight_streams_finish_within_its_grace_period(tmp_path):
+    """A router told to stop drains for its --shutdown-grace-period: a stream taking 8 s, begun before SIGTERM,
+    ends with all its tokens and [DONE], and the router exits 0 after it (uvicorn's own 5-second graceful timeout
+    used to cut every open request about 5 s after SIGTERM, whatever the flag said)."""
+    import signal
+
+    log = open(tmp_path / "processes.log", "w")
+    ports = (free_port(), free_port())
+    backend = Proc(["tests/fake_decode_server.py", "1.0", "--http-port", str(ports[0]), "--grpc-port", str(ports[1]),
+                    "--log-level", "warning"], log)
+    router = Proc(["-m", "jaxserve.serve", "--role", "router", "--decode-url", f"127.0.0.1:{ports[0]}:{ports[1]}",
+                   "--http-port", "0", "--grpc-port", "0", "--shutdown-grace-period", "30", "--log-level", "warning"],
+                  log)
+    try:
+        backend.wait_ready()
+        http = re.search(r"http=(\S+)", router.wait_ready()).group(1)
+        with httpx.Client(timeout=60) as c:
+            with c.stream("POST", http + "/v1/completions", json={"model": "jaxserve-demo", "prompt": "ABCD",
+                                                                   "max_tokens": TOKENS, "stream": True}) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                events = [next(line for line in lines if line.startswith("data: "))[6:]]  # streaming has begun
+                stopped = time.monotonic()
+                router.proc.send_signal(signal.SIGTERM)
+                events += [line[6:] for line in lines if line.startswith("data: ")]
+        took = time.monotonic() - stopped
+        texts = [json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e).get("choices")]
+        assert events[-1] == "[DONE]" and "".join(texts).count("<") == TOKENS, events[-3:]
+        assert took > 5.5, took  # it outlived uvicorn's default
+        assert router.proc.wait(timeout=30) == 0
+    finally:
+        router.stop()
+        backend.stop()
