@@ -368,14 +368,15 @@ class Router:
                 message = self.failed(b, f"nothing for {self.read_timeout:g}s (--router-read-timeout): "
                                          f"{_reason(e)}", "http")
                 return JSONResponse(error_body(message, "timeout", 504), status_code=504)
-            except httpx.RemoteProtocolError as e:
+            except httpx.TransportError as e:
                 if upstream is not None:
                     return JSONResponse(_error_body(self.failed(b, _reason(e), "http"), 500), status_code=500)
-                # A kept-alive connection the server closed (it is stopping) before it read the request.
+                # Nothing came back: a kept-alive connection the server closed (it is stopping) before it read the
+                # request, or a connection reset (the process died under it). Another one takes the request.
+                if not isinstance(e, httpx.RemoteProtocolError):
+                    self.pool.set_dead(b, _reason(e))
                 self.pool.failovers.labels(b.name).inc()
                 tried.add(b.name)
-            except httpx.TransportError as e:
-                return JSONResponse(_error_body(self.failed(b, _reason(e), "http"), 500), status_code=500)
             finally:
                 if not handed_off:
                     if upstream is not None:

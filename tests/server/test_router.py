@@ -260,3 +260,72 @@ def test_dead_decode_process_fails_its_stream_then_others_serve_then_503(request
     assert health.status_code == 503 and "no decode server is reachable" in health.text
     m = parse_metrics(httpx.get(router.http + "/metrics", timeout=10).text)
     assert m['jaxserve_router_rejected_total{api="http"}'] >= 1 and m['jaxserve_router_rejected_total{api="grpc"}'] >= 1
+
+
+def test_a_replica_that_resets_the_connection_before_answering_is_failed_over():
+    """A replica killed under a request resets its connection before any byte of the answer: the request goes to
+    a live replica (it got a 500, "ReadError", before), and the dead one leaves the rotation."""
+    import asyncio
+    import json as json_module
+    import socket
+    import struct
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    resets = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def reset_each():  # read the request, then close with RST (SO_LINGER 0), as a killed process's kernel does
+        resets.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = resets.accept()
+            except OSError:
+                continue
+            conn.recv(65536)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+
+    class Live(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["content-length"]))
+            body = json_module.dumps({"choices": [{"text": "live", "index": 0}]}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    live = ThreadingHTTPServer(("127.0.0.1", 0), Live)
+    threads = [threading.Thread(target=reset_each, daemon=True), threading.Thread(target=live.serve_forever,
+                                                                                   daemon=True)]
+    for t in threads:
+        t.start()
+    dead_url, live_url = f"http://127.0.0.1:{resets.getsockname()[1]}", f"http://127.0.0.1:{live.server_port}"
+
+    async def scenario():
+        router = router_module.Router([(dead_url, "127.0.0.1:1"), (live_url, "127.0.0.1:2")])
+        for b in router.pool.backends:
+            router.pool.set_live(b)
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=router.app()),
+                                         base_url="http://router", timeout=30) as client:
+                answers = [await client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+                           for _ in range(4)]
+            return answers, router.pool
+        finally:
+            await router.aclose()
+
+    try:
+        answers, pool = asyncio.run(scenario())
+    finally:
+        stop.set()
+        live.shutdown()
+        resets.close()
+    assert [a.status_code for a in answers] == [200] * 4, [a.text[:200] for a in answers]
+    assert all(a.json()["choices"][0]["text"] == "live" for a in answers)
+    dead = next(b for b in pool.backends if b.http == dead_url)
+    assert not dead.live
