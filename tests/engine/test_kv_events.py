@@ -139,3 +139,33 @@ def test_every_page_is_announced_once_in_order_and_replay_catches_up(tmp_path, m
     finally:
         sub.close(0)
         llm.engine.close()
+
+
+def test_a_starting_data_parallel_engine_clears_every_rank(tmp_path):
+    """Each data-parallel replica's pool is its own rank on the socket: a starting engine tells subscribers to
+    forget what each rank held (only rank 0's clear went out before)."""
+    replay_port = free_port()
+    llm = LLM(str(build_tiny_model("llama", tmp_path / "m", num_hidden_layers=1)), page_size=PAGE, num_pages=16,
+              max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32, mesh="data=2", num_devices=2, warmup=False,
+              compilation_cache_dir=None,
+              kv_events_config={"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/events",
+                                "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"})
+    llm.engine.publish_kv_events()  # as the host loops do once the engine is built
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+        deadline = time.monotonic() + 10
+        batches = []
+        while len(batches) < 2 and time.monotonic() < deadline:
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            batches = []
+            while dealer.poll(5000):
+                _, seq, payload = dealer.recv_multipart()
+                if seq == (-1).to_bytes(8, "big", signed=True):
+                    break
+                batches.append(vllm.decoder.decode(payload))
+        assert [(b.data_parallel_rank, b.events) for b in batches[:2]] == [
+            (0, [vllm.AllBlocksCleared()]), (1, [vllm.AllBlocksCleared()])]
+    finally:
+        dealer.close(0)
+        llm.engine.close()
