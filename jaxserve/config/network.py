@@ -197,6 +197,9 @@ def _presented(details) -> str | None:
     return next((v for k, v in (details.invocation_metadata or ()) if k == SECRET_HEADER), None)
 
 
+HEALTH_METHODS = "/grpc.health.v1.Health/"
+
+
 class _SecretInterceptor:
     """For a ``grpc.server``: every method needs the cluster secret."""
 
@@ -205,6 +208,8 @@ class _SecretInterceptor:
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if self.security.secret_ok(_presented(handler_call_details)):
+        # gRPC health answers probes (Kubernetes' grpc probe sends no metadata) and tells only SERVING or not
+        if handler_call_details.method.startswith(HEALTH_METHODS) or \
+                self.security.secret_ok(_presented(handler_call_details)):
             return handler
         return _refusing_handler(handler, self.security.refusal())

@@ -126,6 +126,10 @@ class PrefillServer:
                                   options=[("grpc.max_send_message_length", 4 * CHUNK_BYTES)],
                                   interceptors=security.interceptors())
         self.server.add_generic_rpc_handlers((handler,))
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+        self._health, self._health_pb2 = health.HealthServicer(), health_pb2
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
             self.port = security.bind(self.server, address)
@@ -138,8 +142,21 @@ class PrefillServer:
     def start(self) -> None:
         self._thread.start()
         self.server.start()
+        self._set_health(True)
+
+    def _set_health(self, serving: bool) -> None:
+        status = self._health_pb2.HealthCheckResponse.SERVING if serving else \
+            self._health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE):
+            self._health.set(service, status)
+
+    @property
+    def healthy(self) -> bool:
+        """The engine thread is running (a failed step loop ends it)."""
+        return self._thread.is_alive() and not self._stop.is_set()
 
     def stop(self, grace: float = 1.0) -> None:
+        self._set_health(False)
         self._stop.set()
         self._intake.put(None)
         self.server.stop(grace).wait()
@@ -226,19 +243,31 @@ class PrefillServer:
 
 
 def serve_prefill(args) -> int:
-    """``jaxserve serve --role prefill``: the prefill service until SIGTERM/SIGINT."""
+    """``jaxserve serve --role prefill``: the prefill service until SIGTERM/SIGINT, with ``/health``, ``/live``
+    and ``/metrics`` on ``--host:--http-port`` for probes and scrapes (``jaxserve.disagg.probes``)."""
     import signal
+
+    from jaxserve.disagg.probes import ProbeServer
 
     server = PrefillServer(args.engine_config, args.kv_host, args.kv_port, kv_transfer=args.kv_transfer,
                            security=args.cluster)
+    try:
+        probes = ProbeServer(args.host, args.http_port, server, args.served_model_name)
+    except OSError as e:
+        server.stop()
+        logger.error("cannot listen on %s port %d for /health and /metrics: %s", args.host, args.http_port, e)
+        return 1
     server.start()
+    probes.start()
     t = server.engine.transfer
     host = f"[{args.kv_host}]" if ":" in args.kv_host else args.kv_host
     print(f"jaxserve prefill ready: kv=grpc{'s' if args.cluster.tls else ''}://{host}:{server.port} "
-          f"transfer={'jax://' + t.address if t else 'grpc'} path={server.engine.model_path}", flush=True)
+          f"transfer={'jax://' + t.address if t else 'grpc'} http={probes.url} path={server.engine.model_path}",
+          flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
+    probes.stop()
     server.stop()
     return 0

@@ -41,7 +41,8 @@ class PrefillProcess:
         log = request.getfixturevalue("tmp_path_factory").mktemp("prefill-logs") / f"{name}.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jaxserve.serve", "--model", str(tiny_model(request)), "--role", "prefill",
-             "--kv-port", str(self.port), *SMALL_ENGINE, "--compilation-cache-dir", compile_cache(request)],
+             "--kv-port", str(self.port), "--http-port", "0", *SMALL_ENGINE, "--compilation-cache-dir",
+             compile_cache(request)],
             cwd=REPO, env=server_env(), stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
         self.url = f"127.0.0.1:{self.port}"
 
@@ -49,6 +50,7 @@ class PrefillProcess:
         line = self.proc.stdout.readline()
         assert re.search(r"jaxserve prefill ready: kv=grpc://", line), line
         self.ready_line = line
+        self.http = re.search(r" http=(\S+)", line).group(1)
 
     def stats(self) -> dict:
         with grpc.insecure_channel(self.url) as ch:
@@ -161,6 +163,28 @@ def test_cancelled_requests_free_pages_on_both_sides(cluster, client):
     while any(p.stats()["pages_used"] or p.stats()["num_running"] for p in prefills) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert all(p.stats()["pages_used"] == 0 for p in prefills)
+
+
+def test_prefill_processes_answer_probes_and_scrapes(cluster):
+    """/health, /live and /metrics over HTTP and gRPC health, so Kubernetes probes a prefill process as any
+    other (before, it could only be TCP-probed); nothing else is served there."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from server_harness import parse_metrics
+
+    for p in cluster[0]:
+        assert httpx.get(p.http + "/health", timeout=10).json() == {"status": "ok"}
+        assert httpx.get(p.http + "/live", timeout=10).json() == {"status": "live"}
+        metrics = parse_metrics(httpx.get(p.http + "/metrics", timeout=10).text)
+        value = lambda name: next(v for k, v in metrics.items() if k.startswith(name + '{model_name="'))  # noqa: E731
+        assert value("vllm:num_requests_running") == 0 and value("vllm:num_requests_waiting") == 0
+        assert value("vllm:prefix_cache_queries_total") > 0  # the earlier tests' prompts
+        assert 0 <= value("vllm:kv_cache_usage_perc") <= 1
+        assert httpx.get(p.http + "/v1/models", timeout=10).status_code == 404
+        assert httpx.post(p.http + "/health", timeout=10).status_code == 405
+        with grpc.insecure_channel(p.url) as ch:
+            answer = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_dead_prefill_process_keeps_serving_then_503(cluster, client):

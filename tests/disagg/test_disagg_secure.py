@@ -52,8 +52,8 @@ def cluster(request, certs, tmp_path_factory):
     log = tmp_path_factory.mktemp("prefill-logs") / "prefill.log"
     prefill = subprocess.Popen(
         [sys.executable, "-m", "jaxserve.serve", "--model", str(tiny_model(request)), "--role", "prefill",
-         "--kv-port", str(port), *SMALL_ENGINE, "--compilation-cache-dir", compile_cache(request),
-         *_cluster_flags(certs)], cwd=REPO, env=server_env(), stdout=subprocess.PIPE, stderr=open(log, "w"),
+         "--kv-port", str(port), "--http-port", "0", *SMALL_ENGINE, "--compilation-cache-dir",
+         compile_cache(request), *_cluster_flags(certs)], cwd=REPO, env=server_env(), stdout=subprocess.PIPE, stderr=open(log, "w"),
         text=True)
     decode = start_server(request, "secure-decode", ["--role", "decode", "--prefill-url", f"127.0.0.1:{port}",
                                                      *_cluster_flags(certs)], wait=False)
@@ -106,6 +106,22 @@ def test_guarded_prefill_service_serves_the_decode_process_and_refuses_strangers
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     stats = _stats(target, client, [(SECRET_HEADER, SECRET)])  # a member: served, and still serving
     assert stats["prompt_tokens"] > 0 and stats["pages_used"] == 0 and stats["kv_transfer_offers"] == 0
+
+
+def test_the_guarded_prefill_service_answers_grpc_health_without_the_secret(cluster, certs):
+    """Kubernetes' gRPC probe carries no metadata: health answers it (it tells only SERVING or not); every other
+    method still needs the secret."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    target, _ = cluster
+    client = grpc.ssl_channel_credentials(certs.ca_bytes(), open(certs.client_key, "rb").read(),
+                                          open(certs.client_cert, "rb").read())
+    with grpc.secure_channel(target, client) as ch:
+        answer = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert answer.status == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.RpcError) as refused:
+        _stats(target, client)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_transfer_offers_are_numbered_at_random():
