@@ -80,7 +80,13 @@ def test_containers_parse_and_probe_the_health_endpoints():
                 if args.role == "router":
                     assert args.routing == "prefix" and len(args.kv_events_url.split(",")) == 2
                 if "readinessProbe" in c:
-                    assert c["readinessProbe"]["httpGet"]["path"] == "/health", name
+                    probe = c["readinessProbe"]
+                    if args.role == "prefill":  # its gRPC health on the KV port (or /health)
+                        assert probe.get("grpc", {}).get("port") == args.kv_port or \
+                            probe["httpGet"]["path"] == "/health", name
+                        assert c["startupProbe"]["httpGet"]["path"] == "/health", name
+                    else:
+                        assert probe["httpGet"]["path"] == "/health", name
                     assert c["livenessProbe"]["httpGet"]["path"] == "/live", name
                 else:  # a multi-host worker: it serves nothing
                     assert doc["kind"] == "LeaderWorkerSet" and args.process_id == 1
@@ -125,7 +131,7 @@ def test_every_pod_is_hardened():
     from jaxserve.server.args import parse_args
 
     pods = workloads()
-    assert len(pods) == 5
+    assert len(pods) == 7
     for name, doc, template in pods:
         spec = template["spec"]
         where = f"{name}: {doc['kind']} {doc['metadata']['name']}"
