@@ -301,6 +301,9 @@ class _RemoteStages:
         out = dict(self.decode.stats())
         out["num_waiting"] = self.num_waiting
         out["prefill_servers_live"] = len(self.prefill.live())
+        # The prefix cache is the prefill processes' (their /metrics count its queries and hits): prompts arrive
+        # here with their pages, and nothing is looked up.
+        out["prefix_cache_queries"] = out["prefix_cache_hits"] = 0
         return out
 
 

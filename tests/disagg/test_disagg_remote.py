@@ -166,6 +166,9 @@ def test_cancelled_requests_free_pages_on_both_sides(cluster, client):
 
 
 def test_prefill_processes_answer_probes_and_scrapes(cluster):
+    decode = cluster[1]
+    # the decode process looks nothing up in a prefix cache (it counted every adopted prompt as a query, 0 hits)
+    assert decode.metrics()["jaxserve_prefix_cache_queries_total"] == 0
     """/health, /live and /metrics over HTTP and gRPC health, so Kubernetes probes a prefill process as any
     other (before, it could only be TCP-probed); nothing else is served there."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
