@@ -166,28 +166,34 @@ def test_cancelled_requests_free_pages_on_both_sides(cluster, client):
 
 
 def test_prefill_processes_answer_probes_and_scrapes(cluster):
-    decode = cluster[1]
-    # the decode process looks nothing up in a prefix cache (it counted every adopted prompt as a query, 0 hits)
-    assert decode.metrics()["jaxserve_prefix_cache_queries_total"] == 0
     """/health, /live and /metrics over HTTP and gRPC health, so Kubernetes probes a prefill process as any
     other (before, it could only be TCP-probed); nothing else is served there."""
+    decode = cluster[1]
+    for _ in range(2):  # served by either prefill process (or both)
+        r = httpx.post(decode.http + "/v1/completions", timeout=60,
+                       json={"model": MODEL_NAME, "prompt": PROMPT_IDS, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    # the decode process looks nothing up in a prefix cache (it counted every adopted prompt as a query, 0 hits)
+    assert decode.metrics()["jaxserve_prefix_cache_queries_total"] == 0
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from server_harness import parse_metrics
 
+    queries = 0
     for p in cluster[0]:
         assert httpx.get(p.http + "/health", timeout=10).json() == {"status": "ok"}
         assert httpx.get(p.http + "/live", timeout=10).json() == {"status": "live"}
         metrics = parse_metrics(httpx.get(p.http + "/metrics", timeout=10).text)
         value = lambda name: next(v for k, v in metrics.items() if k.startswith(name + '{model_name="'))  # noqa: E731
         assert value("vllm:num_requests_running") == 0 and value("vllm:num_requests_waiting") == 0
-        assert value("vllm:prefix_cache_queries_total") > 0  # the earlier tests' prompts
+        queries += value("vllm:prefix_cache_queries_total")
         assert 0 <= value("vllm:kv_cache_usage_perc") <= 1
         assert httpx.get(p.http + "/v1/models", timeout=10).status_code == 404
         assert httpx.post(p.http + "/health", timeout=10).status_code == 405
         with grpc.insecure_channel(p.url) as ch:
             answer = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert answer.status == health_pb2.HealthCheckResponse.SERVING
+    assert queries >= 2 * len(PROMPT_IDS)  # the prompts above were looked up where the cache is
 
 
 def test_dead_prefill_process_keeps_serving_then_503(cluster, client):
