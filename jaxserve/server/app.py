@@ -199,10 +199,15 @@ async def _shut_down(engine: AsyncEngine, metrics: ServerMetrics, fronts: _Front
     return warm
 
 
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000
+
+
 async def serve(args: argparse.Namespace) -> int:
     """Run the server until a signal; returns the process exit code."""
     _make_cache_dir(args.engine_config.compilation_cache_dir)
-    metrics = ServerMetrics(args.served_model_name[0])
+    metrics = ServerMetrics(args.served_model_name[0], slo_ttft_s=_seconds(getattr(args, "slo_ttft_ms", None)),
+                            slo_tpot_s=_seconds(getattr(args, "slo_tpot_ms", None)))
     engine = AsyncEngine(args.engine_config, metrics=metrics, engine_factory=getattr(args, "engine_factory", None),
                          lora_modules=getattr(args, "lora_requests", ()))
     metrics.attach_engine(engine.stats, engine.intake_length)

@@ -154,6 +154,11 @@ def _add_server_args(s: argparse._ArgumentGroup) -> None:
                         "another's prompts through the cache")
     s.add_argument("--shutdown-grace-period", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
+    s.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS",
+                   help="time-to-first-token objective: finished requests slower than this are counted "
+                        "(jaxserve_slo_violations_total{slo=\"ttft\"}, jaxserve_slo_goodput_ratio) for autoscaling")
+    s.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS",
+                   help="time-per-output-token objective, counted the same way ({slo=\"tpot\"})")
     s.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                    help="largest HTTP request body / gRPC message accepted")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -281,6 +286,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.se
         parser.error("--kv-port must be in [0, 65535]")
     if args.shutdown_grace_period < 0:
         parser.error("--shutdown-grace-period must be >= 0")
+    for flag in ("slo_ttft_ms", "slo_tpot_ms"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            parser.error(f"--{flag.replace('_', '-')} must be > 0 (got {value:g})")
     if args.max_request_bytes < 1024:
         parser.error("--max-request-bytes must be >= 1024")
     args.admin = _admin_config(parser, args)

@@ -174,7 +174,10 @@ class _VllmHistograms:
 class ServerMetrics:
     """All metrics of one server process, in a registry of their own."""
 
-    def __init__(self, model_name: str = ""):
+    def __init__(self, model_name: str = "", *, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None):
+        """``slo_ttft_s`` / ``slo_tpot_s`` (``--slo-ttft-ms`` / ``--slo-tpot-ms``): every finished request is judged
+        against the latency objectives given, and the misses counted (``jaxserve_slo_*``), for autoscaling on
+        them (deploy/autoscaling.yaml)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("jaxserve_time_to_first_token_seconds",
@@ -213,6 +216,21 @@ class ServerMetrics:
                                     [*VLLM_LABELS, "finished_reason"], registry=r)
         for reason in ("stop", "length", "abort"):
             self.vllm_success.labels(*labels, reason)
+        self.slos = {name: limit for name, limit in (("ttft", slo_ttft_s), ("tpot", slo_tpot_s)) if limit is not None}
+        self._judged = self._good = 0  # (the engine thread writes them; a scrape reads two ints)
+        if self.slos:
+            self.slo_requests = Counter("jaxserve_slo_requests", "Finished requests judged against the latency "
+                                        "objectives (--slo-ttft-ms, --slo-tpot-ms).", registry=r)
+            self.slo_violations = Counter("jaxserve_slo_violations", "Finished requests that missed a latency "
+                                          "objective, by objective.", ["slo"], registry=r)
+            for name in self.slos:
+                self.slo_violations.labels(name)
+            self.slo_good = Counter("jaxserve_slo_good_requests", "Finished requests that met every latency "
+                                    "objective (goodput).", registry=r)
+            Gauge("jaxserve_slo_goodput_ratio", "Of the requests judged so far, the fraction that met every "
+                  "objective (1 before any).", registry=r).set_function(self._goodput)
+            for name, limit in self.slos.items():
+                Gauge(f"jaxserve_slo_{name}_seconds", f"The {name.upper()} objective.", registry=r).set(limit)
 
     def attach_engine(self, snapshot: Callable[[], dict | None], intake_length: Callable[[], int]) -> None:
         self.registry.register(_EngineStatsCollector(snapshot, intake_length, self.model_name))
@@ -246,8 +264,26 @@ class ServerMetrics:
         if m.first_scheduled_time is not None:
             self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
         tokens = len(out.outputs[0].token_ids) if out.outputs else 0
+        tpot = None
         if m.first_token_time is not None and tokens > 1:
-            self.tpot.observe(max(0.0, m.finished_time - m.first_token_time) / (tokens - 1))
+            tpot = max(0.0, m.finished_time - m.first_token_time) / (tokens - 1)
+            self.tpot.observe(tpot)
+        if self.slos and reason in ("stop", "length") and m.first_token_time is not None:
+            self._judge({"ttft": max(0.0, m.first_token_time - m.arrival_time), "tpot": tpot})
+
+    def _judge(self, seen: dict[str, float | None]) -> None:
+        """Count one finished request against the objectives (a one-token request has no TPOT to miss)."""
+        self.slo_requests.inc()
+        self._judged += 1
+        missed = [name for name, limit in self.slos.items() if seen.get(name) is not None and seen[name] > limit]
+        for name in missed:
+            self.slo_violations.labels(name).inc()
+        if not missed:
+            self.slo_good.inc()
+            self._good += 1
+
+    def _goodput(self) -> float:
+        return self._good / self._judged if self._judged else 1.0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

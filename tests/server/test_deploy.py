@@ -189,6 +189,24 @@ def test_a_network_policy_guards_every_pod_and_port():
                     assert all("jaxserve.io/api-client" not in p for p in peers), (name, port, peers)
 
 
+def test_the_autoscaler_scales_a_manifest_s_deployment_on_metrics_its_servers_export():
+    """autoscaling.yaml's HPA targets a Deployment of the manifests, on the queue and on the objective misses,
+    which its pods count: their command lines set --slo-ttft-ms / --slo-tpot-ms."""
+    from jaxserve.server.args import parse_args
+    from jaxserve.server.metrics import ServerMetrics
+
+    docs = manifests()
+    hpa = next(d for _, d in docs if d["kind"] == "HorizontalPodAutoscaler")
+    target = hpa["spec"]["scaleTargetRef"]
+    deployment = next(d for _, d in docs if d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"])
+    args = parse_args(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert args.slo_ttft_ms and args.slo_tpot_ms
+    exported = ServerMetrics("m", slo_ttft_s=args.slo_ttft_ms / 1000, slo_tpot_s=args.slo_tpot_ms / 1000).render()
+    assert b"jaxserve_slo_violations_total" in exported
+    names = [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]]
+    assert names == ["jaxserve_num_requests_waiting", "jaxserve_slo_violations_per_second"]
+
+
 def test_hardening_checks_catch_a_weakened_manifest(monkeypatch):
     """The two checks above fail when a manifest drops a guard: root allowed, an image on :latest, a policy rule
     open to everyone."""

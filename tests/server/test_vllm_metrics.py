@@ -82,3 +82,41 @@ def test_vllm_names_and_labels_carry_the_same_numbers():
             if name.startswith("vllm:"):
                 for _, labels in fam["samples"]:
                     assert {k for k, _ in labels} - {"le", "finished_reason"} == set(LABELS), (name, labels)
+
+
+def test_latency_objectives_count_misses_and_goodput():
+    """--slo-ttft-ms / --slo-tpot-ms: each finished request is judged against the objectives given; misses are
+    counted per objective, and those that met all of them (goodput) beside, for autoscaling on them. An aborted
+    request, or one that finished on an error, is not judged; a one-token request has no TPOT to miss."""
+    from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from jaxserve.server.metrics import ServerMetrics
+
+    from server_harness import parse_metrics
+
+    def finished(ttft: float, tpot: float, tokens: int = 5, reason: str = "stop") -> RequestOutput:
+        times = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.0, first_token_time=10.0 + ttft,
+                               finished_time=10.0 + ttft + tpot * (tokens - 1))
+        return RequestOutput("r", None, [1, 2], [CompletionOutput(0, "", list(range(tokens)), reason)], metrics=times)
+
+    metrics = ServerMetrics("m", slo_ttft_s=0.5, slo_tpot_s=0.05)
+    assert parse_metrics(metrics.render().decode())["jaxserve_slo_goodput_ratio"] == 1.0  # none judged yet
+    for out in (finished(0.1, 0.01), finished(0.9, 0.01), finished(0.1, 0.2), finished(0.9, 0.2),
+                finished(0.1, 9.0, tokens=1, reason="length"), finished(3.0, 1.0, reason="abort"),
+                finished(3.0, 1.0, reason="error")):
+        metrics.observe_finished(out)
+    got = parse_metrics(metrics.render().decode())
+    assert got["jaxserve_slo_requests_total"] == 5
+    assert got['jaxserve_slo_violations_total{slo="ttft"}'] == 2 and got['jaxserve_slo_violations_total{slo="tpot"}'] == 2
+    assert got["jaxserve_slo_good_requests_total"] == 2 and got["jaxserve_slo_goodput_ratio"] == 2 / 5
+    assert (got["jaxserve_slo_ttft_seconds"], got["jaxserve_slo_tpot_seconds"]) == (0.5, 0.05)
+    # without objectives, nothing of this is exported
+    assert not any("slo" in k for k in parse_metrics(ServerMetrics("m").render().decode()))
+
+
+def test_a_latency_objective_must_be_positive(capsys):
+    from jaxserve.server.args import parse_args
+
+    assert parse_args(["--slo-ttft-ms", "250", "--slo-tpot-ms", "40"]).slo_tpot_ms == 40
+    with pytest.raises(SystemExit):
+        parse_args(["--slo-ttft-ms", "0"])
+    assert "--slo-ttft-ms must be > 0 (got 0)" in capsys.readouterr().err
