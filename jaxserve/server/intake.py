@@ -26,7 +26,6 @@ from jaxserve.engine.request_stream import (
 )
 from jaxserve.outputs import RequestDelta, RequestOutput, TokenRecord
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server.limits import JSON_MAX_DEPTH
 from jaxserve.server.openai.streaming import error_body
 from jaxserve.text.prompt_tokenizer import first_invalid_char
 
@@ -57,6 +56,9 @@ def internal_error(e: BaseException | None, what: str = "request") -> RequestErr
     logger.error("internal error %s while handling a %s", error_id, what, exc_info=e)
     return RequestError(f"internal error (id {error_id}); the server log has the details", status=500,
                         code=grpc.StatusCode.INTERNAL, type="internal_error", reason="error")
+
+
+JSON_MAX_DEPTH = 32  # nesting of a request body; the deepest valid body is about 5 levels
 
 
 def invalid(message: str, param: str | None = None) -> RequestError:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 
-JSON_MAX_DEPTH = 32  # nesting of a request body; the deepest valid body is about 5 levels
-
 
 @dataclasses.dataclass(frozen=True)
 class RequestLimits:
