@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") 
     if args.role == "prefill":
         from jaxserve.disagg.prefill import serve_prefill
 
-        return serve_prefill(args)
+        return _exit(serve_prefill(args))
     if args.role == "decode":
         import functools
 
@@ -54,12 +54,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") 
                                                 security=args.cluster)
     from jaxserve.server.app import serve  # importing it loads grpc
 
-    code = asyncio.run(serve(args))
+    return _exit(asyncio.run(serve(args)))
+
+
+def _exit(code: int) -> int:
+    """``code``, once the server has shut down. Stopped during warm-up (the engine thread cannot be interrupted
+    mid-compile), or with step shapes still compiling in the background (the interpreter's exit would wait for
+    them, up to a compile's length): the process ends now instead."""
     from jaxserve.executor.background_compile import still_compiling
 
-    # Stopped during warm-up (the engine thread cannot be interrupted mid-compile), or with step shapes still
-    # compiling in the background (the interpreter's exit would wait for them): the server has shut down, so
-    # end the process now.
     if code < 0 or still_compiling():
         logging.shutdown()
         sys.stdout.flush()

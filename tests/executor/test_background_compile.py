@@ -228,3 +228,37 @@ def test_shapes_compiled_while_the_engine_sleeps_serve_once_it_wakes(model_dir, 
     warm = Engine(_config(model_dir, str(tmp_path / "cache")))
     assert warm.executor.startup.summary["compilations"] == 0 and _serve(warm)["greedy"] == tokens["greedy"]
     warm.close()
+
+
+def test_a_prefill_process_exits_at_once_on_sigterm_while_a_shape_compiles(request, tmp_path):
+    """The prefill role ends its process as the server does when step shapes are still compiling in the
+    background: it used to return through the interpreter's exit, which waits for every compile in flight (one
+    held here for an hour; 30.7 s was seen on a cold start)."""
+    import signal
+    import subprocess
+    import sys
+
+    from server_harness import REPO, SMALL_ENGINE, free_port, server_env
+
+    script = tmp_path / "held_prefill.py"
+    script.write_text(HELD_SERVER)
+    proc = subprocess.Popen([sys.executable, str(script), "--model", str(tiny_model(request)), "--role", "prefill",
+                             "--kv-port", str(free_port()), "--http-port", "0", "--compile-in-background",
+                             *SMALL_ENGINE, "--compilation-cache-dir", str(tmp_path / "cache")],
+                            cwd=REPO, env=server_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "jaxserve prefill ready" in line:
+                break
+        assert "jaxserve prefill ready" in lines[-1], "".join(lines[-30:])
+        time.sleep(3)  # two shapes compile; the third is held
+        proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert proc.wait(60) == 0
+        assert time.monotonic() - started < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
