@@ -12,6 +12,16 @@ PUBLISHERS = ("null", "zmq")
 DEFAULT_PORT = 5557
 
 
+def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
+    """vLLM's ``offset_endpoint_port``: a TCP endpoint's port plus ``rank``; other transports get ``_dp<rank>``."""
+    if not endpoint or rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://") and endpoint.rsplit(":", 1)[-1].isdigit():
+        base, port = endpoint.rsplit(":", 1)
+        return f"{base}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"
+
+
 def binds(endpoint: str) -> bool:
     """vLLM's rule: a PUB endpoint holding a wildcard, or an ipc/inproc one, is bound; any other is connected."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
@@ -27,7 +37,8 @@ class KVEventsConfig:
     every interface, is had by asking for it); ``replay_endpoint``: an optional ROUTER socket serving the last
     ``buffer_steps`` batches from a sequence number on; ``topic``: the first frame of every message; ``hwm``: the PUB socket's high-water mark;
     ``max_queue_size``: batches waiting for the publishing thread before new ones are dropped (never blocking a
-    step). ``bind_host``: where the unset endpoint binds: the server's ``--host`` (set by the server, not a JSON
+    step). Each data-parallel rank publishes on its own sockets, as vLLM's do: the ports plus the rank
+    (``for_rank``). ``bind_host``: where the unset endpoint binds: the server's ``--host`` (set by the server, not a JSON
     key; 127.0.0.1 for ``LLM``).
     """
 
@@ -40,6 +51,7 @@ class KVEventsConfig:
     max_queue_size: int = 100_000
     topic: str = ""
     bind_host: str = "127.0.0.1"
+    port_offset: int = 0  # a data-parallel rank's publisher: the unset endpoint's port plus its rank (for_rank)
 
     def __post_init__(self):
         if not isinstance(self.enable_kv_cache_events, bool):
@@ -73,8 +85,17 @@ class KVEventsConfig:
         """(the PUB socket's address, whether it is bound rather than connected)."""
         if self.endpoint is None:
             host = f"[{self.bind_host}]" if ":" in self.bind_host else self.bind_host
-            return f"tcp://{host}:{DEFAULT_PORT}", True
+            return f"tcp://{host}:{DEFAULT_PORT + self.port_offset}", True
         return self.endpoint, binds(self.endpoint)
+
+    def for_rank(self, rank: int) -> "KVEventsConfig":
+        """The config of data-parallel rank ``rank``'s own publisher, as vLLM places it (what Dynamo's relay
+        subscribes to): each endpoint's TCP port plus ``rank`` (an ipc/inproc address gets ``_dp<rank>``)."""
+        if rank == 0:
+            return self
+        return dataclasses.replace(self, endpoint=offset_endpoint(self.endpoint, rank),
+                                   replay_endpoint=offset_endpoint(self.replay_endpoint, rank),
+                                   port_offset=self.port_offset + rank)
 
     @classmethod
     def parse(cls, value: "str | Mapping | KVEventsConfig | None") -> "KVEventsConfig | None":
@@ -88,7 +109,7 @@ class KVEventsConfig:
         value = json_object(value, "kv_events_config")
         if value is None:
             return None
-        keys = [f.name for f in dataclasses.fields(cls) if f.name != "bind_host"]
+        keys = [f.name for f in dataclasses.fields(cls) if f.name not in ("bind_host", "port_offset")]
         unknown = sorted(set(value) - set(keys))
         if unknown:
             raise ValueError(f"kv_events_config: unknown key(s) {', '.join(map(repr, unknown))}; known: "

@@ -20,7 +20,6 @@ from collections.abc import Sequence as Seq
 from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.generation_config import load_generation_defaults
 from jaxserve.engine.kv_events import make_publisher
-from jaxserve.scheduler.kv_events import AllBlocksCleared
 from jaxserve.engine.request_stream import EngineSleeping
 from jaxserve.engine.step_failure import end_failed_step
 from jaxserve.executor.protocol import StepExecutor
@@ -684,8 +683,8 @@ class Engine:
             self._kv_event_pools = self.kv_event_pools()
             for pool in self._kv_event_pools:
                 pool.record_events()
-            for rank in range(1, len(self._kv_event_pools)):  # rank 0's went out as the publisher started
-                self.kv_events.publish([AllBlocksCleared()], rank)
+            for rank in range(1, len(self._kv_event_pools)):  # each rank's publisher starts with its clear
+                self.kv_events.rank(rank)
         for rank, pool in enumerate(self._kv_event_pools):
             events = pool.take_events()
             if events:

@@ -34,7 +34,8 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 class ZmqEventPublisher:
     """Publishes ``KVEventBatch`` es on ``config.endpoint`` from a thread of its own (module doc)."""
 
-    def __init__(self, config: KVEventsConfig):
+    def __init__(self, config: KVEventsConfig, rank: int = 0):
+        """``rank``: the data-parallel rank whose pool it announces (its first batch clears that rank)."""
         import msgpack
         import zmq
 
@@ -69,7 +70,7 @@ class ZmqEventPublisher:
         self._seq = 0
         self._dropped = False
         self._running = True
-        self.publish([AllBlocksCleared()])
+        self.publish([AllBlocksCleared()], rank)
         self._thread = threading.Thread(target=self._loop, name="jaxserve-kv-events", daemon=True)
         self._thread.start()
         logger.info("publishing KV-cache events on %s (replay: %s, topic %r)", self.endpoint,
@@ -142,8 +143,30 @@ class ZmqEventPublisher:
             self._replay.close(0)
 
 
-def make_publisher(config: KVEventsConfig | None) -> ZmqEventPublisher | None:
-    """The publisher ``config`` asks for; None when events are off."""
+class RankPublishers:
+    """One ``ZmqEventPublisher`` per data-parallel rank, each on its rank's sockets (``KVEventsConfig.for_rank``:
+    the ports plus the rank, as vLLM's ranks publish and Dynamo's relay subscribes), made when the rank first
+    publishes; each starts with its ``AllBlocksCleared``."""
+
+    def __init__(self, config: KVEventsConfig):
+        self.config = config
+        self.ranks: dict[int, ZmqEventPublisher] = {0: ZmqEventPublisher(config)}
+
+    def rank(self, rank: int) -> ZmqEventPublisher:
+        if rank not in self.ranks:
+            self.ranks[rank] = ZmqEventPublisher(self.config.for_rank(rank), rank=rank)
+        return self.ranks[rank]
+
+    def publish(self, events: list[KVCacheEvent], data_parallel_rank: int = 0) -> None:
+        self.rank(data_parallel_rank).publish(events, data_parallel_rank)
+
+    def close(self) -> None:
+        for publisher in self.ranks.values():
+            publisher.close()
+
+
+def make_publisher(config: KVEventsConfig | None) -> RankPublishers | None:
+    """The publishers ``config`` asks for; None when events are off."""
     if config is None or not config.enabled:
         return None
-    return ZmqEventPublisher(config)
+    return RankPublishers(config)

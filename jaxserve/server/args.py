@@ -122,8 +122,9 @@ def _add_disagg_args(d: argparse._ArgumentGroup) -> None:
                         "the longest cached prefix of the prompt, from --kv-events-url, within a load bound)")
     d.add_argument("--kv-events-url", default=None,
                    help="--role router --routing prefix: each --decode-url server's KV-event PUB endpoint, in the "
-                        "same order, e.g. tcp://10.0.0.4:5557,tcp://10.0.0.5:5557 (--tokenizer: to hash text "
-                        "prompts)")
+                        "same order, e.g. tcp://10.0.0.4:5557,tcp://10.0.0.5:5557; a data-parallel server's ranks "
+                        "joined by +, rank 0 first (tcp://10.0.0.4:5557+tcp://10.0.0.4:5558) (--tokenizer: to hash "
+                        "text prompts)")
     d.add_argument("--kv-events-replay-url", default=None,
                    help="--role router --routing prefix: their replay endpoints, same order (optional)")
     d.add_argument("--router-connect-timeout", type=float, default=5.0,
@@ -278,6 +279,11 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.se
                         len(value.split(",")) != n or not all("://" in u for u in value.split(",")))):
                     parser.error(f"--routing prefix needs --{name.replace('_', '-')} with one ZMQ endpoint "
                                  f"(tcp://HOST:PORT) per --decode-url server ({n})")
+            if args.kv_events_replay_url is not None:
+                for pub, rep in zip(args.kv_events_url.split(","), args.kv_events_replay_url.split(",")):
+                    if len(pub.split("+")) != len(rep.split("+")):
+                        parser.error(f"--kv-events-replay-url: {rep!r} names {len(rep.split('+'))} ranks' replay "
+                                     f"endpoints, --kv-events-url {pub!r} {len(pub.split('+'))}")
     if args.routing != "least-loaded" and args.role != "router":
         parser.error("--routing is for --role router")
     if args.role != "colocated" and args.prefill_mesh is not None:

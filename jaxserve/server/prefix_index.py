@@ -67,8 +67,22 @@ class PrefixIndex:
 
     def __init__(self, endpoints: dict[str, str], replay: dict[str, str | None], topic: str = "",
                  hasher: BlockHasher | None = None):
-        self.endpoints, self.replay, self.topic = endpoints, replay, topic.encode()
-        self.caches = {name: ReplicaCache() for name in endpoints}
+        """``endpoints``/``replay``: each replica's PUB and replay endpoints; a data-parallel server publishes each
+        rank on its own sockets, given as ``tcp://a:5557+tcp://a:5558`` (rank 0 first), and its cache is what any
+        of its ranks holds."""
+        self.topic = topic.encode()
+        self.ranks: dict[str, list[str]] = {}  # replica -> the names of its ranks' caches
+        self.endpoints, self.replay = {}, {}
+        for name, endpoint in endpoints.items():
+            pubs = endpoint.split("+")
+            replays = (replay.get(name) or "").split("+") if replay.get(name) else [None] * len(pubs)
+            if len(replays) != len(pubs):
+                raise ValueError(f"--kv-events-replay-url: {name} has {len(pubs)} ranks' endpoints but "
+                                 f"{len(replays)} replay endpoints")
+            self.ranks[name] = [name if i == 0 else f"{name}#dp{i}" for i in range(len(pubs))]
+            for key, pub, rep in zip(self.ranks[name], pubs, replays):
+                self.endpoints[key], self.replay[key] = pub, rep
+        self.caches = {key: ReplicaCache() for key in self.endpoints}
         self.hasher = hasher if hasher is not None else BlockHasher()
         self.int_hashes = block_hash.int_hashes()
 
@@ -82,15 +96,16 @@ class PrefixIndex:
         return next((c.page_size for c in self.caches.values() if c.page_size), None)
 
     def longest_prefix(self, name: str, hashes: list[int]) -> int:
-        """Leading pages of ``hashes`` the replica ``name`` holds."""
-        cache = self.caches.get(name)
-        n = 0
-        if cache is not None:
+        """Leading pages of ``hashes`` the replica ``name`` holds (in any one of its data-parallel ranks)."""
+        best = 0
+        for key in self.ranks.get(name, ()):
+            cache, n = self.caches[key], 0
             for h in hashes:
                 if h not in cache.hashes:
                     break
                 n += 1
-        return n
+            best = max(best, n)
+        return best
 
     async def run(self) -> None:
         await asyncio.gather(*(self._follow(name) for name in self.endpoints))

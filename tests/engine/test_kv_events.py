@@ -56,6 +56,21 @@ def test_config_keys_are_vllms_and_bad_ones_are_named():
             KVEventsConfig.parse(bad)
 
 
+def test_each_rank_s_sockets_are_vllms_ports_plus_the_rank():
+    cfg = KVEventsConfig.parse({"enable_kv_cache_events": True, "endpoint": "tcp://*:5557",
+                                "replay_endpoint": "tcp://10.0.0.4:6000"})
+    two = cfg.for_rank(2)
+    assert (two.endpoint, two.replay_endpoint, two.publish_address) == ("tcp://*:5559", "tcp://10.0.0.4:6002",
+                                                                        ("tcp://*:5559", True))
+    assert cfg.for_rank(0) is cfg
+    unset = KVEventsConfig.parse({"enable_kv_cache_events": True})
+    assert unset.for_rank(1).publish_address == ("tcp://127.0.0.1:5558", True)  # still bound, on --host
+    assert KVEventsConfig.parse({"enable_kv_cache_events": True, "endpoint": "inproc://ev"}).for_rank(1).endpoint \
+        == "inproc://ev_dp1"
+    with pytest.raises(ValueError, match="port_offset"):
+        KVEventsConfig.parse('{"port_offset": 1}')  # internal: not a key of the option
+
+
 def test_every_page_is_announced_once_in_order_and_replay_catches_up(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")  # whole digests: each chain can be recomputed
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
@@ -84,7 +99,7 @@ def test_every_page_is_announced_once_in_order_and_replay_catches_up(tmp_path, m
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if not sub.poll(200):
-                if engine.kv_events._queue.empty() and len(live) and seqs[-1] + 1 == engine.kv_events._seq:
+                if engine.kv_events.rank(0)._queue.empty() and len(live) and seqs[-1] + 1 == engine.kv_events.rank(0)._seq:
                     break
                 continue
             topic, seq, payload = sub.recv_multipart()
@@ -141,22 +156,25 @@ def test_every_page_is_announced_once_in_order_and_replay_catches_up(tmp_path, m
         llm.engine.close()
 
 
-def test_a_starting_data_parallel_engine_clears_every_rank(tmp_path):
-    """Each data-parallel replica's pool is its own rank on the socket: a starting engine tells subscribers to
-    forget what each rank held (only rank 0's clear went out before)."""
+def test_each_data_parallel_rank_publishes_on_its_own_sockets_and_starts_cleared(tmp_path):
+    """Each data-parallel replica's pool is its own rank, on its own sockets as vLLM's ranks are (the ports plus
+    the rank; what Dynamo's relay subscribes to per rank): a starting engine clears every rank (only rank 0's
+    clear went out before, and every rank shared rank 0's socket)."""
     replay_port = free_port()
+    while not _port_free(replay_port + 1):
+        replay_port = free_port()
     llm = LLM(str(build_tiny_model("llama", tmp_path / "m", num_hidden_layers=1)), page_size=PAGE, num_pages=16,
-              max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32, mesh="data=2", num_devices=2, warmup=False,
-              compilation_cache_dir=None,
+              max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32, mesh="data=2", num_devices=2,
+              warmup=False, compilation_cache_dir=None,
               kv_events_config={"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/events",
                                 "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"})
     llm.engine.publish_kv_events()  # as the host loops do once the engine is built
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    publishers = llm.engine.kv_events.ranks
+    assert [publishers[r].endpoint for r in (0, 1)] == [f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/events_dp1"]
     try:
-        dealer.connect(f"tcp://127.0.0.1:{replay_port}")
-        deadline = time.monotonic() + 10
-        batches = []
-        while len(batches) < 2 and time.monotonic() < deadline:
+        for rank in (0, 1):
+            dealer = zmq.Context.instance().socket(zmq.DEALER)
+            dealer.connect(f"tcp://127.0.0.1:{replay_port + rank}")
             dealer.send_multipart([b"", (0).to_bytes(8, "big")])
             batches = []
             while dealer.poll(5000):
@@ -164,8 +182,18 @@ def test_a_starting_data_parallel_engine_clears_every_rank(tmp_path):
                 if seq == (-1).to_bytes(8, "big", signed=True):
                     break
                 batches.append(vllm.decoder.decode(payload))
-        assert [(b.data_parallel_rank, b.events) for b in batches[:2]] == [
-            (0, [vllm.AllBlocksCleared()]), (1, [vllm.AllBlocksCleared()])]
+            dealer.close(0)
+            assert [(b.data_parallel_rank, b.events) for b in batches] == [(rank, [vllm.AllBlocksCleared()])]
     finally:
-        dealer.close(0)
         llm.engine.close()
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

@@ -161,3 +161,34 @@ def test_a_router_joining_after_the_replay_buffer_wrapped_follows_from_its_oldes
         assert any("replay buffer starts at batch" in r.getMessage() for r in caplog.records)
     finally:
         pub.close()
+
+
+def test_a_data_parallel_server_s_ranks_are_followed_on_their_own_sockets():
+    """Each rank of a data-parallel server publishes on its own sockets (the ports plus the rank): the index
+    follows every rank listed for the server (joined by +) and matches a prompt held by any of them."""
+    ports = [(free_port(), free_port()) for _ in range(2)]
+    pubs = [publisher(*p) for p in ports]
+    try:
+        async def scenario():
+            index = PrefixIndex({"a:1": "+".join(f"tcp://127.0.0.1:{p}" for p, _ in ports)},
+                                {"a:1": "+".join(f"tcp://127.0.0.1:{r}" for _, r in ports)},
+                                hasher=BlockHasher("sha256_cbor"))
+            task = asyncio.ensure_future(index.run())
+            try:
+                prompt = prompt_hashes(SYSTEM, PAGE)
+                for _ in range(60):
+                    pubs[1].publish([stored(SYSTEM)], 1)  # held by rank 1 only
+                    pubs[0].publish([stored([3] * PAGE)])
+                    await asyncio.sleep(0.05)
+                    if index.longest_prefix("a:1", prompt) == 3:
+                        break
+                assert index.longest_prefix("a:1", prompt) == 3
+                assert index.longest_prefix("a:1", prompt_hashes([3] * PAGE, PAGE)) == 1  # rank 0's
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+        asyncio.run(scenario())
+    finally:
+        for p in pubs:
+            p.close()
