@@ -42,8 +42,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") 
         return follow(args)
     if args.role == "prefill":
         from jaxserve.disagg.prefill import serve_prefill
+        from jaxserve.server.probes import ProbeServer
 
-        return _exit(serve_prefill(args))
+        def probes(server):
+            return ProbeServer(args.host, args.http_port, stats=lambda: server.stats,
+                               intake_length=lambda: server.intake_length, healthy=lambda: server.healthy,
+                               model_name=args.served_model_name[0])
+
+        return _exit(serve_prefill(args, probes))
     if args.role == "decode":
         import functools
 

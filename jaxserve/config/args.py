@@ -120,9 +120,9 @@ def user_error(prog: str, message: object) -> int:
 
 
 
-CHOICES = {"prefix_caching_hash_algo": PREFIX_CACHING_HASH_ALGOS, "dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "logprobs_mode": LOGPROBS_MODES,
+CHOICES = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "logprobs_mode": LOGPROBS_MODES,
            "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES, "load_format": LOAD_FORMATS,
-           "fuse_projections": FUSE_PROJECTIONS}
+           "fuse_projections": FUSE_PROJECTIONS, "prefix_caching_hash_algo": PREFIX_CACHING_HASH_ALGOS}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = (),

@@ -151,6 +151,11 @@ class PrefillServer:
             self._health.set(service, status)
 
     @property
+    def intake_length(self) -> int:
+        """Calls handed to the engine thread and not yet taken."""
+        return self._intake.qsize()
+
+    @property
     def healthy(self) -> bool:
         """The engine thread is running (a failed step loop ends it)."""
         return self._thread.is_alive() and not self._stop.is_set()
@@ -242,32 +247,31 @@ class PrefillServer:
             stream.put(None)
 
 
-def serve_prefill(args) -> int:
-    """``jaxserve serve --role prefill``: the prefill service until SIGTERM/SIGINT, with ``/health``, ``/live``
-    and ``/metrics`` on ``--host:--http-port`` for probes and scrapes (``jaxserve.disagg.probes``)."""
+def serve_prefill(args, probes: Callable[[PrefillServer], object]) -> int:
+    """``jaxserve serve --role prefill``: the prefill service until SIGTERM/SIGINT. ``probes(server)``: its
+    ``/health``, ``/live`` and ``/metrics`` (``jaxserve.server.probes.ProbeServer``, which the caller binds to
+    ``--host:--http-port``), started with it; an ``OSError`` from it (the port taken) is the exit code 1."""
     import signal
-
-    from jaxserve.disagg.probes import ProbeServer
 
     server = PrefillServer(args.engine_config, args.kv_host, args.kv_port, kv_transfer=args.kv_transfer,
                            security=args.cluster)
     try:
-        probes = ProbeServer(args.host, args.http_port, server, args.served_model_name)
+        http = probes(server)
     except OSError as e:
         server.stop()
         logger.error("cannot listen on %s port %d for /health and /metrics: %s", args.host, args.http_port, e)
         return 1
     server.start()
-    probes.start()
+    http.start()
     t = server.engine.transfer
     host = f"[{args.kv_host}]" if ":" in args.kv_host else args.kv_host
     print(f"jaxserve prefill ready: kv=grpc{'s' if args.cluster.tls else ''}://{host}:{server.port} "
-          f"transfer={'jax://' + t.address if t else 'grpc'} http={probes.url} path={server.engine.model_path}",
+          f"transfer={'jax://' + t.address if t else 'grpc'} http={http.url} path={server.engine.model_path}",
           flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
-    probes.stop()
+    http.stop()
     server.stop()
     return 0

@@ -26,6 +26,9 @@ import os
 import pickle
 from collections.abc import Callable, Sequence
 
+import cbor2
+import xxhash
+
 from jaxserve.config.scheduler import PREFIX_CACHING_HASH_ALGOS as HASH_ALGOS
 
 DEFAULT_HASH_ALGO = HASH_ALGOS[0]  # vLLM's default
@@ -37,22 +40,11 @@ ExtraKeys = tuple | None
 
 
 def _cbor(value) -> bytes:
-    import cbor2
-
     return cbor2.dumps(value, canonical=True)
 
 
 def _pickle(value) -> bytes:
     return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _xxh3_128(data: bytes) -> bytes:
-    try:
-        import xxhash
-    except ImportError:
-        raise ValueError("prefix_caching_hash_algo: the xxhash choices need the xxhash package "
-                         "(pip install xxhash)") from None
-    return xxhash.xxh3_128_digest(data)
 
 
 def _sha256(data: bytes) -> bytes:
@@ -62,16 +54,14 @@ def _sha256(data: bytes) -> bytes:
 _ALGOS: dict[str, tuple[Callable, Callable]] = {
     "sha256": (_pickle, _sha256),
     "sha256_cbor": (_cbor, _sha256),
-    "xxhash": (_pickle, _xxh3_128),
-    "xxhash_cbor": (_cbor, _xxh3_128),
+    "xxhash": (_pickle, xxhash.xxh3_128_digest),
+    "xxhash_cbor": (_cbor, xxhash.xxh3_128_digest),
 }
 
 
 def check_algo(algo: str) -> str:
     if algo not in _ALGOS:
         raise ValueError(f"prefix_caching_hash_algo={algo!r} must be one of {', '.join(HASH_ALGOS)}")
-    if algo.startswith("xxhash"):
-        _xxh3_128(b"")  # the package is there
     return algo
 
 

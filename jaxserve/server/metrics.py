@@ -91,7 +91,7 @@ VLLM_COUNTERS = (
 VLLM_LABELS = ("model_name", "engine")
 
 
-class _EngineStatsCollector:
+class EngineStatsCollector:
     """Turns the engine's latest ``stats()`` snapshot into metric families at scrape time."""
 
     def __init__(self, snapshot: Callable[[], dict | None], intake_length: Callable[[], int],
@@ -233,7 +233,7 @@ class ServerMetrics:
                 Gauge(f"jaxserve_slo_{name}_seconds", f"The {name.upper()} objective.", registry=r).set(limit)
 
     def attach_engine(self, snapshot: Callable[[], dict | None], intake_length: Callable[[], int]) -> None:
-        self.registry.register(_EngineStatsCollector(snapshot, intake_length, self.model_name))
+        self.registry.register(EngineStatsCollector(snapshot, intake_length, self.model_name))
 
     def observe_tokens(self, out: RequestOutput, now: float, last_time: float | None) -> None:
         """An output with new tokens left the engine at ``now``; ``last_time`` is the request's previous one."""

@@ -184,7 +184,9 @@ def test_prefill_processes_answer_probes_and_scrapes(cluster):
         assert httpx.get(p.http + "/health", timeout=10).json() == {"status": "ok"}
         assert httpx.get(p.http + "/live", timeout=10).json() == {"status": "live"}
         metrics = parse_metrics(httpx.get(p.http + "/metrics", timeout=10).text)
-        value = lambda name: next(v for k, v in metrics.items() if k.startswith(name + '{model_name="'))  # noqa: E731
+        def value(name: str) -> float:
+            return next(v for k, v in metrics.items() if k.startswith(name + "{") and "model_name=" in k)
+
         assert value("vllm:num_requests_running") == 0 and value("vllm:num_requests_waiting") == 0
         queries += value("vllm:prefix_cache_queries_total")
         assert 0 <= value("vllm:kv_cache_usage_perc") <= 1

@@ -278,7 +278,7 @@ def test_request_switch_and_prometheus_counters(spec):
     engine's counters become Prometheus families."""
     from pydantic import ValidationError
 
-    from jaxserve.server.metrics import _EngineStatsCollector
+    from jaxserve.server.metrics import EngineStatsCollector
     from jaxserve.server.openai.protocol import CompletionRequest
 
     assert CompletionRequest(prompt="hi", speculative=False).sampling_params().speculative is False
@@ -287,7 +287,7 @@ def test_request_switch_and_prometheus_counters(spec):
         CompletionRequest(prompt="hi", speculative="no")
     with pytest.raises(ValueError, match="speculative"):
         SamplingParams(speculative=1)
-    families = {f.name: f for f in _EngineStatsCollector(spec.stats, lambda: 0).collect()}
+    families = {f.name: f for f in EngineStatsCollector(spec.stats, lambda: 0).collect()}
     for name in ("proposed_tokens", "accepted_tokens", "emitted_tokens", "acceptance_rate", "mean_accepted_length"):
         assert f"jaxserve_spec_{name}" in families, name
     assert families["jaxserve_spec_proposed_tokens"].samples[0].value == spec.spec.counters.proposed

@@ -1,61 +1,31 @@
 """The prefill process's probes and metrics over HTTP (``--host:--http-port``), so Kubernetes can probe it as it
 probes the other roles and Prometheus can scrape it: ``GET /health`` (200 while its engine thread serves, else
-503), ``GET /live`` (200 while the process answers) and ``GET /metrics`` (vLLM's names for what a prefill process
-does, from its engine's latest stats: running and waiting requests, KV-cache usage, prefix-cache queries and
-hits, preemptions). Nothing else is served: every other path is a 404, every other method a 405. No request
-reaches the engine, so no cluster secret is asked for, as for the other roles' ``/health`` and ``/metrics``.
+503), ``GET /live`` (200 while the process answers) and ``GET /metrics`` (the engine-stats families every server
+exports, jaxserve's and vLLM's names, from its engine's latest stats: ``metrics.EngineStatsCollector``). Nothing
+else is served: every other path is a 404, every other method a 405. No request reaches the engine, so no
+cluster secret is asked for, as for the other roles' ``/health`` and ``/metrics``.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-class _StatsCollector:
-    """vLLM's metric names over a stats dict read at each scrape (``stats()``), labelled ``model_name``."""
-
-    def __init__(self, stats, model_name: str):
-        self.stats, self.model_name = stats, model_name
-
-    def collect(self):
-        s = self.stats()
-        labels = ["model_name"]
-
-        def gauge(name, doc, value):
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric([self.model_name], float(value))
-            return g
-
-        def counter(name, doc, value):
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric([self.model_name], float(value))
-            return c
-
-        used = s.get("pages_used", 0) / max(s.get("num_pages", 0) or 1, 1)
-        yield gauge("vllm:num_requests_running", "Requests being prefilled.", s.get("num_running", 0))
-        yield gauge("vllm:num_requests_waiting", "Requests waiting to be prefilled.", s.get("num_waiting", 0))
-        yield gauge("vllm:kv_cache_usage_perc", "Fraction of the KV-cache pages in use (1 = 100%).", used)
-        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      s.get("prefix_cache_queries", 0))
-        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                      s.get("prefix_cache_hits", 0))
-        yield counter("vllm:num_preemptions", "Sequences preempted for room.", s.get("num_preemptions", 0))
+from jaxserve.server.metrics import CONTENT_TYPE, EngineStatsCollector
 
 
 class ProbeServer:
-    """``/health``, ``/live`` and ``/metrics`` of a ``PrefillServer`` on a thread of its own (module docstring)."""
+    """``/health``, ``/live`` and ``/metrics`` on a thread of its own (module docstring): ``stats()`` the engine's
+    latest stats, ``intake_length()`` the requests not yet taken by its thread, ``healthy()`` whether it serves."""
 
-    def __init__(self, host: str, port: int, prefill, model_names: list[str] | None = None):
+    def __init__(self, host: str, port: int, *, stats: Callable[[], dict | None], intake_length: Callable[[], int],
+                 healthy: Callable[[], bool], model_name: str = ""):
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_StatsCollector(lambda: prefill.stats, (model_names or ["model"])[0]))
-        healthy = lambda: prefill.healthy  # noqa: E731
+        registry.register(EngineStatsCollector(stats, intake_length, model_name))
 
         class Handler(BaseHTTPRequestHandler):
             def _answer(self, status: int, body: bytes, content_type: str = "application/json") -> None:
