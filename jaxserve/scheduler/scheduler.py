@@ -182,10 +182,9 @@ class Scheduler:
 
     def forget_prefixes(self) -> None:
         """New weights: no KV computed before now is reused by a later admission (``BlockManager.forget_prefixes``;
-        waiting sequences key their pages afresh). Running sequences keep the KV they have."""
+        the page keys do not depend on the weights, so waiting sequences keep theirs). Running sequences keep the
+        KV they have."""
         self.block_manager.forget_prefixes()
-        for seq in self.waiting:
-            seq.page_hashes.clear()
 
     # ---- one step -----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
