@@ -181,6 +181,7 @@ def test_prefill_processes_answer_probes_and_scrapes(cluster):
 
     queries = 0
     for p in cluster[0]:
+        assert p.http.startswith("http://127.0.0.1:")  # on --host, whose default is the loopback only
         assert httpx.get(p.http + "/health", timeout=10).json() == {"status": "ok"}
         assert httpx.get(p.http + "/live", timeout=10).json() == {"status": "live"}
         metrics = parse_metrics(httpx.get(p.http + "/metrics", timeout=10).text)
