@@ -11,6 +11,7 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.server import network_args
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.openai.tool_calls import TOOL_CALL_PARSERS
+from jaxserve.text.reasoning import REASONING_PARSERS
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.default is not dataclasses.MISSING}
 DEMO_MODEL_NAME = "jaxserve-demo"
@@ -167,8 +168,13 @@ def _add_server_args(s: argparse._ArgumentGroup) -> None:
                    help="with --tool-call-parser: chat requests with tools (tool_choice 'auto') get the model's "
                         "tool calls parsed into tool_calls")
     s.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                   help="how the model writes tool calls: hermes (<tool_call>JSON</tool_call>), llama3_json (a JSON "
-                        "object), mistral ([TOOL_CALLS] JSON list)")
+                   help="how the model writes tool calls (vLLM's names): hermes (<tool_call>JSON</tool_call>), "
+                        "llama3_json (a JSON object), mistral ([TOOL_CALLS] JSON list), qwen3_coder (Qwen3-Coder / "
+                        "Qwen3.5 XML), glm45, deepseek_v3, deepseek_v31, kimi_k2, pythonic (Llama 4), openai "
+                        "(gpt-oss harmony)")
+    s.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split a thinking model's reasoning from its answer (vLLM's names and message.reasoning): "
+                        "deepseek_r1, deepseek_v3, qwen3, glm45, kimi_k2, mistral, openai_gptoss")
 
 
 def _add_limit_args(lim: argparse._ArgumentGroup) -> None:

@@ -1,12 +1,14 @@
 """``POST /v1/chat/completions``: a conversation through the chat template, ``n`` choices, streamed or not, with
-tools (the model's calls parsed by ``--tool-call-parser``, or forced by ``tool_choice``), OpenAI's
-``logprobs`` and vLLM's ``prompt_logprobs`` and ``return_token_ids``."""
+a thinking model's reasoning split off (``--reasoning-parser``: vLLM's ``reasoning`` in the message and in the
+deltas), tools (the model's calls parsed by ``--tool-call-parser``, or forced by ``tool_choice``), OpenAI's
+``logprobs`` and vLLM's ``prompt_logprobs`` and ``return_token_ids``. Each choice's text is read by one
+``chat_output.ChoiceOutput``, whole or streamed."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -16,20 +18,26 @@ from jaxserve.server.openai.context import APIContext, json_body
 from jaxserve.server.openai.errors import in_band, raise_if_failed
 from jaxserve.server.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from jaxserve.server.openai.protocol import ChatCompletionRequest, parse
+from jaxserve.server.openai.chat_output import ChoiceOutput, OutputDelta
 from jaxserve.server.openai.streaming import EventStream, events
 from jaxserve.server.openai.tool_calls import ToolCallStream, make_parser
+from jaxserve.text.reasoning import make_reasoning_parser
 
 
 class ChatCompletions:
     """The chat completions API; ``enable_auto_tool_choice`` and ``tool_call_parser`` are the server flags that
-    let ``tool_choice`` "auto" parse the model's own calls."""
+    let ``tool_choice`` "auto" parse the model's own calls, ``reasoning_parser`` the one that splits off the
+    reasoning."""
 
     bodies = (ChatCompletionRequest,)
 
-    def __init__(self, ctx: APIContext, *, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None):
+    def __init__(self, ctx: APIContext, *, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None):
         self.ctx = ctx
         self.auto_tools = enable_auto_tool_choice
         self.tool_parser = make_parser(tool_call_parser)
+        make_reasoning_parser(reasoning_parser)  # a bad name fails at start-up
+        self.reasoning_parser = reasoning_parser
 
     def router(self) -> APIRouter:
         router = self.ctx.router("/v1")
@@ -53,6 +61,10 @@ class ChatCompletions:
         if tools and req.tool_choice in (None, "auto") and not (self.auto_tools and self.tool_parser is not None):
             raise invalid("tool_choice 'auto' (the default with tools) needs the server flags "
                           "--enable-auto-tool-choice and --tool-call-parser", "tool_choice")
+        reasoning = make_reasoning_parser(self.reasoning_parser, req.chat_template_kwargs)
+        if (reasoning is not None or parse_calls) and req.skip_special_tokens is None:
+            # the markers are often special tokens: the parsers read them (vLLM's parsers ask the same)
+            params = dataclasses.replace(params, skip_special_tokens=False)
         messages = req.template_messages()
         options = {**req.template_options(), "add_special_tokens": req.add_special_tokens}
         streams = await ctx.start([None], params, messages, req.add_generation_prompt, template_options=options,
@@ -60,10 +72,14 @@ class ChatCompletions:
         stream = streams[0]
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), ctx.model_name(req.model)
         num_top = params.logprobs
-        tool_mode = (self.tool_parser if not forced else None, forced, forced_name) if parse_calls else None
+        tool_mode = (self.tool_parser if not forced else None, forced, forced_name, tools) if parse_calls else None
+
+        def reader() -> ChoiceOutput:
+            return ChoiceOutput(reasoning, ToolCallStream(*tool_mode) if tool_mode is not None else None)
+
         if req.stream:
-            chunks = self._chunks(stream, rid, created, model, params.n, num_top, req.include_usage, tool_mode,
-                                  req.prompt_logprobs is not None, bool(req.return_token_ids))
+            chunks = self._chunks(stream, rid, created, model, params.n, num_top, req.include_usage, reader,
+                                  req.prompt_logprobs is not None, bool(req.return_token_ids), req.include_reasoning)
             return EventStream(events(chunks, in_band), stream.abort)
         finals = await ctx.finals(request, streams)
         if finals is None:
@@ -75,16 +91,13 @@ class ChatCompletions:
             logprobs = None
             if num_top is not None:
                 logprobs = {"content": chat_logprobs(c.records or [], stream)}
-            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            parsed = reader()
+            parsed.feed(c.text)
+            parsed.finish()
+            message = parsed.message(req.include_reasoning)
             finish = c.finish_reason
-            if tool_mode is not None:
-                tracker = ToolCallStream(*tool_mode)
-                sent = tracker.feed(c.text)
-                rest, calls = tracker.finish()
-                if calls:
-                    message = {"role": "assistant", "content": (sent + rest).strip() or None,
-                               "tool_calls": [call.to_openai() for call in calls]}
-                    finish = "tool_calls" if finish == "stop" else finish
+            if parsed.calls:
+                finish = "tool_calls" if finish == "stop" else finish
             choice = {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish,
                       "stop_reason": c.stop_reason}
             if req.return_token_ids:
@@ -99,13 +112,14 @@ class ChatCompletions:
                                                            stream.token_texts)
         return JSONResponse(body)
 
-    async def _chunks(self, stream, rid, created, model, n, num_top, include_usage, tool_mode=None,
-                      prompt_logprobs=False, token_ids=False):
-        """Streamed chat; with ``token_ids`` (vLLM's ``return_token_ids``) the first chunk carries the
-        ``prompt_token_ids`` and every choice chunk its new ``token_ids``."""
+    async def _chunks(self, stream, rid, created, model, n, num_top, include_usage, reader,
+                      prompt_logprobs=False, token_ids=False, include_reasoning=True):
+        """Streamed chat: each choice's deltas as its ``ChoiceOutput`` reads them (vLLM's ``reasoning``,
+        ``content`` and ``tool_calls`` deltas); with ``token_ids`` (vLLM's ``return_token_ids``) the first chunk
+        carries the ``prompt_token_ids`` and every choice chunk its new ``token_ids``."""
         tracker = ChoiceTracker(num_top)
         prompt_sent = not prompt_logprobs  # vLLM's prompt_logprobs go in the first chunk after the prompt ran
-        tool_streams = {i: ToolCallStream(*tool_mode) for i in range(n)} if tool_mode is not None else {}
+        readers = {i: reader() for i in range(n)}
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         final = None
 
@@ -130,19 +144,22 @@ class ChatCompletions:
                 plp = vllm_prompt_logprobs(out.prompt_token_ids, out.prompt_records, stream.token_texts)
                 yield {**base, "choices": [], "prompt_logprobs": plp}
             for ev in tracker.events(out):
-                text, finish = ev.text, ev.finish_reason
+                finish = ev.finish_reason
+                parsed = readers[ev.index]
+                got = parsed.feed(ev.text)
+                if finish is not None:
+                    end = parsed.finish()
+                    got = OutputDelta(got.content + end.content, got.reasoning + end.reasoning,
+                                      got.tool_calls + end.tool_calls)
+                    if parsed.calls:
+                        finish = "tool_calls" if finish == "stop" else finish
                 delta = {}
-                if ev.index in tool_streams:  # content up to a tool call's start; the calls at the end
-                    ts = tool_streams[ev.index]
-                    text = ts.feed(ev.text)
-                    if finish is not None:
-                        rest, calls = ts.finish()
-                        text += rest
-                        if calls:
-                            delta["tool_calls"] = [call.to_openai(k) for k, call in enumerate(calls)]
-                            finish = "tool_calls" if finish == "stop" else finish
-                if text or finish is None:
-                    delta["content"] = text
+                if got.reasoning and include_reasoning:
+                    delta["reasoning"] = got.reasoning
+                if got.content or (finish is None and not delta and not got.tool_calls):
+                    delta["content"] = got.content
+                if got.tool_calls:
+                    delta["tool_calls"] = got.tool_calls
                 logprobs = {"content": chat_logprobs(ev.logprobs, stream)} if ev.logprobs is not None else None
                 choice = {"index": ev.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                 if ev.finish_reason is not None:

@@ -207,6 +207,10 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # an assistant's earlier reasoning (vLLM's name; ``reasoning_content`` is its older one): the templates that
+    # show it read ``reasoning_content``
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def as_template_input(self, i: int) -> dict[str, Any]:
         content = self.content
@@ -225,6 +229,9 @@ class ChatMessage(_Body):
             message["tool_calls"] = self.tool_calls
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         return template_message(message)
 
 
@@ -242,6 +249,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # refused: templates come from the checkpoint or --chat-template
     add_special_tokens: StrictBool = False  # the template already holds them (vLLM's default for chat)
+    include_reasoning: StrictBool = True  # vLLM's: false leaves the reasoning out of the answer
 
     def tool_schema(self) -> tuple[list[dict], dict | None, str | None]:
         """(checked tools, the JSON schema a forced ``tool_choice`` imposes, the forced function's name)."""

@@ -1,147 +1,17 @@
-"""Tool calling for the chat API: the model's text turned into OpenAI ``tool_calls`` (``--tool-call-parser``), and
-``tool_choice`` "required" or a named function enforced with structured output.
-
-Parsers (vLLM's names and formats):
-
-- ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number, text around them is content;
-- ``llama3_json``: a JSON object ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), optionally after
-  ``<|python_tag|>``, several separated by ``;``;
-- ``mistral``: ``[TOOL_CALLS]`` followed by a JSON list of ``{"name": ..., "arguments": {...}}``.
-
-Streaming: text is streamed as content until a parser's start marker appears; from there the rest is held and
-the calls go out in one delta when the output ends.
-"""
+"""Tool calling for the chat API: the model's text turned into OpenAI ``tool_calls`` by a ``--tool-call-parser``
+(``tool_parsers``), streamed as vLLM streams them, and ``tool_choice`` "required" or a named function enforced
+with structured output."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import re
-import uuid
 from typing import Any
 
 from jaxserve.server.intake import JSONSyntaxError, decode_json, invalid
+from jaxserve.server.openai.tool_parsers import TOOL_CALL_PARSERS, PartialCall, ToolCall, ToolParser, make_parser
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
-
-
-@dataclasses.dataclass
-class ToolCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-    id: str = dataclasses.field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-    def to_openai(self, index: int | None = None) -> dict[str, Any]:
-        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-        if index is not None:
-            call["index"] = index
-        return call
-
-
-def _call(obj: Any, args_key: str = "arguments") -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
-    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
-
-
-class ToolParser:
-    """Splits a finished output into (content, tool calls); ``start`` is where a streamed output stops being
-    content."""
-
-    name = ""
-    start_marker = ""
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        raise NotImplementedError
-
-    def content_end(self, text: str) -> int:
-        """How much of ``text`` (so far) is surely content: up to a start marker, or up to a prefix of one at the
-        end (it may be a marker still arriving)."""
-        i = text.find(self.start_marker)
-        if i >= 0:
-            return i
-        for k in range(min(len(self.start_marker) - 1, len(text)), 0, -1):
-            if self.start_marker.startswith(text[-k:]):
-                return len(text) - k
-        return len(text)
-
-
-class HermesParser(ToolParser):
-    name, start_marker = "hermes", "<tool_call>"
-    _pattern = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
-    def parse(self, text):
-        if self.start_marker not in text:
-            return text, []
-        calls = []
-        for body in self._pattern.findall(text):
-            try:
-                call = _call(json.loads(body))
-            except (ValueError, RecursionError):
-                call = None
-            if call is None:
-                return text, []  # not well-formed: the text stays content, as vLLM does
-            calls.append(call)
-        content = text[: text.find(self.start_marker)].strip()
-        return content or None, calls
-
-
-class Llama3JsonParser(ToolParser):
-    name, start_marker = "llama3_json", "{"
-
-    def parse(self, text):
-        body = text.strip().removeprefix("<|python_tag|>").strip()
-        if not body.startswith("{"):
-            return text, []
-        calls, decoder, i = [], json.JSONDecoder(), 0
-        while i < len(body):
-            try:
-                obj, end = decoder.raw_decode(body, i)
-            except (ValueError, RecursionError):
-                return text, []
-            call = _call(obj, "parameters")
-            if call is None:
-                return text, []
-            calls.append(call)
-            i = end
-            while i < len(body) and body[i] in " \n\t;":
-                i += 1
-        return None, calls
-
-    def content_end(self, text):
-        stripped = text.lstrip()
-        return 0 if not stripped or stripped.startswith(("{", "<|python_tag|>"[: len(stripped)])) else len(text)
-
-
-class MistralParser(ToolParser):
-    name, start_marker = "mistral", "[TOOL_CALLS]"
-
-    def parse(self, text):
-        i = text.find(self.start_marker)
-        if i < 0:
-            return text, []
-        try:
-            items = json.loads(text[i + len(self.start_marker):].strip())
-        except (ValueError, RecursionError):
-            return text, []
-        items = items if isinstance(items, list) else [items]
-        calls = [_call(obj) for obj in items]
-        if not calls or any(c is None for c in calls):
-            return text, []
-        return text[:i].strip() or None, calls
-
-
-PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
-
-
-def make_parser(name: str | None) -> ToolParser | None:
-    if name is None:
-        return None
-    if name not in PARSERS:
-        raise ValueError(f"--tool-call-parser={name!r} must be one of {', '.join(TOOL_CALL_PARSERS)}")
-    return PARSERS[name]()
-
+__all__ = ["TOOL_CALL_PARSERS", "ToolCall", "ToolCallStream", "ToolParser", "check_tools", "forced_calls",
+           "forced_schema", "make_parser", "template_message"]
 
 # Requests -------------------------------------------------------------------------------------------------------
 def check_tools(tools: list[Any] | None) -> list[dict]:
@@ -217,25 +87,59 @@ def template_message(message: dict) -> dict:
 
 
 class ToolCallStream:
-    """One streamed choice's text under tool calling: what can go out as content now (``feed``), and at the end
-    the rest of the content and the calls (``finish``)."""
+    """One choice's text under tool calling, as it streams: ``feed(piece)`` gives (content that can go out now,
+    vLLM's tool-call deltas), ``finish()`` the rest; ``calls`` are the complete calls at the end. ``tools``: the
+    request's (the XML formats type their arguments by them)."""
 
-    def __init__(self, parser: ToolParser | None, forced: bool, forced_name: str | None):
-        self.parser, self.forced, self.forced_name = parser, forced, forced_name
+    def __init__(self, parser: ToolParser | None, forced: bool, forced_name: str | None,
+                 tools: list[dict] | None = None):
+        self.parser, self.forced, self.forced_name, self.tools = parser, forced, forced_name, tools
         self.text, self.sent = "", 0
+        self.streamed: list[PartialCall] = []  # what of each call has gone out
+        self.ids: list[str] = []
+        self.calls: list[ToolCall] = []
 
-    def feed(self, delta: str) -> str:
-        self.text += delta
+    def feed(self, piece: str) -> tuple[str, list[dict]]:
+        self.text += piece
         if self.forced:
-            return ""
-        end = self.parser.content_end(self.text) if self.parser is not None else len(self.text)
+            return "", []
+        if self.parser is None:
+            out, self.sent = self.text[self.sent:], len(self.text)
+            return out, []
+        end, partial = self.parser.scan(self.text, False, self.tools)
+        return self._content(end), self.deltas(partial)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        if self.forced:
+            self.calls = forced_calls(self.text, self.forced_name)
+            return "", [c.to_openai(k) for k, c in enumerate(self.calls)]
+        if self.parser is None:
+            return self.feed("")[0], []
+        end, partial = self.parser.scan(self.text, True, self.tools)
+        done = [c for c in partial if c.done]
+        deltas = self.deltas(done if not self.streamed else partial)
+        self.calls = [ToolCall(c.name, c.arguments, self.ids[k]) for k, c in enumerate(partial) if c.done]
+        if not self.streamed:  # no call: all of it is content
+            end = len(self.text)
+        return self._content(end), deltas
+
+    def _content(self, end: int) -> str:
         out = self.text[self.sent: max(self.sent, end)]
         self.sent = max(self.sent, end)
         return out
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        if self.forced:
-            return "", forced_calls(self.text, self.forced_name)
-        calls = self.parser.parse(self.text)[1] if self.parser is not None else []
-        end = self.parser.content_end(self.text) if calls else len(self.text)
-        return self.text[self.sent: max(self.sent, end)], calls
+    def deltas(self, partial: list[PartialCall]) -> list[dict]:
+        """vLLM's streamed shape: a call's first delta has its index, id, type and name; the next ones add to
+        its arguments."""
+        deltas = []
+        for k, call in enumerate(partial):
+            if k == len(self.streamed):
+                self.ids.append(call.id or ToolCall(call.name, "").id)
+                self.streamed.append(PartialCall(call.name))
+                deltas.append({"index": k, "id": self.ids[k], "type": "function", "function": {"name": call.name}})
+            sent = self.streamed[k]
+            if len(call.arguments) > len(sent.arguments) and call.arguments.startswith(sent.arguments):
+                frag = call.arguments[len(sent.arguments):]
+                sent.arguments = call.arguments
+                deltas.append({"index": k, "function": {"arguments": frag}})
+        return deltas
