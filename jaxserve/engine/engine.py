@@ -472,9 +472,14 @@ class Engine:
                 new_records = []
                 entries = (logprobs or {}).get(seq.seq_id)
                 entries = [] if entries is None else entries if isinstance(entries, list) else [entries]
+            sp = seq.sampling_params
             for j, token in enumerate(new):
                 self.stats_counters["generation_tokens"] += 1
-                delta += detok.add([token])
+                # The stop token that ended the output is not its text (vLLM's), special tokens kept or not
+                ends = (j == len(new) - 1 and seq.finish_reason == "stop" and not sp.include_stop_str_in_output
+                        and (token in sp.stop_token_ids or token in seq.eos_token_ids)
+                        and seq.output_token_ids[-1:] == [token])
+                delta += "" if ends else detok.add([token])
                 kept.append(token)
                 if records is not None:
                     record = entries[j] if j < len(entries) else TokenRecord(token, None, None, ())
