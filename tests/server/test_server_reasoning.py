@@ -1,0 +1,72 @@
+"""Reasoning and family tool calls end to end: a server with --reasoning-parser qwen3 --tool-call-parser
+qwen3_coder and a Qwen3.5-style chat template (tests/data) answers through the openai client with
+message.reasoning apart from content, whole and streamed, and the XML calls after the reasoning as tool_calls.
+The random-weight model is steered with a guided_choice to write what a thinking model writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+
+from server_harness import MODEL_NAME, start_server
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "data" / "qwen3_thinking_xml_tools.jinja"
+WEATHER = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer"}}}}}
+MESSAGES = [{"role": "user", "content": "Oslo?"}]
+THOUGHT = "Oslo is in Norway.\n</think>\n\nIt is sunny."
+CALL = "W\n</think>\n\n<tool_call>\n<function=f>\n<parameter=n>\n2\n</parameter>\n</function>\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def client(request):
+    server = start_server(request, "reasoning", ["--reasoning-parser", "qwen3", "--enable-auto-tool-choice",
+                                                 "--tool-call-parser", "qwen3_coder", "--chat-template",
+                                                 str(TEMPLATE), "--max-model-len", "256"])
+    try:
+        with openai.OpenAI(base_url=server.http + "/v1", api_key="none", max_retries=0, timeout=120) as c:
+            yield c
+    finally:
+        server.terminate()
+
+
+def ask(client, choice, **kw):
+    kw.setdefault("max_tokens", 100)
+    return client.chat.completions.create(model=MODEL_NAME, messages=kw.pop("messages", MESSAGES),
+                                          temperature=1.0, extra_body={"guided_choice": [choice], **kw.pop(
+                                              "extra", {})}, **kw)
+
+
+@pytest.mark.quick
+def test_reasoning_apart_from_content(client):
+    message = ask(client, THOUGHT).choices[0].message
+    assert message.reasoning == "Oslo is in Norway.\n" and message.content == "\n\nIt is sunny."
+    chunks = [c for c in ask(client, THOUGHT, stream=True) if c.choices]
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == "Oslo is in Norway.\n"
+    assert "".join(d.content or "" for d in deltas) == "\n\nIt is sunny."
+    assert sum(1 for d in deltas if getattr(d, "reasoning", None)) >= 2  # streamed, not sent at the end
+    hidden = ask(client, THOUGHT, extra={"include_reasoning": False}).choices[0].message
+    assert getattr(hidden, "reasoning", None) is None and hidden.content == "\n\nIt is sunny."
+
+
+def test_thinking_off_is_all_content(client):
+    out = ask(client, "It is sunny.", extra={"chat_template_kwargs": {"enable_thinking": False}})
+    assert out.choices[0].message.content == "It is sunny."
+    assert getattr(out.choices[0].message, "reasoning", None) is None
+
+
+def test_a_call_after_the_reasoning(client):
+    out = ask(client, CALL, tools=[WEATHER], max_tokens=None).choices[0]  # the rest of the 256-token context
+    assert out.finish_reason == "tool_calls" and out.message.reasoning == "W\n"
+    (call,) = out.message.tool_calls
+    assert call.function.name == "f" and json.loads(call.function.arguments) == {"n": 2}
+    chunks = [c for c in ask(client, CALL, tools=[WEATHER], stream=True, max_tokens=None) if c.choices]
+    deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or ())]
+    assert deltas[0].id and deltas[0].function.name == "f"
+    args = [d.function.arguments for d in deltas[1:]]
+    assert len(args) >= 2 and json.loads("".join(args)) == {"n": 2}  # spans chunks
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
