@@ -38,7 +38,7 @@ class ReasoningDelta:
     content: str = ""
 
 
-def _held(text: str, markers: tuple[str, ...]) -> int:
+def held_back(text: str, markers: tuple[str, ...]) -> int:
     """How many characters at the end of ``text`` may be the start of one of ``markers``."""
     best = 0
     for marker in markers:
@@ -112,7 +112,7 @@ class ReasoningStream:
                     self.buf = self.buf[i + len(p.end):] if m == p.end else self.buf[i:]
                     self.state, self.at_start = "content", True
                     continue
-                keep = _held(self.buf, (p.start, p.end, *p.implicit_ends) if self.at_start
+                keep = held_back(self.buf, (p.start, p.end, *p.implicit_ends) if self.at_start
                              else (p.end, *p.implicit_ends))
                 out.reasoning += self.buf[: len(self.buf) - keep]
                 self.buf = self.buf[len(self.buf) - keep:]
@@ -236,7 +236,7 @@ class HarmonyStream:
                 msg.closed = True
                 self.buf = self.buf[i + len(t):]
                 continue
-            keep = _held(self.buf, HARMONY_TOKENS)
+            keep = held_back(self.buf, HARMONY_TOKENS)
             self._give(out, msg, self.buf[: len(self.buf) - keep])
             self.buf = self.buf[len(self.buf) - keep:]
             break
@@ -280,19 +280,27 @@ class GptOss(ReasoningParser):
         return (reasoning if s.reasoned else None), (content or None)
 
 
+def harmony_delta(pieces: list[tuple[HarmonyMessage, str]]) -> tuple[ReasoningDelta, bool]:
+    """What ``HarmonyStream`` pieces add to the reasoning (the analysis channel) and to the answer (messages to no
+    recipient), and whether any of them was reasoning."""
+    out, reasoned = ReasoningDelta(), False
+    for msg, text in pieces:
+        if msg.channel == "analysis":
+            reasoned = True
+            out.reasoning += text
+        elif msg.recipient is None:
+            out.content += text
+    return out, reasoned
+
+
 class GptOssStream:
     def __init__(self):
         self.harmony = HarmonyStream()
         self.reasoned = False
 
     def _delta(self, pieces) -> ReasoningDelta:
-        out = ReasoningDelta()
-        for msg, text in pieces:
-            if msg.channel == "analysis":
-                self.reasoned = True
-                out.reasoning += text
-            elif msg.recipient is None:
-                out.content += text
+        out, reasoned = harmony_delta(pieces)
+        self.reasoned = self.reasoned or reasoned
         return out
 
     def feed(self, piece: str) -> ReasoningDelta:

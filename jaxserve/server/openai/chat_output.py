@@ -15,7 +15,7 @@ from typing import Any
 
 from jaxserve.server.openai.tool_calls import ToolCall, ToolCallStream
 from jaxserve.server.openai.tool_parsers import PartialCall
-from jaxserve.text.reasoning import GptOss, HarmonyStream, ReasoningParser
+from jaxserve.text.reasoning import GptOss, HarmonyStream, ReasoningParser, harmony_delta
 
 
 @dataclasses.dataclass
@@ -61,32 +61,27 @@ class ChoiceOutput:
             out.reasoning, text = split.reasoning, split.content
             self.reasoned = self.reasoning_stream.reasoned
         if self.tools is not None:
-            out.content, out.tool_calls = self.tools.feed(text)
-            if final:
-                rest, calls = self.tools.finish()
-                out.content += rest
-                out.tool_calls += calls
+            self._read_calls(out, text, final)
         else:
             out.content = text
         self._count(out)
         return out
 
+    def _read_calls(self, out: OutputDelta, text: str, final: bool) -> None:
+        """The answer's ``text`` through the tool-call stream: the content before the calls and the calls."""
+        out.content, out.tool_calls = self.tools.feed(text)
+        if final:
+            rest, calls = self.tools.finish()
+            out.content += rest
+            out.tool_calls += calls
+
     def _harmony(self, pieces, final: bool) -> OutputDelta:
-        out = OutputDelta()
-        for msg, text in pieces:
-            if msg.channel == "analysis":
-                self.reasoned = True
-                out.reasoning += text
-            elif msg.recipient is None:
-                out.content += text
+        split, reasoned = harmony_delta(pieces)
+        self.reasoned = self.reasoned or reasoned
+        out = OutputDelta(content=split.content, reasoning=split.reasoning)
         reads_calls = self.tools is not None and self.tools.parser is not None and self.tools.parser.harmony
         if self.tools is not None and not reads_calls:  # a forced tool_choice: the answer is the calls' JSON
-            content, out.tool_calls = self.tools.feed(out.content)
-            out.content = content
-            if final:
-                rest, calls = self.tools.finish()
-                out.content += rest
-                out.tool_calls += calls
+            self._read_calls(out, out.content, final)
         elif reads_calls:
             partial = [PartialCall(m.recipient.removeprefix("functions."), m.text.strip(), m.closed)
                        for m in self.harmony.messages if m.recipient is not None

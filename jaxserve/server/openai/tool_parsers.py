@@ -34,7 +34,7 @@ import re
 import uuid
 from typing import Any
 
-from jaxserve.text.reasoning import HarmonyStream
+from jaxserve.text.reasoning import HarmonyStream, held_back
 
 TOOL_CALL_PARSERS = ("deepseek_v3", "deepseek_v31", "glm45", "hermes", "kimi_k2", "llama3_json", "mistral", "openai",
                      "pythonic", "qwen3_coder")
@@ -172,17 +172,6 @@ class MistralParser(ToolParser):
         return text[:i].strip() or None, calls
 
 
-def _held(text: str, markers: tuple[str, ...]) -> int:
-    """How many characters at the end of ``text`` may be the start of one of ``markers``."""
-    best = 0
-    for marker in markers:
-        for k in range(min(len(marker) - 1, len(text)), best, -1):
-            if marker.startswith(text[-k:]):
-                best = k
-                break
-    return best
-
-
 def _first(text: str, markers: tuple[str, ...], start: int = 0) -> tuple[int, str]:
     """(index, marker) of the first of ``markers`` in ``text`` from ``start``; (-1, "") if none."""
     found = [(i, m) for m in markers if (i := text.find(m, start)) >= 0]
@@ -196,7 +185,7 @@ class _MarkedParser(ToolParser):
 
     def content_end(self, text):
         i, _ = _first(text, self.starts)
-        return i if i >= 0 else len(text) - _held(text, self.starts)
+        return i if i >= 0 else len(text) - held_back(text, self.starts)
 
     def scan(self, text, final, tools=None):
         end = self.content_end(text)
@@ -214,7 +203,7 @@ def _raw_arguments(body: str, ends: tuple[str, ...], final: bool) -> tuple[str, 
         return body[:i].strip(), True, i + len(marker)
     if final:
         return body.strip(), False, len(body)
-    keep = _held(body, ends)
+    keep = held_back(body, ends)
     return body[: len(body) - keep].strip(), False, len(body)
 
 
@@ -302,28 +291,35 @@ def _trim_newline(value: str) -> str:
     return value.removeprefix("\n").removesuffix("\n")
 
 
+def _xml_calls(text: str, tools: list[dict] | None, open_tag: str, name_ends: tuple[str, ...], close_tag: str,
+               pair: re.Pattern, value=lambda v: v) -> list[PartialCall]:
+    """Calls written as ``open_tag`` NAME (up to the first of ``name_ends``), KEY/VALUE pairs (``pair``'s two
+    groups, each value through ``value`` and typed by the tool's schema), ``close_tag``; the last may be open."""
+    out, pos = [], 0
+    while (i := text.find(open_tag, pos)) >= 0:
+        start = i + len(open_tag)
+        j, _ = _first(text, name_ends, start)
+        if j < 0:
+            break  # the name is still arriving
+        name = text[start:j].strip()
+        k = text.find(close_tag, j)
+        body = text[j: k if k >= 0 else len(text)]
+        types = _schema_types(tools, name)
+        pairs = [(key.strip(), _typed(value(v), types.get(key.strip()))) for key, v in pair.findall(body)]
+        out.append(PartialCall(name, _json_object(pairs, k >= 0), k >= 0))
+        if k < 0:
+            break
+        pos = k + len(close_tag)
+    return out
+
+
 class Qwen3CoderParser(_MarkedParser):
     name = "qwen3_coder"
     starts = ("<tool_call>", "<function=")
     _param = re.compile(r"<parameter=([^>]*)>(.*?)</parameter>", re.DOTALL)
 
     def calls(self, text, final, tools):
-        out, pos = [], 0
-        while (i := text.find("<function=", pos)) >= 0:
-            j = text.find(">", i)
-            if j < 0:
-                break
-            name = text[i + len("<function="): j].strip()
-            k = text.find("</function>", j)
-            body = text[j + 1: k if k >= 0 else len(text)]
-            types = _schema_types(tools, name)
-            pairs = [(key.strip(), _typed(_trim_newline(v), types.get(key.strip())))
-                     for key, v in self._param.findall(body)]
-            out.append(PartialCall(name, _json_object(pairs, k >= 0), k >= 0))
-            if k < 0:
-                break
-            pos = k + len("</function>")
-        return out
+        return _xml_calls(text, tools, "<function=", (">",), "</function>", self._param, _trim_newline)
 
 
 class Glm45Parser(_MarkedParser):
@@ -332,22 +328,8 @@ class Glm45Parser(_MarkedParser):
     _pair = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
     def calls(self, text, final, tools):
-        out, pos = [], 0
-        while (i := text.find("<tool_call>", pos)) >= 0:
-            start = i + len("<tool_call>")
-            j, _ = _first(text, ("<arg_key>", "\n", "</tool_call>"), start)
-            if j < 0:
-                break  # the name is still arriving
-            name = text[start:j].strip()
-            k = text.find("</tool_call>", start)
-            body = text[j: k if k >= 0 else len(text)]
-            types = _schema_types(tools, name)
-            pairs = [(key.strip(), _typed(v, types.get(key.strip()))) for key, v in self._pair.findall(body)]
-            out.append(PartialCall(name, _json_object(pairs, k >= 0), k >= 0))
-            if k < 0:
-                break
-            pos = k + len("</tool_call>")
-        return out
+        return _xml_calls(text, tools, "<tool_call>", ("<arg_key>", "\n", "</tool_call>"), "</tool_call>",
+                          self._pair)
 
 
 class PythonicParser(ToolParser):
