@@ -111,8 +111,10 @@ def _open_front_ends(args: argparse.Namespace, engine: AsyncEngine, metrics: Ser
     app = OpenAIServer(engine, metrics, names, api_key=args.api_key, max_body_bytes=args.max_request_bytes,
                        limits=limits, enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
                        tool_call_parser=getattr(args, "tool_call_parser", None), admin=getattr(args, "admin", None),
-                       cluster=cluster, reasoning_parser=getattr(args, "reasoning_parser", None), **tenants).app()
-    http_server = _UvicornServer(uvicorn_config(app, connections, tls))
+                       cluster=cluster, reasoning_parser=getattr(args, "reasoning_parser", None),
+                       response_role=getattr(args, "response_role", "assistant"), **tenants).app()
+    http_server = _UvicornServer(uvicorn_config(app, connections, tls, root_path=getattr(args, "root_path", None),
+                                                log_level=getattr(args, "uvicorn_log_level", None)))
     return _FrontEnds(grpc_server, grpc_port, http_server, http_sock, http_sock.getsockname()[1])
 
 
