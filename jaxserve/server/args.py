@@ -11,6 +11,7 @@ from jaxserve.config.engine import QUANTIZATIONS, EngineConfig
 from jaxserve.server import network_args, vllm_flags
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.openai.tool_calls import TOOL_CALL_PARSERS
+from jaxserve.server.stats_log import STATS_INTERVAL_S
 from jaxserve.text.reasoning import REASONING_PARSERS
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.default is not dataclasses.MISSING}
@@ -19,7 +20,6 @@ DEMO_MODEL_NAME = "jaxserve-demo"
 # on a laptop CPU. They apply only to the options left unset.
 DEMO_ENGINE_DEFAULTS = {"max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 128}
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-STATS_INTERVAL_S = 10.0  # vLLM's VLLM_LOG_STATS_INTERVAL default
 WAITING_PER_SEQ = 4  # the default waiting queue holds this many sequences per batch slot
 
 

@@ -4,7 +4,9 @@ its value would change results jaxserve does not follow."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from pathlib import Path
 
 import httpx
@@ -14,6 +16,7 @@ from fake_server import MODEL, FakeServer
 from jaxserve.server import vllm_flags
 from jaxserve.server.args import build_parser, parse_args
 from jaxserve.server.connections import uvicorn_config
+from jaxserve.server.stats_log import StatsLogger
 
 pytestmark = pytest.mark.quick
 
@@ -155,3 +158,63 @@ def test_root_path_and_uvicorn_log_level_reach_the_http_server():
     config = uvicorn_config(None, root_path="/llm", log_level="warning")
     assert (config.root_path, config.log_level) == ("/llm", "warning")
     assert uvicorn_config(None).root_path == "" and uvicorn_config(None).log_level is None
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_stats_line_reads_as_vllms_while_there_is_work(caplog):
+    """StatsLogger fed made-up engine stats: vLLM's line over each interval while busy, one more after the work
+    ends, then nothing while idle."""
+    clock, stats = _Clock(), {}
+    log = StatsLogger(lambda: dict(stats), interval_s=10, clock=clock)
+    assert log.tick() is None  # no snapshot before the engine is ready
+    stats.update(prompt_tokens=50, generation_tokens=10, num_running=0, num_waiting=0, pages_total=100,
+                 pages_used=0, prefix_cache_queries=40, prefix_cache_hits=0, num_preemptions=0)
+    assert log.tick() is None  # the starting counters
+    clock.now += 10
+    assert log.tick() is None  # idle
+    stats.update(prompt_tokens=250, generation_tokens=510, num_running=3, num_waiting=2, pages_used=25,
+                 prefix_cache_queries=240, prefix_cache_hits=50)
+    clock.now += 10
+    with caplog.at_level(logging.INFO, logger="jaxserve.stats"):
+        line = log.tick()
+    assert line == ("Engine 000: Avg prompt throughput: 20.0 tokens/s, Avg generation throughput: 50.0 tokens/s, "
+                    "Running: 3 reqs, Waiting: 2 reqs, GPU KV cache usage: 25.0%, Prefix cache hit rate: 25.0%")
+    assert [r.getMessage() for r in caplog.records if r.name == "jaxserve.stats"] == [line]
+    stats.update(num_running=0, num_waiting=0, pages_used=0, num_preemptions=1)
+    clock.now += 10
+    assert log.tick() == ("Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 tokens/s, "
+                          "Running: 0 reqs, Waiting: 0 reqs, Preemptions: 1, GPU KV cache usage: 0.0%, "
+                          "Prefix cache hit rate: 25.0%")  # the interval the work ended in
+    clock.now += 10
+    assert log.tick() is None  # idle again: no line
+
+
+def test_disable_log_stats_turns_the_line_off():
+    """Beside serving, the server runs a StatsLogger unless --disable-log-stats."""
+    from jaxserve.server import app
+
+    class Engine:  # what the watchers read of the engine
+        def stats(self):
+            return None
+
+        def unready_reason(self):
+            return None
+
+    async def watchers(flags: list[str]) -> list[str]:
+        tasks = app._watchers(parse_args(flags), Engine(), None, None, True)
+        await asyncio.sleep(0)
+        names = [t.get_coro().__qualname__ for t in tasks]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return names
+
+    assert "StatsLogger.run" in asyncio.run(watchers([]))
+    assert "StatsLogger.run" not in asyncio.run(watchers(["--disable-log-stats"]))
