@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 
 from jaxserve.config.args import ArgumentParser, add_engine_args, engine_config_from_args
 from jaxserve.config.engine import QUANTIZATIONS, EngineConfig
@@ -249,9 +250,23 @@ def _add_vllm_aliases(v: argparse._ArgumentGroup) -> None:
                         "families)")
 
 
+def _dashed(argv: list[str]) -> list[str]:
+    """vLLM's parser reads ``--max_model_len`` as ``--max-model-len``; so does this one (the flag's name only, not
+    a value after ``=``, and nothing after a lone ``--``)."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
 def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") -> argparse.Namespace:
     parser = build_parser(prog)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_dashed(sys.argv[1:] if argv is None else list(argv)))
     if args.trust_remote_code:
         parser.error("--trust-remote-code: jaxserve never runs code shipped with a checkpoint; the supported "
                      "families need none")

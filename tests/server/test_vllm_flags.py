@@ -218,3 +218,9 @@ def test_disable_log_stats_turns_the_line_off():
 
     assert "StatsLogger.run" in asyncio.run(watchers([]))
     assert "StatsLogger.run" not in asyncio.run(watchers(["--disable-log-stats"]))
+
+
+def test_underscored_flag_names_read_as_vllm_reads_them():
+    args = parse_args(["--max_model_len", "256", "--max_num_seqs=4", "--served-model-name", "a_b", "--enforce_eager"])
+    assert (args.engine_config.max_model_len, args.engine_config.max_num_seqs) == (256, 4)
+    assert args.served_model_name == ["a_b"] and args.inert_flags[0].startswith("--enforce-eager does nothing")
