@@ -169,7 +169,7 @@ def _add_server_args(s: argparse._ArgumentGroup) -> None:
                    help="largest HTTP request body / gRPC message accepted")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--uvicorn-log-level", default=None, choices=UVICORN_LOG_LEVELS,
-                   help="level of the HTTP server's own log lines (vLLM's flag; trace is debug). Default: --log-level")
+                   help="level of the HTTP server's own log lines (vLLM's flag). Default: --log-level")
     s.add_argument("--disable-log-stats", action="store_true",
                    help=f"no periodic stats line (prompt and generation throughput, running and waiting requests, "
                         f"KV cache usage, prefix cache hit rate), logged every {STATS_INTERVAL_S:g} s while the "
@@ -242,6 +242,7 @@ def _add_vllm_aliases(v: argparse._ArgumentGroup) -> None:
     v.add_argument("--block-size", dest="page_size", type=int, default=keep, help="--page-size")
     v.add_argument("--gpu-memory-utilization", dest="hbm_utilization", type=float, default=keep,
                    help="--hbm-utilization")
+    v.add_argument("--num-gpu-blocks-override", dest="num_pages", type=int, default=keep, help="--num-pages")
     v.add_argument("-q", dest="quantization", default=keep, choices=QUANTIZATIONS, help="--quantization")
     v.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="--mesh tensor=N")
     v.add_argument("--data-parallel-size", "-dp", type=int, default=None, help="--mesh data=N")

@@ -5,7 +5,7 @@ Each one either changes nothing here (``INERT``: accepted, and one log line at s
 why), or changes what the server computes or exposes in a way jaxserve does not follow (``GUARDED``): accepted
 with the values that leave the results as they are (vLLM's default), refused with a one-line error naming the
 flag otherwise. The flags whose meaning jaxserve honours are its own (``--max-model-len``), aliases of its own
-(``--block-size``, ``--num-gpu-blocks-override``) or handled in ``server/args.py`` (``--uvicorn-log-level``,
+(``--block-size``, ``--num-gpu-blocks-override``: ``server/args.py``) or handled in ``server/args.py`` (``--uvicorn-log-level``,
 ``--root-path``, ``--response-role``, ``--disable-log-stats``).
 
 A flag is written with how it takes a value: ``--name=`` one value, ``--name!`` on/off (``--no-name`` too),
@@ -153,8 +153,6 @@ def add_args(group: argparse._ArgumentGroup) -> None:
             _add(group, spec)
     for spec in GUARDED:
         _add(group, spec)
-    group.add_argument("--num-gpu-blocks-override", dest="num_pages", type=int, default=argparse.SUPPRESS,
-                       help="--num-pages")
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
