@@ -4,9 +4,9 @@ runs as written (tests/data/vllm_serve_flags.txt holds vLLM's list; tests/server
 Each one either changes nothing here (``INERT``: accepted, and one log line at start-up says it does nothing and
 why), or changes what the server computes or exposes in a way jaxserve does not follow (``GUARDED``): accepted
 with the values that leave the results as they are (vLLM's default), refused with a one-line error naming the
-flag otherwise. The flags whose meaning jaxserve honours are its own (``--max-model-len``), aliases of its own
-(``--block-size``, ``--num-gpu-blocks-override``: ``server/args.py``) or handled in ``server/args.py`` (``--uvicorn-log-level``,
-``--root-path``, ``--response-role``, ``--disable-log-stats``).
+flag otherwise. The flags whose meaning jaxserve honours are in ``server/args.py``: its own (``--max-model-len``),
+aliases of its own (``--block-size``, ``--num-gpu-blocks-override``, ``-q``) and vLLM's front-end flags it follows
+(``--uvicorn-log-level``, ``--root-path``, ``--response-role``, ``--disable-log-stats``).
 
 A flag is written with how it takes a value: ``--name=`` one value, ``--name!`` on/off (``--no-name`` too),
 ``--name+`` one or more values, ``--name?`` an optional value; aliases follow after ``/``.
