@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") 
         except ValueError as e:
             return user_error(prog, e)
     logs.setup(args.log_level)
+    for note in args.inert_flags:  # vLLM's flags given that change nothing here, one line each
+        logging.getLogger("jaxserve.serve").info("%s", note)
     claim_gpu_memory()  # before anything starts jax's GPU backend
     if args.role == "router":  # no engine, no jax
         from jaxserve.server.router import run_router

@@ -28,7 +28,7 @@ class FakeServer:
 
     def __init__(self, *, limits: RequestLimits | None = None, options: dict | None = None, **config):
         """``options``: the front ends' own (``api_key``, ``prompt_tokens_details``, ``cache_salt_per_api_key``;
-        ``admin`` goes to HTTP only)."""
+        ``admin`` and ``response_role`` go to HTTP only)."""
         self.config = EngineConfig(warmup=False, **config)
         self.limits = limits
         self.options = dict(options or {})
@@ -52,7 +52,7 @@ class FakeServer:
             metrics = ServerMetrics(MODEL)
             self.engine = AsyncEngine(self.config, metrics=metrics, engine_factory=self._factory)
             metrics.attach_engine(self.engine.stats, self.engine.intake_length)
-            grpc_options = {k: v for k, v in self.options.items() if k != "admin"}
+            grpc_options = {k: v for k, v in self.options.items() if k not in ("admin", "response_role")}
             grpc_server = GrpcServer(self.engine, metrics, [MODEL], limits=self.limits, **grpc_options)
             grpc_port = grpc_server.bind("127.0.0.1", 0)
             sock = socket.socket()

@@ -29,7 +29,8 @@ HELP = {
     "load_format": "auto: load the checkpoint's weights; dummy: read only config.json and draw random weights on "
                    "the devices (for benchmarks without a download: the output is meaningless; a folder with no "
                    "tokenizer gets the demo model's byte tokenizer)",
-    "dtype": "weights and KV cache dtype: auto (the checkpoint's), float32, bfloat16 or float16",
+    "dtype": "weights and KV cache dtype: auto (the checkpoint's), float32 (vLLM's 'float'), bfloat16 or float16 "
+             "(vLLM's 'half')",
     "page_size": "tokens per KV-cache page",
     "num_pages": "KV-cache pages in the pool (default: sized from --hbm-utilization of free accelerator memory, "
                  "or --cpu-kv-cache-gib on CPU, capped at max-num-seqs full-length sequences)",
@@ -120,6 +121,14 @@ def user_error(prog: str, message: object) -> int:
 
 
 
+VLLM_DTYPE_NAMES = {"half": "float16", "float": "float32"}  # vLLM's other names for the same dtypes
+
+
+def dtype_name(value: str) -> str:
+    """--dtype's value, vLLM's ``half`` and ``float`` read as float16 and float32 (as vLLM maps them)."""
+    return VLLM_DTYPE_NAMES.get(value, value)
+
+
 CHOICES = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "logprobs_mode": LOGPROBS_MODES,
            "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES, "load_format": LOAD_FORMATS,
            "fuse_projections": FUSE_PROJECTIONS, "prefix_caching_hash_algo": PREFIX_CACHING_HASH_ALGOS}
@@ -151,6 +160,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = 
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind) if typing.get_args(kind) else kind
+        if field.name == "dtype":
+            base = dtype_name
         group.add_argument(flag, type=base, default=default, help=help_text, choices=CHOICES.get(field.name))
 
 

@@ -27,6 +27,7 @@ from jaxserve.server.connections import uvicorn_config
 from jaxserve.server.grpc_api import GrpcServer
 from jaxserve.server.metrics import ServerMetrics
 from jaxserve.server.openai.server import OpenAIServer
+from jaxserve.server.stats_log import STATS_INTERVAL_S, StatsLogger
 
 logger = logging.getLogger("jaxserve.serve")
 
@@ -111,8 +112,10 @@ def _open_front_ends(args: argparse.Namespace, engine: AsyncEngine, metrics: Ser
     app = OpenAIServer(engine, metrics, names, api_key=args.api_key, max_body_bytes=args.max_request_bytes,
                        limits=limits, enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
                        tool_call_parser=getattr(args, "tool_call_parser", None), admin=getattr(args, "admin", None),
-                       cluster=cluster, reasoning_parser=getattr(args, "reasoning_parser", None), **tenants).app()
-    http_server = _UvicornServer(uvicorn_config(app, connections, tls))
+                       cluster=cluster, reasoning_parser=getattr(args, "reasoning_parser", None),
+                       response_role=getattr(args, "response_role", "assistant"), **tenants).app()
+    http_server = _UvicornServer(uvicorn_config(app, connections, tls, root_path=getattr(args, "root_path", None),
+                                                log_level=getattr(args, "uvicorn_log_level", None)))
     return _FrontEnds(grpc_server, grpc_port, http_server, http_sock, http_sock.getsockname()[1])
 
 
@@ -150,10 +153,11 @@ async def _serve_until_stopped(args: argparse.Namespace, engine: AsyncEngine, me
         scheme = "https" if getattr(args, "tls", None) is not None else "http"
         print(f"jaxserve ready: model={names[0]} http={scheme}://{_url(host, fronts.http_port)} "
               f"grpc={_url(host, fronts.grpc_port)} path={engine.info.get('model_path', '')}", flush=True)
-        readiness = asyncio.ensure_future(_follow_readiness(engine, metrics, fronts, serving))
+        watchers = _watchers(args, engine, metrics, fronts, serving)
         await asyncio.wait({stopping, http_task}, return_when=asyncio.FIRST_COMPLETED)
-        readiness.cancel()
-        await asyncio.gather(readiness, return_exceptions=True)
+        for task in watchers:
+            task.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
     elif ready.done():
         logger.error("the engine failed to start: %s", ready.exception())
         # A ValueError is the engine refusing what it was given (a flag's value, the model folder): a user error,
@@ -164,6 +168,16 @@ async def _serve_until_stopped(args: argparse.Namespace, engine: AsyncEngine, me
                      http_task.cancelled() else "cancelled")
         code = 1
     return code
+
+
+def _watchers(args: argparse.Namespace, engine: AsyncEngine, metrics: ServerMetrics, fronts: _FrontEnds,
+              serving: bool) -> list[asyncio.Future]:
+    """What runs beside serving: readiness following the engine, and vLLM's periodic stats line (unless
+    --disable-log-stats)."""
+    tasks = [asyncio.ensure_future(_follow_readiness(engine, metrics, fronts, serving))]
+    if not getattr(args, "disable_log_stats", False):
+        tasks.append(asyncio.ensure_future(StatsLogger(engine.stats, STATS_INTERVAL_S).run()))
+    return tasks
 
 
 async def _follow_readiness(engine: AsyncEngine, metrics: ServerMetrics, fronts: _FrontEnds, serving: bool,

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 
 from jaxserve.config.args import ArgumentParser, add_engine_args, engine_config_from_args
-from jaxserve.config.engine import EngineConfig
-from jaxserve.server import network_args
+from jaxserve.config.engine import QUANTIZATIONS, EngineConfig
+from jaxserve.server import network_args, vllm_flags
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.openai.tool_calls import TOOL_CALL_PARSERS
+from jaxserve.server.stats_log import STATS_INTERVAL_S
 from jaxserve.text.reasoning import REASONING_PARSERS
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.default is not dataclasses.MISSING}
@@ -18,6 +20,7 @@ DEMO_MODEL_NAME = "jaxserve-demo"
 # The demo model exists to try the server on any machine: smaller shapes keep its first warm-up compile short
 # on a laptop CPU. They apply only to the options left unset.
 DEMO_ENGINE_DEFAULTS = {"max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 128}
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 WAITING_PER_SEQ = 4  # the default waiting queue holds this many sequences per batch slot
 
 
@@ -82,6 +85,7 @@ def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentPar
         "multi-host (every process runs the same command with its own --process-id; process 0 serves, the others "
         "follow its steps)"))
     _add_vllm_aliases(p.add_argument_group("vLLM's names for the options above"))
+    vllm_flags.add_args(p.add_argument_group("vLLM's flags that do nothing here (docs/serving.md)"))
     return p
 
 
@@ -164,6 +168,18 @@ def _add_server_args(s: argparse._ArgumentGroup) -> None:
     s.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                    help="largest HTTP request body / gRPC message accepted")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--uvicorn-log-level", default=None, choices=UVICORN_LOG_LEVELS,
+                   help="level of the HTTP server's own log lines (vLLM's flag). Default: --log-level")
+    s.add_argument("--disable-log-stats", action="store_true",
+                   help=f"no periodic stats line (prompt and generation throughput, running and waiting requests, "
+                        f"KV cache usage, prefix cache hit rate), logged every {STATS_INTERVAL_S:g} s while the "
+                        f"server has work")
+    s.add_argument("--root-path", default=None,
+                   help="the path prefix a path-routing proxy in front of the server strips (ASGI root_path, as "
+                        "vLLM's flag): the published schema and redirects name it")
+    s.add_argument("--response-role", default="assistant",
+                   help="the role of the chat completions' answers when the request has add_generation_prompt "
+                        "true (the default); false: the last message's role, as vLLM answers")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="with --tool-call-parser: chat requests with tools (tool_choice 'auto') get the model's "
                         "tool calls parsed into tool_calls")
@@ -226,6 +242,8 @@ def _add_vllm_aliases(v: argparse._ArgumentGroup) -> None:
     v.add_argument("--block-size", dest="page_size", type=int, default=keep, help="--page-size")
     v.add_argument("--gpu-memory-utilization", dest="hbm_utilization", type=float, default=keep,
                    help="--hbm-utilization")
+    v.add_argument("--num-gpu-blocks-override", dest="num_pages", type=int, default=keep, help="--num-pages")
+    v.add_argument("-q", dest="quantization", default=keep, choices=QUANTIZATIONS, help="--quantization")
     v.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="--mesh tensor=N")
     v.add_argument("--data-parallel-size", "-dp", type=int, default=None, help="--mesh data=N")
     v.add_argument("--trust-remote-code", action="store_true",
@@ -233,9 +251,23 @@ def _add_vllm_aliases(v: argparse._ArgumentGroup) -> None:
                         "families)")
 
 
+def _dashed(argv: list[str]) -> list[str]:
+    """vLLM's parser reads ``--max_model_len`` as ``--max-model-len``; so does this one (the flag's name only, not
+    a value after ``=``, and nothing after a lone ``--``)."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
 def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") -> argparse.Namespace:
     parser = build_parser(prog)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_dashed(sys.argv[1:] if argv is None else list(argv)))
     if args.trust_remote_code:
         parser.error("--trust-remote-code: jaxserve never runs code shipped with a checkpoint; the supported "
                      "families need none")
@@ -255,6 +287,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.se
     if args.cache_salt_per_api_key and not args.api_key:
         parser.error("--cache-salt-per-api-key needs --api-key (the keys are the tenants)")
     network_args.check(parser, args)
+    args.inert_flags = vllm_flags.check(parser, args)
+    if not args.response_role:
+        parser.error("--response-role must not be empty")
     if args.served_model_name is None:
         args.served_model_name = [args.model if args.model is not None else DEMO_MODEL_NAME]
     fill_demo_shapes(args)

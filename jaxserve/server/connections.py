@@ -155,11 +155,14 @@ def read_deadlines(limits: ConnectionLimits, base: type | None = None) -> type:
 
 
 def uvicorn_config(app, limits: ConnectionLimits | None = None, tls: ServerTLS | None = None,
-                   http: type | None = None, grace_s: float = 5) -> uvicorn.Config:
+                   http: type | None = None, grace_s: float = 5, root_path: str | None = None,
+                   log_level: str | None = None) -> uvicorn.Config:
     """The front end's uvicorn configuration (our own logging and signals; no lifespan): the connection cap,
     the read deadlines, TLS when given, and ``grace_s``: how long open requests may finish once it is told to
-    stop (after that uvicorn cancels them)."""
+    stop (after that uvicorn cancels them); ``root_path`` (``--root-path``): the prefix a proxy strips;
+    ``log_level`` (``--uvicorn-log-level``): uvicorn's own loggers' level (None: they follow ours)."""
     limits = limits or ConnectionLimits()
     return uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, timeout_keep_alive=KEEP_ALIVE_S,
+                          root_path=root_path or "", log_level=log_level,
                           timeout_graceful_shutdown=grace_s, limit_concurrency=limits.max_connections,
                           http=read_deadlines(limits, http), **(tls.uvicorn_options() if tls else {}))

@@ -645,7 +645,9 @@ async def run_router(args) -> int:
     http_port = http_sock.getsockname()[1]
     # On SIGTERM, in-flight requests have the whole --shutdown-grace-period to finish (uvicorn's own 5 s cut them)
     http_server = _UvicornServer(uvicorn_config(router.app(), getattr(args, "connections", None), tls,
-                                                grace_s=args.shutdown_grace_period))
+                                                grace_s=args.shutdown_grace_period,
+                                                root_path=getattr(args, "root_path", None),
+                                                log_level=getattr(args, "uvicorn_log_level", None)))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -32,8 +32,9 @@ class ChatCompletions:
     bodies = (ChatCompletionRequest,)
 
     def __init__(self, ctx: APIContext, *, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, response_role: str = "assistant"):
         self.ctx = ctx
+        self.response_role = response_role  # --response-role
         self.auto_tools = enable_auto_tool_choice
         self.tool_parser = make_parser(tool_call_parser)
         make_reasoning_parser(reasoning_parser)  # a bad name fails at start-up
@@ -66,6 +67,8 @@ class ChatCompletions:
             # the markers are often special tokens: the parsers read them (vLLM's parsers ask the same)
             params = dataclasses.replace(params, skip_special_tokens=False)
         messages = req.template_messages()
+        # vLLM's rule: the answer's role is --response-role, or without a generation prompt the last message's
+        role = self.response_role if req.add_generation_prompt else messages[-1]["role"]
         options = {**req.template_options(), "add_special_tokens": req.add_special_tokens}
         streams = await ctx.start([None], params, messages, req.add_generation_prompt, template_options=options,
                                   lora_request=lora)
@@ -79,7 +82,8 @@ class ChatCompletions:
 
         if req.stream:
             chunks = self._chunks(stream, rid, created, model, params.n, num_top, req.include_usage, reader,
-                                  req.prompt_logprobs is not None, bool(req.return_token_ids), req.include_reasoning)
+                                  req.prompt_logprobs is not None, bool(req.return_token_ids), req.include_reasoning,
+                                  role)
             return EventStream(events(chunks, in_band), stream.abort)
         finals = await ctx.finals(request, streams)
         if finals is None:
@@ -94,7 +98,7 @@ class ChatCompletions:
             parsed = reader()
             parsed.feed(c.text)
             parsed.finish()
-            message = parsed.message(req.include_reasoning)
+            message = parsed.message(req.include_reasoning, role)
             finish = c.finish_reason
             if parsed.calls:
                 finish = "tool_calls" if finish == "stop" else finish
@@ -113,7 +117,7 @@ class ChatCompletions:
         return JSONResponse(body)
 
     async def _chunks(self, stream, rid, created, model, n, num_top, include_usage, reader,
-                      prompt_logprobs=False, token_ids=False, include_reasoning=True):
+                      prompt_logprobs=False, token_ids=False, include_reasoning=True, role="assistant"):
         """Streamed chat: each choice's deltas as its ``ChoiceOutput`` reads them (vLLM's ``reasoning``,
         ``content`` and ``tool_calls`` deltas); with ``token_ids`` (vLLM's ``return_token_ids``) the first chunk
         carries the ``prompt_token_ids`` and every choice chunk its new ``token_ids``."""
@@ -130,7 +134,7 @@ class ChatCompletions:
             return c
 
         for i in range(n):
-            first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            first = {"index": i, "delta": {"role": role, "content": ""}, "logprobs": None,
                      "finish_reason": None}
             if token_ids and i == 0:  # vLLM's: the prompt's ids with the first chunk ever
                 yield chunk(first, prompt_token_ids=list(stream.prompt_token_ids))

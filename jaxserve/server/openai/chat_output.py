@@ -100,10 +100,10 @@ class ChoiceOutput:
     def calls(self) -> list[ToolCall]:
         return self.tools.calls if self.tools is not None else []
 
-    def message(self, include_reasoning: bool = True) -> dict[str, Any]:
+    def message(self, include_reasoning: bool = True, role: str = "assistant") -> dict[str, Any]:
         """The choice's whole ``message`` (after ``finish``): vLLM's ``reasoning`` beside the content, and the
         calls with the content before them (None if empty) when there are calls."""
-        message: dict[str, Any] = {"role": "assistant", "content": self.content}
+        message: dict[str, Any] = {"role": role, "content": self.content}
         if self.calls:
             message["content"] = self.content.strip() or None
             message["tool_calls"] = [c.to_openai() for c in self.calls]

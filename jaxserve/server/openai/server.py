@@ -30,14 +30,16 @@ class OpenAIServer:
                  limits: RequestLimits | None = None, enable_auto_tool_choice: bool = False,
                  tool_call_parser: str | None = None, prompt_tokens_details: bool = False,
                  cache_salt_per_api_key: bool = False, admin: AdminConfig | None = None,
-                 cluster: ClusterSecurity | None = None, reasoning_parser: str | None = None):
+                 cluster: ClusterSecurity | None = None, reasoning_parser: str | None = None,
+                 response_role: str = "assistant"):
         self.ctx = APIContext(engine, metrics, served_model_names, api_key=api_key, max_body_bytes=max_body_bytes,
                               limits=limits, prompt_tokens_details=prompt_tokens_details,
                               cache_salt_per_api_key=cache_salt_per_api_key, admin=admin, cluster=cluster)
         # In this order on the app: the published schema lists its paths so.
         self.endpoints = [Health(self.ctx), Models(self.ctx), Admin(self.ctx), Completions(self.ctx),
                           ChatCompletions(self.ctx, enable_auto_tool_choice=enable_auto_tool_choice,
-                                          tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser),
+                                          tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                                          response_role=response_role),
                           Tokens(self.ctx)]
 
     def app(self) -> FastAPI:
