@@ -19,6 +19,14 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from jaxserve.outputs import RequestOutput
 
+
+def kv_cache_usage(stats: dict) -> float:
+    """The fraction of the pool's KV pages in use, from the engine's ``stats()`` snapshot (0 before the pool
+    exists): the gauges here and the periodic stats line (``stats_log``) read it."""
+    total = stats.get("pages_total") or 0
+    return stats.get("pages_used", 0) / total if total else 0.0
+
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -115,17 +123,16 @@ class EngineStatsCollector:
                 continue
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(f"jaxserve_{suffix}", doc, value=float(stats[key]))
-        total = stats.get("pages_total") or 0
+        usage = kv_cache_usage(stats)
         yield GaugeMetricFamily("jaxserve_kv_cache_usage_ratio", "Fraction of KV cache pages in use (0..1).",
-                                value=stats.get("pages_used", 0) / total if total else 0.0)
+                                value=usage)
         queries = stats.get("prefix_cache_queries", 0)
         yield GaugeMetricFamily("jaxserve_prefix_cache_hit_rate",
                                 "Prompt tokens found in the prefix cache over prompt tokens looked up, since start.",
                                 value=stats.get("prefix_cache_hits", 0) / queries if queries else 0.0)
-        yield from self._vllm(stats, total)
+        yield from self._vllm(stats, usage)
 
-    def _vllm(self, stats: dict, total: int):
-        usage = stats.get("pages_used", 0) / total if total else 0.0
+    def _vllm(self, stats: dict, usage: float):
         gauges = [(name, doc, stats.get(key, 0)) for name, key, doc in VLLM_GAUGES]
         gauges += [("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
                    ("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage (vLLM's older name).",

@@ -9,6 +9,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from jaxserve.server.metrics import kv_cache_usage
+
 logger = logging.getLogger("jaxserve.stats")
 STATS_INTERVAL_S = 10.0  # vLLM's default (VLLM_LOG_STATS_INTERVAL)
 
@@ -48,8 +50,7 @@ class StatsLogger:
         self._was_busy = busy
         if delta["prefix_cache_queries"] > 0:
             self._hit_rate = delta["prefix_cache_hits"] / delta["prefix_cache_queries"]
-        total = stats.get("pages_total") or 0
-        usage = stats.get("pages_used", 0) / total if total else 0.0
+        usage = kv_cache_usage(stats)
         preempted = f"Preemptions: {int(delta['num_preemptions'])}, " if delta["num_preemptions"] > 0 else ""
         line = (f"Engine 000: Avg prompt throughput: {prompt:.1f} tokens/s, Avg generation throughput: "
                 f"{generation:.1f} tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, {preempted}"

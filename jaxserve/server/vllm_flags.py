@@ -25,6 +25,11 @@ _LOGGING = "jaxserve logs no per-request lines"
 _FRONT = "the HTTP front end has no such option"
 _LOADING = "weights load through jaxserve's own loader"
 _MOE = "experts are laid out with --mesh expert=N"
+_ONE_GROUP = "a server is one replica group here: --mesh data=N on its own devices"
+_GENERATION = "jaxserve serves generation only"
+_PLUGINS = "jaxserve loads no plugins"
+_ROPE = "the model's config.json decides its RoPE"
+_STATE_DTYPE = "the state cache keeps the model's dtype"
 
 # reason -> flags accepted with any value, each logged as doing nothing
 INERT: dict[str, tuple[str, ...]] = {
@@ -77,38 +82,38 @@ INERT: dict[str, tuple[str, ...]] = {
 GUARDED: dict[str, tuple[tuple[str, ...], str]] = {
     "--pipeline-parallel-size/-pp=": (("1",), "pipeline parallelism is not implemented; use --mesh tensor=N"),
     "--decode-context-parallel-size/-dcp=": (("1",), "decode context parallelism is not implemented"),
-    "--data-parallel-rank/-dpn=": ((), "a server is one replica group here: --mesh data=N on its own devices"),
-    "--data-parallel-start-rank/-dpr=": ((), "a server is one replica group here: --mesh data=N on its own devices"),
-    "--data-parallel-size-local/-dpl=": ((), "a server is one replica group here: --mesh data=N on its own devices"),
+    "--data-parallel-rank/-dpn=": ((), _ONE_GROUP),
+    "--data-parallel-start-rank/-dpr=": ((), _ONE_GROUP),
+    "--data-parallel-size-local/-dpl=": ((), _ONE_GROUP),
     "--headless!": (("False",), "every server here runs its API; multi-host serving is --num-processes"),
     "--uds=": ((), "the servers listen on --host and --http-port / --grpc-port"),
     "--config=": ((), "jaxserve reads no option file; give the options on the command line"),
     "--tokenizer-mode=": (("auto", "hf", "slow"), "prompts are tokenized by the model's Hugging Face tokenizer"),
     "--config-format=": (("auto", "hf"), "the model's config.json is read as Hugging Face writes it"),
-    "--runner=": (("auto", "generate"), "jaxserve serves generation only"),
-    "--convert=": (("auto", "none"), "jaxserve serves generation only"),
-    "--task=": (("auto", "generate"), "jaxserve serves generation only"),
-    "--pooler-config=": ((), "jaxserve serves generation only"),
-    "--override-pooler-config=": ((), "jaxserve serves generation only"),
+    "--runner=": (("auto", "generate"), _GENERATION),
+    "--convert=": (("auto", "none"), _GENERATION),
+    "--task=": (("auto", "generate"), _GENERATION),
+    "--pooler-config=": ((), _GENERATION),
+    "--override-pooler-config=": ((), _GENERATION),
     "--model-impl=": (("auto", "vllm"), "jaxserve runs its own model code"),
-    "--io-processor-plugin=": ((), "jaxserve loads no plugins"),
+    "--io-processor-plugin=": ((), _PLUGINS),
     "--tool-parser-plugin=": (("",), "jaxserve loads no plugins; the parsers are --tool-call-parser's"),
-    "--middleware=": ((), "jaxserve loads no plugins"),
-    "--logits-processors+": ((), "jaxserve loads no plugins"),
-    "--logits-processor-pattern=": ((), "jaxserve loads no plugins"),
-    "--scheduler-cls=": ((), "jaxserve loads no plugins"),
+    "--middleware=": ((), _PLUGINS),
+    "--logits-processors+": ((), _PLUGINS),
+    "--logits-processor-pattern=": ((), _PLUGINS),
+    "--scheduler-cls=": ((), _PLUGINS),
     "--tool-server=": ((), "there are no built-in tools to run here"),
     "--hf-config-path=": ((), "the model's own config.json is read"),
     "--tokenizer-revision=": ((), "the tokenizer is read at --revision, with the model"),
-    "--rope-scaling=": ((), "the model's config.json decides its RoPE"),
-    "--rope-theta=": ((), "the model's config.json decides its RoPE"),
+    "--rope-scaling=": ((), _ROPE),
+    "--rope-theta=": ((), _ROPE),
     "--hf-overrides=": ((), "the model's config.json is read as it is"),
     "--override-attention-dtype=": ((), "attention runs in --dtype"),
     "--override-generation-config=": ((), "default sampling parameters come from --generation-config"),
     "--disable-sliding-window!": (("False",), "a model with a sliding window is served with it"),
     "--enable-prompt-embeds!": (("False",), "prompts are text or token ids"),
-    "--mamba-cache-dtype=": (("auto",), "the state cache keeps the model's dtype"),
-    "--mamba-ssm-cache-dtype=": (("auto",), "the state cache keeps the model's dtype"),
+    "--mamba-cache-dtype=": (("auto",), _STATE_DTYPE),
+    "--mamba-ssm-cache-dtype=": (("auto",), _STATE_DTYPE),
     "--chat-template-content-format=": (("auto",), "message content reaches the template as the template reads it"),
     "--return-tokens-as-token-ids!": (("False",), "logprobs carry tokens as text"),
     "--enable-force-include-usage!": (("False",), "usage is sent as each request asks"),
@@ -131,18 +136,14 @@ def _dest(name: str) -> str:
     return "vllm_" + name.lstrip("-").replace("-", "_")
 
 
+# how each kind of flag takes its value (see the module docstring)
+_KINDS = {"!": {"action": argparse.BooleanOptionalAction}, "+": {"nargs": "+"}, "?": {"nargs": "?", "const": ""},
+          "=": {}}
+
+
 def _add(group: argparse._ArgumentGroup, spec: str) -> None:
     names, kind = _split(spec)
-    dest = _dest(names[0])
-    if kind == "!":
-        group.add_argument(*names, dest=dest, action=argparse.BooleanOptionalAction, default=None,
-                           help=argparse.SUPPRESS)
-    elif kind == "+":
-        group.add_argument(*names, dest=dest, nargs="+", default=None, help=argparse.SUPPRESS)
-    elif kind == "?":
-        group.add_argument(*names, dest=dest, nargs="?", const="", default=None, help=argparse.SUPPRESS)
-    else:
-        group.add_argument(*names, dest=dest, default=None, help=argparse.SUPPRESS)
+    group.add_argument(*names, dest=_dest(names[0]), default=None, help=argparse.SUPPRESS, **_KINDS[kind])
 
 
 def add_args(group: argparse._ArgumentGroup) -> None:
