@@ -3,8 +3,8 @@
     python scripts/step_files.py [--model DIR] [--temperature 0.0] [--json]
 
 Builds an engine (the built-in demo model unless ``--model``), adds two requests, steps until both decode, then
-runs one more ``Engine.step()`` under ``cProfile`` and lists every file of ``jaxserve/``, ``pallas_kernels/`` and
-``sharding/`` a function of which ran in it, with those functions. ``--temperature 0`` is the greedy path (the
+runs one more ``Engine.step()`` under a profiler of this thread and lists every file of ``jaxserve/``,
+``pallas_kernels/`` and ``sharding/`` a function of which ran in it, with those functions. ``--temperature 0`` is the greedy path (the
 step's own argmax, no sampler call); above 0 the sampler runs too. ``docs/architecture.md`` ("One streamed
 completion, file by file") quotes the counts; ``tests/engine/test_engine.py`` holds the bound.
 """
@@ -13,13 +13,31 @@ from __future__ import annotations
 
 import argparse
 import collections
-import cProfile
 import json
-import pstats
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("jaxserve", "pallas_kernels", "sharding")
+
+
+def _calls_in_this_thread(fn) -> set[tuple[str, str]]:
+    """(file, function) of every Python function ``fn()`` runs in the calling thread. ``sys.setprofile`` is per
+    thread; cProfile is not from Python 3.12 (it rides ``sys.monitoring``, which sees every thread), and a
+    daemon thread left by another part of the process (a prefill prober, a stats logger) must not count."""
+    ran: set[tuple[str, str]] = set()
+
+    def record(frame, event, _arg):
+        if event == "call":
+            ran.add((frame.f_code.co_filename, frame.f_code.co_name))
+
+    previous = sys.getprofile()
+    sys.setprofile(record)
+    try:
+        fn()
+    finally:
+        sys.setprofile(previous)
+    return ran
 
 
 def step_files(engine, temperature: float = 0.0, warm_steps: int = 8) -> dict[str, list[str]]:
@@ -33,17 +51,14 @@ def step_files(engine, temperature: float = 0.0, warm_steps: int = 8) -> dict[st
     try:
         for _ in range(warm_steps):
             engine.step()
-        profile = cProfile.Profile()
-        profile.enable()
-        engine.step()
-        profile.disable()
+        ran = _calls_in_this_thread(engine.step)
     finally:
         for rid in ("step-files-a", "step-files-b"):
             engine.abort_request(rid)
         while engine.has_unfinished():
             engine.step()
     files: dict[str, set[str]] = collections.defaultdict(set)
-    for filename, _, function in pstats.Stats(profile).stats:
+    for filename, function in ran:
         path = Path(filename).resolve()
         if path.is_relative_to(ROOT) and path.relative_to(ROOT).parts[0] in PACKAGES:
             files[str(path.relative_to(ROOT))].add(function)

@@ -207,11 +207,13 @@ def test_8bit_kv_cache_across_processes(llama, colocated_int8):
     cfg = EngineConfig(model=str(llama), kv_cache_dtype="int8", **SHAPES)
     server = PrefillServer(cfg, "127.0.0.1", 0, kv_transfer="jax")
     server.start()
+    engines = []
     try:
         url = [f"127.0.0.1:{server.port}"]
         # The decode side speculates (n-gram; greedy output unchanged), the prefill side does not.
         decode = RemotePrefillEngine(dataclasses.replace(cfg, speculative_config=NGRAM), prefill_urls=url,
                                      kv_transfer="jax")
+        engines.append(decode)  # closed at the end: each probes its prefill servers on a thread until closed
         prompts = PROMPTS[:2] + [[5, 6, 7, 8] * 5]
         want = _tokens(colocated_int8.generate(prompts, INT8_PARAMS[0]))
         # Pulled through JAX's transfer server (values and scales as two arrays), then over the byte stream.
@@ -225,9 +227,12 @@ def test_8bit_kv_cache_across_processes(llama, colocated_int8):
             PrefillServer(dataclasses.replace(cfg, speculative_config=NGRAM), "127.0.0.1", 0)
         plain = RemotePrefillEngine(dataclasses.replace(cfg, kv_cache_dtype="auto"), prefill_urls=url,
                                     kv_transfer="grpc")
+        engines.append(plain)
         out = _run(plain, PROMPTS[:1], INT8_PARAMS[0])[0]
         assert out.outputs[0].finish_reason == "error" and "--kv-cache-dtype" in out.error
     finally:
+        for engine in engines:
+            engine.close()
         server.stop()
 
 
