@@ -42,7 +42,9 @@ def make_mesh(config: MeshConfig | str | None = None, devices: list | None = Non
     available = list(devices) if devices is not None else jax.devices()
     if num_devices is not None:
         if not 1 <= num_devices <= len(available):
-            raise ValueError(f"num_devices={num_devices} must be in [1, {len(available)}] (devices available)")
+            raise ValueError(f"num_devices={num_devices} must be in [1, {len(available)}] (devices available)"
+                             + (f": mesh {config} needs {num_devices} devices, pass axis sizes that multiply to at "
+                                f"most {len(available)}" if num_devices > len(available) else ""))
         if jax.process_count() > 1 and num_devices != len(available):
             raise ValueError(f"num_devices={num_devices}: a multi-process mesh must use all {len(available)} "
                              "devices of all processes")

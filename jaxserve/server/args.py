@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 
@@ -280,6 +281,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.se
                 parser.error(f"--{name.replace('data', 'data-parallel').replace('tensor', 'tensor-parallel')}-size "
                              f"must be >= 1")
         args.mesh = ",".join(f"{k}={v}" for k, v in sizes.items() if v is not None and v > 1) or None
+        if args.num_devices is None and args.mesh is not None:
+            # vLLM's rule: -tp N runs on the first N devices (of every process, on a multi-host run)
+            args.num_devices = math.prod(v for v in sizes.values() if v is not None)
     if args.api_key is None:
         args.api_key = [os.environ["JAXSERVE_API_KEY"]] if os.environ.get("JAXSERVE_API_KEY") else None
     if args.api_key is not None and not all(args.api_key):

@@ -64,7 +64,8 @@ def test_benchmark_offline_through_generate_times_its_phases(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "benchmark_offline.py"), "--model", str(model),
            "--num-requests", "3", "--prompt-len", "4:9", "--output-len", "3", "--max-num-seqs", "4",
            "--max-num-batched-tokens", "32", "--max-model-len", "64", "--page-size", "4",
-           "--compilation-cache-dir", "", "--probe-batches", "", "--api", "generate", "--skip-tokenizer-init",
+           "--no-warmup", "--compilation-cache-dir", "", "--probe-batches", "", "--api", "generate",
+           "--skip-tokenizer-init",
            "--rounds", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                           timeout=600)

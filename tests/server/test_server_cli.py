@@ -75,6 +75,10 @@ def test_vllm_names_and_the_jaxserve_command(monkeypatch):
                        "--download-dir", "/tmp/hub", "--chat-template", "{{ messages }}", "--skip-tokenizer-init"])
     cfg = args.engine_config
     assert args.http_port == 9001 and (cfg.page_size, cfg.hbm_utilization, cfg.mesh) == (32, 0.5, "tensor=4,data=2")
+    # vLLM's rule: -tp/-dp take the first N devices, whatever the host has; --num-devices given explicitly wins
+    assert cfg.num_devices == 8 and parse_args(["-tp", "2"]).engine_config.num_devices == 2
+    assert parse_args(["-tp", "2", "--num-devices", "4"]).engine_config.num_devices == 4
+    assert parse_args(["-tp", "1"]).engine_config.num_devices is None  # the single-device default
     assert (cfg.generation_config, cfg.revision, cfg.download_dir) == ("vllm", "v2", "/tmp/hub")
     assert cfg.chat_template == "{{ messages }}" and cfg.skip_tokenizer_init
     assert parse_args(["--model", "m"]).http_port == 8000  # an alias left out changes nothing

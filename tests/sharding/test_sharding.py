@@ -223,6 +223,9 @@ def test_mesh_must_use_exactly_the_devices_in_use():
         make_mesh("tensor=4", num_devices=2)
     with pytest.raises(ValueError, match=r"num_devices=9 must be in \[1, 8\]"):
         make_mesh("tensor=8", num_devices=9)
+    # -tp 16 on 8 devices (the server passes num_devices=16): the message says what the mesh needs and what fits
+    with pytest.raises(ValueError, match=r"tensor=16 needs 16 devices, pass axis sizes that multiply to at most 8"):
+        make_mesh("tensor=16", num_devices=16)
 
 
 @pytest.mark.parametrize("family, mesh, message", [
