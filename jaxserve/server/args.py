@@ -22,7 +22,6 @@ DEMO_MODEL_NAME = "jaxserve-demo"
 # on a laptop CPU. They apply only to the options left unset.
 DEMO_ENGINE_DEFAULTS = {"max_model_len": 512, "max_num_seqs": 8, "max_num_batched_tokens": 128}
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-WAITING_PER_SEQ = 4  # the default waiting queue holds this many sequences per batch slot
 
 
 def add_engine_args_with_demo_shapes(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = (),
@@ -99,7 +98,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters (PEFT folders) served from the start, each selected by its NAME in the "
                         "'model' field (needs --enable-lora; more can be loaded with POST /v1/load_lora_adapter)")
-    notes = {"max_waiting_requests": f"default: {WAITING_PER_SEQ} x --max-num-seqs per data replica; 0: no limit",
+    notes = {"max_waiting_requests": "default: no limit, as vLLM's queue (what admitted requests hold is bounded by "
+                                     "host memory); 0: no limit",
              "compile_in_background": "default: on, except on a GPU, where XLA's compiler times candidate kernels "
                                       "on the GPU that serves"}
     # A server reports ready once every request can run; the other shapes compile while it serves (off a GPU).
@@ -347,11 +347,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.se
     for name in ("router_connect_timeout", "router_read_timeout"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0 seconds")
-    if args.max_waiting_requests is None:
-        # Disaggregated in one process: the decode mesh's replicas are where sequences run on after their prompts.
-        replicas = _data_replicas(args.decode_mesh if args.prefill_mesh is not None else args.mesh)
-        args.max_waiting_requests = WAITING_PER_SEQ * args.max_num_seqs * replicas
-    elif args.max_waiting_requests == 0:
+    if args.max_waiting_requests == 0:
         args.max_waiting_requests = None  # no limit
     try:
         args.engine_config = engine_config(args)
@@ -427,15 +423,6 @@ def _lora_modules(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         seen.add(name)
         out.append(LoRARequest(name, i, path))
     return out
-
-
-def _data_replicas(mesh: str | None) -> int:
-    from sharding.config import MeshConfig
-
-    try:
-        return MeshConfig.parse(mesh).data
-    except Exception:  # noqa: BLE001 - a malformed spec is reported by EngineConfig with its own message
-        return 1
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -33,20 +34,49 @@ from jaxserve.text.request_checks import RequestChecks
 
 logger = logging.getLogger(__name__)
 
+# What one token of an admitted request costs the host at most: its id in the prompt's list and the sequence's,
+# the detokenizer's share, the output's. The requests held (waiting or running) may take a quarter of the memory
+# that was available when the server started.
+HOST_BYTES_PER_TOKEN = 128
+HOST_MEMORY_SHARE = 0.25
+
+
+def host_token_budget() -> int:
+    """Tokens the admitted requests may hold: ``HOST_MEMORY_SHARE`` of the host memory available now, at
+    ``HOST_BYTES_PER_TOKEN`` each (prompt tokens plus the most each sequence may generate)."""
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if available is None:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, int(available * HOST_MEMORY_SHARE) // HOST_BYTES_PER_TOKEN)
+
 
 class AsyncEngine:
     """An ``Engine`` in its driver thread (``EngineDriver``), with entry points for asyncio front ends.
 
     Args:
-      config: the engine's options; ``config.max_waiting_requests`` bounds the sequences that may wait.
+      config: the engine's options; ``config.max_waiting_requests`` bounds the sequences that may wait (None:
+        no bound but memory's, as vLLM's queue).
       metrics: where latencies and finish reasons are recorded (optional).
       engine_factory: builds the engine from ``config`` inside the engine thread (default: ``make_engine``).
+      token_budget: the tokens the admitted requests (waiting or running) may hold on the host, prompts plus the
+        most each sequence may generate; past it a request is refused as overloaded (default:
+        ``host_token_budget()``, a quarter of the memory available now).
     """
 
     def __init__(self, config: EngineConfig, *, metrics: ServerMetrics | None = None,
                  engine_factory: Callable[[EngineConfig], Any] | None = None,
-                 lora_modules: Sequence[LoRARequest] = ()):
+                 lora_modules: Sequence[LoRARequest] = (), token_budget: int | None = None):
         self.config = config
+        self.token_budget = token_budget if token_budget is not None else host_token_budget()
+        self._held_tokens = 0  # what the live requests may hold, by ``_hold``
         self._initial_loras = list(lora_modules)  # registered as the engine starts (--lora-modules)
         self.loras: dict[str, LoRARequest] = {}  # the adapters clients may name in ``model``
         self.metrics = metrics
@@ -63,6 +93,7 @@ class AsyncEngine:
         # asyncio-side view, only touched in the event loop thread
         self._live: dict[str, RequestStream] = {}
         self._pending_seqs = 0  # sequences sent to the engine thread and not yet acknowledged
+        self._held: dict[str, int] = {}  # live request id -> the tokens it may hold (``_hold``)
         # The engine's counts at its last iteration; ``max_num_running``: the sequences it may run at once (with
         # data > 1, max_num_seqs per replica), read from its stats once it is ready.
         self._sched = {"num_running": 0, "num_waiting": 0, "max_num_running": config.max_num_seqs}
@@ -216,9 +247,16 @@ class AsyncEngine:
         else:
             self.checks.params(params, len(ids))
         self._admission_check(params.n)  # the queue (or the server's state) may have changed meanwhile
+        held = self._hold(params, len(ids))
+        if self._held_tokens + held > self.token_budget:
+            raise EngineOverloaded(
+                f"the server is overloaded: the requests it holds would take more than {self.token_budget} tokens "
+                f"of host memory ({self.token_budget * HOST_BYTES_PER_TOKEN / 2**30:.1f} GiB); retry later")
         rid = request_id or uuid.uuid4().hex
         stream = RequestStream(self, rid, params)
         self._live[rid] = stream
+        self._held[rid] = held
+        self._held_tokens += held
         self._idle.clear()
         self._pending_seqs += params.n
         self.driver.add(rid, ids, params, time.monotonic(), lora_request)
@@ -318,7 +356,7 @@ class AsyncEngine:
                 continue
             self._pending_seqs -= stream.params.n
             if isinstance(result, BaseException):
-                del self._live[rid]
+                self._forget(rid)
                 stream.refuse(result)
             else:
                 stream.accept(result)
@@ -328,7 +366,7 @@ class AsyncEngine:
                 continue
             stream.put(out, *(texts or ()))
             if isinstance(out, BaseException) or out.finished:
-                del self._live[rid]
+                self._forget(rid)
         if not self._live:
             self._idle.set()
 
@@ -337,7 +375,19 @@ class AsyncEngine:
         for stream in self._live.values():
             stream.fail(error)
         self._live.clear()
+        self._held.clear()
+        self._held_tokens = 0
         self._idle.set()
+
+    def _hold(self, params: SamplingParams, prompt_tokens: int) -> int:
+        """The tokens a request may hold on the host: each sequence's prompt and the most it may generate."""
+        room = max(int(self.prompts.max_model_len) - prompt_tokens, 0)
+        most = room if params.max_tokens is None else min(params.max_tokens, room)
+        return params.n * (prompt_tokens + most)
+
+    def _forget(self, rid: str) -> None:
+        del self._live[rid]
+        self._held_tokens -= self._held.pop(rid, 0)
 
     def _sched_of(self, stats: dict) -> dict:
         """What the admission check reads of the engine's stats (an engine that does not say how many sequences

@@ -164,3 +164,13 @@ def test_text_prompts_over_http(server):
     assert run["failed"] == 0 and run["total_output_tokens"] == 2 * NUM_REQUESTS
     # The prompt token count is the server's tokenization of the words, not a client-side count.
     assert all(r["prompt_tokens"] >= 1 for r in out["requests"][0])
+
+
+def test_a_burst_of_eight_times_the_batch_all_completes(server):
+    """The docs' load example at rate inf: 64 requests at once on a server of 8 batch slots, started without
+    --max-waiting-requests, all complete; none is refused as overloaded (vLLM queues whatever it can hold)."""
+    out = run_benchmark(server, "grpc", "--seed", "15", "--num-requests", "64", "--prompt-len", "4:8",
+                        "--output-len", "1:2", "--request-rate", "inf")
+    run = out["runs"][0]
+    assert (run["num_requests"], run["completed"], run["failed"]) == (64, 64, 0), run["errors"]
+    assert run["peak_concurrency"] > 8 * 4  # more than the old default queue (4 x --max-num-seqs) held at once

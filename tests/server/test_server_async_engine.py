@@ -224,6 +224,36 @@ def test_admission_overload_draining_and_not_ready():
     run(main())
 
 
+def test_admission_is_bounded_by_what_the_requests_hold_and_a_finished_one_frees_its_share():
+    """No count limit (vLLM's default): a request is refused only when the tokens the live requests may hold
+    (prompt plus the most each sequence may generate, n sequences) would pass the host-memory budget; the
+    tokens come back as requests finish."""
+    async def main():
+        ae, fake = await _started(max_num_seqs=1)
+        ae.token_budget = 3 * (2 + 10)  # three requests of a two-token prompt and max_tokens=10
+        fake.paused = True
+        streams = [await ae.add_request(c * 2, SamplingParams(max_tokens=10)) for c in "ab"]
+        with pytest.raises(EngineOverloaded, match=r"more than 36 tokens of host memory"):
+            await ae.add_request("ee", SamplingParams(max_tokens=5, n=2))  # n=2 holds twice: 24 + 14 > 36
+        streams.append(await ae.add_request("cc", SamplingParams(max_tokens=10)))  # 36: just fits
+        with pytest.raises(EngineOverloaded, match="host memory"):
+            await ae.add_request("d", SamplingParams(max_tokens=1))
+        streams[0].abort()
+        assert (await _collect(streams[0]))[-1].finished
+        streams.append(await ae.add_request("ff", SamplingParams(max_tokens=10)))  # the aborted one's share
+        for s in streams[1:]:
+            s.abort()
+        fake.paused = False
+        assert await ae.wait_idle(10)
+        assert ae._held_tokens == 0
+        ae.token_budget = 63  # max_tokens=None holds the rest of max_model_len (the fake's 64): 2 + 62
+        with pytest.raises(EngineOverloaded, match="host memory"):
+            await ae.add_request("gg", SamplingParams(max_tokens=None))
+        await ae.stop()
+
+    run(main())
+
+
 class _DataParallelFake(FakeEngine):
     """Reports itself as an engine on a mesh with data=2 does (``ReplicatedScheduler.stats``): ``max_num_seqs``
     running per replica, two replicas."""

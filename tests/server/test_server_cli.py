@@ -36,13 +36,13 @@ def test_help_documents_every_flag():
     assert "demo-model-v1" in out.stdout.replace("\n", "")  # where the demo model lives, for outside tools' --tokenizer
 
 
-def test_waiting_queue_is_sized_per_data_replica_of_the_decode_mesh():
-    """--prefill-mesh/--decode-mesh: the default waiting queue counts the decode mesh's data replicas, as --mesh
-    counts its own (max_num_seqs applies per replica)."""
-    args = parse_args(["--prefill-mesh", "tensor=2", "--decode-mesh", "data=2", "--max-num-seqs", "4"])
-    assert args.engine_config.max_waiting_requests == 4 * 4 * 2
-    args = parse_args(["--prefill-mesh", "data=2", "--decode-mesh", "tensor=2", "--max-num-seqs", "4"])
-    assert args.engine_config.max_waiting_requests == 4 * 4
+def test_the_waiting_queue_has_no_count_limit_by_default_on_any_mesh():
+    """vLLM queues every request it can hold: no default cap on the waiting sequences, whatever the meshes (what
+    admitted requests hold is bounded by host memory, AsyncEngine.token_budget)."""
+    for argv in ([], ["--mesh", "data=2", "--max-num-seqs", "4"],
+                 ["--prefill-mesh", "tensor=2", "--decode-mesh", "data=2", "--max-num-seqs", "4"]):
+        assert parse_args(argv).engine_config.max_waiting_requests is None, argv
+    assert parse_args(["--max-waiting-requests", "7"]).engine_config.max_waiting_requests == 7
 
 
 def test_defaults_and_engine_config(monkeypatch):
@@ -53,10 +53,9 @@ def test_defaults_and_engine_config(monkeypatch):
     cfg = args.engine_config
     assert cfg.model is None and cfg.enable_prefix_caching
     assert (cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens) == (512, 8, 128)  # demo-sized
-    assert cfg.max_waiting_requests == 4 * 8  # bounded by default, sized from max_num_seqs
+    assert cfg.max_waiting_requests is None  # vLLM's queue: no count limit
     assert (args.limits.max_n, args.limits.max_prompts_per_request, args.limits.max_logprobs) == (16, 64, 20)
     assert parse_args(["--max-waiting-requests", "0"]).engine_config.max_waiting_requests is None  # no limit
-    assert parse_args(["--mesh", "data=2", "--max-num-seqs", "4"]).engine_config.max_waiting_requests == 32
 
     monkeypatch.setenv("JAXSERVE_API_KEY", "from-env")
     args = parse_args(["--model", "some/model", "--max-num-seqs", "4", "--no-enable-prefix-caching",
