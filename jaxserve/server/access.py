@@ -34,7 +34,15 @@ def matching_key(authorization: str | None, keys: Sequence[str]) -> str | None:
     scheme, _, token = authorization.strip().partition(" ")
     if scheme.lower() != "bearer":
         return None
-    given = token.strip().encode()
+    return matching_token(token.strip(), keys)
+
+
+def matching_token(token: str | None, keys: Sequence[str]) -> str | None:
+    """``token`` if it is one of ``keys`` (compared in constant time, every key tried), else None: the key an
+    ``x-api-key: KEY`` header (Anthropic's clients) carries."""
+    if not token:
+        return None
+    given = token.encode()
     found = None
     for key in keys:
         if hmac.compare_digest(given, key.encode()) and found is None:

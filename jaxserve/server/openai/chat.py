@@ -9,10 +9,13 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from collections.abc import Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from jaxserve.engine.request_stream import RequestStream
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.intake import ChoiceTracker, invalid
 from jaxserve.server.openai.context import APIContext, json_body
 from jaxserve.server.openai.errors import in_band, raise_if_failed
@@ -22,6 +25,17 @@ from jaxserve.server.openai.chat_output import ChoiceOutput, OutputDelta
 from jaxserve.server.openai.streaming import EventStream, events
 from jaxserve.server.openai.tool_calls import ToolCallStream, make_parser
 from jaxserve.text.reasoning import make_reasoning_parser
+
+
+@dataclasses.dataclass
+class ChatRun:
+    """A chat request on the engine: its stream, its sampling params, the answer's role, and ``reader()``, which
+    gives a fresh ``ChoiceOutput`` (the request's reasoning and tool-call parsers) for each choice."""
+
+    stream: RequestStream
+    params: SamplingParams
+    role: str
+    reader: Callable[[], ChoiceOutput]
 
 
 class ChatCompletions:
@@ -46,9 +60,11 @@ class ChatCompletions:
                              openapi_extra=json_body(ChatCompletionRequest))
         return router
 
-    async def chat_completions(self, request: Request) -> Response:
+    async def start(self, request: Request, req: ChatCompletionRequest) -> ChatRun:
+        """Admit a parsed chat request: its limits checked, its sampling params, tools and reasoning parser read,
+        its conversation through the template to the engine. The other APIs that answer through the chat
+        template (the Messages API) translate their requests into a ``ChatCompletionRequest`` and start here."""
         ctx = self.ctx
-        req: ChatCompletionRequest = parse(ChatCompletionRequest, await ctx.read_json(request))
         lora = ctx.lora_for(req.model)
         ctx.limits.check(n=req.n, logprobs=req.top_logprobs, stop=req.stop, stop_token_ids=req.stop_token_ids,
                          logprobs_field="top_logprobs")
@@ -72,20 +88,26 @@ class ChatCompletions:
         options = {**req.template_options(), "add_special_tokens": req.add_special_tokens}
         streams = await ctx.start([None], params, messages, req.add_generation_prompt, template_options=options,
                                   lora_request=lora)
-        stream = streams[0]
-        rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), ctx.model_name(req.model)
-        num_top = params.logprobs
         tool_mode = (self.tool_parser if not forced else None, forced, forced_name, tools) if parse_calls else None
 
         def reader() -> ChoiceOutput:
             return ChoiceOutput(reasoning, ToolCallStream(*tool_mode) if tool_mode is not None else None)
 
+        return ChatRun(streams[0], params, role, reader)
+
+    async def chat_completions(self, request: Request) -> Response:
+        ctx = self.ctx
+        req: ChatCompletionRequest = parse(ChatCompletionRequest, await ctx.read_json(request))
+        run = await self.start(request, req)
+        stream, params, role, reader = run.stream, run.params, run.role, run.reader
+        rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), ctx.model_name(req.model)
+        num_top = params.logprobs
         if req.stream:
             chunks = self._chunks(stream, rid, created, model, params.n, num_top, req.include_usage, reader,
                                   req.prompt_logprobs is not None, bool(req.return_token_ids), req.include_reasoning,
                                   role)
             return EventStream(events(chunks, in_band), stream.abort)
-        finals = await ctx.finals(request, streams)
+        finals = await ctx.finals(request, [stream])
         if finals is None:
             return Response(status_code=499)
         raise_if_failed(finals)

@@ -10,13 +10,14 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.routing import APIRoute
 
 from jaxserve.config.network import SECRET_HEADER, ClusterSecurity
 from jaxserve.engine.request_stream import RequestStream
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestDelta, RequestOutput
 from jaxserve.server.async_engine import AsyncEngine
-from jaxserve.server.access import AdminConfig, api_keys, matching_key, tenant_salt
+from jaxserve.server.access import AdminConfig, api_keys, matching_key, matching_token, tenant_salt
 from jaxserve.server.intake import check_model, decode_json, invalid, unauthenticated, usage_counts
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics import ServerMetrics
@@ -54,15 +55,31 @@ class APIContext:
         self.admin = admin or AdminConfig()
         self.created = int(time.time())
 
-    def router(self, prefix: str = "") -> APIRouter:
-        """A router whose routes need the API key and the cluster secret (those the server has)."""
-        return APIRouter(prefix=prefix, dependencies=[Depends(self._authorize)])
+    def router(self, prefix: str = "", *, x_api_key: bool = False,
+               route_class: type[APIRoute] = APIRoute) -> APIRouter:
+        """A router whose routes need the API key and the cluster secret (those the server has). ``x_api_key``:
+        the key may come as ``x-api-key: KEY`` too (Anthropic's clients send it so); ``route_class``: the routes'
+        class (e.g. one that answers errors in another API's shape)."""
+        check = self._authorize_x_api_key if x_api_key else self._authorize
+        return APIRouter(prefix=prefix, dependencies=[Depends(check)], route_class=route_class)
 
     async def _authorize(self, request: Request) -> None:
+        self._check_access(request, x_api_key=False)
+
+    async def _authorize_x_api_key(self, request: Request) -> None:
+        self._check_access(request, x_api_key=True)
+
+    def _check_access(self, request: Request, x_api_key: bool) -> None:
+        # not a dependency itself: FastAPI would read its parameters from the query string
         if not self.cluster.secret_ok(request.headers.get(SECRET_HEADER)):
             raise unauthenticated(self.cluster.refusal())
         if self.api_keys:
             key = matching_key(request.headers.get("authorization"), self.api_keys)
+            if key is None and x_api_key:
+                key = matching_token(request.headers.get("x-api-key"), self.api_keys)
+            if key is None and x_api_key:
+                raise unauthenticated("missing or invalid API key: send 'x-api-key: <key>' or "
+                                      "'Authorization: Bearer <key>'")
             if key is None:
                 raise unauthenticated()
             request.state.api_key = key

@@ -1,6 +1,7 @@
 """Failures as OpenAI error responses, in one place for every route: what the engine raises, as the
 ``RequestError`` it answers (``intake.from_engine_error``: status, type, param); a refused request, a missing
-route and an unexpected failure as their JSON responses; a failure mid-stream as its in-band event.
+route and an unexpected failure as their JSON responses; a failure mid-stream as its in-band event. The
+Messages API's routes answer the same failures in Anthropic's shape (``anthropic_route``).
 
 The router, which runs no engine, shares only the error body's shape (``streaming.error_body``).
 """
@@ -8,11 +9,13 @@ The router, which runs no engine, shares only the error body's shape (``streamin
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.outputs import RequestOutput
@@ -49,6 +52,49 @@ def raise_if_failed(finals: list[RequestOutput]) -> None:
         raise RequestError(f"internal error: generation failed for request {', '.join(failed)}; the server log has "
                            "the details", status=500, code=grpc.StatusCode.INTERNAL, type="internal_error",
                            reason="error")
+
+
+# Anthropic's error types by HTTP status (its 529 and our 503s are "overloaded_error"); other 4xx and 5xx fall
+# back to invalid_request_error and api_error.
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error(e: RequestError) -> dict[str, Any]:
+    """Anthropic's error body, ``{"type": "error", "error": {"type", "message"}}``, of a refused or failed request
+    (the engine's queue being full is "overloaded_error", as Anthropic names its own)."""
+    kind = ANTHROPIC_ERROR_TYPES.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error")
+    if e.reason == "overloaded":
+        kind = "overloaded_error"
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
+def anthropic_in_band(e: Exception) -> dict[str, Any]:
+    """The ``error`` event of a Messages stream that failed after its status line went out."""
+    return anthropic_error(from_engine_error(e))
+
+
+def anthropic_route(metrics: ServerMetrics) -> type[APIRoute]:
+    """A route class whose routes answer their failures (their dependencies' too: a missing API key) in
+    Anthropic's error shape, counted on ``metrics`` as rejected like every other route's; an unexpected failure
+    is an ``api_error`` 500 with an error id."""
+
+    class AnthropicRoute(APIRoute):
+        def get_route_handler(self) -> Callable:
+            handler = super().get_route_handler()
+
+            async def route(request: Request) -> Response:
+                try:
+                    return await handler(request)
+                except Exception as e:  # noqa: BLE001 - answered in Anthropic's shape
+                    err = e if isinstance(e, RequestError) else internal_error(e, f"POST {request.url.path} request")
+                    metrics.rejected.labels("http", err.reason).inc()
+                    return JSONResponse(anthropic_error(err), status_code=err.status)
+
+            return route
+
+    return AnthropicRoute
 
 
 class _InternalErrors:

@@ -18,6 +18,7 @@ from jaxserve.server.openai.chat import ChatCompletions
 from jaxserve.server.openai.completions import Completions
 from jaxserve.server.openai.context import APIContext
 from jaxserve.server.openai.health import Health
+from jaxserve.server.openai.messages import Messages
 from jaxserve.server.openai.models import Models
 from jaxserve.server.openai.tokens import Tokens
 
@@ -36,11 +37,11 @@ class OpenAIServer:
                               limits=limits, prompt_tokens_details=prompt_tokens_details,
                               cache_salt_per_api_key=cache_salt_per_api_key, admin=admin, cluster=cluster)
         # In this order on the app: the published schema lists its paths so.
-        self.endpoints = [Health(self.ctx), Models(self.ctx), Admin(self.ctx), Completions(self.ctx),
-                          ChatCompletions(self.ctx, enable_auto_tool_choice=enable_auto_tool_choice,
-                                          tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
-                                          response_role=response_role),
-                          Tokens(self.ctx)]
+        chat = ChatCompletions(self.ctx, enable_auto_tool_choice=enable_auto_tool_choice,
+                               tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                               response_role=response_role)
+        self.endpoints = [Health(self.ctx), Models(self.ctx), Admin(self.ctx), Completions(self.ctx), chat,
+                          Messages(self.ctx, chat), Tokens(self.ctx)]
 
     def app(self) -> FastAPI:
         app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")

@@ -25,10 +25,12 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-
 DONE = b"data: [DONE]\n\n"
 
 
-def sse(payload: dict | str) -> bytes:
-    """One server-sent event: ``data: <compact JSON>`` (a string goes as it is, e.g. ``[DONE]``)."""
+def sse(payload: dict | str, event: str | None = None) -> bytes:
+    """One server-sent event: ``data: <compact JSON>`` (a string goes as it is, e.g. ``[DONE]``), after an
+    ``event: NAME`` line if ``event`` is given."""
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    head = f"event: {event}\n" if event is not None else ""
+    return f"{head}data: {data}\n\n".encode()
 
 
 def error_body(message: str, type: str, code: int, param: str | None = None) -> dict[str, Any]:
@@ -46,6 +48,17 @@ async def events(payloads: AsyncIterator[dict], on_error: Callable[[Exception], 
     except Exception as e:  # noqa: BLE001 - the status line is already sent; report in-band
         yield sse(on_error(e))
     yield DONE
+
+
+async def named_events(payloads: AsyncIterator[dict],
+                       on_error: Callable[[Exception], dict]) -> AsyncIterator[bytes]:
+    """Anthropic's framing of a streamed answer: each payload as an event named by its ``type``, no ``[DONE]``;
+    a failure after the status line is one more event, ``on_error(exception)``'s body (named ``error``)."""
+    try:
+        async for payload in payloads:
+            yield sse(payload, payload["type"])
+    except Exception as e:  # noqa: BLE001 - the status line is already sent; report in-band
+        yield sse(on_error(e), "error")
 
 
 async def wait_disconnect(receive) -> None:
