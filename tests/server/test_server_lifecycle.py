@@ -112,19 +112,21 @@ def test_sigterm_drains_then_exits_zero(server):
                 grpc.aio.insecure_channel(server.grpc) as channel:
             stub = pb_grpc.JaxServeStub(channel)
             done_before = finished(server.metrics())
-            # A: a short stream, in flight when SIGTERM arrives; it must complete.
+            # A: a stream in flight when SIGTERM arrives; it must complete. Its 115 tokens are about the most the
+            # server's max_model_len of 128 leaves its 9-token prompt, so it still runs once the flood is queued.
             async with client.stream("POST", "/v1/completions", json={
-                    "prompt": "The quick brown fox", "max_tokens": 100, "ignore_eos": True, "stream": True}) as a:
-                lines = a.aiter_lines()
-                first = await anext(lines)
-                assert first.startswith("data: ")
-                # B: far more work than the grace period allows, mostly over gRPC (one connection: it queues
-                # within milliseconds), some over HTTP.
+                    "prompt": "The quick brown fox", "max_tokens": 115, "ignore_eos": True, "stream": True}) as a:
+                # A is admitted (its headers came back), so it holds the one batch slot. B: far more work than
+                # the grace period allows, mostly over gRPC (one connection: it queues within milliseconds), some
+                # over HTTP, sent before A's first token is read.
                 calls = [stub.Generate(pb.GenerateRequest(text=LONG["prompt"], sampling_params=pb.SamplingParams(
                     max_tokens=LONG["max_tokens"], ignore_eos=True))) for _ in range(FLOOD_GRPC)]
                 grpc_results = [asyncio.ensure_future(_collect(c)) for c in calls]
                 http_results = [asyncio.ensure_future(client.post("/v1/completions", json=LONG))
                                 for _ in range(FLOOD_HTTP)]
+                lines = a.aiter_lines()
+                first = await anext(lines)
+                assert first.startswith("data: ")
                 while True:  # until the flood is queued
                     m = parse_metrics((await client.get("/metrics")).text)
                     if m["jaxserve_num_requests_waiting"] >= FLOOD_GRPC:
