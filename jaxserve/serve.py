@@ -62,7 +62,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") 
                                                 security=args.cluster)
     from jaxserve.server.app import serve  # importing it loads grpc
 
-    return _exit(asyncio.run(serve(args)))
+    try:
+        return _exit(asyncio.run(serve(args)))
+    except ValueError as e:  # the engine refused to start (a mesh or a model the devices cannot hold, ...)
+        return _exit(user_error(prog, e))
 
 
 def _exit(code: int) -> int:

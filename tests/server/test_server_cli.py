@@ -131,3 +131,23 @@ def test_the_demo_model_says_where_it_is_and_does_not_claim_to_serve(tmp_path, c
     assert folder == demo_model_folder(tmp_path) and (folder / "tokenizer.json").exists()
     message = caplog.records[-1].getMessage()
     assert str(folder) in message and "serving" not in message
+
+
+def test_an_engine_that_refuses_to_start_is_raised_once_both_servers_are_closed(caplog):
+    """A ``ValueError`` from the engine's construction (a model the devices cannot hold, a mesh the model
+    refuses) leaves ``serve`` as that error, for the command's one line (exit code 2); nothing logs it before."""
+    import asyncio
+    import logging
+
+    from jaxserve.server.app import serve
+
+    args = parse_args(["--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--compilation-cache-dir", ""])
+
+    def refuse(config):
+        raise ValueError("the weights (9.0 GiB per device) do not fit in 8 GB")
+
+    args.engine_factory = refuse
+    with caplog.at_level(logging.INFO), pytest.raises(ValueError, match="do not fit in 8 GB"):
+        asyncio.run(serve(args))
+    assert not [r for r in caplog.records if "do not fit" in r.getMessage()], caplog.text
+    assert [r for r in caplog.records if r.name == "jaxserve.serve" and r.getMessage() == "stopped"]
