@@ -100,8 +100,8 @@ class APIContext:
         return requested or self.names[0]
 
     def lora_for(self, model: str | None) -> LoRARequest | None:
-        """The adapter the ``model`` field names (None: the base model); 400 naming ``model`` if it is neither a
-        served name nor a loaded adapter."""
+        """The adapter the ``model`` field names (None: the base model); vLLM's 404 naming ``model`` if it is
+        neither a served name nor a loaded adapter."""
         if model is None or model in self.names:
             return None
         lora = self.engine.loras.get(model)
