@@ -29,8 +29,9 @@ process the router answers 503 / UNAVAILABLE ``no decode server is reachable (..
 
 Checks before work: the router forwards only the public API's routes (``PUBLIC_ROUTES``; the admin routes only
 with ``--enable-admin-endpoints`` or vLLM's variables, as on a server), every other path is a 404 here; with its
-own ``--api-key`` a request without one of the keys is a 401 / UNAUTHENTICATED before its body is read, tokenized
-or rendered through a chat template (an admin route needs ``--admin-api-key`` instead). Calls to a decode process
+own ``--api-key`` a request under ``/v1`` without one of the keys (vLLM's rule, ``access.needs_api_key``) is a
+401 / UNAUTHENTICATED before its body is read, tokenized or rendered through a chat template (an admin route
+needs ``--admin-api-key`` instead). Calls to a decode process
 have finite timeouts: ``--router-connect-timeout`` to connect, ``--router-read-timeout`` for each wait on it (its
 answer, or the next chunk of a stream); one that stops answering ends the request with 504 (an ``error`` event
 once a stream has started), gRPC DEADLINE_EXCEEDED, naming it.
@@ -57,7 +58,7 @@ from starlette.routing import Route
 from jaxserve.config.network import ClusterSecurity
 from jaxserve.scheduler.block_hash import DEFAULT_HASH_ALGO, BlockHasher
 from jaxserve.server import prefix_index
-from jaxserve.server.access import AdminConfig, api_keys, matching_key
+from jaxserve.server.access import AdminConfig, api_keys, matching_key, needs_api_key
 from jaxserve.server.connections import ConnectionLimits, uvicorn_config
 from jaxserve.server.metrics import CONTENT_TYPE
 from jaxserve.server.openai.streaming import DONE, EventStream, error_body, sse, until_disconnect
@@ -273,7 +274,7 @@ class Router:
             return 404, f"no route {method} {path}"
         if admin and not self.admin.authorized(authorization):
             return 401, "missing or invalid admin key: send 'Authorization: Bearer <admin key>'"
-        if not admin and self.api_keys and matching_key(authorization, self.api_keys) is None:
+        if not admin and self.api_keys and needs_api_key(path) and matching_key(authorization, self.api_keys) is None:
             return 401, "missing or invalid API key: send 'Authorization: Bearer <key>'"
         return None
 

@@ -365,6 +365,13 @@ def test_api_key_is_required_on_v1_only(server):
             bad.models.list()
     assert httpx.get(server.http + "/health").status_code == 200
     assert httpx.get(server.http + "/metrics").status_code == 200
+    # vLLM guards only /v1: its /tokenize and /detokenize need no key (and it serves no /v1/tokenize).
+    tokens = httpx.post(server.http + "/tokenize", json={"prompt": "hi"})
+    assert tokens.status_code == 200 and tokens.json()["count"] >= 1, tokens.text
+    text = httpx.post(server.http + "/detokenize", json={"tokens": tokens.json()["tokens"]})
+    assert text.status_code == 200 and "hi" in text.json()["prompt"], text.text
+    for path in ("/v1/tokenize", "/v1/detokenize"):
+        assert httpx.post(server.http + path, json={"prompt": "hi"}, headers=AUTH).status_code == 404
 
 
 # Disconnects ----------------------------------------------------------------------------------------------------

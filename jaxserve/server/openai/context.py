@@ -16,7 +16,7 @@ from jaxserve.engine.request_stream import RequestStream
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestDelta, RequestOutput
 from jaxserve.server.async_engine import AsyncEngine
-from jaxserve.server.access import AdminConfig, api_keys, matching_key, tenant_salt
+from jaxserve.server.access import AdminConfig, api_keys, matching_key, needs_api_key, tenant_salt
 from jaxserve.server.intake import check_model, decode_json, invalid, unauthenticated, usage_counts
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics import ServerMetrics
@@ -55,12 +55,17 @@ class APIContext:
         self.created = int(time.time())
 
     def router(self, prefix: str = "") -> APIRouter:
-        """A router whose routes need the API key and the cluster secret (those the server has)."""
-        return APIRouter(prefix=prefix, dependencies=[Depends(self._authorize)])
+        """A router whose routes need the cluster secret (if the server has one) and, under ``/v1``
+        (``access.needs_api_key``, vLLM's rule), the API key."""
+        check = self._authorize if needs_api_key(prefix) else self._cluster_member
+        return APIRouter(prefix=prefix, dependencies=[Depends(check)])
 
-    async def _authorize(self, request: Request) -> None:
+    async def _cluster_member(self, request: Request) -> None:
         if not self.cluster.secret_ok(request.headers.get(SECRET_HEADER)):
             raise unauthenticated(self.cluster.refusal())
+
+    async def _authorize(self, request: Request) -> None:
+        await self._cluster_member(request)
         if self.api_keys:
             key = matching_key(request.headers.get("authorization"), self.api_keys)
             if key is None:
