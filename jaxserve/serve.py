@@ -1,6 +1,6 @@
-"""Serve a model over gRPC and an OpenAI-compatible HTTP API: ``python -m jaxserve.serve [--model PATH]``.
+"""Serve a model over gRPC and an OpenAI-compatible HTTP API: ``python -m jaxserve.serve [MODEL | --model MODEL]``.
 
-With no ``--model`` it serves the built-in demo model (random weights: the output is meaningless), so it runs on
+With no model it serves the built-in demo model (random weights: the output is meaningless), so it runs on
 a fresh machine. ``--help`` lists every option; docs/serving.md describes the endpoints, metrics and errors.
 """
 

@@ -83,7 +83,19 @@ def test_vllm_names_and_the_jaxserve_command(monkeypatch):
     assert out.returncode == 0 and out.stdout.startswith("usage: jaxserve serve"), out.stderr
 
 
+def test_the_model_by_position_as_vllm_serve_takes_it(monkeypatch):
+    """``python -m jaxserve.serve MODEL`` as ``jaxserve serve MODEL`` and ``vllm serve MODEL``: the same as
+    ``--model MODEL``, before or after the options; both given and equal is fine."""
+    monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)
+    for argv in (["m"], ["m", "--port", "9001"], ["--port", "9001", "m"], ["m", "--model", "m"]):
+        args = parse_args(argv)
+        assert args.model == args.engine_config.model == "m" and args.served_model_name == ["m"], argv
+    assert parse_args([]).model is None  # no model: the demo model
+
+
 @pytest.mark.parametrize("argv, needle", [
+    (["a", "--model", "b"], "the model is given twice and differs: 'a' by position, --model 'b'"),
+    (["a", "b"], "unrecognized arguments: b"),
     (["--trust-remote-code"], "never runs code"),
     (["--mesh", "tensor=2", "-tp", "2"], "not both"),
     (["--enable-auto-tool-choice"], "needs --tool-call-parser"),
@@ -103,7 +115,8 @@ def test_bad_options_exit_with_a_message(capsys, argv, needle):
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
     assert e.value.code == 2
-    assert needle in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err
 
 
 def test_committed_stubs_match_the_proto(tmp_path):
