@@ -55,6 +55,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+import jaxserve
 from jaxserve.config.network import ClusterSecurity
 from jaxserve.scheduler.block_hash import DEFAULT_HASH_ALGO, BlockHasher
 from jaxserve.server import prefix_index
@@ -290,6 +291,7 @@ class Router:
             Route("/health", self.health, methods=["GET"]),
             Route("/live", lambda request: JSONResponse({"status": "live"}), methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/version", lambda request: JSONResponse({"version": jaxserve.__version__}), methods=["GET"]),
             Route("/{path:path}", self.forward, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
         ])
 

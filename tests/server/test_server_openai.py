@@ -48,6 +48,10 @@ def test_models_health_and_metrics_are_served(server, client):
     assert [m.id for m in models.data] == [MODEL_NAME]
     assert models.data[0].max_model_len == MAX_MODEL_LEN
     assert httpx.get(server.http + "/health").status_code == 200  # open without the key
+    from importlib.metadata import version  # vLLM's GET /version, open too, with jaxserve's version
+
+    got = httpx.get(server.http + "/version")
+    assert got.status_code == 200 and got.json() == {"version": version("jaxserve")}, got.text
     metrics = httpx.get(server.http + "/metrics")
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     for name in ("jaxserve_time_to_first_token_seconds_bucket", "jaxserve_time_per_output_token_seconds_bucket",
