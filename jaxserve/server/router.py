@@ -667,6 +667,8 @@ async def run_router(args) -> int:
             await asyncio.sleep(0.2)
 
     health_task = asyncio.create_task(health_forever())
+    logger.info("routing: HTTP on %s and gRPC on %s, to %d decode server(s); ready once one is live",
+                _url(args.host, http_port), _url(args.host, grpc_port), len(router.pool.backends))
     while not router.pool.live() and not stop.is_set() and not http_task.done():
         await asyncio.sleep(0.1)
     if router.pool.live():
@@ -683,4 +685,5 @@ async def run_router(args) -> int:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await router.aclose()
+    logger.info("stopped")
     return 0

@@ -164,3 +164,28 @@ def test_an_engine_that_refuses_to_start_is_raised_once_both_servers_are_closed(
         asyncio.run(serve(args))
     assert not [r for r in caplog.records if "do not fit" in r.getMessage()], caplog.text
     assert [r for r in caplog.records if r.name == "jaxserve.serve" and r.getMessage() == "stopped"]
+
+
+def test_start_and_stop_are_logged_under_jaxserves_names(caplog):
+    """The server's start and stop lines are ``jaxserve.serve``'s; uvicorn's own lifecycle lines (as
+    ``uvicorn.error``, a name that reads as a failure) are kept out, its warnings are not."""
+    import asyncio
+    import logging
+
+    from jaxserve.server import logs
+    from jaxserve.server.app import serve
+
+    logs.setup("info")
+    args = parse_args(["--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--compilation-cache-dir", ""])
+
+    def refuse(config):
+        raise ValueError("no model here")
+
+    args.engine_factory = refuse
+    with caplog.at_level(logging.INFO), pytest.raises(ValueError):
+        asyncio.run(serve(args))
+    logging.getLogger("uvicorn.error").warning("Invalid HTTP request received.")
+    own = [r.getMessage() for r in caplog.records if r.name == "jaxserve.serve"]
+    assert own[0].startswith("loading and warming up the demo model; HTTP on 127.0.0.1:") and own[-1] == "stopped"
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("uvicorn")] == \
+        ["Invalid HTTP request received."], caplog.text
