@@ -1,7 +1,7 @@
 """The ``jaxserve`` command, shaped like vLLM's ``vllm``: ``jaxserve COMMAND [options]``.
 
-``jaxserve serve MODEL [options]`` takes the same options as ``python -m jaxserve.serve`` (the model given by
-position); ``generate``, ``aot``, ``plan`` and ``capacity`` run ``python -m jaxserve.<command>`` with the same
+``jaxserve serve MODEL [options]`` takes the same options as ``python -m jaxserve.serve`` (which takes the model
+by position too); ``generate``, ``aot``, ``plan`` and ``capacity`` run ``python -m jaxserve.<command>`` with the same
 options. ``jaxserve COMMAND --help`` lists a command's options.
 
 Each command's module is imported only when that command runs, so ``jaxserve --help`` loads no jax.
@@ -48,8 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_command(name: str, argv: list[str]) -> int:
     """Runs subcommand ``name`` with its options ``argv``; returns the exit code."""
-    if name == "serve" and argv and not argv[0].startswith("-"):  # jaxserve serve MODEL, as vllm serve MODEL
-        argv = ["--model", argv[0], *argv[1:]]
     command, prog = COMMANDS[name], f"jaxserve {name}"
     entry: Callable[..., int | None] = getattr(importlib.import_module(command.module), command.function)
     return entry(argv, prog=prog) or 0

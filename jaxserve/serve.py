@@ -1,6 +1,6 @@
-"""Serve a model over gRPC and an OpenAI-compatible HTTP API: ``python -m jaxserve.serve [--model PATH]``.
+"""Serve a model over gRPC and an OpenAI-compatible HTTP API: ``python -m jaxserve.serve [MODEL | --model MODEL]``.
 
-With no ``--model`` it serves the built-in demo model (random weights: the output is meaningless), so it runs on
+With no model it serves the built-in demo model (random weights: the output is meaningless), so it runs on
 a fresh machine. ``--help`` lists every option; docs/serving.md describes the endpoints, metrics and errors.
 """
 
@@ -62,7 +62,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") 
                                                 security=args.cluster)
     from jaxserve.server.app import serve  # importing it loads grpc
 
-    return _exit(asyncio.run(serve(args)))
+    try:
+        return _exit(asyncio.run(serve(args)))
+    except ValueError as e:  # the engine refused to start (a mesh or a model the devices cannot hold, ...)
+        return _exit(user_error(prog, e))
 
 
 def _exit(code: int) -> int:

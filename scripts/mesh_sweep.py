@@ -8,6 +8,10 @@ after a full warm-up, on the same requests: ``--num-prompts`` random-token promp
 once or as a Poisson stream of ``--request-rate`` per second. A mesh smaller than the machine uses its first
 devices (``num_devices``). Writes ``sweep.md``, ``sweep.csv`` and ``sweep.png`` (matplotlib, the ``bench``
 extra) to ``--out``; the ``same tokens`` column checks that every mesh generated what the first one did.
+
+A mesh that fails (one the model or the machine refuses, e.g. ``tensor=3`` over 4 heads) keeps its row in the
+table, the CSV (``error``) and the plot, saying why in one line; the other meshes still run, and the script
+then exits with code 1.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 from scripts import bench_results  # noqa: E402
 
 COLUMNS = ["mesh", "devices", "requests", "output_tokens", "wall_s", "output_tok_s", "total_tok_s", "ttft_mean_ms",
-           "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p50_ms", "warmup_s", "tokens_sha"]
+           "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p50_ms", "warmup_s", "tokens_sha", "error"]
+FAILED = "FAILED "  # a child's one line for a mesh it could not run, before its reason
 
 
 def workload(args) -> tuple[list[list[int]], list[float]]:
@@ -94,11 +99,40 @@ def run_one(args, mesh: str) -> dict:
     }
 
 
+def failed_row(mesh: str, reason: str) -> dict:
+    """The row of a mesh that did not run: its name and why, in one line."""
+    from sharding.config import MeshConfig
+
+    try:
+        devices = MeshConfig.parse(mesh).num_devices
+    except ValueError:
+        devices = "?"
+    lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
+    return {"mesh": mesh, "devices": devices, "error": lines[-1] if lines else "failed with no message"}
+
+
+def child_row(mesh: str, returncode: int, stdout: str, stderr: str) -> dict:
+    """A child's result row, or its failed row: the reason it printed (``FAILED ...``), else the last line of
+    its stderr (an unexpected failure's exception) and its exit code."""
+    for line in stdout.splitlines():
+        if line.startswith("RESULT ") and returncode == 0:
+            return json.loads(line[len("RESULT "):])
+        if line.startswith(FAILED):
+            return failed_row(mesh, line[len(FAILED):])
+    last = [line for line in stderr.splitlines() if line.strip()]
+    return failed_row(mesh, f"exit code {returncode}: {last[-1].strip() if last else 'no output'}")
+
+
 def markdown(rows: list[dict], header: str) -> str:
-    first = rows[0]["tokens_sha"] if rows else None
+    ran = [r for r in rows if not r.get("error")]
+    first = ran[0]["tokens_sha"] if ran else None
     lines = [header, "", "| mesh | devices | output tok/s | total tok/s | TTFT mean / p50 / p99 (ms) | "
              "TPOT mean / p50 (ms) | wall (s) | warm-up (s) | same tokens |", "| --- " * 9 + "|"]
     for r in rows:
+        if r.get("error"):
+            reason = r["error"].replace("|", "\\|")
+            lines.append(f"| `{r['mesh']}` | {r['devices']} | failed: {reason} |" + " — |" * 6)
+            continue
         lines.append(f"| `{r['mesh']}` | {r['devices']} | {r['output_tok_s']} | {r['total_tok_s']} | "
                      f"{r['ttft_mean_ms']} / {r['ttft_p50_ms']} / {r['ttft_p99_ms']} | "
                      f"{r['tpot_mean_ms']} / {r['tpot_p50_ms']} | {r['wall_s']} | {r['warmup_s']} | "
@@ -116,16 +150,67 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(4 + 1.6 * len(rows), 4.2))
     for ax, key, label in zip(axes, ("output_tok_s", "ttft_mean_ms", "tpot_mean_ms"),
                               ("throughput (output tok/s)", "TTFT mean (ms)", "TPOT mean (ms)")):
-        ax.bar(names, [r[key] for r in rows], color="tab:blue")
+        ax.bar(names, [0 if r.get("error") else r[key] for r in rows], color="tab:blue")
+        for i, r in enumerate(rows):  # a failed mesh keeps its place, marked, with its reason below the plot
+            if r.get("error"):
+                ax.text(i, 0, "failed", rotation=90, ha="center", va="bottom", color="tab:red", fontsize=8)
         ax.set_title(label, fontsize=10)
         ax.tick_params(axis="x", labelsize=8)
+    failures = [f"{r['mesh']} failed: {r['error']}" for r in rows if r.get("error")]
+    if failures:
+        text = "\n".join(f if len(f) <= 150 else f[:147] + "..." for f in failures)
+        fig.text(0.01, 0.01, text, fontsize=7, color="tab:red", va="bottom")
+        fig.subplots_adjust(bottom=0.2 + 0.04 * len(failures))
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    if not failures:
+        fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> None:
+def run_child(args, mesh: str) -> None:
+    """``--one MESH``: run it and print its ``RESULT`` line; a mesh the model or the machine refuses (a
+    ``ValueError``, e.g. heads that do not divide over ``tensor``) prints ``FAILED`` and its reason instead, with
+    no traceback, and exits 1."""
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    try:
+        row = run_one(args, mesh)
+    except ValueError as e:
+        print(FAILED + (" ".join(str(e).split()) or type(e).__name__), flush=True)
+        sys.exit(1)
+    print("RESULT " + json.dumps(row), flush=True)
+
+
+def write_outputs(rows: list[dict], args, header: str) -> int:
+    """sweep.md, sweep.csv and sweep.png (failed meshes included, each saying why), the results' figures; returns
+    the exit code: 1 when any mesh failed."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.md").write_text(markdown(rows, header))
+    with open(out / "sweep.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    try:
+        plot(rows, out / "sweep.png", header if len(header) < 120 else header[:117] + "...")
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
+    print(markdown(rows, header))
+    figures = bench_results.Results(args)
+    for row in rows:
+        if not row.get("error"):
+            figures.add(f"{row['mesh']}: output tok/s", row["output_tok_s"], "tok/s")
+    figures.save()
+    print(f"wrote {out / 'sweep.md'}, {out / 'sweep.csv'}, {out / 'sweep.png'}", file=sys.stderr)
+    failed = [r["mesh"] for r in rows if r.get("error")]
+    if failed:
+        print(f"{len(failed)} of {len(rows)} meshes failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint folder or hub id (default: the demo model)")
     parser.add_argument("--meshes", required=True, help='";"-separated mesh specs, e.g. "tensor=8;data=2,tensor=4"')
@@ -156,11 +241,8 @@ def main(argv: list[str] | None = None) -> None:
         args.max_model_len = int(args.input_len * (1 + args.spread)) + args.output_len + 1
 
     if args.one is not None:
-        import jax
-
-        jax.config.update("jax_default_matmul_precision", "highest")
-        print("RESULT " + json.dumps(run_one(args, args.one)), flush=True)
-        return
+        run_child(args, args.one)
+        return 0
 
     meshes = [m.strip() for m in args.meshes.split(";") if m.strip()]
     rows = []
@@ -173,37 +255,18 @@ def main(argv: list[str] | None = None) -> None:
         cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--one", mesh]
         print(f"running {mesh} ...", file=sys.stderr, flush=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(f"{mesh} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-            continue
-        line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-        rows.append(json.loads(line[len("RESULT "):]))
-        print(f"  {rows[-1]['output_tok_s']} output tok/s, TTFT {rows[-1]['ttft_mean_ms']} ms, "
-              f"TPOT {rows[-1]['tpot_mean_ms']} ms", file=sys.stderr, flush=True)
-    if not rows:
-        sys.exit("no mesh ran")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+        rows.append(child_row(mesh, proc.returncode, proc.stdout, proc.stderr))
+        if rows[-1].get("error"):
+            print(f"  failed: {rows[-1]['error']}", file=sys.stderr, flush=True)
+        else:
+            print(f"  {rows[-1]['output_tok_s']} output tok/s, TTFT {rows[-1]['ttft_mean_ms']} ms, "
+                  f"TPOT {rows[-1]['tpot_mean_ms']} ms", file=sys.stderr, flush=True)
     rate = f"{args.request_rate}/s" if args.request_rate > 0 else "all at once"
     header = (f"{args.model}: {args.num_prompts} prompts of ~{args.input_len} tokens (+-{args.spread:.0%}), "
               f"{args.output_len} output tokens, arrivals {rate}, seed {args.seed}, max_num_seqs {args.max_num_seqs}, "
               f"max_num_batched_tokens {args.max_num_batched_tokens}")
-    (out / "sweep.md").write_text(markdown(rows, header))
-    with open(out / "sweep.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    try:
-        plot(rows, out / "sweep.png", header if len(header) < 120 else header[:117] + "...")
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
-    print(markdown(rows, header))
-    figures = bench_results.Results(args)
-    for row in rows:
-        figures.add(f"{row['mesh']}: output tok/s", row["output_tok_s"], "tok/s")
-    figures.save()
-    print(f"wrote {out / 'sweep.md'}, {out / 'sweep.csv'}, {out / 'sweep.png'}", file=sys.stderr)
+    return write_outputs(rows, args, header)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

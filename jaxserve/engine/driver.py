@@ -170,8 +170,8 @@ class EngineDriver:
                 self._kv_events()  # from now on the prefix cache's pages are announced
             self._post(self._listener.engine_news, [], [], self.stats)  # before the first admission check
         except BaseException as e:  # noqa: BLE001 - reported to the consumer, which exits
-            if isinstance(e, ValueError):  # a bad option or checkpoint: its message says what to change
-                logger.error("the engine failed to start: %s", e)
+            if isinstance(e, ValueError):  # a bad option or checkpoint: the consumer reports it, once
+                logger.debug("the engine refused to start: %s", e)
             else:
                 logger.exception("the engine failed to start")
             self._post(self._listener.engine_started, e)

@@ -53,12 +53,19 @@ _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_pr
 _GPT_OSS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
 
 
-def resolve_dtype(dtype: str, cfg: ModelConfig):
-    """``"auto"`` means the checkpoint's own dtype."""
+def weights_dtype_name(dtype: str, cfg: ModelConfig) -> str:
+    """The name of the dtype the engine loads the weights in for ``--dtype`` ``dtype``: ``"auto"`` means the
+    checkpoint's own (config.json's ``torch_dtype``). ``capacity`` sizes the weights by this same rule."""
     name = cfg.torch_dtype.replace("torch.", "") if dtype == "auto" else dtype
     if name not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not one of 'auto', {', '.join(map(repr, DTYPES))}")
-    return DTYPES[name]
+        raise ValueError(f"dtype={dtype!r} is not one of 'auto', {', '.join(map(repr, DTYPES))}"
+                         + (f" (the checkpoint's dtype is {cfg.torch_dtype!r})" if dtype == "auto" else ""))
+    return name
+
+
+def resolve_dtype(dtype: str, cfg: ModelConfig):
+    """The weights' dtype for ``--dtype`` ``dtype`` (``weights_dtype_name``)."""
+    return DTYPES[weights_dtype_name(dtype, cfg)]
 
 
 def hf_name(path: tuple, cfg: ModelConfig) -> str:

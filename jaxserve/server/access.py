@@ -19,6 +19,16 @@ LORA_ROUTES = (("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adap
 DEFAULT_MAX_CPU_LORAS = 16
 
 
+# The paths ``--api-key`` guards, as vLLM's authentication middleware: everything under ``/v1`` (after a proxy's
+# ``--root-path``), nothing else: ``/tokenize``, ``/detokenize``, ``/health``, ``/metrics`` stay open.
+API_KEY_PREFIX = "/v1"
+
+
+def needs_api_key(path: str) -> bool:
+    """Whether a request for ``path`` needs one of the API keys (when the server has any)."""
+    return path.startswith(API_KEY_PREFIX)
+
+
 def api_keys(value: str | Sequence[str] | None) -> tuple[str, ...]:
     """``--api-key`` as a tuple of keys (none: no key is asked)."""
     if not value:

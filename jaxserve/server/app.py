@@ -138,7 +138,8 @@ async def _serve_until_stopped(args: argparse.Namespace, engine: AsyncEngine, me
                                fronts: _FrontEnds, ready: asyncio.Future, stopping: asyncio.Future,
                                http_task: asyncio.Task) -> int:
     """Waits for the engine to be ready, turns health to serving, then serves until a signal; returns 1 when the
-    engine failed to start or the HTTP server stopped on its own, else 0."""
+    engine failed to start (its thread logged why) or the HTTP server stopped on its own, 2 when the engine
+    refused what it was given (a ``ValueError``, which ``serve`` raises once both servers are closed), else 0."""
     names, host = args.served_model_name, args.host
     await asyncio.wait({ready, stopping, http_task}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
@@ -159,9 +160,9 @@ async def _serve_until_stopped(args: argparse.Namespace, engine: AsyncEngine, me
             task.cancel()
         await asyncio.gather(*watchers, return_exceptions=True)
     elif ready.done():
-        logger.error("the engine failed to start: %s", ready.exception())
-        # A ValueError is the engine refusing what it was given (a flag's value, the model folder): a user error,
-        # exit code 2 like every command's; anything else failed while starting, 1.
+        # A ValueError is the engine refusing what it was given (a flag's value, the model folder, a mesh or a
+        # model too large for the devices): a user error, reported by the command in one line with exit code 2
+        # like every command's. Anything else failed while starting (its traceback is logged once): 1.
         code = 2 if isinstance(ready.exception(), ValueError) else 1
     if http_task.done() and not stopping.done():
         logger.error("the HTTP server stopped unexpectedly: %s", http_task.exception() if not
@@ -218,7 +219,9 @@ def _seconds(ms: float | None) -> float | None:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    """Run the server until a signal; returns the process exit code."""
+    """Run the server until a signal; returns the process exit code. When the engine refuses to start (a
+    ``ValueError``: a flag's value, the checkpoint, a mesh or a model the devices cannot hold), both servers are
+    closed and that error is raised, for the command to report in one line."""
     _make_cache_dir(args.engine_config.compilation_cache_dir)
     metrics = ServerMetrics(args.served_model_name[0], slo_ttft_s=_seconds(getattr(args, "slo_ttft_ms", None)),
                             slo_tpot_s=_seconds(getattr(args, "slo_tpot_ms", None)))
@@ -242,4 +245,6 @@ async def serve(args: argparse.Namespace) -> int:
     ready.cancel()
     stopping.cancel()
     logger.info("stopped")
+    if code == 2 and ready.done() and not ready.cancelled() and isinstance(ready.exception(), ValueError):
+        raise ready.exception()
     return code if warm else (code or -1)  # -1: the engine thread is still busy starting; exit hard

@@ -92,6 +92,8 @@ def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentPar
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     """The served name(s) and every engine option (the demo model's shapes as defaults without --model)."""
     m = p.add_argument_group("model")
+    m.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model by position, as vLLM's 'vllm serve MODEL': the same as --model MODEL")
     m.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in the 'model' field; the first is reported in responses. Default: "
                         f"--model as given ({DEMO_MODEL_NAME!r} for the demo model)")
@@ -269,6 +271,11 @@ def _dashed(argv: list[str]) -> list[str]:
 def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.serve") -> argparse.Namespace:
     parser = build_parser(prog)
     args = parser.parse_args(_dashed(sys.argv[1:] if argv is None else list(argv)))
+    if args.model_tag is not None:  # serve MODEL, as vllm serve MODEL
+        if args.model is not None and args.model != args.model_tag:
+            parser.error(f"the model is given twice and differs: {args.model_tag!r} by position, --model "
+                         f"{args.model!r}; give one")
+        args.model = args.model_tag
     if args.trust_remote_code:
         parser.error("--trust-remote-code: jaxserve never runs code shipped with a checkpoint; the supported "
                      "families need none")

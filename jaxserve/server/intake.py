@@ -166,9 +166,11 @@ def make_sampling_params(defaults: dict[str, Any] | None = None, **fields: Any) 
 
 
 def check_model(name: str | None, served: list[str]) -> None:
+    """A ``model`` that names neither a served name nor a loaded adapter: vLLM's 404 (``NotFoundError``, its
+    message word for word; gRPC NOT_FOUND)."""
     if name is not None and name not in served:
-        raise RequestError(f"the model {name!r} does not exist; this server serves {', '.join(map(repr, served))}",
-                           param="model", reason="invalid")
+        raise RequestError(f"The model `{name}` does not exist.", status=404, code=grpc.StatusCode.NOT_FOUND,
+                           type="NotFoundError", param="model", reason="not_found")
 
 
 def conflict(message: str, param: str | None = None) -> RequestError:

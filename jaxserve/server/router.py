@@ -29,8 +29,9 @@ process the router answers 503 / UNAVAILABLE ``no decode server is reachable (..
 
 Checks before work: the router forwards only the public API's routes (``PUBLIC_ROUTES``; the admin routes only
 with ``--enable-admin-endpoints`` or vLLM's variables, as on a server), every other path is a 404 here; with its
-own ``--api-key`` a request without one of the keys is a 401 / UNAUTHENTICATED before its body is read, tokenized
-or rendered through a chat template (an admin route needs ``--admin-api-key`` instead). Calls to a decode process
+own ``--api-key`` a request under ``/v1`` without one of the keys (vLLM's rule, ``access.needs_api_key``) is a
+401 / UNAUTHENTICATED before its body is read, tokenized or rendered through a chat template (an admin route
+needs ``--admin-api-key`` instead). Calls to a decode process
 have finite timeouts: ``--router-connect-timeout`` to connect, ``--router-read-timeout`` for each wait on it (its
 answer, or the next chunk of a stream); one that stops answering ends the request with 504 (an ``error`` event
 once a stream has started), gRPC DEADLINE_EXCEEDED, naming it.
@@ -54,10 +55,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+import jaxserve
 from jaxserve.config.network import ClusterSecurity
 from jaxserve.scheduler.block_hash import DEFAULT_HASH_ALGO, BlockHasher
 from jaxserve.server import prefix_index
-from jaxserve.server.access import AdminConfig, api_keys, matching_key
+from jaxserve.server.access import AdminConfig, api_keys, matching_key, needs_api_key
 from jaxserve.server.connections import ConnectionLimits, uvicorn_config
 from jaxserve.server.metrics import CONTENT_TYPE
 from jaxserve.server.openai.streaming import DONE, EventStream, error_body, sse, until_disconnect
@@ -273,7 +275,7 @@ class Router:
             return 404, f"no route {method} {path}"
         if admin and not self.admin.authorized(authorization):
             return 401, "missing or invalid admin key: send 'Authorization: Bearer <admin key>'"
-        if not admin and self.api_keys and matching_key(authorization, self.api_keys) is None:
+        if not admin and self.api_keys and needs_api_key(path) and matching_key(authorization, self.api_keys) is None:
             return 401, "missing or invalid API key: send 'Authorization: Bearer <key>'"
         return None
 
@@ -289,6 +291,7 @@ class Router:
             Route("/health", self.health, methods=["GET"]),
             Route("/live", lambda request: JSONResponse({"status": "live"}), methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/version", lambda request: JSONResponse({"version": jaxserve.__version__}), methods=["GET"]),
             Route("/{path:path}", self.forward, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
         ])
 
@@ -664,6 +667,8 @@ async def run_router(args) -> int:
             await asyncio.sleep(0.2)
 
     health_task = asyncio.create_task(health_forever())
+    logger.info("routing: HTTP on %s and gRPC on %s, to %d decode server(s); ready once one is live",
+                _url(args.host, http_port), _url(args.host, grpc_port), len(router.pool.backends))
     while not router.pool.live() and not stop.is_set() and not http_task.done():
         await asyncio.sleep(0.1)
     if router.pool.live():
@@ -680,4 +685,5 @@ async def run_router(args) -> int:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await router.aclose()
+    logger.info("stopped")
     return 0

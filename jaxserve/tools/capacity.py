@@ -1,6 +1,6 @@
 """How many KV pages, concurrent sequences and tokens of context fit on a device.
 
-    python -m jaxserve.capacity --model M --hbm-gb 80 [--mesh tensor=8] [--dtype bfloat16] [--page-size 16]
+    python -m jaxserve.capacity --model M --hbm-gb 80 [--mesh tensor=8] [--dtype auto] [--page-size 16]
         [--hbm-utilization 0.9] [--max-model-len N] [--quantization int8|fp8 [--quantize-lm-head]]
         [--kv-cache-dtype auto|int8|fp8|fp8_e4m3|fp8_e5m2]
         [--max-num-seqs 32 --max-num-batched-tokens 512]
@@ -8,7 +8,9 @@
 8-bit weights take one byte per parameter plus a float32 scale per output channel; an 8-bit KV cache takes one
 byte per value plus a float32 scale per token, KV head and K or V (``jaxserve.executor.kv_cache.bytes_per_token``).
 
-Reads only config.json (no weights are loaded). With a mesh, weights and the KV cache are divided across the
+Reads only config.json (no weights are loaded). The weights' dtype is the one the engine would load
+(``jaxserve.models.loader.weights_dtype_name``): with ``--dtype auto``, the default as for ``serve``, the
+checkpoint's own. With a mesh, weights and the KV cache are divided across the
 tensor axis (KV heads replicated when the axis exceeds them), a Mixture-of-Experts model's routed experts also
 across the expert axis, and each data replica holds a full copy. For an MoE model it reports total parameters
 (what memory holds) and active ones (what one token's forward pass reads: its top-k experts per layer).
@@ -22,11 +24,12 @@ from __future__ import annotations
 
 import argparse
 
-from jaxserve.config.args import ArgumentParser, user_error
-from jaxserve.config.engine import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from jaxserve.config.args import ArgumentParser, dtype_name, user_error
+from jaxserve.config.engine import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from jaxserve.executor.builder import PoolSizing
 from jaxserve.executor.kv_cache import bytes_per_token, kv_storage_dtype, state_slots_for
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.loader import weights_dtype_name
 from jaxserve.tools.model_specs import PRESETS, model_config
 from sharding.config import MeshConfig
 from sharding.rules import check_expert_parallel, check_tensor_parallel
@@ -63,10 +66,11 @@ def capacity(cfg: ModelConfig, *, hbm_gb: float, dtype: str, page_size: int, mes
              utilization: float, max_model_len: int, quantization: str | None = None, quantize_lm_head: bool = False,
              kv_cache_dtype: str = "auto", max_num_seqs: int = EngineConfig.max_num_seqs,
              max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens) -> dict[str, float]:
-    """The pool the engine would size on a device of ``hbm_gb`` (``builder.PoolSizing``, the engine's rule).
+    """The pool the engine would size on a device of ``hbm_gb`` (``builder.PoolSizing``, the engine's rule), with
+    the weights in the dtype the engine loads for ``dtype`` (``weights_dtype_name``: "auto" is the checkpoint's).
     ``max_num_seqs`` and ``max_num_batched_tokens`` size the windowed layers' own pool of a model interleaving
     windowed and global layers (Gemma 2/3), which comes first; the pages reported are the global pool's."""
-    dtype = dtype if dtype != "auto" else cfg.torch_dtype
+    dtype = weights_dtype_name(dtype, cfg)
     kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
     weights = weights_per_device(cfg, dtype, mesh, quantization, quantize_lm_head)
     kv_token_device = bytes_per_token(cfg, kv_dtype, mesh.tensor)  # exactly what the engine's pool allocates
@@ -91,6 +95,7 @@ def capacity(cfg: ModelConfig, *, hbm_gb: float, dtype: str, page_size: int, mes
         "tokens_of_context": tokens,
         "full_length_sequences": tokens // max_model_len,
         "max_model_len": max_model_len,
+        "dtype": dtype,
     }
 
 
@@ -100,7 +105,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.capacity
                                                   f"{', '.join(PRESETS)}")
     p.add_argument("--hbm-gb", type=float, required=True, help="accelerator memory per device, GB")
     p.add_argument("--mesh", default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=["auto", *_ITEMSIZE])
+    p.add_argument("--dtype", default=EngineConfig.dtype, type=dtype_name, choices=DTYPES,
+                   help="the weights' dtype, as serve's --dtype (vLLM's half and float too); auto: the "
+                        "checkpoint's own (default: %(default)s)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--hbm-utilization", type=float, default=0.9)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -133,8 +140,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.capacity
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     except ValueError as e:  # the model cannot be read, or does not fit the devices described
         return user_error(prog, e)
-    print(f"{cfg.architecture}: {cfg.num_params / 1e9:.2f}B parameters, dtype {args.dtype}, weights "
-          f"{args.quantization or args.dtype}, KV cache {args.kv_cache_dtype}, mesh {mesh}")
+    dtype = c["dtype"] if args.dtype == c["dtype"] else f"{args.dtype} ({c['dtype']})"
+    print(f"{cfg.architecture}: {cfg.num_params / 1e9:.2f}B parameters, dtype {dtype}, weights "
+          f"{args.quantization or c['dtype']}, KV cache {args.kv_cache_dtype}, mesh {mesh}")
     if cfg.moe:
         m = cfg.moe
         print(f"  parameters                {c['total_params'] / 1e9:.2f}B total, {c['active_params'] / 1e9:.2f}B "

@@ -173,10 +173,10 @@ def test_the_openai_model_field_selects_an_adapter_and_adapters_load_at_run_time
     out = asyncio.run(main())
     assert [(m["id"], m["parent"]) for m in out["models"]] == [("tiny", None), ("attn", "tiny")]
     assert out["attn"] == expected["attn"][1] and out["base"] == expected[None][1]
-    assert out["unknown"].status_code == 400 and out["unknown"].json()["error"]["param"] == "model"
+    assert out["unknown"].status_code == 404 and out["unknown"].json()["error"]["param"] == "model"
     assert out["load"].status_code == 200 and out["load"].text == "Success: LoRA adapter 'mlp' added successfully."
     assert out["mlp"] == expected["mlp"][2]
     assert out["again"].status_code == 400 and "already been loaded" in out["again"].json()["error"]["message"]
     assert out["bad_path"].status_code == 400 and out["bad_path"].json()["error"]["param"] == "lora_path"
     assert out["unload"].status_code == 200 and out["unload_again"].status_code == 404
-    assert out["gone"].status_code == 400
+    assert out["gone"].status_code == 404

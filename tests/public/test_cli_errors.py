@@ -66,6 +66,9 @@ CASES = [
     (["-m", "jaxserve.serve", "--model", "{empty}/missing"], "missing"),
     (["-m", "jaxserve.serve", "--model", "org/no-such-model"], "could not be fetched from the hub"),
     (["-m", "jaxserve.serve", "--max-n", "0"], "--max-n=0"),
+    # Refused by the engine once both servers listen: one line all the same, once.
+    (["-m", "jaxserve.serve", "--mesh", "tensor=3", "--http-port", "0", "--grpc-port", "0", "--log-level", "error"],
+     "tensor=3 has 3 devices"),
     (["-m", "jaxserve.cli", "serve", "{empty}"], "has no config.json"),
     (["-m", "jaxserve.cli", "capacity", "--model", "nope", "--hbm-gb", "80"], "neither a preset"),
     (["-m", "jaxserve.cli", "nonsense"], "unknown command 'nonsense'"),

@@ -158,7 +158,7 @@ def test_sigterm_to_the_router_lets_in_flight_streams_finish_within_its_grace_pe
     backend = Proc(["tests/fake_decode_server.py", "1.0", "--http-port", str(ports[0]), "--grpc-port", str(ports[1]),
                     "--log-level", "warning"], log)
     router = Proc(["-m", "jaxserve.serve", "--role", "router", "--decode-url", f"127.0.0.1:{ports[0]}:{ports[1]}",
-                   "--http-port", "0", "--grpc-port", "0", "--shutdown-grace-period", "30", "--log-level", "warning"],
+                   "--http-port", "0", "--grpc-port", "0", "--shutdown-grace-period", "30", "--log-level", "info"],
                   log)
     try:
         backend.wait_ready()
@@ -177,6 +177,9 @@ def test_sigterm_to_the_router_lets_in_flight_streams_finish_within_its_grace_pe
         assert events[-1] == "[DONE]" and "".join(texts).count("<") == TOKENS, events[-3:]
         assert took > 5.5, took  # it outlived uvicorn's default
         assert router.proc.wait(timeout=30) == 0
+        text = (tmp_path / "processes.log").read_text()  # its start and stop lines under its own name
+        assert "INFO jaxserve.server.router: routing: HTTP on 127.0.0.1:" in text, text[-3000:]
+        assert "INFO jaxserve.server.router: stopped" in text and "uvicorn.error" not in text, text[-3000:]
     finally:
         router.stop()
         backend.stop()

@@ -24,6 +24,7 @@ import grpc
 import httpx
 import pytest
 
+import jaxserve
 from fake_server import FakeServer
 from jaxserve.server import router as router_module
 from jaxserve.server.access import DEV_ROUTES, LORA_ROUTES, AdminConfig, tenant_salt
@@ -333,6 +334,9 @@ def test_the_router_forwards_only_public_routes_and_checks_its_key_first():
             out["with key"] = [(await client.post(p, json=b, headers=bearer(KEY_A))).status_code
                                for p, b in (("/v1/completions", completion), ("/v1/chat/completions", chat))]
             out["tokenized"] = tokenizer.calls
+            # vLLM's rule: the key guards /v1 only; /tokenize is forwarded without one.
+            out["tokenize no key"] = (await client.post("/tokenize", json={"prompt": [5, 6]})).status_code
+            out["version"] = (await client.get("/version")).json()  # the router's own, without a key
             return out
 
         out = asyncio.run(_through_router(backend, calls, api_key=[KEY_A, KEY_B], tokenizer=tokenizer,
@@ -342,6 +346,8 @@ def test_the_router_forwards_only_public_routes_and_checks_its_key_first():
         assert not server.engine.sleeping  # /sleep never reached the replica
         assert out["no key"] == [401, 401] and out["wrong key"] == 401 and out["tokenized before a key"] == 0
         assert out["with key"] == [200, 200] and out["tokenized"] == 2
+        assert out["tokenize no key"] == 200
+        assert out["version"] == {"version": jaxserve.__version__}
 
         async def admin_calls(client, router):
             return [(await client.get("/is_sleeping", headers=bearer(key))).status_code for key in (KEY_A, ADMIN_KEY)]

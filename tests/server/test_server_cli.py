@@ -86,7 +86,19 @@ def test_vllm_names_and_the_jaxserve_command(monkeypatch):
     assert out.returncode == 0 and out.stdout.startswith("usage: jaxserve serve"), out.stderr
 
 
+def test_the_model_by_position_as_vllm_serve_takes_it(monkeypatch):
+    """``python -m jaxserve.serve MODEL`` as ``jaxserve serve MODEL`` and ``vllm serve MODEL``: the same as
+    ``--model MODEL``, before or after the options; both given and equal is fine."""
+    monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)
+    for argv in (["m"], ["m", "--port", "9001"], ["--port", "9001", "m"], ["m", "--model", "m"]):
+        args = parse_args(argv)
+        assert args.model == args.engine_config.model == "m" and args.served_model_name == ["m"], argv
+    assert parse_args([]).model is None  # no model: the demo model
+
+
 @pytest.mark.parametrize("argv, needle", [
+    (["a", "--model", "b"], "the model is given twice and differs: 'a' by position, --model 'b'"),
+    (["a", "b"], "unrecognized arguments: b"),
     (["--trust-remote-code"], "never runs code"),
     (["--mesh", "tensor=2", "-tp", "2"], "not both"),
     (["--enable-auto-tool-choice"], "needs --tool-call-parser"),
@@ -106,7 +118,8 @@ def test_bad_options_exit_with_a_message(capsys, argv, needle):
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
     assert e.value.code == 2
-    assert needle in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err
 
 
 def test_committed_stubs_match_the_proto(tmp_path):
@@ -134,3 +147,48 @@ def test_the_demo_model_says_where_it_is_and_does_not_claim_to_serve(tmp_path, c
     assert folder == demo_model_folder(tmp_path) and (folder / "tokenizer.json").exists()
     message = caplog.records[-1].getMessage()
     assert str(folder) in message and "serving" not in message
+
+
+def test_an_engine_that_refuses_to_start_is_raised_once_both_servers_are_closed(caplog):
+    """A ``ValueError`` from the engine's construction (a model the devices cannot hold, a mesh the model
+    refuses) leaves ``serve`` as that error, for the command's one line (exit code 2); nothing logs it before."""
+    import asyncio
+    import logging
+
+    from jaxserve.server.app import serve
+
+    args = parse_args(["--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--compilation-cache-dir", ""])
+
+    def refuse(config):
+        raise ValueError("the weights (9.0 GiB per device) do not fit in 8 GB")
+
+    args.engine_factory = refuse
+    with caplog.at_level(logging.INFO), pytest.raises(ValueError, match="do not fit in 8 GB"):
+        asyncio.run(serve(args))
+    assert not [r for r in caplog.records if "do not fit" in r.getMessage()], caplog.text
+    assert [r for r in caplog.records if r.name == "jaxserve.serve" and r.getMessage() == "stopped"]
+
+
+def test_start_and_stop_are_logged_under_jaxserves_names(caplog):
+    """The server's start and stop lines are ``jaxserve.serve``'s; uvicorn's own lifecycle lines (as
+    ``uvicorn.error``, a name that reads as a failure) are kept out, its warnings are not."""
+    import asyncio
+    import logging
+
+    from jaxserve.server import logs
+    from jaxserve.server.app import serve
+
+    logs.setup("info")
+    args = parse_args(["--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--compilation-cache-dir", ""])
+
+    def refuse(config):
+        raise ValueError("no model here")
+
+    args.engine_factory = refuse
+    with caplog.at_level(logging.INFO), pytest.raises(ValueError):
+        asyncio.run(serve(args))
+    logging.getLogger("uvicorn.error").warning("Invalid HTTP request received.")
+    own = [r.getMessage() for r in caplog.records if r.name == "jaxserve.serve"]
+    assert own[0].startswith("loading and warming up the demo model; HTTP on 127.0.0.1:") and own[-1] == "stopped"
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("uvicorn")] == \
+        ["Invalid HTTP request received."], caplog.text

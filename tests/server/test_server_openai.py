@@ -48,6 +48,10 @@ def test_models_health_and_metrics_are_served(server, client):
     assert [m.id for m in models.data] == [MODEL_NAME]
     assert models.data[0].max_model_len == MAX_MODEL_LEN
     assert httpx.get(server.http + "/health").status_code == 200  # open without the key
+    from importlib.metadata import version  # vLLM's GET /version, open too, with jaxserve's version
+
+    got = httpx.get(server.http + "/version")
+    assert got.status_code == 200 and got.json() == {"version": version("jaxserve")}, got.text
     metrics = httpx.get(server.http + "/metrics")
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     for name in ("jaxserve_time_to_first_token_seconds_bucket", "jaxserve_time_per_output_token_seconds_bucket",
@@ -241,7 +245,6 @@ LONG_PROMPT = [5] * (MAX_MODEL_LEN - 4)
     ({"prompt": []}, "prompt is empty", "prompt"),
     ({"prompt": LONG_PROMPT, "max_tokens": 10}, "max_model_len", "max_tokens"),
     ({"prompt": [5] * MAX_MODEL_LEN}, "max_model_len", "prompt"),
-    ({"prompt": "hi", "model": "gpt-4"}, "'gpt-4' does not exist", "model"),
     ({"prompt": "hi", "temperature": -0.5}, "temperature=-0.5 must be >= 0", "temperature"),
     ({"prompt": "hi", "top_p": 0}, "top_p=0", "top_p"),
     ({"prompt": "hi", "top_p": 1.5}, "top_p=1.5", "top_p"),
@@ -263,6 +266,20 @@ def test_bad_completion_requests_get_400_naming_the_problem(http, body, needle, 
     err = _error(http.post("/v1/completions", json={"model": MODEL_NAME, **body}), 400)
     assert needle in err["message"], err
     assert err["param"] == param and err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/tokenize", {"prompt": "hi"}),
+    ("/detokenize", {"tokens": [5]}),
+])
+def test_an_unknown_model_is_vllms_404(http, path, body):
+    """vLLM's answer to a ``model`` it does not serve (``OpenAIServing._check_model``), body and all."""
+    resp = http.post(path, json={"model": "nope", **body})
+    assert resp.status_code == 404, resp.text
+    assert resp.json() == {"error": {"message": "The model `nope` does not exist.", "type": "NotFoundError",
+                                     "param": "model", "code": 404}}
 
 
 @pytest.mark.parametrize("body, needle", [
@@ -338,7 +355,7 @@ def test_malformed_and_oversized_bodies_get_400(server, http):
 def test_openai_client_sees_bad_request_errors(client):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=MODEL_NAME, prompt="hi", temperature=-1)
-    with pytest.raises(openai.BadRequestError, match="does not exist"):
+    with pytest.raises(openai.NotFoundError, match="The model `other` does not exist."):
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "hi"}])
 
 
@@ -352,6 +369,13 @@ def test_api_key_is_required_on_v1_only(server):
             bad.models.list()
     assert httpx.get(server.http + "/health").status_code == 200
     assert httpx.get(server.http + "/metrics").status_code == 200
+    # vLLM guards only /v1: its /tokenize and /detokenize need no key (and it serves no /v1/tokenize).
+    tokens = httpx.post(server.http + "/tokenize", json={"prompt": "hi"})
+    assert tokens.status_code == 200 and tokens.json()["count"] >= 1, tokens.text
+    text = httpx.post(server.http + "/detokenize", json={"tokens": tokens.json()["tokens"]})
+    assert text.status_code == 200 and "hi" in text.json()["prompt"], text.text
+    for path in ("/v1/tokenize", "/v1/detokenize"):
+        assert httpx.post(server.http + path, json={"prompt": "hi"}, headers=AUTH).status_code == 404
 
 
 # Disconnects ----------------------------------------------------------------------------------------------------

@@ -63,3 +63,31 @@ def test_mixture_of_experts_total_and_active_params_and_the_expert_split(tmp_pat
         capacity(cfg, mesh=MeshConfig.parse("expert=8"), **kw)
     main(["--model", str(path), "--hbm-gb", "0.01", "--mesh", "expert=2,tensor=2"])
     assert "active per token (2 of 4 experts)" in capsys.readouterr().out
+
+
+def test_the_weights_dtype_is_the_engines_auto_the_checkpoints(tmp_path, capsys):
+    """``--dtype auto`` (the default, as serve's) of a float32 checkpoint sizes float32 weights: what
+    ``serve --dtype auto`` loads (``weights_dtype_name``, the engine's rule), not bfloat16's half."""
+    import json
+
+    from jaxserve.models.loader import weights_dtype_name
+
+    path = build_tiny_model("llama", tmp_path / "f32")
+    config = json.loads((path / "config.json").read_text())
+    config.pop("dtype", None)
+    config["torch_dtype"] = "float32"
+    (path / "config.json").write_text(json.dumps(config))
+    cfg = ModelConfig.from_pretrained(path)
+    assert weights_dtype_name("auto", cfg) == "float32"
+    kw = dict(hbm_gb=0.01, page_size=16, mesh=MeshConfig.parse(None), utilization=0.9, max_model_len=128)
+    auto = capacity(cfg, dtype="auto", **kw)
+    assert auto["dtype"] == "float32" and auto["weights_gib_per_device"] * 2**30 == cfg.num_params * 4
+    assert capacity(cfg, dtype="bfloat16", **kw)["weights_gib_per_device"] * 2**30 == cfg.num_params * 2
+    main(["--model", str(path), "--hbm-gb", "0.01", "--max-model-len", "128"])
+    assert "dtype auto (float32), weights float32," in capsys.readouterr().out
+    main(["--model", str(path), "--hbm-gb", "0.01", "--max-model-len", "128", "--dtype", "half"])
+    assert "dtype float16, weights float16," in capsys.readouterr().out
+    config["torch_dtype"] = "float8_e4m3fn"  # a dtype the engine cannot load: refused by the same rule
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        capacity(ModelConfig.from_pretrained(path), dtype="auto", **kw)

@@ -17,7 +17,7 @@ from jaxserve.engine.request_stream import RequestStream
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestDelta, RequestOutput
 from jaxserve.server.async_engine import AsyncEngine
-from jaxserve.server.access import AdminConfig, api_keys, matching_key, matching_token, tenant_salt
+from jaxserve.server.access import AdminConfig, api_keys, matching_key, matching_token, needs_api_key, tenant_salt
 from jaxserve.server.intake import check_model, decode_json, invalid, unauthenticated, usage_counts
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics import ServerMetrics
@@ -57,23 +57,30 @@ class APIContext:
 
     def router(self, prefix: str = "", *, x_api_key: bool = False,
                route_class: type[APIRoute] = APIRoute) -> APIRouter:
-        """A router whose routes need the API key and the cluster secret (those the server has). ``x_api_key``:
-        the key may come as ``x-api-key: KEY`` too (Anthropic's clients send it so); ``route_class``: the routes'
-        class (e.g. one that answers errors in another API's shape)."""
-        check = self._authorize_x_api_key if x_api_key else self._authorize
+        """A router whose routes need the cluster secret (if the server has one) and, under ``/v1``
+        (``access.needs_api_key``, vLLM's rule), the API key. ``x_api_key``: the key may come as ``x-api-key: KEY``
+        too (Anthropic's clients send it so); ``route_class``: the routes' class (e.g. one that answers errors in
+        another API's shape)."""
+        if not needs_api_key(prefix):
+            check = self._cluster_member
+        else:
+            check = self._authorize_x_api_key if x_api_key else self._authorize
         return APIRouter(prefix=prefix, dependencies=[Depends(check)], route_class=route_class)
 
+    async def _cluster_member(self, request: Request) -> None:
+        self._check_access(request, api_key=False, x_api_key=False)
+
     async def _authorize(self, request: Request) -> None:
-        self._check_access(request, x_api_key=False)
+        self._check_access(request, api_key=True, x_api_key=False)
 
     async def _authorize_x_api_key(self, request: Request) -> None:
-        self._check_access(request, x_api_key=True)
+        self._check_access(request, api_key=True, x_api_key=True)
 
-    def _check_access(self, request: Request, x_api_key: bool) -> None:
+    def _check_access(self, request: Request, api_key: bool, x_api_key: bool) -> None:
         # not a dependency itself: FastAPI would read its parameters from the query string
         if not self.cluster.secret_ok(request.headers.get(SECRET_HEADER)):
             raise unauthenticated(self.cluster.refusal())
-        if self.api_keys:
+        if api_key and self.api_keys:
             key = matching_key(request.headers.get("authorization"), self.api_keys)
             if key is None and x_api_key:
                 key = matching_token(request.headers.get("x-api-key"), self.api_keys)
@@ -117,8 +124,8 @@ class APIContext:
         return requested or self.names[0]
 
     def lora_for(self, model: str | None) -> LoRARequest | None:
-        """The adapter the ``model`` field names (None: the base model); 400 naming ``model`` if it is neither a
-        served name nor a loaded adapter."""
+        """The adapter the ``model`` field names (None: the base model); vLLM's 404 naming ``model`` if it is
+        neither a served name nor a loaded adapter."""
         if model is None or model in self.names:
             return None
         lora = self.engine.loras.get(model)

@@ -1,11 +1,12 @@
-"""Probes and metrics, open without the API key: ``GET /health`` (readiness), ``GET /live`` (liveness) and
-``GET /metrics`` (Prometheus)."""
+"""Probes and metrics, open without the API key: ``GET /health`` (readiness), ``GET /live`` (liveness),
+``GET /metrics`` (Prometheus) and vLLM's ``GET /version``."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
+import jaxserve
 from jaxserve.server.metrics import CONTENT_TYPE
 from jaxserve.server.openai.context import APIContext
 
@@ -23,6 +24,7 @@ class Health:
         router.add_api_route("/health", self.health, methods=["GET"])
         router.add_api_route("/live", self.live, methods=["GET"])
         router.add_api_route("/metrics", self.metrics_endpoint, methods=["GET"])
+        router.add_api_route("/version", self.version, methods=["GET"])
         return router
 
     async def health(self) -> Response:
@@ -39,6 +41,10 @@ class Health:
     async def live(self) -> Response:
         """Liveness (a Kubernetes liveness probe): 200 while the process answers, whether or not it is ready."""
         return JSONResponse({"status": "live"})
+
+    async def version(self) -> JSONResponse:
+        """vLLM's ``GET /version``: ``{"version": ...}``, here jaxserve's."""
+        return JSONResponse({"version": jaxserve.__version__})
 
     async def metrics_endpoint(self) -> Response:
         return Response(self.ctx.metrics.render(), media_type=CONTENT_TYPE)
