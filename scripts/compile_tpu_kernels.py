@@ -15,6 +15,10 @@ plus per-token f32 scales) for each query dtype (8-bit rows are written by the r
 Each line that compiles reports the temporary HBM XLA allocates around the kernel (``memory_analysis``): the
 pool has 8 KV heads and ``--num-pages`` pages (512), so a copy of the pool shows there.
 Exits non-zero if any kernel fails to compile.
+
+``--max-page-table`` instead finds, per topology, the most page-table entries (slots x pages per sequence, int32
+in SMEM) the attention kernel compiles with, by bisection at 8 and 32 slots, and exits non-zero if any is below
+``MAX_PAGE_TABLE_ENTRIES``, the bound the engine and ``aot`` size ``max_model_len`` by.
 """
 
 from __future__ import annotations
@@ -36,6 +40,30 @@ from jax.sharding import SingleDeviceSharding  # noqa: E402
 from pallas_kernels.kv_cache_update import write_kv_tpu  # noqa: E402
 from pallas_kernels.quantized_pages import STORAGE, QuantizedPages  # noqa: E402
 from pallas_kernels.ragged_paged_attention import AttentionMetadata, ragged_paged_attention_tpu  # noqa: E402
+from pallas_kernels.ragged_paged_attention.tpu import MAX_PAGE_TABLE_ENTRIES  # noqa: E402
+
+
+def max_page_table(device, slots: int) -> int:
+    """The most ``slots * pages_per_seq`` the attention kernel compiles with on ``device`` (bf16, page 16)."""
+    sharding = SingleDeviceSharding(device)
+
+    def compiles(pages: int) -> bool:
+        def sds(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+        pool = sds((8, 512, 16, 128), jnp.bfloat16)
+        try:
+            jax.jit(lambda *a: ragged_paged_attention_tpu(*a, sm_scale=0.1)).trace(
+                sds((8, 32, 128), jnp.bfloat16), pool, pool, AttentionMetadata.abstract(slots, pages)).lower().compile()
+            return True
+        except Exception:  # noqa: BLE001 - a compile that fails is the answer sought
+            return False
+
+    lo, hi = 1, 1 << 20
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if compiles(mid) else (lo, mid)
+    return lo * slots
 
 
 def main() -> None:
@@ -47,8 +75,20 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtypes", default="auto,int8,fp8,fp8_e5m2")
     parser.add_argument("--num-pages", type=int, default=512, help="pages of the pool (8 KV heads)")
     parser.add_argument("--pages-per-seq", type=int, default=32, help="page-table width of every batch")
+    parser.add_argument("--max-page-table", action="store_true",
+                        help="find the most page-table entries the kernel compiles with (SMEM), per topology")
     args = parser.parse_args()
     failures = 0
+    if args.max_page_table:
+        for topology in args.topologies.split(","):
+            device = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
+            for slots in (8, 32):
+                most = max_page_table(device, slots)
+                ok = most >= MAX_PAGE_TABLE_ENTRIES
+                failures += not ok
+                print(f"{device.device_kind:12s} {slots:2d} slots: at most {most} page-table entries compile "
+                      f"({'>=' if ok else 'BELOW'} the bound {MAX_PAGE_TABLE_ENTRIES})", flush=True)
+        sys.exit(1 if failures else 0)
     for topology in args.topologies.split(","):
         device = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
         sharding = SingleDeviceSharding(device)

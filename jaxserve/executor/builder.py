@@ -157,6 +157,7 @@ class _Builder:
         self.draft_config = self._read_draft_config(draft_config)
         self.sizing = PoolSizing(cfg, self.cache_dtype, config.page_size, config.max_num_seqs,
                                  config.max_num_batched_tokens, self.draft_config)
+        self._fit_page_table(backend)
         self._configure_pool(model, backend)
         self._plan_rows()
         runner = ModelRunner(model, cfg, self.cache_config, self.mesh, cache_dtype=self.cache_dtype,
@@ -184,6 +185,25 @@ class _Builder:
                              f"(max_position_embeddings in config.json, with its rope scaling)")
         self.max_model_len = config.max_model_len or limit
         return model
+
+    def _fit_page_table(self, backend: AttentionBackend) -> None:
+        """The TPU kernel's page table must fit its SMEM (``AttentionBackend.longest_model_len``): a
+        ``max_model_len`` taken from the model is lowered to the longest that fits, with a warning; one asked for
+        is an error that says what fits."""
+        config = self.config
+        longest = backend.longest_model_len(config.max_num_seqs, config.page_size,
+                                            tables=2 if self.sizing.local_pages() else 1,
+                                            extra_columns=1 if self.model_config.linear_attention else 0)
+        if longest is None or self.max_model_len <= longest:
+            return
+        if config.max_model_len is not None:
+            raise ValueError(f"max_model_len={config.max_model_len} at max_num_seqs={config.max_num_seqs}: the TPU "
+                             f"kernel's page table would not fit its SMEM; the longest that fits is {longest} "
+                             f"(or lower max_num_seqs)")
+        logger.warning("max_model_len: the model's %d tokens at max_num_seqs=%d would not fit the TPU kernel's page "
+                       "table in SMEM; serving up to %d (set --max-model-len, or lower --max-num-seqs for longer)",
+                       self.max_model_len, config.max_num_seqs, longest)
+        self.max_model_len = longest
 
     def _fuse_projections(self, model) -> bool:
         """Make each layer's Q/K/V weights one and its gate/up weights one (``decoder.fuse_projections``) as

@@ -86,6 +86,19 @@ class AttentionBackend:
             except ValueError as e:
                 raise ValueError(f"attention_backend='pallas_mosaic_gpu': {e}") from None
 
+    def longest_model_len(self, max_num_seqs: int, page_size: int, *, tables: int = 1,
+                          extra_columns: int = 0) -> int | None:
+        """The longest ``max_model_len`` whose page table this backend can hold at ``max_num_seqs`` (``tables``:
+        page tables side by side in one row, 2 with a windowed layers' own pool; ``extra_columns``: a hybrid's
+        state slot), or None without a limit. Only the compiled TPU kernel has one: its flattened page table lives
+        in SMEM (``MAX_PAGE_TABLE_ENTRIES``)."""
+        if self.name != "pallas_tpu" or self.interpret:
+            return None
+        from pallas_kernels.ragged_paged_attention.tpu import MAX_PAGE_TABLE_ENTRIES
+
+        width = MAX_PAGE_TABLE_ENTRIES // max(max_num_seqs, 1) - extra_columns
+        return max(width // tables, 0) * page_size
+
     @classmethod
     def resolve(cls, name: str, platform: str | None = None) -> "AttentionBackend":
         """A backend for ``platform`` (default: jax's default backend).

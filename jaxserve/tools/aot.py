@@ -407,6 +407,15 @@ class Target:
         return self.shapes.pages_per_seq
 
 
+def longest_model_len(backend: AttentionBackend, cfg: ModelConfig, req: Request, cache_dtype,
+                      seqs: int | None = None) -> int | None:
+    """The longest max_model_len whose page table ``backend`` holds for this request (at ``seqs`` rows, default
+    ``max_num_seqs``), as the engine counts it."""
+    local = PoolSizing(cfg, cache_dtype, req.page_size, req.max_num_seqs, req.max_num_batched_tokens).local_pages()
+    return backend.longest_model_len(seqs or req.max_num_seqs, req.page_size, tables=2 if local else 1,
+                                     extra_columns=1 if cfg.linear_attention else 0)
+
+
 def resolve(req: Request) -> Target:
     """The model, topology, mesh and pool dtype of a request; AotError for one the tool cannot serve."""
     if req.buckets not in ("all", "probes"):
@@ -444,6 +453,13 @@ def resolve(req: Request) -> Target:
     except ValueError as e:
         raise AotError(str(e)) from None
     max_model_len = min(req.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    longest = longest_model_len(backend, cfg, req, cache_dtype)
+    if longest is not None and max_model_len > longest:
+        if req.max_model_len is not None:
+            raise AotError(f"--max-model-len {req.max_model_len} at --max-num-seqs {req.max_num_seqs}: the TPU "
+                           f"kernel's page table would not fit its SMEM; the longest that fits is {longest} (or "
+                           "lower --max-num-seqs)")
+        max_model_len = longest  # as the engine serves it (builder._Builder._fit_page_table); run() says so
     shapes = StepShapes(req.max_num_seqs, req.max_num_batched_tokens, _ceil(max_model_len, req.page_size),
                         min_decode_seqs=decode_floor(platform))
     return Target(cfg, dtype, devices, chip, per_chip, mesh_cfg, mesh, backend, cache_dtype, max_model_len, shapes,
@@ -481,8 +497,17 @@ def _probes(t: Target, req: Request) -> tuple[dict, list, int, int, int]:
     probe_pages = shapes.step_pages(True, _ceil(context + 1, req.page_size))
     prompt_tokens = shapes.token_bucket(min(prompt_len, req.max_num_batched_tokens))
     prompt_pages = shapes.step_pages(False, _ceil(prompt_len, req.page_size))
-    # A batch under the platform's smallest decode bucket runs in that bucket, as the engine runs it.
-    probes = {f"decode@{b}": ("decode", max(b, shapes.min_decode_seqs), max(b, shapes.min_decode_seqs), probe_pages)
+    # A batch under the platform's smallest decode bucket runs in that bucket, as the engine runs it. A probe
+    # wider than max_num_seqs whose full-width page table would not fit the TPU kernel's SMEM gets a table as
+    # wide as its context needs (attention walks each row only up to its length: the step's work is the same).
+    context_pages = shapes.page_bucket(_ceil(context + 1, req.page_size))
+
+    def decode_pages(b: int) -> int:
+        longest = longest_model_len(t.backend, t.cfg, req, t.cache_dtype, seqs=b)
+        return probe_pages if longest is None or longest >= t.max_model_len else context_pages
+
+    probes = {f"decode@{b}": ("decode", max(b, shapes.min_decode_seqs), max(b, shapes.min_decode_seqs),
+                              decode_pages(max(b, shapes.min_decode_seqs)))
               for b in req.decode_batches}
     probes["prefill"] = ("prefill", prompt_tokens, shapes.prefill_seqs(prompt_tokens), prompt_pages)
     todo = list(dict.fromkeys((warmup_shapes(shapes) if req.buckets == "all" else []) + list(probes.values())))
@@ -657,6 +682,9 @@ def run(req: Request, log=None) -> dict:
     """Compile and predict; returns the report as a JSON-able dict. Raises AotError for bad requests."""
     log = log or (lambda msg: None)
     t = resolve(req)
+    if req.max_model_len is None and t.max_model_len < t.cfg.max_position_embeddings:
+        log(f"max_model_len {t.max_model_len} (the model's {t.cfg.max_position_embeddings} tokens at --max-num-seqs "
+            f"{req.max_num_seqs} would not fit the TPU kernel's page table in SMEM; the engine serves the same)")
     replicas = t.mesh_cfg.data
     full = _compiler(t, req, t.cfg.num_layers, 2 * replicas)  # for the exact weight bytes only (nothing compiled)
     # The engine sizes its pool from free HBM after loading the weights (``builder.PoolSizing``).

@@ -36,7 +36,7 @@ why): the wrapper gathers each sequence's scales in key order through its page t
 per K and V fetches a KV block's scales beside its pages (``block_kv`` a multiple of 128 when compiled).
 
 Not checkable on CPU: the flattened page table lives in SMEM, so ``num_slots * pages_per_seq`` int32 must fit
-there. The Mosaic compiler (libtpu, compile-only) accepts this kernel on v4/v5e/v5p/v6e for bf16 and fp32 and
+there: at most ``MAX_PAGE_TABLE_ENTRIES``. The Mosaic compiler (libtpu, compile-only) accepts this kernel on v4/v5e/v5p/v6e for bf16 and fp32 and
 page sizes 8-64, and with int8, float8_e4m3fn and float8_e5m2 pages under bf16 and fp32 queries on all four
 (``scripts/compile_tpu_kernels.py``).
 """
@@ -57,6 +57,11 @@ from pallas_kernels.ragged_paged_attention.block_sizes import (
     TPU_MAX_ROWS, BlockSizes, get_block_sizes, mode_for)
 from pallas_kernels.ragged_paged_attention.kernel_ops import div_by, matmul
 from pallas_kernels.ragged_paged_attention.schedule import q_block_work
+
+# The most int32 the flattened page table may hold in SMEM, whatever the step's tokens or slots. libtpu
+# (compile-only, ``scripts/compile_tpu_kernels.py --max-page-table``) compiles the kernel up to 260,736 entries on
+# v5e, v5p and v6e and 261,120 on v4: 1 MiB of SMEM less the other scalars. This keeps 2,688 words of margin.
+MAX_PAGE_TABLE_ENTRIES = 258_048
 
 _LANES = 128
 

@@ -52,6 +52,21 @@ def test_bfloat16_engine_on_cpu_keeps_an_fp32_pool(tmp_path):
     assert len(out[0].outputs[0].token_ids) == 4
 
 
+def test_a_backend_page_table_limit_lowers_the_models_length_and_refuses_one_asked_for(tmp_path, monkeypatch,
+                                                                                        caplog):
+    """The compiled TPU kernel holds its page table in SMEM (AttentionBackend.longest_model_len; aot's test
+    checks the figures): a max_model_len read from the model is lowered to the longest that fits, with a warning;
+    one asked for is refused naming what fits. Here a backend says 40 tokens fit."""
+    path = build_tiny_model("llama", tmp_path / "m", tokenizer=train_tokenizer(), num_hidden_layers=1)
+    monkeypatch.setattr(AttentionBackend, "longest_model_len", lambda self, seqs, page, **kw: 40)
+    opts = dict(page_size=4, max_num_seqs=2, max_num_batched_tokens=16, warmup=False, compilation_cache_dir=None)
+    with caplog.at_level("WARNING", logger="jaxserve.executor.builder"):
+        llm = LLM(str(path), **opts)
+    assert llm.engine.max_model_len == 40 and "serving up to 40" in caplog.text
+    with pytest.raises(ValueError, match=r"max_model_len=48 at max_num_seqs=2: .*the longest that fits is 40"):
+        LLM(str(path), max_model_len=48, **opts)
+
+
 def test_every_backend_same_greedy_tokens(tmp_path):
     """Several sequences of mixed lengths in one step, at pages of 4: Gemma 2's windowed layer (window 5) and global
     one, both with attention soft-capping, inside every kernel. (Each other head layout gives the reference's

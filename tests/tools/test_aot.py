@@ -13,6 +13,7 @@ import pytest
 from jaxserve.config.engine import EngineConfig
 from jaxserve.executor.batch import StepKind, StepShapes
 from jaxserve.executor.executor import Executor
+from jaxserve.models.attention import AttentionBackend
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.demo import demo_model_path
 from jaxserve.tools import aot
@@ -218,3 +219,25 @@ def test_penalty_rows_reset_compiles_for_v5p_at_a_large_vocabulary():
     compiled = jax.jit(PenaltyState.reset_rows).trace(state, struct((1,), jnp.int32), ids, ids).lower().compile()
     # the new row (2.7 MiB with its sorted ids), not a copy of the 21 MB state
     assert compiled.memory_analysis().temp_size_in_bytes < 8 * 2**20
+
+
+def test_the_page_table_fits_the_tpu_kernels_smem():
+    """A model's 131,072 tokens at 32 sequences (8,192 pages each at 16 tokens) overflow the TPU kernel's page
+    table in SMEM (libtpu refused it: "Ran out of memory in memory space smem"): aot, like the engine, serves the
+    longest that fits, 258,048 entries / 32 rows = 8,064 pages; one asked for is refused in one line saying what
+    fits. The GPU kernels and the CPU paths have no such limit."""
+    _needs_libtpu()
+    req = aot.Request(model="llama-3.1-8b", topology="v5e:2x4", mesh="tensor=8")
+    assert (req.max_num_seqs, req.page_size) == (32, 16)
+    assert aot.resolve(req).max_model_len == 8064 * 16
+    with pytest.raises(aot.AotError, match=r"--max-model-len 131072 at --max-num-seqs 32: .*longest that fits is "
+                                           r"129024"):
+        aot.resolve(aot.Request(model="llama-3.1-8b", topology="v5e:2x4", mesh="tensor=8", max_model_len=131072))
+    assert aot.resolve(aot.Request(model="llama-3.1-8b", topology="v5e:2x4", mesh="tensor=8", max_num_seqs=8,
+                                   max_model_len=131072)).max_model_len == 131072
+    backend = AttentionBackend("pallas_tpu")
+    assert backend.longest_model_len(32, 16) == 129024
+    assert backend.longest_model_len(32, 16, tables=2) == 64512  # a windowed model's two pools side by side
+    assert backend.longest_model_len(32, 16, extra_columns=1) == 129008  # a hybrid's state slot
+    assert AttentionBackend("pallas_tpu", interpret=True).longest_model_len(32, 16) is None
+    assert AttentionBackend("pallas_gpu").longest_model_len(32, 16) is None
