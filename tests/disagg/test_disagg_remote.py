@@ -64,16 +64,21 @@ class PrefillProcess:
 
 @pytest.fixture(scope="module")
 def cluster(request):
-    prefills = [PrefillProcess(request, f"prefill{i}") for i in range(2)]
-    decode = start_server(request, "decode", ["--role", "decode", "--prefill-url",
-                                              ",".join(p.url for p in prefills)], wait=False)
+    # The first prefill process compiles into the shared compilation cache before the others start, so they load
+    # its programs instead of compiling the same ones at the same time.
+    prefills = [PrefillProcess(request, "prefill0")]
+    decode = None
     try:
-        for p in prefills:
-            p.wait_ready()
+        prefills[0].wait_ready()
+        prefills.append(PrefillProcess(request, "prefill1"))
+        decode = start_server(request, "decode", ["--role", "decode", "--prefill-url",
+                                                  ",".join(p.url for p in prefills)], wait=False)
+        prefills[1].wait_ready()
         decode.wait_ready()
         yield prefills, decode
     finally:
-        decode.terminate()
+        if decode is not None:
+            decode.terminate()
         for p in prefills:
             p.kill()
 

@@ -26,14 +26,22 @@ from test_disagg_remote import PROMPT_IDS, PrefillProcess
 @pytest.fixture(scope="module")
 def cluster(request):
     prefill = PrefillProcess(request, "router-prefill")
-    decodes = [start_server(request, f"decode{i}", ["--role", "decode", "--prefill-url", prefill.url], wait=False,
-                            http_port=free_port(), grpc_port=free_port()) for i in range(2)]
-    urls = ",".join(f"127.0.0.1:{d.http.rsplit(':', 1)[1]}:{d.grpc.rsplit(':', 1)[1]}" for d in decodes)
+    ports = [(free_port(), free_port()) for _ in range(2)]
+    urls = ",".join(f"127.0.0.1:{h}:{g}" for h, g in ports)
+
+    def decode(i: int):
+        return start_server(request, f"decode{i}", ["--role", "decode", "--prefill-url", prefill.url], wait=False,
+                            http_port=ports[i][0], grpc_port=ports[i][1])
+
+    # The second decode process starts once the first has compiled its steps into the shared compilation cache,
+    # so it loads them rather than compiling the same programs at the same time.
+    decodes = [decode(0)]
     router = start_server(request, "router", ["--role", "router", "--decode-url", urls], wait=False)
     try:
+        decodes[0].wait_ready()
+        decodes.append(decode(1))
         prefill.wait_ready()
-        for d in decodes:
-            d.wait_ready()
+        decodes[1].wait_ready()
         router.wait_ready()
         router.wait_metrics(lambda m: m.get("jaxserve_router_servers_live") == 2, timeout=30)
         prefills = [prefill]  # a test that restarts the prefill process appends the new one
