@@ -20,6 +20,7 @@ from jaxserve.server.openai.context import APIContext
 from jaxserve.server.openai.health import Health
 from jaxserve.server.openai.messages import Messages
 from jaxserve.server.openai.models import Models
+from jaxserve.server.openai.responses import Responses
 from jaxserve.server.openai.tokens import Tokens
 
 
@@ -41,7 +42,7 @@ class OpenAIServer:
                                tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                                response_role=response_role)
         self.endpoints = [Health(self.ctx), Models(self.ctx), Admin(self.ctx), Completions(self.ctx), chat,
-                          Messages(self.ctx, chat), Tokens(self.ctx)]
+                          Messages(self.ctx, chat), Responses(self.ctx, chat), Tokens(self.ctx)]
 
     def app(self) -> FastAPI:
         app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")

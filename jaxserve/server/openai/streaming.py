@@ -52,8 +52,9 @@ async def events(payloads: AsyncIterator[dict], on_error: Callable[[Exception], 
 
 async def named_events(payloads: AsyncIterator[dict],
                        on_error: Callable[[Exception], dict]) -> AsyncIterator[bytes]:
-    """Anthropic's framing of a streamed answer: each payload as an event named by its ``type``, no ``[DONE]``;
-    a failure after the status line is one more event, ``on_error(exception)``'s body (named ``error``)."""
+    """Named-event framing of a streamed answer (Anthropic's Messages API, OpenAI's Responses API): each payload
+    as an event named by its ``type``, no ``[DONE]``; a failure after the status line is one more event,
+    ``on_error(exception)``'s body (named ``error``)."""
     try:
         async for payload in payloads:
             yield sse(payload, payload["type"])
