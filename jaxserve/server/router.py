@@ -59,7 +59,7 @@ import jaxserve
 from jaxserve.config.network import ClusterSecurity
 from jaxserve.scheduler.block_hash import DEFAULT_HASH_ALGO, BlockHasher
 from jaxserve.server import prefix_index
-from jaxserve.server.access import AdminConfig, api_keys, matching_key, needs_api_key
+from jaxserve.server.access import AdminConfig, api_keys, matching_key, matching_token, needs_api_key
 from jaxserve.server.connections import ConnectionLimits, uvicorn_config
 from jaxserve.server.metrics import CONTENT_TYPE
 from jaxserve.server.openai.streaming import DONE, EventStream, error_body, sse, until_disconnect
@@ -76,8 +76,11 @@ CONNECT_TIMEOUT_S = 5.0  # --router-connect-timeout
 READ_TIMEOUT_S = 600.0  # --router-read-timeout
 # The OpenAI front end's routes that the router forwards (method, path); the admin routes only when enabled.
 PUBLIC_ROUTES = (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                 ("POST", "/v1/responses"), ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
                  ("POST", "/tokenize"), ("POST", "/detokenize"))
-_FORWARDED_HEADERS = ("authorization", "content-type", "accept")
+# The Messages API's routes take the key as Anthropic's clients send it too (``x-api-key``), as the replicas do.
+X_API_KEY_ROUTES = ("/v1/messages", "/v1/messages/count_tokens")
+_FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-api-key", "anthropic-version", "anthropic-beta")
 _METADATA = ("authorization",)
 
 
@@ -268,7 +271,8 @@ class Router:
         place they are built."""
         return {k.lower(): v for k, v in incoming if k.lower() in _FORWARDED_HEADERS}
 
-    def _refusal(self, method: str, path: str, authorization: str | None) -> tuple[int, str] | None:
+    def _refusal(self, method: str, path: str, authorization: str | None,
+                 x_api_key: str | None = None) -> tuple[int, str] | None:
         """(status, message) if the router refuses the call before doing anything for it, else None."""
         admin = (method, path) in self.admin.routes()
         if not admin and (method, path) not in PUBLIC_ROUTES:
@@ -276,7 +280,10 @@ class Router:
         if admin and not self.admin.authorized(authorization):
             return 401, "missing or invalid admin key: send 'Authorization: Bearer <admin key>'"
         if not admin and self.api_keys and needs_api_key(path) and matching_key(authorization, self.api_keys) is None:
-            return 401, "missing or invalid API key: send 'Authorization: Bearer <key>'"
+            if path in X_API_KEY_ROUTES and matching_token(x_api_key, self.api_keys) is not None:
+                return None
+            return 401, "missing or invalid API key: send 'Authorization: Bearer <key>'" + (
+                " or 'x-api-key: <key>'" if path in X_API_KEY_ROUTES else "")
         return None
 
     def failed(self, b: Backend, reason: str, api: str) -> str:
@@ -315,7 +322,8 @@ class Router:
         return b"".join(chunks)
 
     async def forward(self, request: Request) -> Response:
-        refused = self._refusal(request.method, request.url.path, request.headers.get("authorization"))
+        refused = self._refusal(request.method, request.url.path, request.headers.get("authorization"),
+                                request.headers.get("x-api-key"))
         if refused is not None:
             status, message = refused
             kind = "authentication_error" if status == 401 else "invalid_request_error"

@@ -357,6 +357,35 @@ def test_the_router_forwards_only_public_routes_and_checks_its_key_first():
                                            admin=AdminConfig(dev_routes=True, admin_api_key=ADMIN_KEY))) == [401, 200]
 
 
+def test_the_router_forwards_the_responses_and_messages_apis_and_reads_anthropics_key_header():
+    """/v1/responses, /v1/messages and /v1/messages/count_tokens go through the router to a replica; the
+    Messages API's routes take the key as ``x-api-key`` too (Anthropic's clients send it so), the others do not."""
+    with FakeServer(max_num_seqs=4, options={"api_key": [KEY_A]}) as server:
+        async def calls(client, router):
+            model = (await client.get("/v1/models", headers=bearer(KEY_A))).json()["data"][0]["id"]
+            messages = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hello there"}]}
+            x_key = {"x-api-key": KEY_A, "anthropic-version": "2023-06-01"}
+            return {
+                "messages": (await client.post("/v1/messages", json=messages, headers=x_key)),
+                "count": (await client.post("/v1/messages/count_tokens", json=messages, headers=x_key)),
+                "messages no key": (await client.post("/v1/messages", json=messages)).status_code,
+                "messages wrong key": (await client.post("/v1/messages", json=messages,
+                                                         headers={"x-api-key": "wrong"})).status_code,
+                "responses": (await client.post("/v1/responses", json={"model": model, "input": "hello there",
+                                                                       "max_output_tokens": 2},
+                                                headers=bearer(KEY_A))),
+                "responses x-api-key": (await client.post("/v1/responses", json={"model": model, "input": "hi"},
+                                                          headers=x_key)).status_code,
+            }
+
+        out = asyncio.run(_through_router((server.http, server.grpc), calls, api_key=[KEY_A]))
+        assert out["messages"].status_code == 200 and out["messages"].json()["type"] == "message", out["messages"].text
+        assert out["count"].status_code == 200 and out["count"].json()["input_tokens"] > 0
+        assert out["messages no key"] == 401 and out["messages wrong key"] == 401
+        assert out["responses"].status_code == 200 and out["responses"].json()["object"] == "response"
+        assert out["responses x-api-key"] == 401
+
+
 def test_the_router_gives_up_on_a_decode_server_that_stops_answering():
     async def main():
         async def silent(reader, writer):  # reads the request; answers nothing, or one chunk of a stream
