@@ -19,7 +19,7 @@ import pytest
 from jaxserve.server.intake import RequestError
 from jaxserve.server.openai.chat_output import OutputDelta
 from jaxserve.server.openai.response_output import ResponseOutput
-from jaxserve.server.openai.responses import ResponsesRequest, chat_request
+from jaxserve.server.openai.responses import ResponseStore, ResponsesRequest, chat_request
 from server_harness import MODEL_NAME, start_server
 from test_server_reasoning import TEMPLATE
 
@@ -73,8 +73,7 @@ def test_input_becomes_a_chat_request():
 
 @pytest.mark.quick
 @pytest.mark.parametrize("body, param, needle", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
-    ({"background": True}, "background", "stores no responses"),
+    ({"background": True}, "background", "background is not supported"),
     ({"max_output_tokens": 0}, "max_output_tokens", "at least 1"),
     ({"input": []}, "input", "input is empty"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "'item_reference' are not supported"),
@@ -272,6 +271,42 @@ def test_forced_function_call_and_its_output(client):
     assert plain.usage.input_tokens > create(client, max_output_tokens=1).usage.input_tokens + 10
 
 
+def test_previous_response_id_continues_a_stored_conversation(client, server):
+    """A stored response (store, the default) is continued by previous_response_id: the answer is the one to the
+    whole conversation sent in input (the first turn's input and output, then the new input); its instructions
+    are not carried over. GET reads it back; one stored with store=false, or never, is a 404 naming the field."""
+    first = create(client, max_output_tokens=4, instructions="Be brief.")
+    assert first.store is True and client.responses.retrieve(first.id).output_text == first.output_text
+    follow = [{"role": "user", "content": "And Bergen?"}]
+    got = create(client, input=follow, previous_response_id=first.id, max_output_tokens=5)
+    assert got.previous_response_id == first.id
+    whole = USER + [{"role": "assistant", "content": first.output_text}] + follow
+    assert got.output_text == create(client, input=whole, max_output_tokens=5).output_text
+    assert got.usage.input_tokens > first.usage.input_tokens  # the earlier turn is in the prompt
+    # a chain: the third turn sees both earlier ones
+    third = create(client, input=[{"role": "user", "content": "Thanks"}], previous_response_id=got.id,
+                   max_output_tokens=3)
+    assert third.usage.input_tokens > got.usage.input_tokens
+    unstored = create(client, max_output_tokens=2, store=False)
+    for rid in (unstored.id, "resp_never"):
+        resp = httpx.post(server.http + "/v1/responses", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                          json={"model": MODEL_NAME, "input": "hi", "previous_response_id": rid})
+        assert resp.status_code == 404 and resp.json()["error"]["param"] == "previous_response_id", resp.text
+        assert httpx.get(server.http + f"/v1/responses/{rid}", headers={"Authorization": f"Bearer {KEY}"},
+                         timeout=60).status_code == 404
+
+
+@pytest.mark.quick
+def test_the_store_keeps_the_most_recent():
+    store = ResponseStore(limit=2)
+    for i in range(3):
+        store.put(f"r{i}", [{"type": "message", "role": "user", "content": str(i)}], {"id": f"r{i}"})
+    assert store.get("r2")[1] == {"id": "r2"} and store.get("r1")[0][0]["content"] == "1"
+    with pytest.raises(RequestError, match="'r0' not found") as caught:
+        store.get("r0")
+    assert caught.value.status == 404 and caught.value.param == "previous_response_id"
+
+
 def test_text_format_json_schema(client):
     got = create(client, max_output_tokens=40, text={"format": {"type": "json_schema", "name": "city",
                                                                 "schema": CITY, "strict": True}},
@@ -281,7 +316,6 @@ def test_text_format_json_schema(client):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "hi", "temperature": "hot"}, "temperature"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input"),

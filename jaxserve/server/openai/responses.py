@@ -3,23 +3,28 @@ completions request and run through ``ChatCompletions.start`` (the chat template
 and ``--tool-call-parser``, the reasoning parser, structured output), the answer given back as the response's
 output items (reasoning, message, function_call), whole or as the Responses API's named stream events.
 
-The output items are built by ``response_output``. Nothing is stored, as vLLM stores nothing by default:
-``store`` is accepted and not acted on, and what needs a stored response (``previous_response_id``,
-``background``) is refused. Fields the request's types do not know are ignored, as vLLM ignores them.
+The output items are built by ``response_output``. A response with ``store`` (the default, as OpenAI's) is kept
+in a bounded in-memory store (``ResponseStore``: the most recent ``MAX_STORED_RESPONSES``), so a later request's
+``previous_response_id`` continues its conversation (its input and output items before the new input; its
+instructions are not carried over, as OpenAI's are not) and ``GET /v1/responses/{id}`` reads it back.
+``background`` is refused. Fields the request's types do not know are ignored, as vLLM ignores them.
 """
 
 from __future__ import annotations
 
+import collections
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
+import grpc
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, StrictBool
 
-from jaxserve.server.intake import ChoiceTracker, from_engine_error, invalid, usage_counts
+from jaxserve.server.intake import ChoiceTracker, RequestError, from_engine_error, invalid, usage_counts
 from jaxserve.server.openai.chat import ChatCompletions, ChatRun
 from jaxserve.server.openai.context import APIContext, json_body
 from jaxserve.server.openai.errors import raise_if_failed
@@ -89,9 +94,9 @@ class ResponsesRequest(_Body):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     stream: StrictBool = False
-    store: StrictBool | None = True  # accepted; nothing is stored (vLLM's default)
-    previous_response_id: str | None = None  # refused: nothing is stored
-    background: StrictBool = False  # refused with true: it needs a store
+    store: StrictBool | None = True  # kept in the server's ResponseStore (OpenAI's default)
+    previous_response_id: str | None = None  # a stored response whose conversation this one continues
+    background: StrictBool = False  # refused with true
     metadata: dict[str, str] | None = None  # echoed in the response
     user: str | None = None
     truncation: Literal["auto", "disabled"] | None = "disabled"
@@ -122,19 +127,57 @@ def _text(content: str | list[dict[str, Any]] | None, where: str, kinds: tuple[s
     return "\n".join(texts)
 
 
-def _chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """The input as chat messages, as vLLM builds them: the instructions first as the system message; a
-    function_call joins the assistant message before it (its tool_calls), a function_call_output is a tool
-    message, a reasoning item the reasoning of the assistant message it opens or joins. A developer message is
-    a system message (chat templates know no developer role)."""
+MAX_STORED_RESPONSES = 1024
+
+
+class ResponseStore:
+    """The stored responses, the most recent ``limit`` (thread-safe): each one's body, and its conversation as
+    input items (every earlier turn's input and output, then its own), which ``previous_response_id`` continues."""
+
+    def __init__(self, limit: int = MAX_STORED_RESPONSES):
+        self.limit = limit
+        self._items: collections.OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = \
+            collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, rid: str, conversation: list[dict[str, Any]], body: dict[str, Any]) -> None:
+        with self._lock:
+            self._items[rid] = (conversation, body)
+            while len(self._items) > self.limit:
+                self._items.popitem(last=False)
+
+    def get(self, rid: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """(conversation, body) of a stored response; 404 naming ``previous_response_id`` if it is not kept."""
+        with self._lock:
+            found = self._items.get(rid)
+        if found is None:
+            raise RequestError(f"Response with id '{rid}' not found (responses are kept in memory, the most recent "
+                               f"{self.limit}, and only with store)", status=404, code=grpc.StatusCode.NOT_FOUND,
+                               type="NotFoundError", param="previous_response_id", reason="not_found")
+        return found
+
+
+def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's own input as items (a string is one user message)."""
+    if isinstance(req.input, str):
+        return [{"type": "message", "role": "user", "content": req.input}]
+    return [item.model_dump(exclude_none=True) for item in req.input]
+
+
+def _chat_messages(req: ResponsesRequest, history: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """The input (after ``history``, a stored conversation's items) as chat messages, as vLLM builds them: the
+    instructions first as the system message; a function_call joins the assistant message before it (its
+    tool_calls), a function_call_output is a tool message, a reasoning item the reasoning of the assistant
+    message it opens or joins. A developer message is a system message (chat templates know no developer
+    role)."""
     out: list[dict[str, Any]] = []
     if req.instructions:
         out.append({"role": "system", "content": req.instructions})
-    if isinstance(req.input, str):
-        return out + [{"role": "user", "content": req.input}]
     if not req.input:
         raise invalid("input is empty", "input")
-    for i, item in enumerate(req.input):
+    items = [InputItem.model_validate(item) for item in history]
+    items += [InputItem(type="message", role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.type or ("message" if item.role is not None else None)
         last = out[-1] if out and out[-1]["role"] == "assistant" else None
@@ -175,13 +218,12 @@ def _chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return out
 
 
-def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completions request a Responses request is answered as; 400 naming the field it cannot take."""
-    if req.previous_response_id is not None:
-        raise invalid("previous_response_id is not supported: this server stores no responses (send the "
-                      "conversation in input)", "previous_response_id")
+def chat_request(req: ResponsesRequest, history: list[dict[str, Any]] = ()) -> ChatCompletionRequest:
+    """The chat completions request a Responses request is answered as (after ``history``, the conversation of
+    its ``previous_response_id``); 400 naming the field it cannot take."""
     if req.background:
-        raise invalid("background is not supported: this server stores no responses", "background")
+        raise invalid("background is not supported: a response is answered while the request waits",
+                      "background")
     if req.prompt is not None:
         raise invalid("prompt templates are not supported", "prompt")
     if req.truncation == "auto":
@@ -195,7 +237,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     if req.reasoning is not None and req.reasoning.effort is not None:
         kwargs = {"reasoning_effort": req.reasoning.effort, **kwargs}  # as vLLM passes it to the template
     body: dict[str, Any] = {
-        "model": req.model, "messages": _chat_messages(req), "max_tokens": req.max_output_tokens,
+        "model": req.model, "messages": _chat_messages(req, history), "max_tokens": req.max_output_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed,
         "stop": req.stop, "repetition_penalty": req.repetition_penalty, "user": req.user,
         "chat_template_kwargs": kwargs or None, "structured_outputs": req.structured_outputs}
@@ -230,22 +272,40 @@ class Responses:
 
     bodies = (ResponsesRequest,)
 
-    def __init__(self, ctx: APIContext, chat: ChatCompletions):
+    def __init__(self, ctx: APIContext, chat: ChatCompletions, store: ResponseStore | None = None):
         self.ctx = ctx
         self.chat = chat
+        self.store = store or ResponseStore()
 
     def router(self) -> APIRouter:
         router = self.ctx.router("/v1")
         router.add_api_route("/responses", self.responses, methods=["POST"], openapi_extra=json_body(ResponsesRequest))
+        router.add_api_route("/responses/{response_id}", self.retrieve, methods=["GET"])
         return router
+
+    async def retrieve(self, response_id: str) -> Response:
+        """``GET /v1/responses/{id}``: a stored response as it was answered."""
+        try:
+            return JSONResponse(self.store.get(response_id)[1])
+        except RequestError as e:
+            e.param = None
+            raise
 
     async def responses(self, request: Request) -> Response:
         ctx = self.ctx
         req: ResponsesRequest = parse(ResponsesRequest, await ctx.read_json(request))
-        run = await self.chat.start(request, chat_request(req))
-        head = self._head(req, run, f"resp_{uuid.uuid4().hex}", int(time.time()))
+        history = self.store.get(req.previous_response_id)[0] if req.previous_response_id is not None else []
+        run = await self.chat.start(request, chat_request(req, history))
+        rid = f"resp_{uuid.uuid4().hex}"
+        head = self._head(req, run, rid, int(time.time()))
+        conversation = history + input_items(req)
+
+        def keep(body: dict[str, Any]) -> None:
+            if req.store is not False:
+                self.store.put(rid, conversation + body["output"], body)
+
         if req.stream:
-            return EventStream(named_events(self._events(run, head), in_band), run.stream.abort)
+            return EventStream(named_events(self._events(run, head, keep), in_band), run.stream.abort)
         finals = await ctx.finals(request, [run.stream])
         if finals is None:
             return Response(status_code=499)
@@ -257,7 +317,9 @@ class Responses:
         output.add(parsed.finish())
         incomplete = c.finish_reason == "length"
         output.close("incomplete" if incomplete else "completed")
-        return JSONResponse(self._finished(head, output, out, incomplete))
+        body = self._finished(head, output, out, incomplete)
+        keep(body)
+        return JSONResponse(body)
 
     def _head(self, req: ResponsesRequest, run: ChatRun, rid: str, created: int) -> dict[str, Any]:
         """The response's fields that do not depend on its output (the request's settings, echoed as vLLM
@@ -269,7 +331,8 @@ class Responses:
                 "parallel_tool_calls": req.parallel_tool_calls, "temperature": params.temperature,
                 "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) else req.tool_choice.model_dump(),
                 "tools": [t.model_dump(exclude_none=True) for t in req.tools], "top_p": params.top_p,
-                "background": False, "max_output_tokens": params.max_tokens, "previous_response_id": None,
+                "background": False, "max_output_tokens": params.max_tokens,
+                "previous_response_id": req.previous_response_id, "store": req.store is not False,
                 "reasoning": req.reasoning.model_dump() if req.reasoning is not None else None,
                 "service_tier": "auto",
                 "text": {"format": _format(req)}, "truncation": "disabled", "usage": None, "user": req.user}
@@ -283,7 +346,8 @@ class Responses:
         return {**head, "status": "incomplete" if incomplete else "completed", "output": output.items,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "usage": usage}
 
-    async def _events(self, run: ChatRun, head: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def _events(self, run: ChatRun, head: dict[str, Any],
+                      keep: Callable[[dict[str, Any]], None]) -> AsyncIterator[dict[str, Any]]:
         """The stream's events, numbered: response.created and response.in_progress, each item's events, then
         response.completed with the whole response (its status "incomplete" if cut off, as vLLM sends it)."""
         seq = 0
@@ -298,6 +362,8 @@ class Responses:
         yield numbered({"type": "response.in_progress", "response": head})
         try:
             async for event in self._output_events(run, head):
+                if event["type"] == "response.completed":
+                    keep(event["response"])
                 yield numbered(event)
         except Exception as e:  # noqa: BLE001 - the status line is already sent; report in-band
             yield numbered(in_band(e))
