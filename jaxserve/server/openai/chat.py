@@ -9,14 +9,15 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from jaxserve.engine.request_stream import RequestStream
+from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server.intake import ChoiceTracker, invalid
+from jaxserve.server.intake import ChoiceEvent, ChoiceTracker, invalid
 from jaxserve.server.openai.context import APIContext, json_body
 from jaxserve.server.openai.errors import in_band, raise_if_failed
 from jaxserve.server.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
@@ -36,6 +37,34 @@ class ChatRun:
     params: SamplingParams
     role: str
     reader: Callable[[], ChoiceOutput]
+    output: RequestOutput | None = None  # the finished output, once ``read_stream`` has seen it
+
+    async def final(self, ctx: APIContext, request: Request) -> RequestOutput | None:
+        """The finished output of a run answered whole; None if the client went away first (a failed run
+        raises)."""
+        finals = await ctx.finals(request, [self.stream])
+        if finals is None:
+            return None
+        raise_if_failed(finals)
+        return finals[0]
+
+    def read(self, text: str) -> tuple[ChoiceOutput, list[OutputDelta]]:
+        """A whole answer's ``text`` through a fresh reader: the reader (its calls) and the deltas it read."""
+        parsed = self.reader()
+        return parsed, [parsed.feed(text), parsed.finish()]
+
+    async def read_stream(self, parsed: ChoiceOutput) -> AsyncIterator[tuple[OutputDelta, ChoiceEvent | None]]:
+        """The first choice's answer as it streams, through ``parsed``: each text's reading with None, then the
+        finish's with the event that finished the choice. Afterwards ``output`` is the finished output (None if
+        the request was aborted)."""
+        tracker = ChoiceTracker(None)
+        async for out in self.stream:
+            if out.finished:
+                self.output = out
+            for ev in tracker.events(out):
+                yield parsed.feed(ev.text), None
+                if ev.finish_reason is not None:
+                    yield parsed.finish(), ev
 
 
 class ChatCompletions:

@@ -20,8 +20,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import StrictBool
 
-from jaxserve.server.intake import ChoiceTracker, RequestError, invalid, usage_counts
-from jaxserve.server.openai.chat import ChatCompletions
+from jaxserve.server.intake import invalid, usage_counts
+from jaxserve.server.openai.chat import ChatCompletions, ChatRun
 from jaxserve.server.openai.context import APIContext, json_body
 from jaxserve.server.openai.errors import anthropic_in_band, anthropic_route, engine_errors, raise_if_failed
 from jaxserve.server.openai.message_content import MessageContent, stop_reason
@@ -203,32 +203,22 @@ class Messages:
                              openapi_extra=json_body(CountTokensRequest))
         return router
 
-    def _check_model(self, name: str) -> None:
-        """404 (Anthropic's not_found_error, as vLLM answers) for a model that is neither served nor an adapter."""
-        if name not in self.ctx.names and name not in self.ctx.engine.loras:
-            raise RequestError(f"the model {name!r} does not exist; this server serves "
-                               f"{', '.join(map(repr, self.ctx.names))}", status=404, type="not_found_error",
-                               param="model")
-
     async def messages(self, request: Request) -> Response:
         ctx = self.ctx
         req: MessagesRequest = parse(MessagesRequest, await ctx.read_json(request))
-        self._check_model(req.model)
+        ctx.lora_for(req.model)  # vLLM's 404 for a model neither served nor an adapter (not_found_error here)
         run = await self.chat.start(request, chat_request(req))
         mid, model = f"msg_{uuid.uuid4().hex}", req.model
         if req.stream:
-            return EventStream(named_events(self._events(run.stream, run.reader, mid, model), anthropic_in_band),
-                               run.stream.abort)
-        finals = await ctx.finals(request, [run.stream])
-        if finals is None:
+            return EventStream(named_events(self._events(run, mid, model), anthropic_in_band), run.stream.abort)
+        out = await run.final(ctx, request)
+        if out is None:
             return Response(status_code=499)
-        raise_if_failed(finals)
-        out = finals[0]
         c = out.outputs[0]
-        parsed = run.reader()
+        parsed, deltas = run.read(c.text)
         content = MessageContent()
-        content.add(parsed.feed(c.text))
-        content.add(parsed.finish())
+        for delta in deltas:
+            content.add(delta)
         content.close()
         reason, sequence = stop_reason(c.finish_reason, c.stop_reason, bool(parsed.calls))
         counts = usage_counts(out)
@@ -237,24 +227,20 @@ class Messages:
                              "usage": {"input_tokens": counts["prompt_tokens"],
                                        "output_tokens": counts["completion_tokens"]}})
 
-    async def _events(self, stream, reader, mid: str, model: str) -> AsyncIterator[dict[str, Any]]:
+    async def _events(self, run: ChatRun, mid: str, model: str) -> AsyncIterator[dict[str, Any]]:
         """The stream's events: message_start, each block's start, deltas and stop, message_delta (the stop
         reason and the output's token count), message_stop."""
         yield {"type": "message_start", "message": {
             "id": mid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
-            "stop_sequence": None, "usage": {"input_tokens": len(stream.prompt_token_ids), "output_tokens": 0}}}
-        tracker, parsed, content = ChoiceTracker(None), reader(), MessageContent()
-        final, finish = None, None
-        async for out in stream:
-            if out.finished:
-                final = out
-            for ev in tracker.events(out):
-                for event in content.add(parsed.feed(ev.text)):
-                    yield event
-                if ev.finish_reason is not None:
-                    for event in content.add(parsed.finish()):
-                        yield event
-                    finish = stop_reason(ev.finish_reason, ev.stop_reason, bool(parsed.calls))
+            "stop_sequence": None, "usage": {"input_tokens": len(run.stream.prompt_token_ids), "output_tokens": 0}}}
+        parsed, content = run.reader(), MessageContent()
+        finish = None
+        async for delta, done in run.read_stream(parsed):
+            for event in content.add(delta):
+                yield event
+            if done is not None:
+                finish = stop_reason(done.finish_reason, done.stop_reason, bool(parsed.calls))
+        final = run.output
         for event in content.close():
             yield event
         if final is not None and final.error is not None:
@@ -269,7 +255,7 @@ class Messages:
         """The prompt's token count as ``/v1/messages`` would run it (vLLM's ``{"input_tokens": N}``)."""
         ctx = self.ctx
         req: CountTokensRequest = parse(CountTokensRequest, await ctx.read_json(request))
-        self._check_model(req.model)
+        ctx.lora_for(req.model)
         chat = chat_request(req)
         chat.tool_schema()  # the tools checked as a Messages request checks them
         options = {**chat.template_options(), "add_special_tokens": chat.add_special_tokens}

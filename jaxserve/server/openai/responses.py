@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, StrictBool
 
-from jaxserve.server.intake import ChoiceTracker, RequestError, from_engine_error, invalid, usage_counts
+from jaxserve.server.intake import RequestError, from_engine_error, invalid, usage_counts
 from jaxserve.server.openai.chat import ChatCompletions, ChatRun
 from jaxserve.server.openai.context import APIContext, json_body
 from jaxserve.server.openai.errors import raise_if_failed
@@ -306,15 +306,13 @@ class Responses:
 
         if req.stream:
             return EventStream(named_events(self._events(run, head, keep), in_band), run.stream.abort)
-        finals = await ctx.finals(request, [run.stream])
-        if finals is None:
+        out = await run.final(ctx, request)
+        if out is None:
             return Response(status_code=499)
-        raise_if_failed(finals)
-        out = finals[0]
         c = out.outputs[0]
-        parsed, output = run.reader(), ResponseOutput()
-        output.add(parsed.feed(c.text))
-        output.add(parsed.finish())
+        output = ResponseOutput()
+        for delta in run.read(c.text)[1]:
+            output.add(delta)
         incomplete = c.finish_reason == "length"
         output.close("incomplete" if incomplete else "completed")
         body = self._finished(head, output, out, incomplete)
@@ -370,18 +368,13 @@ class Responses:
 
     async def _output_events(self, run: ChatRun, head: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """The events of the output items as the answer streams, then response.completed."""
-        tracker, parsed, output = ChoiceTracker(None), run.reader(), ResponseOutput()
-        final, finish = None, None
-        async for out in run.stream:
-            if out.finished:
-                final = out
-            for ev in tracker.events(out):
-                for event in output.add(parsed.feed(ev.text)):
-                    yield event
-                if ev.finish_reason is not None:
-                    finish = ev.finish_reason
-                    for event in output.add(parsed.finish()):
-                        yield event
+        output, finish = ResponseOutput(), None
+        async for delta, done in run.read_stream(run.reader()):
+            for event in output.add(delta):
+                yield event
+            if done is not None:
+                finish = done.finish_reason
+        final = run.output
         if final is None:  # aborted: the client has gone
             return
         raise_if_failed([final])
