@@ -19,8 +19,7 @@ from jaxserve.server.intake import RequestError
 from jaxserve.server.openai.chat_output import OutputDelta
 from jaxserve.server.openai.message_content import MessageContent
 from jaxserve.server.openai.messages import MessagesRequest, chat_request
-from server_harness import MODEL_NAME, start_server
-from test_server_reasoning import TEMPLATE
+from server_harness import MODEL_NAME, PARSER_FLAGS, start_server
 
 KEY = "messages-key"
 USER = [{"role": "user", "content": "Oslo?"}]
@@ -97,9 +96,9 @@ def test_content_blocks_from_deltas():
 # Through the server ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(request):
-    s = start_server(request, "messages", ["--api-key", KEY, "--reasoning-parser", "qwen3",
-                                           "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
-                                           "--chat-template", str(TEMPLATE), "--max-model-len", "256"])
+    # A server of its own, the shared one's flags (server_harness.parsers_server): the stream test below counts
+    # one delta per token, which a server whose prefix cache already holds the prompt does not promise.
+    s = start_server(request, "messages", ["--api-key", KEY, *PARSER_FLAGS])
     try:
         yield s
     finally:

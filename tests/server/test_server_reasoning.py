@@ -6,14 +6,12 @@ The random-weight model is steered with a guided_choice to write what a thinking
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import openai
 import pytest
 
-from server_harness import MODEL_NAME, start_server
+from server_harness import MODEL_NAME, PARSERS_KEY, parsers_server
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "data" / "qwen3_thinking_xml_tools.jinja"
 WEATHER = {"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"n": {"type": "integer"}}}}}
 MESSAGES = [{"role": "user", "content": "Oslo?"}]
@@ -23,14 +21,9 @@ CALL = "W\n</think>\n\n<tool_call>\n<function=f>\n<parameter=n>\n2\n</parameter>
 
 @pytest.fixture(scope="module")
 def client(request):
-    server = start_server(request, "reasoning", ["--reasoning-parser", "qwen3", "--enable-auto-tool-choice",
-                                                 "--tool-call-parser", "qwen3_coder", "--chat-template",
-                                                 str(TEMPLATE), "--max-model-len", "256"])
-    try:
-        with openai.OpenAI(base_url=server.http + "/v1", api_key="none", max_retries=0, timeout=120) as c:
-            yield c
-    finally:
-        server.terminate()
+    server = parsers_server(request)
+    with openai.OpenAI(base_url=server.http + "/v1", api_key=PARSERS_KEY, max_retries=0, timeout=120) as c:
+        yield c
 
 
 def ask(client, choice, **kw):

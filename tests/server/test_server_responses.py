@@ -20,10 +20,9 @@ from jaxserve.server.intake import RequestError
 from jaxserve.server.openai.chat_output import OutputDelta
 from jaxserve.server.openai.response_output import ResponseOutput
 from jaxserve.server.openai.responses import ResponseStore, ResponsesRequest, chat_request
-from server_harness import MODEL_NAME, start_server
-from test_server_reasoning import TEMPLATE
+from server_harness import MODEL_NAME, PARSERS_KEY, parsers_server
 
-KEY = "responses-key"
+KEY = PARSERS_KEY
 USER = [{"role": "user", "content": "Oslo?"}]
 OFF = {"chat_template_kwargs": {"enable_thinking": False}}  # the template's empty think block: all text
 GREEDY = {"temperature": 0}
@@ -140,13 +139,7 @@ def test_whitespace_after_the_reasoning(then, kinds):
 # Through the server ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(request):
-    s = start_server(request, "responses", ["--api-key", KEY, "--reasoning-parser", "qwen3",
-                                            "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
-                                            "--chat-template", str(TEMPLATE), "--max-model-len", "256"])
-    try:
-        yield s
-    finally:
-        s.terminate()
+    return parsers_server(request)
 
 
 @pytest.fixture(scope="module")
