@@ -82,6 +82,14 @@ class PoolSizing:
         return local_pool_pages(self.cfg.sliding_windows, self.page_size, self.max_num_seqs,
                                 self.max_num_batched_tokens, global_pages=global_pages)
 
+    def longest_model_len(self, backend: AttentionBackend, seqs: int | None = None) -> int | None:
+        """The longest max_model_len whose page table ``backend`` holds at ``seqs`` rows (default
+        max_num_seqs), the tables laid as this pool lays them: a windowed model's own pool beside the global
+        one, a hybrid's state slot (``AttentionBackend.longest_model_len``); None without a limit."""
+        return backend.longest_model_len(seqs or self.max_num_seqs, self.page_size,
+                                         tables=2 if self.local_pages() else 1,
+                                         extra_columns=1 if self.cfg.linear_attention else 0)
+
     def pages(self, memory: float, *, tensor: int = 1, utilization: float = 1.0, used: float = 0.0,
               max_pages: int | None = None) -> int:
         """Pages per replica that fit ``memory * utilization - used`` bytes of one device, its pool split over
@@ -191,9 +199,7 @@ class _Builder:
         ``max_model_len`` taken from the model is lowered to the longest that fits, with a warning; one asked for
         is an error that says what fits."""
         config = self.config
-        longest = backend.longest_model_len(config.max_num_seqs, config.page_size,
-                                            tables=2 if self.sizing.local_pages() else 1,
-                                            extra_columns=1 if self.model_config.linear_attention else 0)
+        longest = self.sizing.longest_model_len(backend)
         if longest is None or self.max_model_len <= longest:
             return
         if config.max_model_len is not None:

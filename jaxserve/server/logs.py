@@ -32,7 +32,8 @@ class _UvicornLifecycle(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno != logging.INFO or not isinstance(record.msg, str):
             return True
-        if logging.getLogger(record.name).level and logging.getLogger(record.name).level <= logging.DEBUG:
+        level = logging.getLogger(record.name).level
+        if level and level <= logging.DEBUG:
             return True
         return not record.msg.startswith(UVICORN_LIFECYCLE)
 

@@ -407,15 +407,6 @@ class Target:
         return self.shapes.pages_per_seq
 
 
-def longest_model_len(backend: AttentionBackend, cfg: ModelConfig, req: Request, cache_dtype,
-                      seqs: int | None = None) -> int | None:
-    """The longest max_model_len whose page table ``backend`` holds for this request (at ``seqs`` rows, default
-    ``max_num_seqs``), as the engine counts it."""
-    local = PoolSizing(cfg, cache_dtype, req.page_size, req.max_num_seqs, req.max_num_batched_tokens).local_pages()
-    return backend.longest_model_len(seqs or req.max_num_seqs, req.page_size, tables=2 if local else 1,
-                                     extra_columns=1 if cfg.linear_attention else 0)
-
-
 def resolve(req: Request) -> Target:
     """The model, topology, mesh and pool dtype of a request; AotError for one the tool cannot serve."""
     if req.buckets not in ("all", "probes"):
@@ -453,7 +444,8 @@ def resolve(req: Request) -> Target:
     except ValueError as e:
         raise AotError(str(e)) from None
     max_model_len = min(req.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    longest = longest_model_len(backend, cfg, req, cache_dtype)
+    longest = PoolSizing(cfg, cache_dtype, req.page_size, req.max_num_seqs,
+                         req.max_num_batched_tokens).longest_model_len(backend)
     if longest is not None and max_model_len > longest:
         if req.max_model_len is not None:
             raise AotError(f"--max-model-len {req.max_model_len} at --max-num-seqs {req.max_num_seqs}: the TPU "
@@ -503,7 +495,7 @@ def _probes(t: Target, req: Request) -> tuple[dict, list, int, int, int]:
     context_pages = shapes.page_bucket(_ceil(context + 1, req.page_size))
 
     def decode_pages(b: int) -> int:
-        longest = longest_model_len(t.backend, t.cfg, req, t.cache_dtype, seqs=b)
+        longest = pool_sizing(t, req).longest_model_len(t.backend, seqs=b)
         return probe_pages if longest is None or longest >= t.max_model_len else context_pages
 
     probes = {f"decode@{b}": ("decode", max(b, shapes.min_decode_seqs), max(b, shapes.min_decode_seqs),
