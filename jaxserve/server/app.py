@@ -101,7 +101,9 @@ def _open_front_ends(args: argparse.Namespace, engine: AsyncEngine, metrics: Ser
     tenants = dict(prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False),
                    cache_salt_per_api_key=getattr(args, "cache_salt_per_api_key", False))
     grpc_server = GrpcServer(engine, metrics, names, api_key=args.api_key, max_message_bytes=args.max_request_bytes,
-                             limits=limits, cluster=cluster, tls=tls, connections=connections, **tenants)
+                             limits=limits, cluster=cluster, tls=tls, connections=connections,
+                             reasoning_parser=getattr(args, "reasoning_parser", None),
+                             tool_call_parser=getattr(args, "tool_call_parser", None), **tenants)
     try:
         grpc_port = grpc_server.bind(args.host, args.grpc_port)
         http_sock = _listen(args.host, args.http_port)

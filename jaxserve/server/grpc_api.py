@@ -8,10 +8,18 @@ methods: sleep, weights and adapters are HTTP admin routes only (``openai/admin.
 method name is UNIMPLEMENTED. ``Usage.cached_prompt_tokens`` is reported only with
 ``--enable-prompt-tokens-details`` (0 otherwise), and ``--cache-salt-per-api-key`` salts each key's requests as
 on HTTP.
+
+Generate splits its output as the chat API does when asked (``GenerateRequest.separate_reasoning``, on by default
+with ``--reasoning-parser``; ``parse_tool_calls`` with ``--tool-call-parser``): the same parsers
+(``openai/chat_output.py``) put the reasoning in ``GenerateResponse.reasoning``, the calls in ``tool_calls`` and
+the rest in ``text``. ``SamplingParams.structured_outputs`` constrains the output as vLLM's
+``StructuredOutputsParams`` does on HTTP.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from collections.abc import Sequence
 
@@ -23,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 from jaxserve.config.network import SECRET_HEADER, ClusterSecurity, ServerTLS
 from jaxserve.engine.request_stream import EngineNotReady
 from jaxserve.outputs import TokenRecord
+from jaxserve.text.reasoning import make_reasoning_parser
 from jaxserve.server.access import api_keys, matching_key, tenant_salt
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.connections import ConnectionLimits
@@ -38,6 +47,9 @@ from jaxserve.server.intake import (
 )
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics import ServerMetrics
+from jaxserve.server.openai.chat_output import ChoiceOutput, OutputDelta
+from jaxserve.server.openai.tool_calls import ToolCallStream, check_tools
+from jaxserve.server.openai.tool_parsers import make_parser
 from jaxserve.server.protos import jaxserve_pb2 as pb
 from jaxserve.server.protos import jaxserve_pb2_grpc as pb_grpc
 
@@ -80,7 +92,68 @@ def sampling_params_from_proto(p: pb.SamplingParams, cache_salt: str | None = No
                   ignore_eos=p.ignore_eos, min_tokens=p.min_tokens,
                   include_stop_str_in_output=p.include_stop_str_in_output)
     fields.setdefault("max_tokens", None)  # unset: until a stop condition or max_model_len
+    if p.HasField("structured_outputs"):
+        fields["structured_outputs"] = _structured_outputs(p.structured_outputs)
     return make_sampling_params(defaults, cache_salt=cache_salt, **fields)
+
+
+def _structured_outputs(s: pb.StructuredOutputs) -> dict:
+    """``SamplingParams.structured_outputs`` (a dict ``SamplingParams`` checks) of the proto message."""
+    kind = s.WhichOneof("kind")
+    if kind is None:
+        raise invalid("sampling_params.structured_outputs: set one of json, regex, choice, grammar, json_object",
+                      "sampling_params.structured_outputs")
+    value = list(s.choice.choices) if kind == "choice" else getattr(s, kind)
+    out = {kind: value, "disable_any_whitespace": s.disable_any_whitespace,
+           "disable_additional_properties": s.disable_additional_properties}
+    if s.HasField("whitespace_pattern"):
+        out["whitespace_pattern"] = s.whitespace_pattern
+    return out
+
+
+class _Split:
+    """The parsers of one Generate call, one ``ChoiceOutput`` per output index (None: the text as generated)."""
+
+    def __init__(self, reasoning_parser: str | None, tool_parser_name: str | None, request: pb.GenerateRequest):
+        separate = request.separate_reasoning if request.HasField("separate_reasoning") else None
+        if separate and reasoning_parser is None:
+            raise invalid("separate_reasoning needs a server started with --reasoning-parser",
+                          "separate_reasoning")
+        if request.parse_tool_calls and tool_parser_name is None:
+            raise invalid("parse_tool_calls needs a server started with --tool-call-parser", "parse_tool_calls")
+        kwargs = {} if not request.HasField("enable_thinking") else {"enable_thinking": request.enable_thinking}
+        self.reasoning = (make_reasoning_parser(reasoning_parser, kwargs)
+                          if reasoning_parser is not None and separate is not False else None)
+        self.tool_parser = make_parser(tool_parser_name) if request.parse_tool_calls else None
+        self.tools = None
+        if request.HasField("tools"):
+            if not request.parse_tool_calls:
+                raise invalid("tools is read only with parse_tool_calls", "tools")
+            try:
+                tools = json.loads(request.tools)
+            except ValueError as e:
+                raise invalid(f"tools is not JSON: {e}", "tools") from None
+            if not isinstance(tools, list):
+                raise invalid("tools must be a JSON list of OpenAI function tools", "tools")
+            self.tools = check_tools(tools)
+        self.outputs: dict[int, ChoiceOutput] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.reasoning is not None or self.tool_parser is not None
+
+    def read(self, index: int, text: str, finished: bool) -> tuple[OutputDelta, list]:
+        """(what ``text`` adds to output ``index``, its calls once ``finished``)."""
+        out = self.outputs.get(index)
+        if out is None:
+            tools = (ToolCallStream(self.tool_parser, False, None, self.tools) if self.tool_parser is not None
+                     else None)
+            out = self.outputs[index] = ChoiceOutput(self.reasoning, tools)
+        delta = out.feed(text)
+        if not finished:
+            return delta, []
+        rest = out.finish()
+        return OutputDelta(delta.content + rest.content, delta.reasoning + rest.reasoning), out.calls
 
 
 def _token_logprobs(records: list[TokenRecord], texts: dict[int, str]) -> list[pb.TokenLogprob]:
@@ -96,7 +169,11 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str],
                  api_key: str | Sequence[str] | None, limits: RequestLimits | None = None,
                  cluster: ClusterSecurity | None = None, *, prompt_tokens_details: bool = False,
-                 cache_salt_per_api_key: bool = False):
+                 cache_salt_per_api_key: bool = False, reasoning_parser: str | None = None,
+                 tool_call_parser: str | None = None):
+        make_reasoning_parser(reasoning_parser)  # a bad name fails at start-up
+        make_parser(tool_call_parser)
+        self.reasoning_parser, self.tool_call_parser = reasoning_parser, tool_call_parser
         self.engine = engine
         self.metrics = metrics
         self.names = served_model_names
@@ -137,6 +214,10 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             self.limits.check(n=sp.n if sp.HasField("n") else 1, logprobs=sp.logprobs if sp.HasField("logprobs")
                               else None, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids))
             params = sampling_params_from_proto(sp, salt, self.engine.info.get("generation_defaults"))
+            split = _Split(self.reasoning_parser, self.tool_call_parser, request)
+            if split.active and not sp.HasField("skip_special_tokens"):
+                # the markers are often special tokens: the parsers read them (as on the chat API)
+                params = dataclasses.replace(params, skip_special_tokens=False)
             kind = request.WhichOneof("prompt")
             if kind is None:
                 raise invalid("prompt is empty: set text or token_ids", "prompt")
@@ -153,6 +234,11 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                 for i, ev in enumerate(events):
                     msg = pb.GenerateResponse(request_id=rid, index=ev.index, text=ev.text, token_ids=ev.token_ids,
                                               finish_reason=_FINISH.get(ev.finish_reason, pb.FINISH_REASON_ERROR))
+                    if split.active:
+                        delta, calls = split.read(ev.index, ev.text, ev.finish_reason is not None)
+                        msg.text, msg.reasoning = delta.content, delta.reasoning
+                        msg.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                                              for c in calls)
                     if isinstance(ev.stop_reason, int):
                         msg.stop_token_id = ev.stop_reason
                     elif isinstance(ev.stop_reason, str):
@@ -204,7 +290,8 @@ class GrpcServer:
                  api_key: str | Sequence[str] | None = None, max_message_bytes: int = 4 * 2**20,
                  limits: RequestLimits | None = None, cluster: ClusterSecurity | None = None,
                  tls: ServerTLS | None = None, connections: ConnectionLimits | None = None,
-                 prompt_tokens_details: bool = False, cache_salt_per_api_key: bool = False):
+                 prompt_tokens_details: bool = False, cache_salt_per_api_key: bool = False,
+                 reasoning_parser: str | None = None, tool_call_parser: str | None = None):
         connections = connections or ConnectionLimits()
         self.tls = tls
         self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
@@ -212,7 +299,8 @@ class GrpcServer:
                                       maximum_concurrent_rpcs=connections.max_concurrent_rpcs)
         servicer = JaxServeServicer(engine, metrics, served_model_names, api_key, limits, cluster,
                                     prompt_tokens_details=prompt_tokens_details,
-                                    cache_salt_per_api_key=cache_salt_per_api_key)
+                                    cache_salt_per_api_key=cache_salt_per_api_key,
+                                    reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
         handlers = {
             "Generate": grpc.unary_stream_rpc_method_handler(
                 servicer.Generate, request_deserializer=_lenient(pb.GenerateRequest),

@@ -119,12 +119,30 @@ def test_unset_max_tokens_runs_to_the_length_limit(stub):
     (dict(text="hi", sampling=dict(max_tokens=0)), "max_tokens=0"),
     (dict(text="hi", sampling=dict(logprobs=21)), "logprobs=21"),
     (dict(text="hi", sampling=dict(n=0)), "n=0"),
+    (dict(text="hi", parse_tool_calls=True), "parse_tool_calls needs a server started with --tool-call-parser"),
+    (dict(text="hi", separate_reasoning=True), "separate_reasoning needs a server started with --reasoning-parser"),
+    (dict(text="hi", sampling=dict(structured_outputs=pb.StructuredOutputs())), "structured_outputs: set one of"),
+    (dict(text="hi", sampling=dict(structured_outputs=pb.StructuredOutputs(choice=pb.Choices()))),
+     "structured_outputs.choice must not be empty"),
+    (dict(text="hi", sampling=dict(structured_outputs=pb.StructuredOutputs(json="{not json"))), "json"),
 ])
 def test_bad_requests_get_invalid_argument(stub, request_kw, needle):
     with pytest.raises(grpc.RpcError) as e:
         generate(stub, **request_kw)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert needle in e.value.details()
+
+
+def test_structured_outputs_constrain_the_text(stub):
+    choices = ["paged attention", "ragged kernels"]
+    msgs = generate(stub, text=PROMPT, sampling=dict(temperature=1.0, seed=3, max_tokens=20, structured_outputs=(
+        pb.StructuredOutputs(choice=pb.Choices(choices=choices)))))
+    assert "".join(m.text for m in msgs) in choices
+    msgs = generate(stub, text=PROMPT, sampling=dict(temperature=1.0, seed=3, max_tokens=8, structured_outputs=(
+        pb.StructuredOutputs(regex="[0-9]{3}"))))
+    text = "".join(m.text for m in msgs)
+    assert len(text) == 3 and text.isdigit()
+    assert not any(m.reasoning or m.tool_calls for m in msgs)  # no parser on this server
 
 
 def test_auth_is_required_but_health_and_reflection_are_open(channel, stub):

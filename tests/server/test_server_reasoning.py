@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import openai
 import pytest
 
+from jaxserve.server.protos import jaxserve_pb2 as pb
+from jaxserve.server.protos import jaxserve_pb2_grpc as pb_grpc
 from server_harness import MODEL_NAME, PARSERS_KEY, parsers_server
 
 WEATHER = {"type": "function", "function": {"name": "f", "parameters": {
@@ -63,3 +66,58 @@ def test_a_call_after_the_reasoning(client):
     args = [d.function.arguments for d in deltas[1:]]
     assert len(args) >= 2 and json.loads("".join(args)) == {"n": 2}  # spans chunks
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.fixture(scope="module")
+def stub(request):
+    with grpc.insecure_channel(parsers_server(request).grpc) as channel:
+        yield pb_grpc.JaxServeStub(channel)
+
+
+def generate(stub, choice, **kw) -> list[pb.GenerateResponse]:
+    limit = {"max_tokens": kw.pop("max_tokens", 100)}  # None: the rest of the 256-token context
+    sampling = pb.SamplingParams(temperature=1.0, **{k: v for k, v in limit.items() if v is not None},
+                                 **kw.pop("sampling", {}),
+                                 structured_outputs=pb.StructuredOutputs(choice=pb.Choices(choices=[choice])))
+    request = pb.GenerateRequest(text="<|im_start|>user\nOslo?<|im_end|>\n<|im_start|>assistant\n<think>\n",
+                                 sampling_params=sampling, **kw)
+    return list(stub.Generate(request, metadata=(("authorization", f"Bearer {PARSERS_KEY}"),), timeout=120))
+
+
+def test_grpc_generate_streams_the_reasoning_apart_from_the_text(stub):
+    msgs = generate(stub, THOUGHT)
+    assert "".join(m.reasoning for m in msgs) == "Oslo is in Norway.\n"
+    assert "".join(m.text for m in msgs) == "\n\nIt is sunny."
+    assert sum(1 for m in msgs if m.reasoning) >= 2  # streamed, not sent at the end
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP and not msgs[-1].tool_calls
+    raw = generate(stub, THOUGHT, separate_reasoning=False, sampling=dict(skip_special_tokens=False))
+    assert "".join(m.text for m in raw) == THOUGHT and not any(m.reasoning for m in raw)
+    off = generate(stub, "It is sunny.", enable_thinking=False)
+    assert "".join(m.text for m in off) == "It is sunny." and not any(m.reasoning for m in off)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(tools="[{"), "tools is not JSON"),
+    (dict(tools='{"a": 1}'), "tools must be a JSON list"),
+    (dict(tools='[{"type": "function"}]'), "tools[0] must be"),
+    (dict(tools="[]", parse_tool_calls=False), "tools is read only with parse_tool_calls"),
+])
+def test_grpc_bad_tools_get_invalid_argument(stub, kw, needle):
+    kw.setdefault("parse_tool_calls", True)
+    with pytest.raises(grpc.RpcError) as e:
+        generate(stub, THOUGHT, **kw)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in e.value.details()
+
+
+def test_grpc_generate_returns_the_call_after_the_reasoning(stub):
+    msgs = generate(stub, CALL, parse_tool_calls=True, tools=json.dumps([WEATHER]), max_tokens=None)
+    assert "".join(m.reasoning for m in msgs) == "W\n"
+    assert "".join(m.text for m in msgs).strip() == "" and "<tool_call>" not in "".join(m.text for m in msgs)
+    (call,) = msgs[-1].tool_calls
+    assert call.name == "f" and json.loads(call.arguments) == {"n": 2} and call.id.startswith("call_")
+    assert not any(m.tool_calls for m in msgs[:-1])
+    untyped = generate(stub, CALL, parse_tool_calls=True, max_tokens=None)[-1].tool_calls[0]
+    assert json.loads(untyped.arguments) == {"n": "2"}  # no schema: the XML value stays text
+    # without parse_tool_calls the call stays in the text
+    plain = generate(stub, CALL, max_tokens=None)
+    assert "<tool_call>" in "".join(m.text for m in plain) and not plain[-1].tool_calls

@@ -24,37 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ejaxserve.proto\x12\x0bjaxserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x8a\x05\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0b\x88\x01\x01\x12\x18\n\x0bspeculative\x18\x12 \x01(\x08H\x0c\x88\x01\x01\x42\x04\n\x02_nB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x0e\n\x0c_speculative\"\xc9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxserve.v1.TokenIdsH\x00\x12\x34\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1b.jaxserve.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x05 \x01(\tH\x01\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_cache_salt\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\"o\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\x12-\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x17.jaxserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x97\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.jaxserve.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x19.jaxserve.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12!\n\x05usage\x18\t \x01(\x0b\x32\x12.jaxserve.v1.UsageB\r\n\x0bstop_reason\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xdd\x02\n\x14GetModelInfoResponse\x12\x1a\n\x12served_model_names\x18\x01 \x03(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x13\n\x0bhidden_size\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x11\n\tpage_size\x18\x0b \x01(\r\x12\x11\n\tnum_pages\x18\x0c \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\r \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0e \x01(\r\x12\x19\n\x11has_chat_template\x18\x0f \x01(\x08*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xf3\x01\n\x08JaxServe\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.jaxserve.v1.TokenizeRequest\x1a\x1d.jaxserve.v1.TokenizeResponse\x12S\n\x0cGetModelInfo\x12 .jaxserve.v1.GetModelInfoRequest\x1a!.jaxserve.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ejaxserve.proto\x12\x0bjaxserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc6\x05\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0b\x88\x01\x01\x12\x18\n\x0bspeculative\x18\x12 \x01(\x08H\x0c\x88\x01\x01\x12:\n\x12structured_outputs\x18\x13 \x01(\x0b\x32\x1e.jaxserve.v1.StructuredOutputsB\x04\n\x02_nB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x0e\n\x0c_speculative\"\x8d\x02\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x14.jaxserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x12%\n\x1d\x64isable_additional_properties\x18\x07 \x01(\x08\x12\x1f\n\x12whitespace_pattern\x18\x08 \x01(\tH\x01\x88\x01\x01\x42\x06\n\x04kindB\x15\n\x13_whitespace_pattern\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xeb\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxserve.v1.TokenIdsH\x00\x12\x34\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1b.jaxserve.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x05 \x01(\tH\x01\x88\x01\x01\x12\x1f\n\x12separate_reasoning\x18\x06 \x01(\x08H\x02\x88\x01\x01\x12\x18\n\x10parse_tool_calls\x18\x07 \x01(\x08\x12\x1c\n\x0f\x65nable_thinking\x18\x08 \x01(\x08H\x03\x88\x01\x01\x12\x12\n\x05tools\x18\t \x01(\tH\x04\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_cache_saltB\x15\n\x13_separate_reasoningB\x12\n\x10_enable_thinkingB\x08\n\x06_tools\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\"o\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\x12-\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x17.jaxserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xd5\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.jaxserve.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x19.jaxserve.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12!\n\x05usage\x18\t \x01(\x0b\x32\x12.jaxserve.v1.Usage\x12\x11\n\treasoning\x18\n \x01(\t\x12)\n\ntool_calls\x18\x0b \x03(\x0b\x32\x15.jaxserve.v1.ToolCallB\r\n\x0bstop_reason\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xdd\x02\n\x14GetModelInfoResponse\x12\x1a\n\x12served_model_names\x18\x01 \x03(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x13\n\x0bhidden_size\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x11\n\tpage_size\x18\x0b \x01(\r\x12\x11\n\tnum_pages\x18\x0c \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\r \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0e \x01(\r\x12\x19\n\x11has_chat_template\x18\x0f \x01(\x08*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xf3\x01\n\x08JaxServe\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.jaxserve.v1.TokenizeRequest\x1a\x1d.jaxserve.v1.TokenizeResponse\x12S\n\x0cGetModelInfo\x12 .jaxserve.v1.GetModelInfoRequest\x1a!.jaxserve.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jaxserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1925
-  _globals['_FINISHREASON']._serialized_end=2070
+  _globals['_FINISHREASON']._serialized_start=2566
+  _globals['_FINISHREASON']._serialized_end=2711
   _globals['_TOKENIDS']._serialized_start=31
   _globals['_TOKENIDS']._serialized_end=54
   _globals['_SAMPLINGPARAMS']._serialized_start=57
-  _globals['_SAMPLINGPARAMS']._serialized_end=707
-  _globals['_GENERATEREQUEST']._serialized_start=710
-  _globals['_GENERATEREQUEST']._serialized_end=911
-  _globals['_TOPLOGPROB']._serialized_start=913
-  _globals['_TOPLOGPROB']._serialized_end=975
-  _globals['_TOKENLOGPROB']._serialized_start=977
-  _globals['_TOKENLOGPROB']._serialized_end=1088
-  _globals['_USAGE']._serialized_start=1090
-  _globals['_USAGE']._serialized_end=1177
-  _globals['_GENERATERESPONSE']._serialized_start=1180
-  _globals['_GENERATERESPONSE']._serialized_end=1459
-  _globals['_TOKENIZEREQUEST']._serialized_start=1461
-  _globals['_TOKENIZEREQUEST']._serialized_end=1492
-  _globals['_TOKENIZERESPONSE']._serialized_start=1494
-  _globals['_TOKENIZERESPONSE']._serialized_end=1547
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1549
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1570
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1573
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1922
-  _globals['_JAXSERVE']._serialized_start=2073
-  _globals['_JAXSERVE']._serialized_end=2316
+  _globals['_SAMPLINGPARAMS']._serialized_end=767
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=770
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1039
+  _globals['_CHOICES']._serialized_start=1041
+  _globals['_CHOICES']._serialized_end=1067
+  _globals['_GENERATEREQUEST']._serialized_start=1070
+  _globals['_GENERATEREQUEST']._serialized_end=1433
+  _globals['_TOPLOGPROB']._serialized_start=1435
+  _globals['_TOPLOGPROB']._serialized_end=1497
+  _globals['_TOKENLOGPROB']._serialized_start=1499
+  _globals['_TOKENLOGPROB']._serialized_end=1610
+  _globals['_USAGE']._serialized_start=1612
+  _globals['_USAGE']._serialized_end=1699
+  _globals['_GENERATERESPONSE']._serialized_start=1702
+  _globals['_GENERATERESPONSE']._serialized_end=2043
+  _globals['_TOOLCALL']._serialized_start=2045
+  _globals['_TOOLCALL']._serialized_end=2100
+  _globals['_TOKENIZEREQUEST']._serialized_start=2102
+  _globals['_TOKENIZEREQUEST']._serialized_end=2133
+  _globals['_TOKENIZERESPONSE']._serialized_start=2135
+  _globals['_TOKENIZERESPONSE']._serialized_end=2188
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2190
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2211
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2214
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2563
+  _globals['_JAXSERVE']._serialized_start=2714
+  _globals['_JAXSERVE']._serialized_end=2957
 # @@protoc_insertion_point(module_scope)
