@@ -48,6 +48,10 @@ class LLM:
         self.model_config = self.engine.model_config
         logger.info("ready in %.1fs", time.perf_counter() - start)
 
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer prompts are encoded with (vLLM's method); None with skip_tokenizer_init."""
+        return self.tokenizer
+
     # Live weights -------------------------------------------------------------------------------------------
     @property
     def graphdef(self):

@@ -87,8 +87,11 @@ class SamplingParams:
     ``cache_salt`` is not a sampling knob but travels with the request here: prefix-cache pages are shared
     only between requests with the same salt (vLLM's field of the same name), so tenants with different
     salts cannot learn from cache hits what the others sent. ``structured_outputs`` constrains the output to a
-    JSON schema, regex, choice or grammar (``StructuredOutputsParams``, or a dict of its fields). Numbers must
-    be finite and integers fit int32 (``seed``: int64).
+    JSON schema, regex, choice or grammar (``StructuredOutputsParams``, or a dict of its fields);
+    ``reasoning_end`` (a thinking model's end-of-reasoning marker, e.g. ``"</think>"``) holds that constraint back
+    until the output has written the marker, so the reasoning is free and the answer constrained (the chat API
+    sets it under ``--reasoning-parser``, as vLLM applies structured output after the reasoning). Numbers must be
+    finite and integers fit int32 (``seed``: int64).
     """
 
     n: int = 1
@@ -113,6 +116,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     speculative: bool = True  # False: this request's tokens are never proposed/verified ahead (engine speculation)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
+    reasoning_end: str | None = None  # structured_outputs applies once the output has written this marker
 
     def __post_init__(self):
         if self.logit_bias is not None:
@@ -158,6 +162,9 @@ class SamplingParams:
             ("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool), "must be a bool"),
             ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "must be a bool"),
             ("speculative", isinstance(self.speculative, bool), "must be a bool"),
+            ("reasoning_end", self.reasoning_end is None or (isinstance(self.reasoning_end, str)
+                                                             and self.reasoning_end != ""),
+             "must be a non-empty string or None"),
             ("cache_salt", self.cache_salt is None or isinstance(self.cache_salt, str), "must be a string or None"),
             ("structured_outputs", self.structured_outputs is None
              or isinstance(self.structured_outputs, StructuredOutputsParams),

@@ -170,14 +170,16 @@ def shared_server(request) -> ServerProcess:
 
 PARSERS_KEY = "parsers-key"
 THINKING_TEMPLATE = Path(__file__).resolve().parent / "data" / "qwen3_thinking_xml_tools.jinja"
+# enable_in_reasoning: the tests steer the random model through its reasoning with a guided_choice
 PARSER_FLAGS = ["--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
-                "--chat-template", str(THINKING_TEMPLATE), "--max-model-len", "256"]
+                "--chat-template", str(THINKING_TEMPLATE), "--max-model-len", "256",
+                "--structured-outputs-config", '{"enable_in_reasoning": true}']
 
 
 def parsers_server(request) -> ServerProcess:
     """The server the reasoning, Messages and Responses tests share (``--api-key PARSERS_KEY``,
     ``--reasoning-parser qwen3``, ``--tool-call-parser qwen3_coder`` with auto tool choice, a Qwen3.5-style
-    thinking template, max_model_len 256), started on first use and stopped when the session ends."""
+    thinking template, max_model_len 256, structured output enabled in the reasoning), started on first use and stopped when the session ends."""
     server = _state.get("parsers")
     if server is None or server.proc.poll() is not None:
         server = _state["parsers"] = start_server(request, "parsers", ["--api-key", PARSERS_KEY, *PARSER_FLAGS])

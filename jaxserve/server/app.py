@@ -103,7 +103,8 @@ def _open_front_ends(args: argparse.Namespace, engine: AsyncEngine, metrics: Ser
     grpc_server = GrpcServer(engine, metrics, names, api_key=args.api_key, max_message_bytes=args.max_request_bytes,
                              limits=limits, cluster=cluster, tls=tls, connections=connections,
                              reasoning_parser=getattr(args, "reasoning_parser", None),
-                             tool_call_parser=getattr(args, "tool_call_parser", None), **tenants)
+                             tool_call_parser=getattr(args, "tool_call_parser", None),
+                             structured_in_reasoning=_in_reasoning(args), **tenants)
     try:
         grpc_port = grpc_server.bind(args.host, args.grpc_port)
         http_sock = _listen(args.host, args.http_port)
@@ -115,10 +116,16 @@ def _open_front_ends(args: argparse.Namespace, engine: AsyncEngine, metrics: Ser
                        limits=limits, enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
                        tool_call_parser=getattr(args, "tool_call_parser", None), admin=getattr(args, "admin", None),
                        cluster=cluster, reasoning_parser=getattr(args, "reasoning_parser", None),
+                       structured_in_reasoning=_in_reasoning(args),
                        response_role=getattr(args, "response_role", "assistant"), **tenants).app()
     http_server = _UvicornServer(uvicorn_config(app, connections, tls, root_path=getattr(args, "root_path", None),
                                                 log_level=getattr(args, "uvicorn_log_level", None)))
     return _FrontEnds(grpc_server, grpc_port, http_server, http_sock, http_sock.getsockname()[1])
+
+
+def _in_reasoning(args) -> bool:
+    """``--structured-outputs-config``'s enable_in_reasoning: structured output constrains the reasoning too."""
+    return bool((getattr(args, "structured_outputs_config", None) or {}).get("enable_in_reasoning", False))
 
 
 def _stop_events() -> tuple[asyncio.Event, asyncio.Event]:

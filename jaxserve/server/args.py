@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -194,6 +195,32 @@ def _add_server_args(s: argparse._ArgumentGroup) -> None:
     s.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="split a thinking model's reasoning from its answer (vLLM's names and message.reasoning): "
                         "deepseek_r1, deepseek_v3, qwen3, glm45, kimi_k2, mistral, openai_gptoss")
+    s.add_argument("--structured-outputs-config", type=structured_outputs_config, default={},
+                   help="vLLM's JSON object: enable_in_reasoning (default false: with --reasoning-parser, a "
+                        "request's structured output constrains the answer after the reasoning, not the "
+                        "reasoning); backend and disable_fallback are accepted (one grammar engine, llguidance)")
+
+
+_STRUCTURED_KEYS = {"backend": str, "disable_fallback": bool, "enable_in_reasoning": bool, "reasoning_parser": str}
+
+
+def structured_outputs_config(text: str) -> dict:
+    """``--structured-outputs-config``: vLLM's JSON object, the keys that mean something here checked."""
+    try:
+        config = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"enable_in_reasoning\": true}'")
+    for key, value in config.items():
+        kind = _STRUCTURED_KEYS.get(key)
+        if kind is None:
+            raise argparse.ArgumentTypeError(
+                f"{key!r} is not read here (known: {', '.join(_STRUCTURED_KEYS)}; disable_any_whitespace and "
+                "disable_additional_properties are set per request, in structured_outputs)")
+        if not isinstance(value, kind):
+            raise argparse.ArgumentTypeError(f"{key} must be a {kind.__name__}")
+    return config
 
 
 def _add_limit_args(lim: argparse._ArgumentGroup) -> None:
@@ -310,6 +337,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m jaxserve.se
             parser.error(f"--{name.replace('_', '-')} must be in [0, 65535]")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    named = args.structured_outputs_config.get("reasoning_parser")
+    if named and named != args.reasoning_parser:
+        parser.error(f"--structured-outputs-config reasoning_parser={named!r} differs from --reasoning-parser "
+                     f"{args.reasoning_parser}")
     if args.role == "decode" and not args.prefill_url:
         parser.error("--role decode needs --prefill-url HOST:PORT[,HOST:PORT...]")
     if args.role != "decode" and args.prefill_url:

@@ -47,7 +47,7 @@ from jaxserve.server.intake import (
 )
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics import ServerMetrics
-from jaxserve.server.openai.chat_output import ChoiceOutput, OutputDelta
+from jaxserve.server.openai.chat_output import ChoiceOutput, OutputDelta, reasoning_first
 from jaxserve.server.openai.tool_calls import ToolCallStream, check_tools
 from jaxserve.server.openai.tool_parsers import make_parser
 from jaxserve.server.protos import jaxserve_pb2 as pb
@@ -170,7 +170,8 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                  api_key: str | Sequence[str] | None, limits: RequestLimits | None = None,
                  cluster: ClusterSecurity | None = None, *, prompt_tokens_details: bool = False,
                  cache_salt_per_api_key: bool = False, reasoning_parser: str | None = None,
-                 tool_call_parser: str | None = None):
+                 tool_call_parser: str | None = None, structured_in_reasoning: bool = False):
+        self.structured_in_reasoning = structured_in_reasoning
         make_reasoning_parser(reasoning_parser)  # a bad name fails at start-up
         make_parser(tool_call_parser)
         self.reasoning_parser, self.tool_call_parser = reasoning_parser, tool_call_parser
@@ -218,6 +219,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             if split.active and not sp.HasField("skip_special_tokens"):
                 # the markers are often special tokens: the parsers read them (as on the chat API)
                 params = dataclasses.replace(params, skip_special_tokens=False)
+            params = reasoning_first(params, split.reasoning, self.structured_in_reasoning)
             kind = request.WhichOneof("prompt")
             if kind is None:
                 raise invalid("prompt is empty: set text or token_ids", "prompt")
@@ -291,7 +293,8 @@ class GrpcServer:
                  limits: RequestLimits | None = None, cluster: ClusterSecurity | None = None,
                  tls: ServerTLS | None = None, connections: ConnectionLimits | None = None,
                  prompt_tokens_details: bool = False, cache_salt_per_api_key: bool = False,
-                 reasoning_parser: str | None = None, tool_call_parser: str | None = None):
+                 reasoning_parser: str | None = None, tool_call_parser: str | None = None,
+                 structured_in_reasoning: bool = False):
         connections = connections or ConnectionLimits()
         self.tls = tls
         self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
@@ -300,7 +303,8 @@ class GrpcServer:
         servicer = JaxServeServicer(engine, metrics, served_model_names, api_key, limits, cluster,
                                     prompt_tokens_details=prompt_tokens_details,
                                     cache_salt_per_api_key=cache_salt_per_api_key,
-                                    reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
+                                    reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser,
+                                    structured_in_reasoning=structured_in_reasoning)
         handlers = {
             "Generate": grpc.unary_stream_rpc_method_handler(
                 servicer.Generate, request_deserializer=_lenient(pb.GenerateRequest),

@@ -71,7 +71,7 @@ INERT: dict[str, tuple[str, ...]] = {
                "--model-loader-extra-config=", "--ignore-patterns+", "--hf-token?"),
     "no checkpoint code runs here": ("--code-revision=",),
     "structured output uses jaxserve's own grammar engine": (
-        "--guided-decoding-backend=", "--guided-decoding-disable-fallback!", "--structured-outputs-config="),
+        "--guided-decoding-backend=", "--guided-decoding-disable-fallback!"),
     "LoRA adapters keep the base model's vocabulary and dtype here": (
         "--lora-extra-vocab-size=", "--lora-dtype=", "--fully-sharded-loras!"),
     "the admin routes (--enable-admin-endpoints) put the engine to sleep": ("--enable-sleep-mode!",),

@@ -156,6 +156,9 @@ class StructuredOutputs:
     def __init__(self, compiler: GrammarCompiler):
         self.compiler = compiler
         self._matchers: dict[int, object] = {}
+        # seq_id -> (end-of-reasoning marker, tokens to decode when looking for it): constrained sequences still
+        # in their reasoning (``SamplingParams.reasoning_end``); their rows stay unmasked, their matchers still
+        self._reasoning: dict[int, tuple[str, int]] = {}
         self._executor = None
 
     def __len__(self) -> int:
@@ -167,6 +170,24 @@ class StructuredOutputs:
             so = seq.sampling_params.structured_outputs
             if so is not None:
                 self._matchers[seq.seq_id] = self.compiler.matcher(so)
+                end = seq.sampling_params.reasoning_end
+                if end is not None and not self._has_marker(seq.output_token_ids, end, None):
+                    self._reasoning[seq.seq_id] = (end, self._window(end))
+
+    def _window(self, marker: str) -> int:
+        """How many of the last tokens to decode to see ``marker`` whole, however the output split it."""
+        ids = self.compiler.hf_tokenizer.encode(marker, add_special_tokens=False)
+        return 2 * len(ids) + 4
+
+    def _has_marker(self, token_ids: Sequence[int], marker: str, window: int | None) -> bool:
+        if not token_ids:
+            return False
+        tail = token_ids if window is None else token_ids[-window:]
+        return marker in self.compiler.hf_tokenizer.decode(list(tail), skip_special_tokens=False)
+
+    def in_reasoning(self, seq_id: int) -> bool:
+        """Whether the sequence's constraint still waits for the end of its reasoning."""
+        return seq_id in self._reasoning
 
     def fill_bitmask(self, entries: Sequence, bitmask: np.ndarray) -> bool:
         """Write the allowed-token bits of each constrained entry that samples this step into its row of
@@ -174,7 +195,8 @@ class StructuredOutputs:
         from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
         rows = [(m, slot) for slot, e in enumerate(entries)
-                if e.needs_sample and (m := self._matchers.get(e.seq.seq_id)) is not None]
+                if e.needs_sample and (m := self._matchers.get(e.seq.seq_id)) is not None
+                and e.seq.seq_id not in self._reasoning]
         if not rows:
             return False
         words = self.compiler.bitmask_words
@@ -201,6 +223,12 @@ class StructuredOutputs:
         """Advance each constrained sequence's matcher by the token it just got."""
         for seq in seqs:
             m = self._matchers.get(seq.seq_id)
+            waiting = self._reasoning.get(seq.seq_id)
+            if m is not None and waiting is not None:
+                # still reasoning: the matcher starts with the token after the one that completes the marker
+                if self._has_marker(seq.output_token_ids, *waiting):
+                    del self._reasoning[seq.seq_id]
+                continue
             if m is not None and not m.is_stopped() and not m.consume_token(seq.last_token):
                 # Cannot happen while masks are applied; logged so a mismatch shows.
                 logger.warning("sequence %s of request %s: token %d does not match its grammar (%s)",
@@ -209,3 +237,4 @@ class StructuredOutputs:
     def release(self, seqs: Iterable) -> None:
         for seq in seqs:
             self._matchers.pop(seq.seq_id, None)
+            self._reasoning.pop(seq.seq_id, None)

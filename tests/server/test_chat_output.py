@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from jaxserve.server.openai.chat_output import ChoiceOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.openai.chat_output import ChoiceOutput, reasoning_first
 from jaxserve.server.openai.tool_calls import ToolCallStream, make_parser
 from jaxserve.text.reasoning import make_reasoning_parser
 
@@ -75,3 +76,17 @@ def test_harmony_final_answer():
     r, _ = run("openai_gptoss", None, "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant"
                "<|channel|>final<|message|>Sunny.", 2)
     assert r.message() == {"role": "assistant", "content": "Sunny.", "reasoning": "Easy."}
+
+
+def test_structured_output_waits_for_the_reasoning_end_where_the_output_starts_in_reasoning():
+    so = SamplingParams(structured_outputs={"regex": "[0-9]+"})
+    assert reasoning_first(so, make_reasoning_parser("qwen3")).reasoning_end == "</think>"
+    assert reasoning_first(so, make_reasoning_parser("deepseek_r1")).reasoning_end == "</think>"
+    # constrained from the first token: enable_in_reasoning, thinking off, no reasoning parser, a family whose
+    # output starts in content, gpt-oss's channels, or no constraint at all
+    assert reasoning_first(so, make_reasoning_parser("qwen3"), in_reasoning=True).reasoning_end is None
+    assert reasoning_first(so, make_reasoning_parser("qwen3", {"enable_thinking": False})).reasoning_end is None
+    assert reasoning_first(so, None).reasoning_end is None
+    assert reasoning_first(so, make_reasoning_parser("mistral")).reasoning_end is None
+    assert reasoning_first(so, make_reasoning_parser("openai_gptoss")).reasoning_end is None
+    assert reasoning_first(SamplingParams(), make_reasoning_parser("qwen3")).reasoning_end is None

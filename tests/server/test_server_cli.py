@@ -113,6 +113,11 @@ def test_the_model_by_position_as_vllm_serve_takes_it(monkeypatch):
     (["--decode-url", "h:1:2"], "--decode-url is for --role router"),
     (["--role", "router", "--decode-url", "h:8000"], "expected HOST:HTTP_PORT:GRPC_PORT"),
     (["--role", "decode", "--prefill-url", "h:1", "--kv-transfer", "nccl"], "invalid choice"),
+    (["--structured-outputs-config", "{"], "--structured-outputs-config: not JSON"),
+    (["--structured-outputs-config", "[]"], "must be a JSON object"),
+    (["--structured-outputs-config", '{"enable_in_reasoning": 1}'], "enable_in_reasoning must be a bool"),
+    (["--structured-outputs-config", '{"disable_any_whitespace": true}'], "set per request"),
+    (["--structured-outputs-config", '{"reasoning_parser": "qwen3"}'], "differs from --reasoning-parser"),
 ])
 def test_bad_options_exit_with_a_message(capsys, argv, needle):
     with pytest.raises(SystemExit) as e:

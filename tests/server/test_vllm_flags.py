@@ -34,6 +34,7 @@ VALUES = {"--host": ["0.0.0.0"], "--port": ["8001"], "--api-key": ["k"], "--lora
           "--quantization": ["int8"], "-q": ["int8"], "--max-logprobs": ["5"], "--logprobs-mode": ["raw"],
           "--served-model-name": ["m"], "--generation-config": ["vllm"], "--load-format": ["dummy"],
           "--download-dir": ["/tmp"], "--reasoning-parser": ["qwen3"], "--tensor-parallel-size": ["1"],
+          "--structured-outputs-config": ['{"backend": "xgrammar", "enable_in_reasoning": true}'],
           "-tp": ["1"], "--data-parallel-size": ["1"], "-dp": ["1"], "--block-size": ["16"],
           "--gpu-memory-utilization": ["0.5"], "--kv-cache-dtype": ["int8"], "--prefix-caching-hash-algo": ["sha256"],
           "--max-loras": ["2"], "--max-lora-rank": ["8"], "--max-cpu-loras": ["4"], "--max-num-batched-tokens": ["64"],

@@ -123,3 +123,27 @@ def test_logit_bias_moves_the_choice(llm):
         llm.generate("hi", SamplingParams(logit_bias={10**6: 1.0}))
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={i: 1.0 for i in range(301)})
+
+
+def test_the_constraint_starts_after_the_reasoning_end(llm):
+    """``reasoning_end``: the output is free (the free greedy tokens) until it has written the marker, then
+    constrained; the marker is taken from the free output itself, so the model surely writes it."""
+    free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    out = llm.generate("Paged attention", free)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    # the marker: the text of free tokens 3..5, so it is complete once token 5 is out
+    head = tok.decode(out.token_ids[:6], skip_special_tokens=False)
+    marker = tok.decode(out.token_ids[3:6], skip_special_tokens=False).strip()
+    assert marker and marker in head and marker not in tok.decode(out.token_ids[:5], skip_special_tokens=False)
+    later = llm.generate("Paged attention", SamplingParams(
+        temperature=0.0, max_tokens=24, reasoning_end=marker, structured_outputs={"regex": "[0-9]{3}"}))
+    got = later[0].outputs[0]
+    assert got.token_ids[:6] == out.token_ids[:6]  # free until the marker is complete
+    rest = tok.decode(got.token_ids[6:], skip_special_tokens=True)  # EOS ends it
+    assert re.fullmatch("[0-9]{3}", rest) and got.finish_reason == "stop", (head, rest)
+    # without it the constraint holds from the first token
+    now = llm.generate("Paged attention", SamplingParams(temperature=0.0, max_tokens=8,
+                                                         structured_outputs={"regex": "[0-9]{3}"}))
+    assert re.fullmatch("[0-9]{3}", now[0].outputs[0].text)
+    with pytest.raises(ValueError, match="reasoning_end"):
+        SamplingParams(reasoning_end="")

@@ -22,7 +22,7 @@ from jaxserve.server.openai.context import APIContext, json_body
 from jaxserve.server.openai.errors import in_band, raise_if_failed
 from jaxserve.server.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from jaxserve.server.openai.protocol import ChatCompletionRequest, parse
-from jaxserve.server.openai.chat_output import ChoiceOutput, OutputDelta
+from jaxserve.server.openai.chat_output import ChoiceOutput, OutputDelta, reasoning_first
 from jaxserve.server.openai.streaming import EventStream, events
 from jaxserve.server.openai.tool_calls import ToolCallStream, make_parser
 from jaxserve.text.reasoning import make_reasoning_parser
@@ -75,13 +75,15 @@ class ChatCompletions:
     bodies = (ChatCompletionRequest,)
 
     def __init__(self, ctx: APIContext, *, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None, response_role: str = "assistant"):
+                 reasoning_parser: str | None = None, response_role: str = "assistant",
+                 structured_in_reasoning: bool = False):
         self.ctx = ctx
         self.response_role = response_role  # --response-role
         self.auto_tools = enable_auto_tool_choice
         self.tool_parser = make_parser(tool_call_parser)
         make_reasoning_parser(reasoning_parser)  # a bad name fails at start-up
         self.reasoning_parser = reasoning_parser
+        self.structured_in_reasoning = structured_in_reasoning
 
     def router(self) -> APIRouter:
         router = self.ctx.router("/v1")
@@ -111,6 +113,7 @@ class ChatCompletions:
         if (reasoning is not None or parse_calls) and req.skip_special_tokens is None:
             # the markers are often special tokens: the parsers read them (vLLM's parsers ask the same)
             params = dataclasses.replace(params, skip_special_tokens=False)
+        params = reasoning_first(params, reasoning, self.structured_in_reasoning)
         messages = req.template_messages()
         # vLLM's rule: the answer's role is --response-role, or without a generation prompt the last message's
         role = self.response_role if req.add_generation_prompt else messages[-1]["role"]

@@ -33,14 +33,14 @@ class OpenAIServer:
                  tool_call_parser: str | None = None, prompt_tokens_details: bool = False,
                  cache_salt_per_api_key: bool = False, admin: AdminConfig | None = None,
                  cluster: ClusterSecurity | None = None, reasoning_parser: str | None = None,
-                 response_role: str = "assistant"):
+                 response_role: str = "assistant", structured_in_reasoning: bool = False):
         self.ctx = APIContext(engine, metrics, served_model_names, api_key=api_key, max_body_bytes=max_body_bytes,
                               limits=limits, prompt_tokens_details=prompt_tokens_details,
                               cache_salt_per_api_key=cache_salt_per_api_key, admin=admin, cluster=cluster)
         # In this order on the app: the published schema lists its paths so.
         chat = ChatCompletions(self.ctx, enable_auto_tool_choice=enable_auto_tool_choice,
                                tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
-                               response_role=response_role)
+                               response_role=response_role, structured_in_reasoning=structured_in_reasoning)
         self.endpoints = [Health(self.ctx), Models(self.ctx), Admin(self.ctx), Completions(self.ctx), chat,
                           Messages(self.ctx, chat), Responses(self.ctx, chat), Tokens(self.ctx)]
 
