@@ -15,6 +15,7 @@ from jaxserve.executor import platforms
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.text.reasoning import make_reasoning_parser, reasoning_first
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,9 @@ class LLM:
       **engine_options: any ``EngineConfig`` field (``dtype``, ``tokenizer``, ``page_size``, ``num_pages``,
         ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``, ``long_prefill_token_threshold``,
         ``enable_prefix_caching``, ``attention_backend``, ``mesh``, ``seed``, ...), with its defaults.
+      reasoning_parser: a thinking model's reasoning parser (``--reasoning-parser``'s names): ``chat`` then
+        returns each output's ``reasoning`` and ``content`` apart, as the chat API's ``message.reasoning`` and
+        ``message.content``, and a structured output constrains the answer after the reasoning, as it does there.
 
     It logs what it does while it starts (loading, compiling the step shapes with progress, ready) on the
     ``jaxserve`` logger, printed on stderr when the application configured no logging: silence it with
@@ -36,7 +40,9 @@ class LLM:
     jax starts on the CPU without probing for them (``jaxserve.executor.platforms``; ``JAX_PLATFORMS`` overrides).
     """
 
-    def __init__(self, model: str | None = None, **engine_options):
+    def __init__(self, model: str | None = None, *, reasoning_parser: str | None = None, **engine_options):
+        make_reasoning_parser(reasoning_parser)  # a bad name fails before anything loads
+        self.reasoning_parser = reasoning_parser
         configure_default_logging()
         platforms.restrict_to_present()  # before anything starts jax's backends
         start = time.perf_counter()
@@ -148,12 +154,24 @@ class LLM:
         """Generate replies to conversations, formatted with the chat template (vLLM's options:
         ``continue_final_message`` continues the last assistant message, ``chat_template`` replaces the
         tokenizer's for this call, ``chat_template_kwargs`` are extra template variables such as Qwen3's
-        ``enable_thinking``, ``tools`` are passed to the template)."""
+        ``enable_thinking``, ``tools`` are passed to the template). With the ``LLM``'s ``reasoning_parser``, each
+        output's ``reasoning`` and ``content`` are its text split as the chat API splits it (``text`` stays the
+        whole output)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         options = dict(continue_final_message=continue_final_message, chat_template=chat_template,
                        chat_template_kwargs=chat_template_kwargs, tools=tools)
         prompts = [self.apply_chat_template(c, add_generation_prompt, **options) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        parser = make_reasoning_parser(self.reasoning_parser, chat_template_kwargs)
+        if parser is not None:
+            params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
+            sampling_params = ([reasoning_first(p, parser) for p in params] if isinstance(params, Sequence)
+                               else reasoning_first(params, parser))
+        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        if parser is not None:
+            for out in outs:
+                for c in out.outputs:
+                    c.reasoning, c.content = parser.split(c.text)
+        return outs
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **template_options) -> list[int]:

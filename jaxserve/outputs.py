@@ -81,6 +81,9 @@ class CompletionOutput:
     # The same logprobs as records (None without SamplingParams.logprobs): every token's, and this step's
     records: list[TokenRecord] | None = None
     delta_records: list[TokenRecord] | None = None
+    # LLM.chat with a reasoning parser: the text split into the reasoning and the answer (None where none)
+    reasoning: str | None = None
+    content: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -31,7 +31,7 @@ from grpc_reflection.v1alpha import reflection
 from jaxserve.config.network import SECRET_HEADER, ClusterSecurity, ServerTLS
 from jaxserve.engine.request_stream import EngineNotReady
 from jaxserve.outputs import TokenRecord
-from jaxserve.text.reasoning import make_reasoning_parser
+from jaxserve.text.reasoning import make_reasoning_parser, reasoning_first
 from jaxserve.server.access import api_keys, matching_key, tenant_salt
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.connections import ConnectionLimits
@@ -47,7 +47,7 @@ from jaxserve.server.intake import (
 )
 from jaxserve.server.limits import RequestLimits
 from jaxserve.server.metrics import ServerMetrics
-from jaxserve.server.openai.chat_output import ChoiceOutput, OutputDelta, reasoning_first
+from jaxserve.server.openai.chat_output import ChoiceOutput, OutputDelta
 from jaxserve.server.openai.tool_calls import ToolCallStream, check_tools
 from jaxserve.server.openai.tool_parsers import make_parser
 from jaxserve.server.protos import jaxserve_pb2 as pb

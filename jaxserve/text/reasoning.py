@@ -27,6 +27,8 @@ import dataclasses
 import re
 from typing import Any
 
+from jaxserve.sampling_params import SamplingParams
+
 REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "glm45", "kimi_k2", "mistral", "openai_gptoss", "qwen3")
 
 
@@ -323,3 +325,16 @@ def make_reasoning_parser(name: str | None, chat_template_kwargs: dict | None = 
     """The parser ``name`` for one request (its template switches), None for no name."""
     check_reasoning_parser(name)
     return None if name is None else PARSERS[name](chat_template_kwargs)
+
+
+def reasoning_first(params: SamplingParams, reasoning: ReasoningParser | None,
+                    in_reasoning: bool = False) -> SamplingParams:
+    """``params`` with its structured output held back until the reasoning ends (``reasoning_end``), as vLLM
+    applies it: when the request has a constraint and the output starts in reasoning (the family's template opens
+    the block and thinking is on). ``in_reasoning`` (``--structured-outputs-config`` enable_in_reasoning) keeps
+    the constraint from the first token. gpt-oss's harmony channels are not watched: its constraint starts at once.
+    """
+    if (in_reasoning or params.structured_outputs is None or reasoning is None or isinstance(reasoning, GptOss)
+            or not (reasoning.thinking and reasoning.starts_in_reasoning)):
+        return params
+    return dataclasses.replace(params, reasoning_end=reasoning.end)

@@ -6,9 +6,9 @@ import json
 import pytest
 
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server.openai.chat_output import ChoiceOutput, reasoning_first
+from jaxserve.server.openai.chat_output import ChoiceOutput
 from jaxserve.server.openai.tool_calls import ToolCallStream, make_parser
-from jaxserve.text.reasoning import make_reasoning_parser
+from jaxserve.text.reasoning import make_reasoning_parser, reasoning_first
 
 pytestmark = pytest.mark.quick
 

@@ -147,3 +147,23 @@ def test_the_constraint_starts_after_the_reasoning_end(llm):
     assert re.fullmatch("[0-9]{3}", now[0].outputs[0].text)
     with pytest.raises(ValueError, match="reasoning_end"):
         SamplingParams(reasoning_end="")
+
+
+def test_llm_chat_splits_the_reasoning_and_constrains_only_the_answer(llm):
+    talk = [{"role": "user", "content": "Three digits?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"regex": "[0-9]{3}"})
+    llm.reasoning_parser = "qwen3"
+    try:
+        # thinking on: the random model never writes </think>, so all of it is free reasoning
+        (thinking,) = llm.chat(talk, params)[0].outputs
+        assert thinking.reasoning == thinking.text and thinking.content is None
+        assert len(thinking.token_ids) == 12 and not re.fullmatch("[0-9]{3}", thinking.text)
+        # thinking off: no reasoning, and the answer is constrained from its first token
+        (answer,) = llm.chat(talk, params, chat_template_kwargs={"enable_thinking": False})[0].outputs
+        assert answer.reasoning is None and re.fullmatch("[0-9]{3}", answer.content)
+    finally:
+        llm.reasoning_parser = None
+    plain = llm.chat(talk, params)[0].outputs[0]  # no parser: constrained at once, no split
+    assert re.fullmatch("[0-9]{3}", plain.text) and plain.reasoning is None and plain.content is None
+    with pytest.raises(ValueError, match="reasoning"):
+        LLM(reasoning_parser="nope")

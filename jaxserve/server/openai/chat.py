@@ -22,10 +22,10 @@ from jaxserve.server.openai.context import APIContext, json_body
 from jaxserve.server.openai.errors import in_band, raise_if_failed
 from jaxserve.server.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from jaxserve.server.openai.protocol import ChatCompletionRequest, parse
-from jaxserve.server.openai.chat_output import ChoiceOutput, OutputDelta, reasoning_first
+from jaxserve.server.openai.chat_output import ChoiceOutput, OutputDelta
 from jaxserve.server.openai.streaming import EventStream, events
 from jaxserve.server.openai.tool_calls import ToolCallStream, make_parser
-from jaxserve.text.reasoning import make_reasoning_parser
+from jaxserve.text.reasoning import make_reasoning_parser, reasoning_first
 
 
 @dataclasses.dataclass

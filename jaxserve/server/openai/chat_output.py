@@ -13,23 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.openai.tool_calls import ToolCall, ToolCallStream
 from jaxserve.server.openai.tool_parsers import PartialCall
 from jaxserve.text.reasoning import GptOss, HarmonyStream, ReasoningParser, harmony_delta
-
-
-def reasoning_first(params: SamplingParams, reasoning: ReasoningParser | None,
-                    in_reasoning: bool = False) -> SamplingParams:
-    """``params`` with its structured output held back until the reasoning ends (``reasoning_end``), as vLLM
-    applies it: when the request has a constraint and the output starts in reasoning (the family's template opens
-    the block and thinking is on). ``in_reasoning`` (``--structured-outputs-config`` enable_in_reasoning) keeps
-    the constraint from the first token. gpt-oss's harmony channels are not watched: its constraint starts at once.
-    """
-    if (in_reasoning or params.structured_outputs is None or reasoning is None or isinstance(reasoning, GptOss)
-            or not (reasoning.thinking and reasoning.starts_in_reasoning)):
-        return params
-    return dataclasses.replace(params, reasoning_end=reasoning.end)
 
 
 @dataclasses.dataclass
