@@ -192,14 +192,15 @@ class PromptTokenizer:
         self._needs_tokenizer("token strings")
         return await self._run(lambda: [str(t) for t in self._own().convert_ids_to_tokens([int(i) for i in ids])])
 
-    async def decode(self, ids: Sequence[int]) -> str:
-        """The text of token ids; ValueError for an id outside the vocabulary."""
+    async def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The text of token ids (special tokens kept unless ``skip_special_tokens``); ValueError for an id
+        outside the vocabulary."""
         ids = [int(t) for t in ids]
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"tokens: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         self._needs_tokenizer("detokenizing")
-        return await self._run(self._decode, ids)
+        return await self._run(self._decode, ids, skip_special_tokens)
 
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [int(t) for t in self._own().encode(text, add_special_tokens=add_special_tokens)]
@@ -212,5 +213,5 @@ class PromptTokenizer:
         ids = [int(t) for t in tok.encode(text)]
         return ids, [tok.decode([t]) for t in ids]
 
-    def _decode(self, ids: list[int]) -> str:
-        return self._own().decode(ids)
+    def _decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._own().decode(ids, skip_special_tokens=skip_special_tokens)

@@ -183,7 +183,17 @@ def test_greedy_answer_is_the_chat_answer(client):
         assert want.finish_reason == "length" and got.status == "incomplete"
         assert got.incomplete_details.reason == "max_output_tokens" and got.output[-1].status == "incomplete"
         assert got.usage.output_tokens == 12 and got.usage.total_tokens == got.usage.input_tokens + 12
+        reasoning_tokens = got.usage.output_tokens_details.reasoning_tokens
+        assert reasoning_tokens == (12 if reasoning and not want.message.content else 0), reasoning_tokens
         assert got.max_output_tokens == 12 and got.temperature == 0
+
+
+def test_reasoning_tokens_count_the_reasoning_only(client):
+    thought = "Oslo is in Norway.\n</think>\n\nIt is sunny."  # steered (the server constrains the reasoning too)
+    got = create(client, extra={"structured_outputs": {"choice": [thought]}}, max_output_tokens=60)
+    assert [i.type for i in got.output] == ["reasoning", "message"] and got.output_text == "\n\nIt is sunny."
+    reasoning_tokens = got.usage.output_tokens_details.reasoning_tokens
+    assert 0 < reasoning_tokens < got.usage.output_tokens, (reasoning_tokens, got.usage.output_tokens)
 
 
 def test_instructions_are_the_system_message(client):

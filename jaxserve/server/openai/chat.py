@@ -25,7 +25,7 @@ from jaxserve.server.openai.protocol import ChatCompletionRequest, parse
 from jaxserve.server.openai.chat_output import ChoiceOutput, OutputDelta
 from jaxserve.server.openai.streaming import EventStream, events
 from jaxserve.server.openai.tool_calls import ToolCallStream, make_parser
-from jaxserve.text.reasoning import make_reasoning_parser, reasoning_first
+from jaxserve.text.reasoning import ReasoningParser, make_reasoning_parser, reasoning_first
 
 
 @dataclasses.dataclass
@@ -38,6 +38,28 @@ class ChatRun:
     role: str
     reader: Callable[[], ChoiceOutput]
     output: RequestOutput | None = None  # the finished output, once ``read_stream`` has seen it
+    reasoning: ReasoningParser | None = None  # the request's reasoning parser (None: no split)
+
+    async def reasoning_tokens(self, ctx: APIContext, token_ids: list[int]) -> int:
+        """How many of an answer's tokens are its reasoning (its markers included): all of them when the answer
+        never started, else the longest prefix whose text the parser reads as no answer yet (by bisection, a
+        few decodes)."""
+        if self.reasoning is None or not token_ids:
+            return 0
+
+        async def split(k: int) -> tuple[str | None, str | None]:
+            return self.reasoning.split(await ctx.engine.prompts.decode(token_ids[:k], self.params.skip_special_tokens))
+
+        reasoning, content = await split(len(token_ids))
+        if reasoning is None:
+            return 0
+        if not content:
+            return len(token_ids)
+        lo, hi = 0, len(token_ids)  # no answer after lo tokens; an answer after hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if (await split(mid))[1] else (mid, hi)
+        return lo
 
     async def final(self, ctx: APIContext, request: Request) -> RequestOutput | None:
         """The finished output of a run answered whole; None if the client went away first (a failed run
@@ -125,7 +147,7 @@ class ChatCompletions:
         def reader() -> ChoiceOutput:
             return ChoiceOutput(reasoning, ToolCallStream(*tool_mode) if tool_mode is not None else None)
 
-        return ChatRun(streams[0], params, role, reader)
+        return ChatRun(streams[0], params, role, reader, reasoning=reasoning)
 
     async def chat_completions(self, request: Request) -> Response:
         ctx = self.ctx

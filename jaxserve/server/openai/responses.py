@@ -315,7 +315,7 @@ class Responses:
             output.add(delta)
         incomplete = c.finish_reason == "length"
         output.close("incomplete" if incomplete else "completed")
-        body = self._finished(head, output, out, incomplete)
+        body = self._finished(head, output, out, incomplete, await run.reasoning_tokens(self.ctx, c.token_ids))
         keep(body)
         return JSONResponse(body)
 
@@ -335,12 +335,13 @@ class Responses:
                 "service_tier": "auto",
                 "text": {"format": _format(req)}, "truncation": "disabled", "usage": None, "user": req.user}
 
-    def _finished(self, head: dict[str, Any], output: ResponseOutput, out, incomplete: bool) -> dict[str, Any]:
+    def _finished(self, head: dict[str, Any], output: ResponseOutput, out, incomplete: bool,
+                  reasoning_tokens: int) -> dict[str, Any]:
         counts = usage_counts(out)
         usage = {"input_tokens": counts["prompt_tokens"], "output_tokens": counts["completion_tokens"],
                  "total_tokens": counts["prompt_tokens"] + counts["completion_tokens"],
                  "input_tokens_details": {"cached_tokens": counts["cached_tokens"], "cache_write_tokens": 0},
-                 "output_tokens_details": {"reasoning_tokens": 0}}
+                 "output_tokens_details": {"reasoning_tokens": reasoning_tokens}}
         return {**head, "status": "incomplete" if incomplete else "completed", "output": output.items,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "usage": usage}
 
@@ -381,7 +382,9 @@ class Responses:
         incomplete = finish == "length"
         for event in output.close("incomplete" if incomplete else "completed"):
             yield event
-        yield {"type": "response.completed", "response": self._finished(head, output, final, incomplete)}
+        yield {"type": "response.completed",
+               "response": self._finished(head, output, final, incomplete,
+                                          await run.reasoning_tokens(self.ctx, final.outputs[0].token_ids))}
 
 def _format(req: ResponsesRequest) -> dict[str, Any]:
     fmt = req.text.format if req.text is not None else None
