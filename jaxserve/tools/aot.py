@@ -78,6 +78,7 @@ from jaxserve.tools import gpu_targets
 from jaxserve.tools.chips import DEVICE_KINDS, Chip
 from jaxserve.tools.model_specs import PRESETS, model_config
 from jaxserve.tools.roofline import attention_flops, matmul_flops_per_token
+from jaxserve.tools.xla_log_filter import filtered_xla_logs
 from pallas_kernels.quantized_pages import QuantizedPages
 from sharding.config import MeshConfig
 from sharding.mesh import make_mesh
@@ -823,7 +824,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxserve.aot") ->
                   quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
                   kv_cache_dtype=args.kv_cache_dtype)
     try:
-        report = run(req, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        with filtered_xla_logs():
+            report = run(req, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     except AotError as e:
         return user_error(prog, e)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
