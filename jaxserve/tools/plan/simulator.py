@@ -165,7 +165,7 @@ class _Simulation:
         if plan.is_empty:
             self.idle.add(k)
             return
-        seconds = inst.model.seconds(step_features(plan, inst.shapes, inst.page_size, frozenset(inst.transferred),
+        seconds = inst.model.seconds(step_features(plan, inst.shapes, inst.page_size, inst.transferred,
                                                    inst.window))
         self.idle.discard(k)
         heapq.heappush(self.events, (now + seconds, next(self.order), "done", (k, plan)))
@@ -183,7 +183,7 @@ class _Simulation:
         """Engine ``k``'s step finished: its tokens are recorded; a prefill engine's finished prompts send their
         KV to the decode side."""
         inst = self.engines[k]
-        update = inst.scheduler.update(plan, [0] * len(plan.scheduled))
+        update = inst.scheduler.update(plan, [0] * plan.num_entries)
         for seq in update.updated:
             track = self.tracks[seq.request_id]
             if not track.token_times and now - track.request.arrival_s > self.slo_ttft_s:
