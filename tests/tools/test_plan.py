@@ -309,3 +309,35 @@ def test_mixed_window_model_is_planned_per_layer(tmp_path):
     pages = sized.executor.cache_config.num_pages
     assert pages == simulator.pool_pages(budget, per_token, 4, fields) > 24
     assert sum(a.nbytes for a in jax.tree.leaves(sized.executor.runner.kv_cache)) <= budget
+
+
+def _readme_plan_command() -> list[str]:
+    """The README's ``plan simulate`` example, as written there (its arguments after ``simulate``)."""
+    import shlex
+
+    text = (ROOT / "README.md").read_text()
+    start = text.index("python -m jaxserve.plan simulate")
+    lines = []
+    for line in text[start:].splitlines():
+        lines.append(line.split("#")[0].rstrip().removesuffix("\\"))
+        if not line.split("#")[0].rstrip().endswith("\\"):
+            break
+    words = shlex.split(" ".join(lines))
+    return words[words.index("simulate") + 1:]
+
+
+def test_readme_example_runs_shrunk_and_shows_progress_on_stderr(capsys):
+    """The README's example, shrunk by the flags the README names for a quick look: it exits 0, prints one
+    progress line per simulated run and per finished deployment on stderr, and the report (only) on stdout."""
+    argv = _readme_plan_command()
+    assert argv[:2] == ["--model", "llama-3.1-8b"] and "--splits" in argv
+    code = cli.main(["simulate", *argv, "--search-duration-s", "0.5", "--num-requests", "10"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "largest rate meeting the SLOs" in out and "plan:" not in out
+    lines = err.splitlines()
+    assert lines and all(line.startswith("plan: ") for line in lines)
+    finished = [line for line in lines if " done (" in line]
+    assert [line.split(" done")[0] for line in finished] == [f"plan: {i}/4" for i in range(1, 5)]
+    assert all("s left" in line for line in finished)
+    assert sum("within the SLOs, " in line for line in lines) >= 4 * 3  # each search ran at least three rates

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import sys
+import time
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -205,8 +206,10 @@ class _Runs:
     """The simulations of one ``simulate`` command: its workload at a rate, a deployment's run at a rate, and
     the search for a deployment's largest rate meeting the SLOs."""
 
-    def __init__(self, args, model, engine: EngineShape, kv_bytes_per_token: float, chips: int):
+    def __init__(self, args, model, engine: EngineShape, kv_bytes_per_token: float, chips: int,
+                 progress: "_Progress | None" = None):
         self.args, self.model, self.engine, self.kv_token, self.chips = args, model, engine, kv_bytes_per_token, chips
+        self.progress = progress or _Progress(0, file=None)
         self.prompt_len = parse_range(args.prompt_len, "--prompt-len")
         self.output_len = parse_range(args.output_len, "--output-len")
         self.trace = read_trace(args.trace) if args.trace else None
@@ -225,7 +228,11 @@ class _Runs:
         tracks = simulate(reqs, dep, self.model, self.engine, kv_bytes_per_token=self.kv_token,
                           transfer_bytes_per_s=self.args.transfer_gb_s * 1e9, slo_ttft_s=self.slo_ttft,
                           max_ttft_misses=misses)
-        return summarize(tracks, dep.name, rate, self.chips, self.slo_ttft, self.slo_tpot)
+        result = summarize(tracks, dep.name, rate, self.chips, self.slo_ttft, self.slo_tpot)
+        verdict = "meets" if result.attainment >= self.args.attainment else "misses"
+        self.progress.line(f"{dep.name} at {rate:.4g} req/s ({len(reqs)} requests): {result.attainment:.0%} "
+                           f"within the SLOs, {verdict}")
+        return result
 
     def search(self, d: Deployment, instances: int) -> tuple[dict, dict[float, Result]]:
         """(the report's row for ``d``'s largest rate meeting the SLOs, every rate the search ran)."""
@@ -240,6 +247,7 @@ class _Runs:
 
         r_max = max_rate(at, hi / 1000, hi, args.attainment)
         res = at(r_max) if r_max > 0 else None
+        self.progress.finished(f"{d.name}: largest rate within the SLOs {r_max:.3g} req/s")
         row = {"deployment": d.name, "chips": chips, "max_rate": r_max, "max_rate_per_chip": r_max / chips,
                "throughput_tok_s": res.throughput_tok_s if res else 0.0,
                "ttft_p99_ms": res.ttft_p99_ms if res else None, "tpot_p99_ms": res.tpot_p99_ms if res else None}
@@ -269,12 +277,17 @@ def _simulate(args, p: argparse.ArgumentParser) -> int:
     if kv_token is None:
         kv_token = calibrated.get("kv_bytes_per_token") or getattr(model, "kv_bytes_per_token", 0.0)
     deployments = _deployments(args, p, n_inst)
-    runs = _Runs(args, model, engine, kv_token, chips)
     try:
         rates = [float(r) for r in args.rates.split(",") if r]
     except ValueError:
         p.error(f"--rates {args.rates!r} must be comma-separated numbers")
-    results = [runs.run(d, r) for d in deployments for r in rates]
+    progress = _Progress(len(deployments) * (len(rates) + bool(args.search)), file=sys.stderr)
+    runs = _Runs(args, model, engine, kv_token, chips, progress)
+    results = []
+    for d in deployments:
+        for r in rates:
+            results.append(runs.run(d, r))
+            progress.finished(f"{d.name} at {r:g} req/s")
     best = []
     for d in deployments if args.search else ():
         row, searched = runs.search(d, n_inst)
@@ -290,6 +303,25 @@ def _simulate(args, p: argparse.ArgumentParser) -> int:
         write_report(Path(args.out_dir), report, text)
     print(json.dumps(report, indent=1) if args.json else text)
     return 0
+
+
+class _Progress:
+    """Progress on stderr (stdout keeps the report, or its JSON): a line per simulated run, and per finished
+    task (a deployment at a given rate, or a deployment's search) how many are done and about how long is left,
+    from the mean time of those done so far."""
+
+    def __init__(self, tasks: int, file=None):
+        self.tasks, self.done, self.file, self.start = tasks, 0, file, time.monotonic()
+
+    def line(self, text: str) -> None:
+        if self.file is not None:
+            print(f"plan: {text} [{time.monotonic() - self.start:.0f} s]", file=self.file, flush=True)
+
+    def finished(self, text: str) -> None:
+        self.done += 1
+        elapsed = time.monotonic() - self.start
+        left = elapsed / self.done * (self.tasks - self.done)
+        self.line(f"{self.done}/{self.tasks} done ({text}); about {left:.0f} s left")
 
 
 def _model_config(name: str) -> ModelConfig:
