@@ -341,3 +341,25 @@ def test_readme_example_runs_shrunk_and_shows_progress_on_stderr(capsys):
     assert [line.split(" done")[0] for line in finished] == [f"plan: {i}/4" for i in range(1, 5)]
     assert all("s left" in line for line in finished)
     assert sum("within the SLOs, " in line for line in lines) >= 4 * 3  # each search ran at least three rates
+
+
+@pytest.mark.quick
+def test_largest_rate_search_comes_down_from_the_top_and_bisects():
+    """Against a known threshold: the answer is within the tolerance below it, no rate under half of it is run
+    (a nearly idle deployment costs a step per token), and the ends of the range are answered as such."""
+    import types
+
+    def search(threshold, lo=0.01, hi=1000.0):
+        ran = []
+
+        def run(rate):
+            ran.append(rate)
+            return types.SimpleNamespace(attainment=1.0 if rate <= threshold else 0.5)
+
+        return max_rate(run, lo, hi, attainment=0.9, tolerance=0.02), ran
+
+    best, ran = search(37.0)
+    assert 37.0 / 1.02 <= best <= 37.0 and min(ran) >= 37.0 / 2 and len(ran) < 20
+    assert search(2000.0)[0] == 1000.0 and search(0.001)[0] == 0.0
+    best, ran = search(0.015)
+    assert 0.015 / 1.02 <= best <= 0.015
