@@ -111,7 +111,8 @@ def _simulate_parser(prog: str) -> argparse.ArgumentParser:
                    help="search each deployment's largest rate that meets the SLOs")
     s.add_argument("--search-duration-s", type=float, default=60.0,
                    help="the largest-rate search runs at least this many seconds of arrivals at each rate, so an "
-                        "overloaded deployment's queue has time to show (default: 60)")
+                        "overloaded deployment's queue has time to show (default: 60). The run's time grows with "
+                        "it; a short one (10) is a quick look that rates a deployment higher than a long one")
     s.add_argument("--max-rate", type=float, default=None, help="upper end of the largest-rate search (default: "
                                                                 "from the step model)")
     o = p.add_argument_group("output")
@@ -209,7 +210,7 @@ class _Runs:
     def __init__(self, args, model, engine: EngineShape, kv_bytes_per_token: float, chips: int,
                  progress: "_Progress | None" = None):
         self.args, self.model, self.engine, self.kv_token, self.chips = args, model, engine, kv_bytes_per_token, chips
-        self.progress = progress or _Progress(0, file=None)
+        self.progress = progress or _Progress({"searches": 0})
         self.prompt_len = parse_range(args.prompt_len, "--prompt-len")
         self.output_len = parse_range(args.output_len, "--output-len")
         self.trace = read_trace(args.trace) if args.trace else None
@@ -247,7 +248,7 @@ class _Runs:
 
         r_max = max_rate(at, hi / 1000, hi, args.attainment)
         res = at(r_max) if r_max > 0 else None
-        self.progress.finished(f"{d.name}: largest rate within the SLOs {r_max:.3g} req/s")
+        self.progress.finished("searches", f"{d.name}: largest rate within the SLOs {r_max:.3g} req/s")
         row = {"deployment": d.name, "chips": chips, "max_rate": r_max, "max_rate_per_chip": r_max / chips,
                "throughput_tok_s": res.throughput_tok_s if res else 0.0,
                "ttft_p99_ms": res.ttft_p99_ms if res else None, "tpot_p99_ms": res.tpot_p99_ms if res else None}
@@ -281,13 +282,14 @@ def _simulate(args, p: argparse.ArgumentParser) -> int:
         rates = [float(r) for r in args.rates.split(",") if r]
     except ValueError:
         p.error(f"--rates {args.rates!r} must be comma-separated numbers")
-    progress = _Progress(len(deployments) * (len(rates) + bool(args.search)), file=sys.stderr)
+    progress = _Progress({"runs at --rates": len(deployments) * len(rates),
+                          "searches": len(deployments) * bool(args.search)}, file=sys.stderr)
     runs = _Runs(args, model, engine, kv_token, chips, progress)
     results = []
     for d in deployments:
         for r in rates:
             results.append(runs.run(d, r))
-            progress.finished(f"{d.name} at {r:g} req/s")
+            progress.finished("runs at --rates", f"{d.name} at {r:g} req/s")
     best = []
     for d in deployments if args.search else ():
         row, searched = runs.search(d, n_inst)
@@ -308,20 +310,27 @@ def _simulate(args, p: argparse.ArgumentParser) -> int:
 class _Progress:
     """Progress on stderr (stdout keeps the report, or its JSON): a line per simulated run, and per finished
     task (a deployment at a given rate, or a deployment's search) how many are done and about how long is left,
-    from the mean time of those done so far."""
+    from the mean time of the tasks of that kind done so far."""
 
-    def __init__(self, tasks: int, file=None):
-        self.tasks, self.done, self.file, self.start = tasks, 0, file, time.monotonic()
+    def __init__(self, tasks: dict[str, int], file=None):
+        self.left, self.file = dict(tasks), file
+        self.spent = {kind: [] for kind in tasks}
+        self.start = self.mark = time.monotonic()
 
     def line(self, text: str) -> None:
         if self.file is not None:
             print(f"plan: {text} [{time.monotonic() - self.start:.0f} s]", file=self.file, flush=True)
 
-    def finished(self, text: str) -> None:
-        self.done += 1
-        elapsed = time.monotonic() - self.start
-        left = elapsed / self.done * (self.tasks - self.done)
-        self.line(f"{self.done}/{self.tasks} done ({text}); about {left:.0f} s left")
+    def finished(self, kind: str, text: str) -> None:
+        now = time.monotonic()
+        self.spent[kind].append(now - self.mark)
+        self.mark, self.left[kind] = now, self.left[kind] - 1
+        done = sum(map(len, self.spent.values()))
+        total = done + sum(self.left.values())
+        unknown = [k for k, n in self.left.items() if n and not self.spent[k]]
+        left = sum(n * float(np.mean(self.spent[k])) for k, n in self.left.items() if n and self.spent[k])
+        eta = f"about {left:.0f} s left" + (f" and the {' and '.join(unknown)}" if unknown else "")
+        self.line(f"{done}/{total} done ({text}); {eta}")
 
 
 def _model_config(name: str) -> ModelConfig:
