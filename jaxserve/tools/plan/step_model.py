@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxserve.executor.batch import StepShapes
 from jaxserve.models.config import ModelConfig
-from jaxserve.scheduler.plan import SchedulerOutput
+from jaxserve.scheduler.plan import ReplicatedPlan, SchedulerOutput
 from jaxserve.tools.chips import CHIPS
 
 
@@ -66,7 +66,7 @@ def _kv_tokens_sum(lengths: np.ndarray, groups) -> float:
     return float(sum(f * (lengths.sum() if w is None else np.minimum(lengths, w).sum()) for w, f in groups))
 
 
-def step_features(plan: SchedulerOutput, shapes: StepShapes, page_size: int,
+def step_features(plan: "SchedulerOutput | ReplicatedPlan", shapes: StepShapes, page_size: int,
                   transferred: AbstractSet[int] = frozenset(), window: Windows = None) -> StepFeatures:
     """The features of one planned step. ``transferred``: sequence ids whose prompt KV arrived from elsewhere
     (disaggregation): their first step reads the cache and decodes one token instead of computing the prompt.
@@ -76,12 +76,13 @@ def step_features(plan: SchedulerOutput, shapes: StepShapes, page_size: int,
     decode, new, keys, pairs = True, 0, 0.0, 0.0
     groups = layer_groups(window)
     width = 0
-    run = plan.run
-    if run is not None and len(run):  # plain decodes planned in bulk: read from their arrays, one token each
+    parts = getattr(plan, "plans", (plan,))  # a replicated engine's plan: one per replica
+    for run in (p.run for p in parts if p.run is not None and len(p.run)):
+        # plain decodes planned in bulk: read from their arrays, one token each
         new += len(run)
         keys += _kv_tokens_sum(run.kv_lens, groups)
-        width = int(run.num_pages.max())
-    for e in plan.entries:
+        width = max(width, int(run.num_pages.max()))
+    for e in (e for p in parts for e in p.entries):
         n = e.num_new_tokens
         if e.seq.seq_id in transferred and e.num_computed_before == 0:
             n = 1
