@@ -363,3 +363,15 @@ def test_largest_rate_search_comes_down_from_the_top_and_bisects():
     assert search(2000.0)[0] == 1000.0 and search(0.001)[0] == 0.0
     best, ran = search(0.015)
     assert 0.015 / 1.02 <= best <= 0.015
+
+
+@pytest.mark.quick
+def test_a_run_stops_once_waiting_requests_are_sure_to_miss_the_ttft_slo():
+    """A burst of 100 prompts of 500 tokens on one engine (512-token steps of 0.512 s): after the first step every
+    request has waited past the 0.5 s SLO, so more than 10 misses are certain before 10 late first tokens exist."""
+    reqs = [PlannedRequest(0.0, 500, 4) for _ in range(100)]
+    early = simulate(reqs, Deployment("c", 512), FLAT, ENGINE, slo_ttft_s=0.5, max_ttft_misses=10)
+    assert sum(bool(t.token_times) for t in early) <= 2
+    assert summarize(early, "c", math.inf, 1, 0.5, 0.05).attainment < 0.9
+    full = summarize(simulate(reqs, Deployment("c", 512), FLAT, ENGINE), "c", math.inf, 1, 0.5, 0.05)
+    assert full.attainment < 0.9  # the verdict the early stop gave
