@@ -309,3 +309,69 @@ def test_mixed_window_model_is_planned_per_layer(tmp_path):
     pages = sized.executor.cache_config.num_pages
     assert pages == simulator.pool_pages(budget, per_token, 4, fields) > 24
     assert sum(a.nbytes for a in jax.tree.leaves(sized.executor.runner.kv_cache)) <= budget
+
+
+def _readme_plan_command() -> list[str]:
+    """The README's ``plan simulate`` example, as written there (its arguments after ``simulate``)."""
+    import shlex
+
+    text = (ROOT / "README.md").read_text()
+    start = text.index("python -m jaxserve.plan simulate")
+    lines = []
+    for line in text[start:].splitlines():
+        lines.append(line.split("#")[0].rstrip().removesuffix("\\"))
+        if not line.split("#")[0].rstrip().endswith("\\"):
+            break
+    words = shlex.split(" ".join(lines))
+    return words[words.index("simulate") + 1:]
+
+
+def test_readme_example_runs_shrunk_and_shows_progress_on_stderr(capsys):
+    """The README's example, shrunk by the flags the README names for a quick look: it exits 0, prints one
+    progress line per simulated run and per finished deployment on stderr, and the report (only) on stdout."""
+    argv = _readme_plan_command()
+    assert argv[:2] == ["--model", "llama-3.1-8b"] and "--splits" in argv
+    code = cli.main(["simulate", *argv, "--search-duration-s", "0.5", "--num-requests", "10"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "largest rate meeting the SLOs" in out and "plan:" not in out
+    lines = err.splitlines()
+    assert lines and all(line.startswith("plan: ") for line in lines)
+    finished = [line for line in lines if " done (" in line]
+    assert [line.split(" done")[0] for line in finished] == [f"plan: {i}/4" for i in range(1, 5)]
+    assert all("s left" in line for line in finished)
+    assert sum("within the SLOs, " in line for line in lines) >= 4 * 3  # each search ran at least three rates
+
+
+@pytest.mark.quick
+def test_largest_rate_search_comes_down_from_the_top_and_bisects():
+    """Against a known threshold: the answer is within the tolerance below it, no rate under half of it is run
+    (a nearly idle deployment costs a step per token), and the ends of the range are answered as such."""
+    import types
+
+    def search(threshold, lo=0.01, hi=1000.0):
+        ran = []
+
+        def run(rate):
+            ran.append(rate)
+            return types.SimpleNamespace(attainment=1.0 if rate <= threshold else 0.5)
+
+        return max_rate(run, lo, hi, attainment=0.9, tolerance=0.02), ran
+
+    best, ran = search(37.0)
+    assert 37.0 / 1.02 <= best <= 37.0 and min(ran) >= 37.0 / 2 and len(ran) < 20
+    assert search(2000.0)[0] == 1000.0 and search(0.001)[0] == 0.0
+    best, ran = search(0.015)
+    assert 0.015 / 1.02 <= best <= 0.015
+
+
+@pytest.mark.quick
+def test_a_run_stops_once_waiting_requests_are_sure_to_miss_the_ttft_slo():
+    """A burst of 100 prompts of 500 tokens on one engine (512-token steps of 0.512 s): after the first step every
+    request has waited past the 0.5 s SLO, so more than 10 misses are certain before 10 late first tokens exist."""
+    reqs = [PlannedRequest(0.0, 500, 4) for _ in range(100)]
+    early = simulate(reqs, Deployment("c", 512), FLAT, ENGINE, slo_ttft_s=0.5, max_ttft_misses=10)
+    assert sum(bool(t.token_times) for t in early) <= 2
+    assert summarize(early, "c", math.inf, 1, 0.5, 0.05).attainment < 0.9
+    full = summarize(simulate(reqs, Deployment("c", 512), FLAT, ENGINE), "c", math.inf, 1, 0.5, 0.05)
+    assert full.attainment < 0.9  # the verdict the early stop gave

@@ -24,9 +24,12 @@ from ``jaxserve.executor.batch``), the keys attention reads and the query-key pa
 
 Per deployment and rate it reports TTFT, TPOT and ITL (p50/p99), throughput, goodput (requests per second
 meeting both SLOs), and then the largest rate at which ``--attainment`` of the requests meet both SLOs, per
-chip, with the cost per million output tokens at that rate and ``--chip-hour-usd``. A step-time model is a
-model: ``calibrate`` measures this machine's steps, ``--aot`` and ``--chip`` are roofline predictions, and
-neither knows the server's network or tokenization time.
+chip, with the cost per million output tokens at that rate and ``--chip-hour-usd``. The search starts from a
+rate no deployment sustains, halves it until one meets the SLOs, then bisects to 2%; a run stops as soon as more
+requests than ``--attainment`` allows are sure to miss the TTFT SLO (late first tokens, or still waiting past
+it). Progress goes to stderr: a line per simulated run, and per finished deployment the time left. A step-time
+model is a model: ``calibrate`` measures this machine's steps, ``--aot`` and ``--chip`` are roofline
+predictions, and neither knows the server's network or tokenization time.
 
 Windowed attention is planned per layer: a step's keys read and prompt query-key pairs are averaged over the
 layers (a windowed layer reads at most its window), and so is the KV a disaggregated prompt moves. A model that

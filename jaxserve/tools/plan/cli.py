@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import sys
+import time
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -110,7 +111,8 @@ def _simulate_parser(prog: str) -> argparse.ArgumentParser:
                    help="search each deployment's largest rate that meets the SLOs")
     s.add_argument("--search-duration-s", type=float, default=60.0,
                    help="the largest-rate search runs at least this many seconds of arrivals at each rate, so an "
-                        "overloaded deployment's queue has time to show (default: 60)")
+                        "overloaded deployment's queue has time to show (default: 60). The run's time grows with "
+                        "it; a short one (10) is a quick look that rates a deployment higher than a long one")
     s.add_argument("--max-rate", type=float, default=None, help="upper end of the largest-rate search (default: "
                                                                 "from the step model)")
     o = p.add_argument_group("output")
@@ -205,8 +207,10 @@ class _Runs:
     """The simulations of one ``simulate`` command: its workload at a rate, a deployment's run at a rate, and
     the search for a deployment's largest rate meeting the SLOs."""
 
-    def __init__(self, args, model, engine: EngineShape, kv_bytes_per_token: float, chips: int):
+    def __init__(self, args, model, engine: EngineShape, kv_bytes_per_token: float, chips: int,
+                 progress: "_Progress | None" = None):
         self.args, self.model, self.engine, self.kv_token, self.chips = args, model, engine, kv_bytes_per_token, chips
+        self.progress = progress or _Progress({"searches": 0})
         self.prompt_len = parse_range(args.prompt_len, "--prompt-len")
         self.output_len = parse_range(args.output_len, "--output-len")
         self.trace = read_trace(args.trace) if args.trace else None
@@ -225,7 +229,11 @@ class _Runs:
         tracks = simulate(reqs, dep, self.model, self.engine, kv_bytes_per_token=self.kv_token,
                           transfer_bytes_per_s=self.args.transfer_gb_s * 1e9, slo_ttft_s=self.slo_ttft,
                           max_ttft_misses=misses)
-        return summarize(tracks, dep.name, rate, self.chips, self.slo_ttft, self.slo_tpot)
+        result = summarize(tracks, dep.name, rate, self.chips, self.slo_ttft, self.slo_tpot)
+        verdict = "meets" if result.attainment >= self.args.attainment else "misses"
+        self.progress.line(f"{dep.name} at {rate:.4g} req/s ({len(reqs)} requests): {result.attainment:.0%} "
+                           f"within the SLOs, {verdict}")
+        return result
 
     def search(self, d: Deployment, instances: int) -> tuple[dict, dict[float, Result]]:
         """(the report's row for ``d``'s largest rate meeting the SLOs, every rate the search ran)."""
@@ -240,6 +248,7 @@ class _Runs:
 
         r_max = max_rate(at, hi / 1000, hi, args.attainment)
         res = at(r_max) if r_max > 0 else None
+        self.progress.finished("searches", f"{d.name}: largest rate within the SLOs {r_max:.3g} req/s")
         row = {"deployment": d.name, "chips": chips, "max_rate": r_max, "max_rate_per_chip": r_max / chips,
                "throughput_tok_s": res.throughput_tok_s if res else 0.0,
                "ttft_p99_ms": res.ttft_p99_ms if res else None, "tpot_p99_ms": res.tpot_p99_ms if res else None}
@@ -269,12 +278,18 @@ def _simulate(args, p: argparse.ArgumentParser) -> int:
     if kv_token is None:
         kv_token = calibrated.get("kv_bytes_per_token") or getattr(model, "kv_bytes_per_token", 0.0)
     deployments = _deployments(args, p, n_inst)
-    runs = _Runs(args, model, engine, kv_token, chips)
     try:
         rates = [float(r) for r in args.rates.split(",") if r]
     except ValueError:
         p.error(f"--rates {args.rates!r} must be comma-separated numbers")
-    results = [runs.run(d, r) for d in deployments for r in rates]
+    progress = _Progress({"runs at --rates": len(deployments) * len(rates),
+                          "searches": len(deployments) * bool(args.search)}, file=sys.stderr)
+    runs = _Runs(args, model, engine, kv_token, chips, progress)
+    results = []
+    for d in deployments:
+        for r in rates:
+            results.append(runs.run(d, r))
+            progress.finished("runs at --rates", f"{d.name} at {r:g} req/s")
     best = []
     for d in deployments if args.search else ():
         row, searched = runs.search(d, n_inst)
@@ -290,6 +305,32 @@ def _simulate(args, p: argparse.ArgumentParser) -> int:
         write_report(Path(args.out_dir), report, text)
     print(json.dumps(report, indent=1) if args.json else text)
     return 0
+
+
+class _Progress:
+    """Progress on stderr (stdout keeps the report, or its JSON): a line per simulated run, and per finished
+    task (a deployment at a given rate, or a deployment's search) how many are done and about how long is left,
+    from the mean time of the tasks of that kind done so far."""
+
+    def __init__(self, tasks: dict[str, int], file=None):
+        self.left, self.file = dict(tasks), file
+        self.spent = {kind: [] for kind in tasks}
+        self.start = self.mark = time.monotonic()
+
+    def line(self, text: str) -> None:
+        if self.file is not None:
+            print(f"plan: {text} [{time.monotonic() - self.start:.0f} s]", file=self.file, flush=True)
+
+    def finished(self, kind: str, text: str) -> None:
+        now = time.monotonic()
+        self.spent[kind].append(now - self.mark)
+        self.mark, self.left[kind] = now, self.left[kind] - 1
+        done = sum(map(len, self.spent.values()))
+        total = done + sum(self.left.values())
+        unknown = [k for k, n in self.left.items() if n and not self.spent[k]]
+        left = sum(n * float(np.mean(self.spent[k])) for k, n in self.left.items() if n and self.spent[k])
+        eta = f"about {left:.0f} s left" + (f" and the {' and '.join(unknown)}" if unknown else "")
+        self.line(f"{done}/{total} done ({text}); {eta}")
 
 
 def _model_config(name: str) -> ModelConfig:

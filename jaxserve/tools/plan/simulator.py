@@ -142,6 +142,9 @@ class _Simulation:
             heapq.heappush(self.events, (r.arrival_s, next(self.order), "arrive", i))
         self.idle = set(range(len(self.engines)))
         self.misses = 0  # first tokens later than slo_ttft_s
+        self.on_time = 0  # first tokens within slo_ttft_s
+        self.arrivals = np.array([r.arrival_s for r in requests])
+        self.sorted_arrivals = bool(np.all(np.diff(self.arrivals) >= 0))
 
     def _make(self, n: int, max_num_batched_tokens: int) -> list[_Instance]:
         engine = self.engine
@@ -165,7 +168,7 @@ class _Simulation:
         if plan.is_empty:
             self.idle.add(k)
             return
-        seconds = inst.model.seconds(step_features(plan, inst.shapes, inst.page_size, frozenset(inst.transferred),
+        seconds = inst.model.seconds(step_features(plan, inst.shapes, inst.page_size, inst.transferred,
                                                    inst.window))
         self.idle.discard(k)
         heapq.heappush(self.events, (now + seconds, next(self.order), "done", (k, plan)))
@@ -183,11 +186,14 @@ class _Simulation:
         """Engine ``k``'s step finished: its tokens are recorded; a prefill engine's finished prompts send their
         KV to the decode side."""
         inst = self.engines[k]
-        update = inst.scheduler.update(plan, [0] * len(plan.scheduled))
+        update = inst.scheduler.update(plan, [0] * plan.num_entries)
         for seq in update.updated:
             track = self.tracks[seq.request_id]
-            if not track.token_times and now - track.request.arrival_s > self.slo_ttft_s:
-                self.misses += 1
+            if not track.token_times:
+                if now - track.request.arrival_s > self.slo_ttft_s:
+                    self.misses += 1
+                else:
+                    self.on_time += 1
             track.token_times.append(now)
             inst.transferred.discard(seq.seq_id)
         if self.decoders and inst in self.entry:
@@ -208,6 +214,15 @@ class _Simulation:
         decoders[j].transferred.add(seq.seq_id)
         return self.engines.index(decoders[j])
 
+    def certain_misses(self, now: float) -> int:
+        """A lower bound on the requests that miss the TTFT SLO, known at ``now``: the late first tokens, or, of
+        the requests that arrived more than ``slo_ttft_s`` ago, those without a first token in time (at least
+        their number less every on-time first token so far)."""
+        if not self.sorted_arrivals:
+            return self.misses
+        overdue = int(np.searchsorted(self.arrivals, now - self.slo_ttft_s, side="left"))
+        return max(self.misses, overdue - self.on_time)
+
     def run(self, max_ttft_misses: int | None, max_steps: int) -> list[_Track]:
         steps = 0
         while self.events:
@@ -216,7 +231,7 @@ class _Simulation:
                 touched = {self.arrive(now, payload)}
             elif kind == "done":
                 self.done(now, *payload)
-                if max_ttft_misses is not None and self.misses > max_ttft_misses:
+                if max_ttft_misses is not None and self.certain_misses(now) > max_ttft_misses:
                     break
                 touched = {payload[0]}
             else:  # a prompt's KV landed on the decode side
@@ -236,8 +251,9 @@ def simulate(requests: Seq[PlannedRequest], deployment: Deployment, model, engin
              max_steps: int = 50_000_000) -> list[_Track]:
     """Run ``requests`` through ``deployment`` on a simulated clock; returns each request's token times.
 
-    With ``max_ttft_misses``, the run stops early once more first tokens than that came later than
-    ``slo_ttft_s`` (an overloaded deployment's queue only grows): the requests left have no tokens.
+    With ``max_ttft_misses``, the run stops early once more requests than that are sure to miss
+    ``slo_ttft_s``: their first tokens came late, or they arrived longer ago than that and are still waiting (an
+    overloaded deployment's queue only grows). The requests left have no tokens.
     """
     sim = _Simulation(requests, deployment, model, engine, kv_bytes_per_token=kv_bytes_per_token,
                       transfer_bytes_per_s=transfer_bytes_per_s, slo_ttft_s=slo_ttft_s)
@@ -291,11 +307,20 @@ def summarize(tracks: Seq[_Track], deployment: str, rate: float, chips: int, slo
 
 def max_rate(run, lo: float, hi: float, attainment: float, tolerance: float = 0.02) -> float:
     """The largest rate in [lo, hi] whose attainment is at least ``attainment``, to ``tolerance`` relative
-    (geometric bisection; 0 if even ``lo`` misses). ``run(rate)`` returns a Result."""
-    if run(lo).attainment < attainment:
-        return 0.0
+    (0 if even ``lo`` misses). ``run(rate)`` returns a Result. From ``hi`` down, halving, to the first rate that
+    meets it (an overloaded run stops early, and a nearly idle one costs a step per token), then geometric
+    bisection between it and the rate above."""
     if run(hi).attainment >= attainment:
         return hi
+    top = hi
+    while True:
+        rate = max(top / 2, lo)
+        if run(rate).attainment >= attainment:
+            lo, hi = rate, top
+            break
+        if rate <= lo:
+            return 0.0
+        top = rate
     while hi / lo > 1 + tolerance:
         mid = math.sqrt(lo * hi)
         if run(mid).attainment >= attainment:

@@ -12,13 +12,14 @@ import dataclasses
 import json
 import math
 from collections.abc import Sequence as Seq
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 import numpy as np
 
 from jaxserve.executor.batch import StepShapes
 from jaxserve.models.config import ModelConfig
-from jaxserve.scheduler.plan import SchedulerOutput
+from jaxserve.scheduler.plan import ReplicatedPlan, SchedulerOutput
 from jaxserve.tools.chips import CHIPS
 
 
@@ -60,8 +61,13 @@ def kv_tokens(length: int, window: Windows = None) -> float:
     return sum(f * (length if w is None else min(length, w)) for w, f in layer_groups(window))
 
 
-def step_features(plan: SchedulerOutput, shapes: StepShapes, page_size: int,
-                  transferred: frozenset[int] = frozenset(), window: Windows = None) -> StepFeatures:
+def _kv_tokens_sum(lengths: np.ndarray, groups) -> float:
+    """``kv_tokens`` summed over sequences of these KV ``lengths`` (i64[n]), for the layers' ``groups``."""
+    return float(sum(f * (lengths.sum() if w is None else np.minimum(lengths, w).sum()) for w, f in groups))
+
+
+def step_features(plan: "SchedulerOutput | ReplicatedPlan", shapes: StepShapes, page_size: int,
+                  transferred: AbstractSet[int] = frozenset(), window: Windows = None) -> StepFeatures:
     """The features of one planned step. ``transferred``: sequence ids whose prompt KV arrived from elsewhere
     (disaggregation): their first step reads the cache and decodes one token instead of computing the prompt.
     ``window``: the attention window of every layer, or the per-layer windows; keys read and query-key pairs
@@ -69,7 +75,14 @@ def step_features(plan: SchedulerOutput, shapes: StepShapes, page_size: int,
     KV bytes per token they give the bytes read."""
     decode, new, keys, pairs = True, 0, 0.0, 0.0
     groups = layer_groups(window)
-    for e in plan.scheduled:
+    width = 0
+    parts = getattr(plan, "plans", (plan,))  # a replicated engine's plan: one per replica
+    for run in (p.run for p in parts if p.run is not None and len(p.run)):
+        # plain decodes planned in bulk: read from their arrays, one token each
+        new += len(run)
+        keys += _kv_tokens_sum(run.kv_lens, groups)
+        width = max(width, int(run.num_pages.max()))
+    for e in (e for p in parts for e in p.entries):
         n = e.num_new_tokens
         if e.seq.seq_id in transferred and e.num_computed_before == 0:
             n = 1
@@ -78,9 +91,10 @@ def step_features(plan: SchedulerOutput, shapes: StepShapes, page_size: int,
         if n > 1:
             decode = False
             pairs += sum(f * _causal_pairs(e.kv_len - n, e.kv_len, w) for w, f in groups)
-    padded = shapes.seq_bucket(len(plan.scheduled)) if decode else shapes.token_bucket(new)
+        width = max(width, len(e.page_table))
+    padded = shapes.seq_bucket(plan.num_entries) if decode else shapes.token_bucket(new)
     slots = padded if decode else shapes.prefill_seqs(padded)
-    width = shapes.step_pages(decode, max((len(e.page_table) for e in plan.scheduled), default=1))
+    width = shapes.step_pages(decode, width if plan.num_entries else 1)
     return StepFeatures(decode, padded, new, keys, pairs, slots * width * page_size)
 
 
