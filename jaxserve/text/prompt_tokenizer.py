@@ -214,4 +214,5 @@ class PromptTokenizer:
         return ids, [tok.decode([t]) for t in ids]
 
     def _decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self._own().decode(ids, skip_special_tokens=skip_special_tokens)
+        tok = self._own()
+        return tok.decode(ids, skip_special_tokens=True) if skip_special_tokens else tok.decode(ids)

@@ -32,7 +32,10 @@ def test_every_scheduler_option_is_a_flag_and_reaches_the_scheduler():
 
 def test_llm_takes_the_engine_options_without_repeating_their_defaults():
     params = inspect.signature(LLM.__init__).parameters
-    assert list(params) == ["self", "model", "engine_options"]
+    # reasoning_parser is the offline API's own (how chat splits its answer), not an engine option
+    assert list(params) == ["self", "model", "reasoning_parser", "engine_options"]
+    assert params["reasoning_parser"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert "reasoning_parser" not in {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 def test_bad_options_name_themselves():
