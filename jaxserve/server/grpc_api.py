@@ -31,7 +31,6 @@ from grpc_reflection.v1alpha import reflection
 from jaxserve.config.network import SECRET_HEADER, ClusterSecurity, ServerTLS
 from jaxserve.engine.request_stream import EngineNotReady
 from jaxserve.outputs import TokenRecord
-from jaxserve.text.reasoning import make_reasoning_parser, reasoning_first
 from jaxserve.server.access import api_keys, matching_key, tenant_salt
 from jaxserve.server.async_engine import AsyncEngine
 from jaxserve.server.connections import ConnectionLimits
@@ -52,6 +51,7 @@ from jaxserve.server.openai.tool_calls import ToolCallStream, check_tools
 from jaxserve.server.openai.tool_parsers import make_parser
 from jaxserve.server.protos import jaxserve_pb2 as pb
 from jaxserve.server.protos import jaxserve_pb2_grpc as pb_grpc
+from jaxserve.text.reasoning import make_reasoning_parser, reasoning_first
 
 logger = logging.getLogger(__name__)
 

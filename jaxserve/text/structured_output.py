@@ -157,8 +157,9 @@ class StructuredOutputs:
         self.compiler = compiler
         self._matchers: dict[int, object] = {}
         # seq_id -> (end-of-reasoning marker, tokens to decode when looking for it): constrained sequences still
-        # in their reasoning (``SamplingParams.reasoning_end``); their rows stay unmasked, their matchers still
+        # in their reasoning (``SamplingParams.reasoning_end``); their rows stay unmasked, their matchers unadvanced
         self._reasoning: dict[int, tuple[str, int]] = {}
+        self._windows: dict[str, int] = {}  # marker -> its window (the marker tokenized once per engine)
         self._executor = None
 
     def __len__(self) -> int:
@@ -176,18 +177,15 @@ class StructuredOutputs:
 
     def _window(self, marker: str) -> int:
         """How many of the last tokens to decode to see ``marker`` whole, however the output split it."""
-        ids = self.compiler.hf_tokenizer.encode(marker, add_special_tokens=False)
-        return 2 * len(ids) + 4
+        if marker not in self._windows:
+            self._windows[marker] = 2 * len(self.compiler.hf_tokenizer.encode(marker, add_special_tokens=False)) + 4
+        return self._windows[marker]
 
     def _has_marker(self, token_ids: Sequence[int], marker: str, window: int | None) -> bool:
         if not token_ids:
             return False
         tail = token_ids if window is None else token_ids[-window:]
         return marker in self.compiler.hf_tokenizer.decode(list(tail), skip_special_tokens=False)
-
-    def in_reasoning(self, seq_id: int) -> bool:
-        """Whether the sequence's constraint still waits for the end of its reasoning."""
-        return seq_id in self._reasoning
 
     def fill_bitmask(self, entries: Sequence, bitmask: np.ndarray) -> bool:
         """Write the allowed-token bits of each constrained entry that samples this step into its row of
@@ -223,8 +221,8 @@ class StructuredOutputs:
         """Advance each constrained sequence's matcher by the token it just got."""
         for seq in seqs:
             m = self._matchers.get(seq.seq_id)
-            waiting = self._reasoning.get(seq.seq_id)
-            if m is not None and waiting is not None:
+            waiting = self._reasoning.get(seq.seq_id)  # only constrained sequences wait
+            if waiting is not None:
                 # still reasoning: the matcher starts with the token after the one that completes the marker
                 if self._has_marker(seq.output_token_ids, *waiting):
                     del self._reasoning[seq.seq_id]
